@@ -1,0 +1,216 @@
+"""The OP-DAG: a model's operators with forward FLOPs, parameter bytes and
+activation bytes, measured by running the traced graph once on example inputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from protocol.graph import (
+    OP_KINDS,
+    Cut,
+    CutError,
+    Partition,
+    forbidden_boundaries,
+    operators,
+    partition,
+    trace,
+)
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    """One operator of the OP-DAG."""
+
+    index: int
+    name: str
+    kind: str  # call_module / call_function / call_method
+    target: str
+    flops: int  # forward FLOPs on the example micro-batch
+    param_bytes: int
+    out_bytes: int
+    out_shape: str
+
+
+@dataclass(frozen=True)
+class ValueMeta:
+    """What a value in the graph looked like on the example inputs."""
+
+    is_tensor: bool
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def _describe(value: Any) -> ValueMeta:
+    if isinstance(value, torch.Tensor):
+        return ValueMeta(True, str(value.dtype).removeprefix("torch."), tuple(value.shape), value.nbytes)
+    if isinstance(value, (tuple, list)):
+        total = sum(_describe(v).nbytes for v in value)
+        return ValueMeta(False, type(value).__name__, (len(value),), total)
+    return ValueMeta(False, type(value).__name__, (), 0)
+
+
+def _target_name(node: fx.Node) -> str:
+    t = node.target
+    return t if isinstance(t, str) else getattr(t, "__name__", repr(t))
+
+
+#: operators that only reshape, view or index: no arithmetic
+_FREE_OPS = frozenset(
+    "view reshape transpose permute contiguous split chunk getitem getattr size expand "
+    "unsqueeze squeeze flatten unflatten narrow select arange to type float long".split()
+)
+
+
+def _is_float(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
+
+
+class _Meter(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, counter: FlopCounterMode) -> None:
+        super().__init__(gm)
+        self.counter = counter
+        self.flops: dict[fx.Node, int] = {}
+        self.meta: dict[fx.Node, ValueMeta] = {}
+
+    def _inputs(self, n: fx.Node) -> list[Any]:
+        return [self.env[a] for a in n.all_input_nodes if a in self.env]
+
+    def run_node(self, n: fx.Node) -> Any:
+        before = self.counter.get_total_flops()
+        out = super().run_node(n)
+        counted = self.counter.get_total_flops() - before
+        if counted == 0 and n.op in OP_KINDS and _target_name(n) not in _FREE_OPS:
+            # elementwise and reduction ops: about one FLOP per element read or written
+            sizes = [a.numel() for a in (*self._inputs(n), out) if _is_float(a)]
+            counted = max(sizes, default=0)
+        self.flops[n] = counted
+        self.meta[n] = _describe(out)
+        return out
+
+
+@dataclass
+class OpDag:
+    """A traced model with per-operator costs."""
+
+    gm: fx.GraphModule
+    ops: list[OpInfo]
+    meta: dict[str, ValueMeta]  # node name -> value description
+    forbidden: dict[int, str]  # boundary position -> why it would split tied weights
+
+    @property
+    def num_ops(self) -> int:
+        return len(self.ops)
+
+    @property
+    def total_flops(self) -> int:
+        return sum(o.flops for o in self.ops)
+
+    @property
+    def total_param_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.gm.parameters())
+
+    def partition(self, cut: Cut) -> Partition:
+        return partition(self.gm, cut)
+
+    def boundary_bytes(self, cut: Cut) -> list[int]:
+        """Bytes crossing each boundary of ``cut`` per example micro-batch (forward)."""
+        part = self.partition(cut)
+        return [sum(self.meta[v.name].nbytes for v in part.outputs[s]) for s in range(cut.num_stages - 1)]
+
+    def stage_costs(self, cut: Cut) -> list[dict[str, int]]:
+        out = []
+        for lo, hi in cut.ranges(self.num_ops):
+            ops = self.ops[lo:hi]
+            out.append(
+                {
+                    "first_op": lo,
+                    "last_op": hi - 1,
+                    "flops": sum(o.flops for o in ops),
+                    "param_bytes": sum(o.param_bytes for o in ops),
+                }
+            )
+        return out
+
+
+def build_opdag(model: nn.Module, example: tuple[torch.Tensor, ...]) -> OpDag:
+    """Trace ``model`` and measure every operator on the ``example`` micro-batch."""
+    gm = trace(model)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        meter = _Meter(gm, counter)
+        meter.run(*example)
+    ops = []
+    seen_params: set[int] = set()
+    for i, n in enumerate(operators(gm)):
+        pbytes = 0
+        params: list[nn.Parameter] = []
+        if n.op == "call_module":
+            params = list(gm.get_submodule(str(n.target)).parameters())
+        for a in n.all_input_nodes:
+            if a.op == "get_attr":
+                obj = gm
+                for part in str(a.target).split("."):
+                    obj = getattr(obj, part)
+                if isinstance(obj, nn.Parameter):
+                    params.append(obj)
+        for p in params:
+            if id(p) not in seen_params:
+                seen_params.add(id(p))
+                pbytes += p.numel() * p.element_size()
+        m = meter.meta[n]
+        ops.append(
+            OpInfo(
+                index=i,
+                name=n.name,
+                kind=n.op,
+                target=_target_name(n),
+                flops=int(meter.flops[n]),
+                param_bytes=pbytes,
+                out_bytes=m.nbytes,
+                out_shape="x".join(map(str, m.shape)) if m.is_tensor else m.dtype,
+            )
+        )
+    meta = {n.name: m for n, m in meter.meta.items()}
+    return OpDag(gm=gm, ops=ops, meta=meta, forbidden=forbidden_boundaries(gm))
+
+
+def balanced_cut(dag: OpDag, num_stages: int, weights: list[float] | None = None) -> Cut:
+    """Cut ``dag`` into ``num_stages`` stages whose FLOPs follow ``weights`` (equal by
+    default), never splitting tied parameters. Raises :class:`CutError` if impossible."""
+    n = dag.num_ops
+    if num_stages < 1:
+        raise CutError("the number of stages must be at least 1")
+    if num_stages > n:
+        raise CutError(f"cannot cut {n} ops into {num_stages} stages (at most {n})")
+    allowed = [b for b in range(1, n) if b not in dag.forbidden]
+    if len(allowed) < num_stages - 1:
+        reason = next(iter(dag.forbidden.values()), "")
+        raise CutError(
+            f"only {len(allowed)} cut positions keep tied weights together; "
+            f"{num_stages} stages need {num_stages - 1} ({reason})"
+        )
+    w = weights or [1.0] * num_stages
+    # Every op costs at least one unit so that cheap ops still spread out.
+    cost = [max(o.flops, 1) for o in dag.ops]
+    prefix = [0]
+    for c in cost:
+        prefix.append(prefix[-1] + c)
+    total = prefix[-1]
+    bounds: list[int] = []
+    share = 0.0
+    for s in range(num_stages - 1):
+        share += w[s] / sum(w)
+        goal = share * total
+        lo = bounds[-1] + 1 if bounds else 1
+        remaining = num_stages - 2 - s  # boundaries still to place after this one
+        cands = [b for b in allowed if b >= lo]
+        cands = cands[: len(cands) - remaining] if remaining else cands
+        if not cands:
+            raise CutError(f"no room for {num_stages} stages between tied weights")
+        bounds.append(min(cands, key=lambda b: abs(prefix[b] - goal)))
+    return Cut(tuple(bounds))

@@ -1,0 +1,3 @@
+from fusionllm.cli import run
+
+run()

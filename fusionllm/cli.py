@@ -1,0 +1,127 @@
+"""The ``fusionllm`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """A problem with what the user asked for; printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        print(f"fusionllm: error: {message} (see fusionllm {self.prog.split()[-1]} --help)", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _add_job_flags(p: argparse.ArgumentParser, steps: int) -> None:
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", default="gpt", help="built-in name (gpt, gpt2, branchy) or MODULE:FUNC / file.py:FUNC")
+    g.add_argument("--model-args", default="", help="keyword arguments for the model factory, k=v,k=v")
+    g.add_argument("--data", default=None, help="built-in name (stdlib, branchy) or MODULE:FUNC called with the seed")
+    g.add_argument("--data-args", default="", help="keyword arguments for the data factory, k=v,k=v")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--steps", type=_positive, default=steps)
+    g.add_argument("--micro-batches", type=_positive, default=4)
+    g.add_argument("--lr", type=float, default=3e-3)
+    g.add_argument("--save", default=None, metavar="PATH.safetensors", help="write the trained model here")
+
+
+def job_from_args(args: argparse.Namespace) -> Any:
+    from protocol.job import JobSpec
+
+    data = args.data
+    if data is None:
+        data = "branchy" if args.model == "branchy" else "stdlib"
+    if args.save is not None and not args.save.endswith(".safetensors"):
+        raise UsageError(f"--save {args.save}: the checkpoint file must end in .safetensors")
+    return JobSpec(
+        model=args.model,
+        model_args=args.model_args,
+        data=data,
+        data_args=args.data_args,
+        seed=args.seed,
+        steps=args.steps,
+        micro_batches=args.micro_batches,
+        lr=args.lr,
+    )
+
+
+def parse_cut(text: str) -> Any:
+    from protocol.graph import Cut
+
+    try:
+        return Cut(tuple(int(x) for x in text.split(",") if x.strip()))
+    except ValueError:
+        raise UsageError(f"--cut '{text}' is not a comma-separated list of op indices") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="fusionllm", description="Decentralized training of LLMs on volunteers' GPUs.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser, required=True)
+
+    p = sub.add_parser("demo", help="train the built-in GPT on built-in data, locally")
+    _add_job_flags(p, steps=300)
+    p.add_argument("--peers", type=_positive, default=4, help="number of stages")
+
+    p = sub.add_parser("train", help="train in one process: the whole model or its stages")
+    _add_job_flags(p, steps=10)
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--reference", action="store_true", help="train the whole model")
+    mode.add_argument("--stages", type=_positive, help="train through K rebuilt stages")
+    p.add_argument("--cut", default=None, help="explicit stage boundaries (op indices), e.g. 10,40")
+
+    p = sub.add_parser("inspect", help="print the OP-DAG and a K-stage cut, and check it")
+    _add_job_flags(p, steps=1)
+    p.add_argument("--stages", type=_positive, default=2)
+    p.add_argument("--cut", default=None, help="explicit stage boundaries (op indices), e.g. 10,40")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = sub.add_parser("compare", help="largest relative difference between two checkpoints")
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument("--tol", type=float, default=1e-5)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from fusionllm import commands
+    from protocol.graph import CutError, TraceFailure
+    from protocol.job import SpecError
+
+    try:
+        return int(getattr(commands, f"cmd_{args.command}")(args) or 0)
+    except (UsageError, SpecError, CutError, TraceFailure) as exc:
+        print(f"fusionllm: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("fusionllm: interrupted", file=sys.stderr)
+        return 130
+
+
+def run() -> NoReturn:
+    sys.exit(main())

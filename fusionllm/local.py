@@ -1,0 +1,150 @@
+"""Training in one process: the whole model (the reference) or its stages one
+after another. Both see the same initial weights, batches and micro-batches."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from coordinator.opdag import balanced_cut, build_opdag
+from peer.executor import StageExecutor, make_optimizer
+from protocol.graph import Cut, build_stage, partition, trace
+from protocol.job import JobSpec, split_batch
+
+Progress = Callable[[int, float], None]
+
+
+@dataclass
+class TrainResult:
+    model: nn.Module
+    losses: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    tokens: int = 0
+    cut: Cut | None = None
+
+
+def _batch_items(batch: tuple[torch.Tensor, ...]) -> int:
+    return batch[0].numel()
+
+
+def train_reference(job: JobSpec, progress: Progress | None = None) -> TrainResult:
+    """Train the whole model, accumulating gradients over the micro-batches."""
+    model = job.build_model()
+    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], job.lr)
+    result = TrainResult(model)
+    start = time.perf_counter()
+    for step, batch in enumerate(itertools.islice(job.batches(), job.steps)):
+        total = 0.0
+        for mb in split_batch(batch, job.micro_batches):
+            loss = model(*mb)
+            (loss / job.micro_batches).backward()
+            total += float(loss.detach())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        result.losses.append(total / job.micro_batches)
+        result.tokens += _batch_items(batch)
+        if progress:
+            progress(step, result.losses[-1])
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def pick_cut(job: JobSpec, model: nn.Module, stages: int) -> Cut:
+    dag = build_opdag(model, job.first_micro_batch())
+    return balanced_cut(dag, stages)
+
+
+def train_staged(job: JobSpec, stages: int | Cut, progress: Progress | None = None) -> TrainResult:
+    """Train through the rebuilt stages of a cut, run one after another (GPipe order)."""
+    model = job.build_model()
+    cut = stages if isinstance(stages, Cut) else pick_cut(job, model, stages)
+    part = partition(trace(model), cut)
+    k = cut.num_stages
+    execs = [StageExecutor(build_stage(part, s), job.lr, s == k - 1) for s in range(k)]
+    result = TrainResult(model, cut=cut)
+    start = time.perf_counter()
+    for step, batch in enumerate(itertools.islice(job.batches(), job.steps)):
+        mbs = split_batch(batch, job.micro_batches)
+        total = 0.0
+        for i, mb in enumerate(mbs):
+            values = mb
+            for ex in execs:
+                values = ex.forward(i, values)
+            total += float(values)
+        for i in range(len(mbs)):
+            grads = execs[-1].backward(i, None, job.micro_batches)
+            for ex in reversed(execs[:-1]):
+                grads = ex.backward(i, grads)
+        for ex in execs:
+            ex.step()
+        result.losses.append(total / len(mbs))
+        result.tokens += _batch_items(batch)
+        if progress:
+            progress(step, result.losses[-1])
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``|a - b| / max(|a|, |b|)`` in the 2-norm (0 when both are zero)."""
+    a, b = a.double(), b.double()
+    scale = max(float(a.norm()), float(b.norm()))
+    return 0.0 if scale == 0.0 else float((a - b).norm()) / scale
+
+
+def check_stages(job: JobSpec, cut: Cut) -> dict[str, float]:
+    """Loss and parameter gradients of one batch: whole model vs the stages of ``cut``."""
+    batch = next(iter(job.batches()))
+    mbs = split_batch(batch, job.micro_batches)
+    ref = job.build_model()
+    ref_loss = 0.0
+    for mb in mbs:
+        loss = ref(*mb)
+        (loss / len(mbs)).backward()
+        ref_loss += float(loss.detach()) / len(mbs)
+    staged = job.build_model()
+    part = partition(trace(staged), cut)
+    k = cut.num_stages
+    execs = [StageExecutor(build_stage(part, s), job.lr, s == k - 1) for s in range(k)]
+    st_loss = 0.0
+    for i, mb in enumerate(mbs):
+        values = mb
+        for ex in execs:
+            values = ex.forward(i, values)
+        st_loss += float(values) / len(mbs)
+        grads = execs[-1].backward(i, None, len(mbs))
+        for ex in reversed(execs[:-1]):
+            grads = ex.backward(i, grads)
+    ref_params = dict(ref.named_parameters())
+    grad_err = 0.0
+    for name, p in staged.named_parameters():
+        g_ref, g = ref_params[name].grad, p.grad
+        if g_ref is None and g is None:
+            continue
+        if g_ref is None or g is None:
+            return {"loss": math.inf, "grad": math.inf, "max": math.inf}
+        grad_err = max(grad_err, relative_error(g, g_ref))
+    loss_err = relative_error(torch.tensor(st_loss), torch.tensor(ref_loss))
+    return {"loss": loss_err, "grad": grad_err, "max": max(loss_err, grad_err)}
+
+
+def save_state(model: nn.Module, path: str | Path) -> None:
+    """Write the model's state_dict (original names) as safetensors."""
+    state = {k: v.detach().cpu().clone().contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(path))
+
+
+def compare_checkpoints(a: str | Path, b: str | Path) -> float:
+    """Largest relative error between two checkpoints' tensors (inf if keys differ)."""
+    sa, sb = load_file(str(a)), load_file(str(b))
+    if sa.keys() != sb.keys():
+        return math.inf
+    return max((relative_error(sa[k].float(), sb[k].float()) for k in sa), default=0.0)

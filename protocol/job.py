@@ -1,0 +1,136 @@
+"""The job spec every process of a run shares, and resolving its ``MODULE:FUNC``
+model and data specs, with one-line errors."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+BUILTIN_MODELS = {"gpt": "fusionllm.zoo:gpt", "gpt2": "fusionllm.zoo:gpt2", "branchy": "fusionllm.zoo:branchy"}
+BUILTIN_DATA = {"stdlib": "fusionllm.zoo:stdlib_text", "branchy": "fusionllm.zoo:branchy_data"}
+
+
+class SpecError(ValueError):
+    """A ``MODULE:FUNC`` spec that cannot be resolved; ``str()`` is one line."""
+
+
+def resolve(spec: str, builtins: dict[str, str]) -> Callable[..., Any]:
+    """Return the callable named by ``spec`` (a built-in name, ``pkg.mod:func`` or
+    ``path/to/file.py:func``)."""
+    spec = builtins.get(spec, spec)
+    module_part, sep, func_name = spec.rpartition(":")
+    if not sep or not module_part or not func_name:
+        raise SpecError(f"'{spec}' is not MODULE:FUNC (e.g. mypkg.models:build or models.py:build)")
+    if module_part.endswith(".py") or "/" in module_part:
+        path = Path(module_part)
+        if not path.is_file():
+            raise SpecError(f"cannot load '{spec}': no file {path}")
+        name = f"_fusionllm_user_{abs(hash(str(path.resolve())))}"
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        if module_spec is None or module_spec.loader is None:
+            raise SpecError(f"cannot load '{spec}': {path} is not a Python file")
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as exc:
+            raise SpecError(f"cannot load '{spec}': {type(exc).__name__}: {exc}") from None
+    else:
+        try:
+            module = importlib.import_module(module_part)
+        except Exception as exc:
+            raise SpecError(f"cannot import '{module_part}' for '{spec}': {type(exc).__name__}: {exc}") from None
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        raise SpecError(f"'{module_part}' has no callable '{func_name}'")
+    return func
+
+
+def parse_kwargs(text: str | None) -> dict[str, Any]:
+    """``"a=1,b=x,c=true"`` -> ``{"a": 1, "b": "x", "c": True}``."""
+    out: dict[str, Any] = {}
+    if not text:
+        return out
+    for item in text.split(","):
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise SpecError(f"'{item}' is not KEY=VALUE")
+        value: Any = raw.strip()
+        if value.lower() in ("true", "false"):
+            value = value.lower() == "true"
+        else:
+            for conv in (int, float):
+                try:
+                    value = conv(value)
+                    break
+                except ValueError:
+                    pass
+        out[key.strip()] = value
+    return out
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What every process of a run needs to rebuild the same model and data."""
+
+    model: str = "gpt"
+    model_args: str = ""
+    data: str = "stdlib"
+    data_args: str = ""
+    seed: int = 0
+    steps: int = 10
+    micro_batches: int = 4
+    lr: float = 3e-3
+
+    def model_factory(self) -> Callable[..., Any]:
+        return resolve(self.model, BUILTIN_MODELS)
+
+    def build_model(self) -> nn.Module:
+        """The model with its initial weights: the same for every process with this spec."""
+        factory = self.model_factory()
+        kwargs = parse_kwargs(self.model_args)
+        torch.manual_seed(self.seed)
+        try:
+            model = factory(**kwargs)
+        except Exception as exc:
+            raise SpecError(f"model '{self.model}' failed to build: {type(exc).__name__}: {exc}") from None
+        if not isinstance(model, nn.Module):
+            raise SpecError(f"model '{self.model}' returned {type(model).__name__}, not a torch.nn.Module")
+        return model
+
+    def batches(self, split: str | None = None) -> Iterator[tuple[torch.Tensor, ...]]:
+        """The run's batches in order (each a tuple of tensors)."""
+        factory = resolve(self.data, BUILTIN_DATA)
+        kwargs = parse_kwargs(self.data_args)
+        if split is not None:
+            kwargs["split"] = split
+        try:
+            it = iter(factory(self.seed, **kwargs))
+        except Exception as exc:
+            raise SpecError(f"data '{self.data}' failed: {type(exc).__name__}: {exc}") from None
+        for batch in it:
+            if isinstance(batch, torch.Tensor):
+                batch = (batch,)
+            if not isinstance(batch, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in batch):
+                raise SpecError(f"data '{self.data}' must yield tuples of tensors, got {type(batch).__name__}")
+            yield tuple(batch)
+
+    def first_micro_batch(self) -> tuple[torch.Tensor, ...]:
+        return split_batch(next(iter(self.batches())), self.micro_batches)[0]
+
+
+def split_batch(batch: tuple[torch.Tensor, ...], micro_batches: int) -> list[tuple[torch.Tensor, ...]]:
+    """Split a batch along dim 0 into ``micro_batches`` parts (sizes differ by at most one)."""
+    size = batch[0].shape[0]
+    if micro_batches < 1 or micro_batches > size:
+        raise SpecError(f"cannot split a batch of {size} into {micro_batches} micro-batches")
+    parts = [t.tensor_split(micro_batches, dim=0) for t in batch]
+    return [tuple(p[i] for p in parts) for i in range(micro_batches)]

@@ -1,0 +1,1 @@
+"""The swarm simulator (issue 5): not built yet."""

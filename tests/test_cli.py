@@ -1,0 +1,83 @@
+"""The command line: training equivalence through files, inspect, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fusionllm.local import compare_checkpoints
+
+
+@pytest.mark.parametrize(
+    "model_flags",
+    [
+        ["--model", "gpt", "--model-args", "n_layer=2,n_embd=64,n_head=4"],
+        ["--model", "fusionllm.zoo:branchy", "--data", "fusionllm.zoo:branchy_data"],
+    ],
+    ids=["gpt", "branchy"],
+)
+def test_train_three_stages_equals_reference(cli, tmp_path: Path, model_flags: list[str]) -> None:
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    common = ["--steps", "10", "--seed", "0", *model_flags]
+    r1 = cli("train", "--stages", "3", *common, "--save", str(a))
+    assert r1.returncode == 0, r1.stderr
+    r2 = cli("train", "--reference", *common, "--save", str(b))
+    assert r2.returncode == 0, r2.stderr
+    assert compare_checkpoints(a, b) <= 1e-5
+    r3 = cli("compare", str(a), str(b))
+    assert r3.returncode == 0 and "equal within" in r3.stdout
+    # a different seed gives different weights: the comparison can fail
+    c = tmp_path / "c.safetensors"
+    assert cli("train", "--reference", *common[:2], "--seed", "1", *model_flags, "--save", str(c)).returncode == 0
+    assert compare_checkpoints(a, c) > 1e-3
+    assert cli("compare", str(a), str(c)).returncode == 1
+
+
+def test_inspect_json_and_text(cli) -> None:
+    r = cli("inspect", "--model", "branchy", "--stages", "3", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["ok"] and out["max_relative_error"] <= 1e-5
+    assert len(out["cut"]) == 2 and len(out["boundary_bytes"]) == 2 and all(b > 0 for b in out["boundary_bytes"])
+    assert out["num_ops"] == len(out["ops"]) and out["total_flops"] > 0
+    r = cli("inspect", "--model", "tests/models.py:tied", "--data", "tests/models.py:tied_data", "--stages", "2")
+    assert r.returncode == 0, r.stderr
+    assert "stage 1" in r.stdout and "largest relative error" in r.stdout and "OK" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["train", "--reference", "--model", "no_such_module:build"], "cannot import 'no_such_module'"),
+        (["train", "--reference", "--model", "justaname"], "is not MODULE:FUNC"),
+        (["train", "--reference", "--model", "fusionllm.zoo:nothing"], "has no callable 'nothing'"),
+        (["train", "--reference", "--model", "missing/file.py:f"], "no file missing/file.py"),
+        (["train", "--reference", "--model", "tests/models.py:not_a_module"], "not a torch.nn.Module"),
+        (["inspect", "--model", "branchy", "--stages", "5000"], "larger than the model's"),
+        (["train", "--stages", "0"], "must be at least 1"),
+        (["train", "--steps", "x", "--reference"], "is not an integer"),
+        (["train"], "one of the arguments --reference --stages is required"),
+        (["train", "--reference", "--save", "out.pt"], "must end in .safetensors"),
+        (["inspect", "--model", "branchy", "--cut", "a,b"], "is not a comma-separated list"),
+        (
+            ["inspect", "--model", "tests/models.py:tied", "--data", "tests/models.py:tied_data", "--cut", "6"],
+            "tied weights",
+        ),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_usage_errors_are_one_line_exit_2(cli, args: list[str], needle: str) -> None:
+    r = cli(*args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, r.stderr
+    assert needle in lines[0] and "Traceback" not in r.stderr
+
+
+def test_untraceable_model_is_one_line(cli) -> None:
+    r = cli("inspect", "--model", "tests/models.py:untraceable", "--data", "tests/models.py:tied_data")
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "torch.fx cannot trace" in lines[0] and "if h.sum() > 0" in lines[0]
