@@ -73,14 +73,38 @@ def parse_cut(text: str) -> Any:
         raise UsageError(f"--cut '{text}' is not a comma-separated list of op indices") from None
 
 
+def _add_swarm_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stages", type=_positive, default=None, help="pipeline stages (default: one per peer)")
+    p.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    p.add_argument("--run", default="fusionllm", help="run id (peers join with the same)")
+    p.add_argument("--peer-wait", type=float, default=120.0, help="seconds to wait for peers")
+    p.add_argument("--step-timeout", type=float, default=300.0, help="seconds without progress before giving up")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fusionllm", description="Decentralized training of LLMs on volunteers' GPUs.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser, required=True)
 
-    p = sub.add_parser("demo", help="train the built-in GPT on built-in data, locally")
+    p = sub.add_parser("demo", help="a local swarm: a coordinator and N peer processes on loopback")
     _add_job_flags(p, steps=300)
-    p.add_argument("--peers", type=_positive, default=4, help="number of stages")
+    _add_swarm_flags(p)
+    p.add_argument("--peers", type=_positive, default=4, help="number of peer processes")
+
+    p = sub.add_parser("coordinator", help="host a swarm run: DHT, stage assignment, training driver")
+    _add_job_flags(p, steps=100)
+    _add_swarm_flags(p)
+    p.add_argument("--host-maddrs", nargs="+", default=["/ip4/127.0.0.1/tcp/0"], metavar="MADDR")
+    p.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR", help="join an existing DHT")
+    p.add_argument("--min-peers", type=_positive, default=2, help="peers to wait for before training")
+
+    p = sub.add_parser("join", help="lend this machine to a swarm")
+    p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR")
+    p.add_argument("--host-maddrs", nargs="+", default=["/ip4/127.0.0.1/tcp/0"], metavar="MADDR")
+    p.add_argument("--run", default="fusionllm", help="the run to join")
+    p.add_argument("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda if present)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--join-timeout", type=float, default=30.0, help="seconds to reach the DHT and coordinator")
 
     p = sub.add_parser("train", help="train in one process: the whole model or its stages")
     _add_job_flags(p, steps=10)
@@ -109,12 +133,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from fusionllm import commands
+    from fusionllm import commands, swarm_cmds
     from protocol.graph import CutError, TraceFailure
     from protocol.job import SpecError
 
     try:
-        return int(getattr(commands, f"cmd_{args.command}")(args) or 0)
+        handler = getattr(swarm_cmds, f"cmd_{args.command}", None) or getattr(commands, f"cmd_{args.command}")
+        return int(handler(args) or 0)
     except (UsageError, SpecError, CutError, TraceFailure) as exc:
         print(f"fusionllm: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

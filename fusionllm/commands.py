@@ -83,22 +83,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    print(
-        f"fusionllm demo: {args.peers} stages run one after another in this process "
-        "(the swarm of separate peer processes is not built yet)"
-    )
-    result = _train(args, args.peers, "demo")
-    k = min(10, len(result.losses))
-    first, last = sum(result.losses[:k]) / k, sum(result.losses[-k:]) / k
-    print(
-        f"loss {first:.4f} -> {last:.4f} (mean of first and last {k} steps) over {len(result.losses)} steps "
-        f"in {result.seconds:.0f} s, {result.tokens / result.seconds:,.0f} tokens/s; cut {result.cut.to_list()}"
-        + (f"; saved {args.save}" if args.save else "")
-    )
-    return 0
-
-
 def cmd_inspect(args: argparse.Namespace) -> int:
     job = job_from_args(args)
     model = job.build_model()

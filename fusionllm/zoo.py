@@ -19,7 +19,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd: int, n_head: int) -> None:
         super().__init__()
         self.n_head = n_head
-        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=False)  # a key bias has zero true gradient
         self.c_proj = nn.Linear(n_embd, n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

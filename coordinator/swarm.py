@@ -1,0 +1,279 @@
+"""The coordinator of a swarm run: hosts (or joins) the DHT, reads the peers'
+adverts, assigns stages, feeds micro-batches, watches for dead peers, and
+gathers the trained weights."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import hivemind
+import torch
+from hivemind.utils import get_dht_time
+
+from coordinator.assign import Assignment, assign
+from coordinator.opdag import build_opdag
+from protocol.job import JobSpec, split_batch
+from protocol.messages import (
+    Abort,
+    Activations,
+    Advert,
+    Assign,
+    CoordinatorRecord,
+    Finish,
+    Message,
+    PeerFailure,
+    Ready,
+    Release,
+    State,
+    StepDone,
+    dht_key,
+)
+from protocol.transport import PeerUnreachable, Transport
+
+logger = logging.getLogger(__name__)
+
+
+class SwarmError(RuntimeError):
+    """The run cannot go on; ``str()`` says why in one line."""
+
+
+@dataclass
+class CoordinatorConfig:
+    job: JobSpec
+    run_id: str = "fusionllm"
+    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    initial_peers: list[str] = field(default_factory=list)
+    min_peers: int = 1
+    num_stages: int | None = None
+    schedule: str = "1f1b"
+    peer_wait_s: float = 120.0
+    step_timeout_s: float = 300.0
+    record_ttl: float = 10.0
+
+
+@dataclass
+class StepReport:
+    step: int
+    loss: float
+    seconds: float
+    tokens: int
+
+
+@dataclass
+class RunSummary:
+    losses: list[float]
+    seconds: float
+    tokens: int
+    assignment: Assignment
+    adverts: dict[str, Advert]
+    link_bytes: dict[str, int]  # "src->dst" -> bytes
+    state: dict[str, torch.Tensor]
+
+
+class Coordinator:
+    def __init__(self, config: CoordinatorConfig) -> None:
+        self.config = config
+        self.dht: hivemind.DHT | None = None
+        self.transport: Transport | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._inbox: asyncio.Queue[Any] = asyncio.Queue()
+        self.adverts: dict[str, Advert] = {}
+
+    async def start(self) -> None:
+        cfg = self.config
+        loop = asyncio.get_running_loop()
+        self.dht = await loop.run_in_executor(
+            None,
+            lambda: hivemind.DHT(initial_peers=cfg.initial_peers, host_maddrs=cfg.host_maddrs, start=True),
+        )
+        self.transport = Transport(await self.dht.replicate_p2p())
+        await self.transport.start()
+        await self._publish_record()
+        self._tasks.append(asyncio.create_task(self._refresh_record()))
+
+    @property
+    def visible_maddrs(self) -> list[str]:
+        assert self.dht is not None
+        return [str(m) for m in self.dht.get_visible_maddrs()]
+
+    def join_command(self) -> str:
+        run = "" if self.config.run_id == "fusionllm" else f" --run {self.config.run_id}"
+        return "fusionllm join --initial-peers " + " ".join(self.visible_maddrs) + run
+
+    async def _publish_record(self) -> None:
+        assert self.dht is not None and self.transport is not None
+        expires = get_dht_time() + self.config.record_ttl
+        rec = CoordinatorRecord(self.transport.peer_id, self.visible_maddrs, self.config.run_id, expires)
+        key = dht_key(self.config.run_id, "coordinator")
+        await asyncio.get_running_loop().run_in_executor(None, lambda: self.dht.store(key, rec.header(), expires))
+
+    async def _refresh_record(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.record_ttl / 3)
+            try:
+                await self._publish_record()
+            except Exception as exc:
+                logger.warning("coordinator record refresh failed: %s", exc)
+
+    async def live_adverts(self) -> dict[str, Advert]:
+        """The adverts in the DHT that have not expired, by peer id."""
+        assert self.dht is not None
+        key = dht_key(self.config.run_id, "adverts")
+        found = await asyncio.get_running_loop().run_in_executor(None, lambda: self.dht.get(key, latest=True))
+        out: dict[str, Advert] = {}
+        if found is None or not isinstance(found.value, dict):
+            return out
+        now = get_dht_time()
+        for subkey, item in found.value.items():
+            try:
+                ad = Advert.from_header(item.value)
+            except Exception as exc:
+                logger.warning("ignoring a malformed advert under %r: %s", subkey, exc)
+                continue
+            if isinstance(ad, Advert) and ad.expires_at > now and ad.peer_id == subkey:
+                out[ad.peer_id] = ad
+        return out
+
+    async def wait_for_peers(self, on_change: Callable[[int], None] | None = None) -> dict[str, Advert]:
+        cfg = self.config
+        deadline = time.monotonic() + cfg.peer_wait_s
+        seen = -1
+        while True:
+            ads = await self.live_adverts()
+            if len(ads) != seen:
+                seen = len(ads)
+                if on_change:
+                    on_change(seen)
+            if len(ads) >= cfg.min_peers:
+                return ads
+            if time.monotonic() > deadline:
+                raise SwarmError(f"only {len(ads)} of {cfg.min_peers} peers joined within {cfg.peer_wait_s:.0f} s")
+            await asyncio.sleep(0.5)
+
+    async def _next(self, kinds: tuple[type[Message], ...], timeout: float, peers: set[str]) -> Any:
+        """The next message of ``kinds``; meanwhile watch the awaited ``peers``' adverts."""
+        assert self.transport is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SwarmError(f"no progress for {timeout:.0f} s (waiting for {len(peers)} peers)")
+            try:
+                inbound = await asyncio.wait_for(self.transport.inbox.get(), min(left, 2.0))
+            except asyncio.TimeoutError:
+                live = await self.live_adverts()
+                gone = sorted(p for p in peers if p not in live)
+                if gone:
+                    raise SwarmError(
+                        "peer " + ", ".join(f"{p} ({self._where(p)})" for p in gone) + " vanished: its advert "
+                        "expired; the run stops (recovering from a lost peer is not built yet)"
+                    ) from None
+                continue
+            msg = inbound.message
+            if isinstance(msg, PeerFailure):
+                raise SwarmError(f"peer {inbound.sender} ({self._where(inbound.sender)}) failed: {msg.reason}")
+            if isinstance(msg, kinds) and getattr(msg, "run_id", None) == self.config.run_id:
+                return inbound
+            logger.warning("ignoring an unexpected %s from %s", msg.KIND, inbound.sender)
+
+    def _where(self, peer_id: str) -> str:
+        try:
+            s, r = self._assignment.stage_of(peer_id)
+            return f"stage {s}, replica {r}"
+        except (AttributeError, KeyError):
+            return "not assigned"
+
+    async def run(
+        self,
+        model: torch.nn.Module,
+        on_step: Callable[[StepReport], None] | None = None,
+        on_peers: Callable[[int], None] | None = None,
+    ) -> RunSummary:
+        """Train ``model``'s job on the swarm; returns the losses and the trained state."""
+        assert self.transport is not None
+        cfg, job, tp = self.config, self.config.job, self.transport
+        self.adverts = await self.wait_for_peers(on_peers)
+        dag = build_opdag(model, job.first_micro_batch())
+        self._assignment = plan = assign(dag, list(self.adverts.values()), cfg.num_stages)
+        peers = {p for group in plan.stages for p in group}
+        maddrs = {p: self.adverts[p].maddrs for p in peers}
+        for p in peers:
+            tp.learn(p, maddrs[p])
+        job_fields = dataclasses.asdict(job)
+        try:
+            for s, group in enumerate(plan.stages):
+                for r, p in enumerate(group):
+                    await tp.send(
+                        p, Assign(cfg.run_id, s, r, job_fields, plan.cut.to_list(), plan.stages, maddrs, cfg.schedule)
+                    )
+            pending = set(peers)
+            while pending:
+                inbound = await self._next((Ready,), cfg.step_timeout_s, pending)
+                pending.discard(inbound.sender)
+            losses: list[float] = []
+            tokens = 0
+            start = time.perf_counter()
+            for step, batch in enumerate(itertools.islice(job.batches(), job.steps)):
+                t0 = time.perf_counter()
+                mbs = split_batch(batch, job.micro_batches)
+                first = plan.stages[0]
+                for m, mb in enumerate(mbs):
+                    await tp.send(first[m % len(first)], Activations(cfg.run_id, step, m, 0), list(mb))
+                pending = set(peers)
+                step_losses: dict[str, float] = {}
+                link_bytes: dict[str, dict[str, int]] = {}
+                while pending:
+                    inbound = await self._next((StepDone,), cfg.step_timeout_s, pending)
+                    if inbound.message.step != step:
+                        continue
+                    pending.discard(inbound.sender)
+                    step_losses.update(inbound.message.losses)
+                    link_bytes[inbound.sender] = inbound.message.bytes_sent
+                if len(step_losses) != len(mbs):
+                    raise SwarmError(f"step {step}: got {len(step_losses)} losses for {len(mbs)} micro-batches")
+                losses.append(sum(step_losses.values()) / len(mbs))
+                tokens += batch[0].numel()
+                if on_step:
+                    on_step(StepReport(step, losses[-1], time.perf_counter() - t0, batch[0].numel()))
+            seconds = time.perf_counter() - start
+            for p in peers:
+                await tp.send(p, Finish(cfg.run_id))
+            state: dict[str, torch.Tensor] = {}
+            pending = {group[0] for group in plan.stages}
+            while pending:
+                inbound = await self._next((State,), cfg.step_timeout_s, pending)
+                pending.discard(inbound.sender)
+                state.update(zip(inbound.message.names, inbound.frame.values(), strict=True))
+            for p in peers:
+                await tp.send(p, Release(cfg.run_id))
+        except PeerUnreachable as exc:
+            await self._abort(peers, str(exc))
+            raise SwarmError(str(exc)) from None
+        except SwarmError as exc:
+            await self._abort(peers, str(exc))
+            raise
+        links = {f"{src[-6:]}->{dst[-6:]}": n for src, sent in link_bytes.items() for dst, n in sent.items()}
+        return RunSummary(losses, seconds, tokens, plan, self.adverts, links, state)
+
+    async def _abort(self, peers: set[str], reason: str) -> None:
+        assert self.transport is not None
+        for p in peers:
+            try:
+                await asyncio.wait_for(self.transport.send(p, Abort(self.config.run_id, reason)), 3)
+            except (PeerUnreachable, asyncio.TimeoutError):
+                pass
+
+    async def aclose(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        if self.transport is not None:
+            await self.transport.aclose()
+        if self.dht is not None:
+            self.dht.shutdown()

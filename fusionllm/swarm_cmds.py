@@ -1,0 +1,234 @@
+"""``fusionllm coordinator``, ``join`` and ``demo``: the swarm from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+from multiaddr import Multiaddr
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from fusionllm.cli import UsageError, job_from_args
+
+logger = logging.getLogger(__name__)
+
+
+def check_maddrs(values: list[str], flag: str) -> list[str]:
+    """Each address must parse as a libp2p multiaddr (py-multiaddr)."""
+    for v in values:
+        try:
+            Multiaddr(v)
+        except Exception as exc:
+            raise UsageError(f"{flag} '{v}' is not a valid multiaddr: {exc}") from None
+    return values
+
+
+def run_async(coro: Coroutine[Any, Any, int]) -> int:
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:  # no uvloop on this platform
+        return asyncio.run(coro)
+
+
+def _summary(summary: Any, save: str | None) -> str:
+    k = min(10, len(summary.losses))
+    first, last = sum(summary.losses[:k]) / k, sum(summary.losses[-k:]) / k
+    lines = [
+        f"loss {first:.4f} -> {last:.4f} (mean of the first and last {k} steps) over {len(summary.losses)} steps "
+        f"in {summary.seconds:.0f} s, {summary.tokens / max(summary.seconds, 1e-9):,.0f} tokens/s",
+        f"cut {summary.assignment.cut.to_list()}",
+    ]
+    for s, group in enumerate(summary.assignment.stages):
+        for r, p in enumerate(group):
+            ad = summary.adverts[p]
+            lines.append(
+                f"  stage {s} replica {r}: peer {p} ({ad.device}, {ad.flops / 1e9:.1f} GFLOP/s, "
+                f"up {ad.up_mbps:.0f} Mbit/s)"
+            )
+    for link, n in sorted(summary.link_bytes.items()):
+        lines.append(f"  link {link}: {n / 1e6:.1f} MB")
+    if save:
+        lines.append(f"saved {save}")
+    return "\n".join(lines)
+
+
+async def _coordinate(args: argparse.Namespace, on_ready: Any = None) -> int:
+    from coordinator.swarm import Coordinator, CoordinatorConfig, SwarmError
+
+    job = job_from_args(args)
+    model = job.build_model()  # fails early on a bad model or data
+    job.first_micro_batch()
+    cfg = CoordinatorConfig(
+        job=job,
+        run_id=args.run,
+        host_maddrs=args.host_maddrs,
+        initial_peers=args.initial_peers,
+        min_peers=args.min_peers,
+        num_stages=args.stages,
+        schedule=args.schedule,
+        peer_wait_s=args.peer_wait,
+        step_timeout_s=args.step_timeout,
+    )
+    coord = Coordinator(cfg)
+    await coord.start()
+    bar: tqdm | None = None
+    try:
+        print(f"coordinator is up; volunteers join with:\n  {coord.join_command()}", flush=True)
+        if on_ready is not None:
+            await on_ready(coord)
+
+        def on_peers(n: int) -> None:
+            print(f"{n} of {cfg.min_peers} peers have joined", flush=True)
+
+        def on_step(rep: Any) -> None:
+            nonlocal bar
+            if bar is None:
+                bar = tqdm(
+                    total=job.steps,
+                    desc="train",
+                    unit="step",
+                    dynamic_ncols=True,
+                    mininterval=0.2 if sys.stderr.isatty() else 5.0,
+                )
+            bar.set_postfix(loss=f"{rep.loss:.4f}", tok_s=f"{rep.tokens / max(rep.seconds, 1e-9):,.0f}")
+            bar.update(1)
+
+        try:
+            summary = await coord.run(model, on_step, on_peers)
+        except SwarmError as exc:
+            if bar is not None:
+                bar.close()
+            logger.error("%s", exc)
+            print(f"fusionllm: run failed: {exc}", file=sys.stderr)
+            return 1
+        if bar is not None:
+            bar.close()
+        if args.save:
+            model.load_state_dict(summary.state, strict=False)
+            state = {k: v.detach().cpu().clone().contiguous() for k, v in model.state_dict().items()}
+            save_file(state, args.save)
+        print(_summary(summary, args.save), flush=True)
+        return 0
+    finally:
+        await coord.aclose()
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    check_maddrs(args.initial_peers, "--initial-peers")
+    check_maddrs(args.host_maddrs, "--host-maddrs")
+    return run_async(_coordinate(args))
+
+
+async def _join(args: argparse.Namespace) -> int:
+    from peer.node import JoinError, PeerConfig, PeerNode
+
+    node = PeerNode(
+        PeerConfig(
+            initial_peers=args.initial_peers,
+            run_id=args.run,
+            host_maddrs=args.host_maddrs,
+            device=args.device,
+            join_timeout=args.join_timeout,
+        )
+    )
+    try:
+        await node.start()
+        print(
+            f"joined run '{args.run}' as {node.advert.peer_id}: {node.advert.device}, "
+            f"{node.advert.flops / 1e9:.1f} GFLOP/s; waiting for a stage",
+            flush=True,
+        )
+        return await node.serve()
+    except JoinError as exc:
+        print(f"fusionllm: error: {exc}", file=sys.stderr)
+        return 2
+    except asyncio.TimeoutError:
+        print("fusionllm: error: timed out waiting for the coordinator", file=sys.stderr)
+        return 1
+    finally:
+        await node.aclose()
+
+
+def cmd_join(args: argparse.Namespace) -> int:
+    check_maddrs(args.initial_peers, "--initial-peers")
+    check_maddrs(args.host_maddrs, "--host-maddrs")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return run_async(_join(args))
+
+
+def _kill_group(proc: subprocess.Popen[bytes], grace: float = 5.0) -> None:
+    if proc.poll() is not None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # leftovers (DHT child, p2pd) in its group
+        except ProcessLookupError:
+            pass
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(grace)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The coordinator runs in this process; each peer is a separate process."""
+    args.initial_peers = []
+    args.host_maddrs = ["/ip4/127.0.0.1/tcp/0"]
+    args.min_peers = args.peers
+    args.run = f"demo-{os.getpid()}"
+    log_dir = Path(tempfile.mkdtemp(prefix="fusionllm-demo-"))
+    procs: list[subprocess.Popen[bytes]] = []
+
+    async def spawn(coord: Any) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        for i in range(args.peers):
+            cmd = [
+                sys.executable,
+                "-m",
+                "fusionllm",
+                "join",
+                "--run",
+                args.run,
+                "--threads",
+                "1",
+                "--initial-peers",
+                *coord.visible_maddrs,
+            ]
+            with open(log_dir / f"peer{i}.log", "wb") as log:
+                procs.append(
+                    subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                )
+        print(f"started {args.peers} peer processes (logs in {log_dir})", flush=True)
+
+    print(f"fusionllm demo: a coordinator and {args.peers} peers on loopback, talking libp2p", flush=True)
+    try:
+        code = run_async(_coordinate(args, spawn))
+    finally:
+        for p in procs:
+            _kill_group(p)
+    if code != 0:
+        for i in range(len(procs)):
+            tail = (log_dir / f"peer{i}.log").read_text(errors="replace").strip().splitlines()[-3:]
+            if tail:
+                print(f"peer {i} log ({log_dir / f'peer{i}.log'}): " + " | ".join(tail), file=sys.stderr)
+    return code

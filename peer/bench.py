@@ -1,0 +1,38 @@
+"""Measuring the peer's device: matmul throughput in the training dtype and free memory."""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+import torch
+
+
+def pick_device(requested: str | None = None) -> torch.device:
+    if requested:
+        return torch.device(requested)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def measure_flops(device: torch.device, dtype: torch.dtype = torch.float32, seconds: float = 0.3) -> float:
+    """Sustained FLOP/s of square matmuls on ``device``."""
+    n = 1024 if device.type == "cuda" else 256
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    (a @ b).sum().item()  # warm-up
+    iters, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(4):
+            c = a @ b
+        iters += 4
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    del c
+    return 2 * n**3 * iters / (time.perf_counter() - start)
+
+
+def free_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    return int(psutil.virtual_memory().available)

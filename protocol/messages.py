@@ -1,0 +1,232 @@
+"""Every message that crosses between FusionLLM processes, one frozen dataclass
+each. Headers are JSON objects: ``{"kind": ..., "v": PROTOCOL_VERSION, ...fields}``.
+Decoding ignores unknown fields (newer senders) and checks the types of known ones."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+PROTOCOL_VERSION = 1
+
+
+class MessageError(ValueError):
+    """A header that is not a valid message of a known kind."""
+
+
+_REGISTRY: dict[str, type[Message]] = {}
+
+
+def _check(name: str, value: Any, tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float, str, bool):
+        if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+            raise MessageError(f"field '{name}' must be {tp.__name__}, got {type(value).__name__}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, list):
+            raise MessageError(f"field '{name}' must be a list")
+        (item_tp, *_) = typing.get_args(tp) or (Any,)
+        return [_check(name, v, item_tp) for v in value]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise MessageError(f"field '{name}' must be an object")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(tp):
+            if option is type(None) and value is None:
+                return None
+            try:
+                return _check(name, value, option)
+            except MessageError:
+                continue
+        raise MessageError(f"field '{name}' has the wrong type")
+    return value
+
+
+@dataclass(frozen=True)
+class Message:
+    KIND: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.KIND:
+            _REGISTRY[cls.KIND] = cls
+
+    def header(self) -> dict[str, Any]:
+        out = {"kind": self.KIND, "v": PROTOCOL_VERSION}
+        out.update(dataclasses.asdict(self))
+        return out
+
+    @classmethod
+    def from_header(cls, header: dict[str, Any]) -> Message:
+        """Decode any registered message from a header (unknown fields ignored)."""
+        kind = header.get("kind")
+        target = _REGISTRY.get(kind) if isinstance(kind, str) else None
+        if target is None:
+            raise MessageError(f"unknown message kind {kind!r}")
+        version = header.get("v")
+        if version != PROTOCOL_VERSION:
+            raise MessageError(f"protocol version {version!r}, this peer speaks {PROTOCOL_VERSION}")
+        hints = typing.get_type_hints(target)
+        kwargs = {}
+        for f in dataclasses.fields(target):
+            if f.name in header:
+                kwargs[f.name] = _check(f.name, header[f.name], hints[f.name])
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise MessageError(f"{kind} lacks field '{f.name}'")
+        return target(**kwargs)
+
+
+@dataclass(frozen=True)
+class Advert(Message):
+    """A peer's DHT record: who it is and what it measured. Refreshed before ``expires_at``."""
+
+    KIND: ClassVar[str] = "advert"
+    peer_id: str
+    maddrs: list[str]
+    device: str
+    flops: float  # measured matmul FLOP/s in the training dtype
+    memory_bytes: int
+    up_mbps: float  # measured to the coordinator
+    down_mbps: float
+    torch_version: str
+    protocol_version: int
+    expires_at: float  # hivemind DHT time
+
+
+@dataclass(frozen=True)
+class Assign(Message):
+    """Coordinator -> peer: serve ``stage`` (as replica ``replica``) of the run."""
+
+    KIND: ClassVar[str] = "assign"
+    run_id: str
+    stage: int
+    replica: int
+    job: dict[str, Any]  # JobSpec fields
+    cut: list[int]
+    stages: list[list[str]]  # peer ids serving each stage, replica order
+    maddrs: dict[str, list[str]]  # peer id -> addresses
+    schedule: str = "1f1b"
+
+
+@dataclass(frozen=True)
+class Ready(Message):
+    KIND: ClassVar[str] = "ready"
+    run_id: str
+    stage: int
+    replica: int
+    build_s: float
+
+
+@dataclass(frozen=True)
+class Activations(Message):
+    """Forward values entering ``stage`` for one micro-batch (values in the frame)."""
+
+    KIND: ClassVar[str] = "act"
+    run_id: str
+    step: int
+    mb: int
+    stage: int
+
+
+@dataclass(frozen=True)
+class Gradients(Message):
+    """Gradients of the values that ``stage`` sent forward for one micro-batch."""
+
+    KIND: ClassVar[str] = "grad"
+    run_id: str
+    step: int
+    mb: int
+    stage: int
+
+
+@dataclass(frozen=True)
+class ReplicaGrads(Message):
+    """One replica's summed parameter gradients of a step, by parameter name."""
+
+    KIND: ClassVar[str] = "rgrad"
+    run_id: str
+    step: int
+    stage: int
+    replica: int
+    names: list[str]
+
+
+@dataclass(frozen=True)
+class StepDone(Message):
+    """A peer finished its part of a step (after its optimizer step)."""
+
+    KIND: ClassVar[str] = "done"
+    run_id: str
+    step: int
+    stage: int
+    replica: int
+    losses: dict[str, float] = field(default_factory=dict)  # micro-batch -> loss (last stage)
+    compute_s: float = 0.0
+    bytes_sent: dict[str, int] = field(default_factory=dict)  # destination peer -> bytes
+
+
+@dataclass(frozen=True)
+class Finish(Message):
+    """Coordinator -> peer: the run is over; send your parameters and exit."""
+
+    KIND: ClassVar[str] = "finish"
+    run_id: str
+    send_state: bool = True
+
+
+@dataclass(frozen=True)
+class State(Message):
+    """A stage's state_dict (tensors in the frame, names here)."""
+
+    KIND: ClassVar[str] = "state"
+    run_id: str
+    stage: int
+    names: list[str]
+
+
+@dataclass(frozen=True)
+class PeerFailure(Message):
+    """A peer could not go on (e.g. its next stage is unreachable)."""
+
+    KIND: ClassVar[str] = "failure"
+    run_id: str
+    stage: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Abort(Message):
+    KIND: ClassVar[str] = "abort"
+    run_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class CoordinatorRecord(Message):
+    """The coordinator's DHT record: where peers send their messages."""
+
+    KIND: ClassVar[str] = "coordinator"
+    peer_id: str
+    maddrs: list[str]
+    run_id: str
+    expires_at: float
+
+
+def dht_key(run_id: str, what: str) -> str:
+    """DHT keys of a run: ``adverts`` (subkey: peer id) and ``coordinator``."""
+    return f"fusionllm:{run_id}:{what}"
+
+
+@dataclass(frozen=True)
+class Release(Message):
+    """Coordinator -> peer: everything you sent has arrived; you may leave."""
+
+    KIND: ClassVar[str] = "release"
+    run_id: str
