@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", parser_class=_Parser, required=True)
 
     p = sub.add_parser("demo", help="a local swarm: a coordinator and N peer processes on loopback")
-    _add_job_flags(p, steps=300)
+    _add_job_flags(p, steps=1200)
     _add_swarm_flags(p)
     p.add_argument("--peers", type=_positive, default=4, help="number of peer processes")
 

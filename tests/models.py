@@ -68,3 +68,10 @@ def small_text(seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
 
 def not_a_module() -> int:
     return 3
+
+
+def branchy_wide() -> nn.Module:
+    """The built-in branchy model, deep enough for three stages with skips."""
+    from fusionllm.zoo import Branchy
+
+    return Branchy(dim=32, depth=8)

@@ -1,0 +1,166 @@
+"""The swarm with real processes on loopback: coordinator and peers talk libp2p."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from fusionllm.local import compare_checkpoints
+from tests.conftest import ROOT, run_cli
+
+SMALL = ["--model-args", "n_layer=2,n_embd=64,n_head=4"]
+BRANCHY = ["--model", "tests/models.py:branchy_wide", "--data", "branchy"]
+
+
+def _p2pd_pids() -> set[int]:
+    return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "p2pd"}
+
+
+def _reference(tmp_path: Path, flags: list[str]) -> Path:
+    out = tmp_path / "reference.safetensors"
+    r = run_cli("train", "--reference", *flags, "--save", str(out))
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def _spawn(*args: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "fusionllm", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        start_new_session=True,
+    )
+
+
+def _kill(proc: subprocess.Popen[str]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(10)
+
+
+def _join_command(coord: subprocess.Popen[str]) -> list[str]:
+    assert coord.stdout is not None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = coord.stdout.readline()
+        if line.strip().startswith("fusionllm join"):
+            return line.split()[2:]
+    raise AssertionError("the coordinator never printed a join command")
+
+
+@pytest.mark.parametrize("flags", [SMALL, BRANCHY], ids=["gpt", "branchy"])
+def test_coordinator_and_three_joined_peers_equal_reference(tmp_path: Path, flags: list[str]) -> None:
+    common = ["--steps", "5", "--seed", "0", *flags]
+    ckpt = tmp_path / "swarm.safetensors"
+    before = _p2pd_pids()
+    coord = _spawn("coordinator", *common, "--min-peers", "3", "--save", str(ckpt), "--step-timeout", "60")
+    peers: list[subprocess.Popen[str]] = []
+    try:
+        join_args = _join_command(coord)
+        assert join_args[0] == "--initial-peers" and "/p2p/" in join_args[1]
+        peers = [_spawn("join", *join_args, "--threads", "1") for _ in range(3)]
+        out, _ = coord.communicate(timeout=180)
+        assert coord.returncode == 0, out
+        for p in peers:
+            p.wait(30)
+            assert p.returncode == 0, p.stdout.read() if p.stdout else ""
+    finally:
+        for p in [coord, *peers]:
+            _kill(p)
+    assert "stage 2 replica 0" in out
+    assert compare_checkpoints(ckpt, _reference(tmp_path, common)) <= 1e-5
+    time.sleep(0.5)
+    assert not (_p2pd_pids() - before), "a p2p daemon outlived its run"
+
+
+def test_demo_with_replicas_equals_reference(tmp_path: Path) -> None:
+    common = ["--steps", "5", "--seed", "0", *SMALL]
+    ckpt = tmp_path / "swarm.safetensors"
+    r = run_cli("demo", "--peers", "4", "--stages", "2", *common, "--save", str(ckpt), timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "stage 1 replica 1" in r.stdout and "stage 0 replica 1" in r.stdout
+    assert compare_checkpoints(ckpt, _reference(tmp_path, common)) <= 1e-5
+
+
+def test_demo_any_inspectable_model(tmp_path: Path) -> None:
+    flags = ["--model", "tests/models.py:tied", "--data", "tests/models.py:tied_data", "--steps", "5", "--seed", "3"]
+    assert run_cli("inspect", *flags[:4], "--stages", "3").returncode == 0
+    ckpt = tmp_path / "swarm.safetensors"
+    r = run_cli("demo", "--peers", "3", *flags, "--save", str(ckpt), timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert compare_checkpoints(ckpt, _reference(tmp_path, flags)) <= 1e-5
+
+
+def test_demo_lowers_loss_and_leaves_nothing_behind() -> None:
+    before = _p2pd_pids()
+    r = run_cli("demo", "--peers", "2", "--steps", "60", timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = re.search(r"loss ([\d.]+) -> ([\d.]+)", r.stdout)
+    assert m and float(m.group(2)) < float(m.group(1)) - 0.5, r.stdout
+    assert "saved" not in r.stdout
+    time.sleep(0.5)
+    assert not (_p2pd_pids() - before)
+    leftovers = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if "join" in (p.info["cmdline"] or []) and "fusionllm" in " ".join(p.info["cmdline"] or [])
+    ]
+    assert not leftovers
+
+
+def test_join_rejects_a_malformed_address() -> None:
+    r = run_cli("join", "--initial-peers", "/ip4/999.1.1.1/tcp/x")
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "/ip4/999.1.1.1/tcp/x" in lines[0] and "not a valid multiaddr" in lines[0]
+
+
+def test_join_unreachable_peer_fails_in_bounded_time() -> None:
+    start = time.monotonic()
+    r = run_cli(
+        "join",
+        "--initial-peers",
+        "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWJYFZja2xifD4yXofZbmLn82RxXaS5Z9LhANNytssReXa",
+        "--join-timeout",
+        "15",
+        timeout=120,
+    )
+    assert r.returncode == 2, r.stderr
+    assert time.monotonic() - start < 90
+    assert "could not join the DHT" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_vanished_peer_is_reported_and_the_coordinator_stops(tmp_path: Path) -> None:
+    coord = _spawn("coordinator", "--steps", "100000", *SMALL, "--min-peers", "2", "--step-timeout", "60")
+    peers: list[subprocess.Popen[str]] = []
+    try:
+        join_args = _join_command(coord)
+        peers = [_spawn("join", *join_args, "--threads", "1") for _ in range(2)]
+        assert coord.stdout is not None
+        while "2 of 2 peers have joined" not in coord.stdout.readline():
+            pass
+        time.sleep(3)  # training is under way
+        _kill(peers[1])
+        start = time.monotonic()
+        out, _ = coord.communicate(timeout=120)
+        assert coord.returncode == 1
+        assert time.monotonic() - start < 60
+        assert re.search(r"peer \w+ \(stage \d, replica 0\) (vanished|failed)", out), out
+        assert "Traceback" not in out
+    finally:
+        for p in [coord, *peers]:
+            _kill(p)
