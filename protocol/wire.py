@@ -95,6 +95,8 @@ def decode_value(desc: Any, payload: memoryview, offset: int, device: torch.devi
         raw = payload[offset : offset + nbytes]
         if numel == 0:
             t = torch.empty(shape, dtype=dtype)
+        elif offset % itemsize == 0:  # zero-copy: the tensor shares the frame's own buffer
+            t = torch.frombuffer(payload, dtype=dtype, count=numel, offset=offset).reshape(shape)
         else:
             t = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
         if device is not None and device.type != "cpu":
@@ -146,17 +148,43 @@ class Frame:
         return out
 
 
-def pack(header: dict[str, Any], values: list[Any] | None = None) -> list[bytes | memoryview]:
-    """Frame ``header`` (and ``values``) into buffers to write in order."""
+def encode_values(values: list[Any]) -> tuple[list[Any], list[memoryview]]:
+    """Descriptions of ``values`` and the payload buffers they refer to, in order."""
     chunks: list[memoryview] = []
-    head = dict(header)
-    if values is not None:
-        head["values"] = [encode_value(v, chunks) for v in values]
-    head["payload_bytes"] = sum(len(c) for c in chunks)
-    body = json.dumps(head, separators=(",", ":")).encode()
+    return [encode_value(v, chunks) for v in values], chunks
+
+
+def pack_header(header: dict[str, Any], payload_bytes: int) -> bytes:
+    """The frame's head: magic, length and JSON header announcing ``payload_bytes``."""
+    body = json.dumps({**header, "payload_bytes": payload_bytes}, separators=(",", ":")).encode()
     if len(body) > MAX_HEADER_BYTES:
         raise WireError(f"header of {len(body)} bytes is over {MAX_HEADER_BYTES}")
-    return [_HEAD.pack(MAGIC, len(body)) + body, *chunks]
+    return _HEAD.pack(MAGIC, len(body)) + body
+
+
+def pack(header: dict[str, Any], values: list[Any] | None = None) -> list[bytes | memoryview]:
+    """Frame ``header`` (and ``values``) into buffers to write in order."""
+    head = dict(header)
+    chunks: list[memoryview] = []
+    if values is not None:
+        head["values"], chunks = encode_values(values)
+    return [pack_header(head, sum(len(c) for c in chunks)), *chunks]
+
+
+def split_buffers(chunks: list[memoryview], parts: int) -> list[list[memoryview]]:
+    """Split a sequence of buffers into ``parts`` runs of nearly equal byte counts."""
+    total = sum(len(c) for c in chunks)
+    size = -(-total // parts)
+    out: list[list[memoryview]] = [[] for _ in range(parts)]
+    lane, room = 0, size
+    for c in chunks:
+        while len(c):
+            take = min(room, len(c))
+            out[lane].append(c[:take])
+            c, room = c[take:], room - take
+            if room == 0 and lane < parts - 1:
+                lane, room = lane + 1, size
+    return out
 
 
 def pack_bytes(header: dict[str, Any], values: list[Any] | None = None) -> bytes:

@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import pytest
+
+from coordinator.assign import assign
+from coordinator.opdag import build_opdag
+from protocol.job import JobSpec
+from protocol.messages import Advert
+from protocol.schedule import ScheduleError, gpipe, make, one_f_one_b, render, validate
+
+
+@pytest.mark.parametrize("k, m", [(1, 1), (2, 4), (3, 5), (4, 4), (4, 2)])
+def test_schedules_validate(k: int, m: int) -> None:
+    for sched in (gpipe(k, m), one_f_one_b(k, m)):
+        validate(sched, k, m)
+    assert render(make("1f1b", 2, 2)) == "stage 0: F0 F1 B0 B1\nstage 1: F0 B0 F1 B1"
+
+
+def test_validator_catches_bad_schedules() -> None:
+    with pytest.raises(ScheduleError, match="B0 before F0"):
+        validate([[("B", 0), ("F", 0)]], 1, 1)
+    with pytest.raises(ScheduleError, match="once each"):
+        validate([[("F", 0), ("F", 0), ("B", 0)]], 1, 1)
+    # stage 0 wants B1 first while stage 1 wants B0 first and then blocks F1: a deadlock
+    bad = [[("F", 0), ("B", 1), ("F", 1), ("B", 0)], [("F", 0), ("B", 0), ("F", 1), ("B", 1)]]
+    with pytest.raises(ScheduleError):
+        validate(bad, 2, 2)
+    with pytest.raises(ScheduleError, match="unknown schedule"):
+        make("zigzag", 2, 2)
+
+
+def _ad(pid: str, gflops: float) -> Advert:
+    return Advert(pid, [], "cpu", gflops * 1e9, 1 << 30, 100.0, 100.0, "2", 1, 0.0)
+
+
+def test_assignment_follows_measured_flops() -> None:
+    job = JobSpec(model="branchy", data="branchy")
+    dag = build_opdag(job.build_model(), job.first_micro_batch())
+    plan = assign(dag, [_ad("slow", 1), _ad("fast", 3)])
+    assert plan.stages == [["fast"], ["slow"]]
+    costs = dag.stage_costs(plan.cut)
+    assert costs[0]["flops"] > costs[1]["flops"]  # the fast peer gets the bigger share
+    plan = assign(dag, [_ad(f"p{i}", 1 + i) for i in range(4)], num_stages=2)
+    assert sorted(len(g) for g in plan.stages) == [2, 2]
+    with pytest.raises(ValueError, match="need at least 3 peers"):
+        assign(dag, [_ad("a", 1), _ad("b", 1)], num_stages=3)

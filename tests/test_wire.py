@@ -1,0 +1,112 @@
+"""The wire: values round-trip without pickle, bad frames are rejected with a reason,
+and large payloads split over parallel lanes arrive whole."""
+
+from __future__ import annotations
+
+import asyncio
+
+import hivemind
+import pytest
+import torch
+
+from protocol.messages import Activations, Message, MessageError, StepDone
+from protocol.transport import LANE_THRESHOLD, Transport
+from protocol.wire import MAGIC, WireError, pack_bytes, read_frame, split_buffers
+
+
+def _read(data: bytes, max_payload: int = 1 << 30):
+    async def go():
+        r = asyncio.StreamReader()
+        r.feed_data(data)
+        r.feed_eof()
+        return await read_frame(r, max_payload)
+
+    return asyncio.run(go())
+
+
+def test_values_round_trip() -> None:
+    vals = [
+        torch.randn(3, 4),
+        (torch.arange(5), torch.Size([2, 3])),
+        7,
+        2.5,
+        None,
+        torch.tensor(1.5),
+        torch.empty(0, 3),
+        torch.randn(2, 2).bfloat16(),
+        torch.ones(3, dtype=torch.bool),
+    ]
+    frame = _read(pack_bytes({"kind": "x"}, vals))
+    out = frame.values()
+    assert frame.header["kind"] == "x"
+    for a, b in zip(vals, out, strict=True):
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        elif isinstance(a, tuple):
+            assert torch.equal(a[0], b[0]) and a[1] == b[1]
+        else:
+            assert a == b
+
+
+def test_bad_frames_are_rejected() -> None:
+    good = pack_bytes({"kind": "x"}, [torch.randn(100)])
+    with pytest.raises(WireError, match="bad magic"):
+        _read(b"XXXX" + good[4:])
+    with pytest.raises(WireError, match="over the limit"):
+        _read(good, max_payload=100)  # refused from the header, before the payload is read
+    with pytest.raises(WireError, match="ended inside a payload"):
+        _read(good[:-10])
+    assert _read(b"") is None
+    forged = good.replace(b'"nbytes":400', b'"nbytes":404')
+    with pytest.raises(WireError, match="cannot be 404 bytes"):
+        _read(forged).values()
+    with pytest.raises(WireError, match="header is not a JSON object"):
+        _read(MAGIC + (2).to_bytes(4, "big") + b"[]")
+
+
+def test_messages_decode_tolerantly_and_validate_strictly() -> None:
+    msg = StepDone("run", 3, 1, 0, {"0": 1.5})
+    header = {**msg.header(), "future_field": 1}
+    assert Message.from_header(header) == msg
+    with pytest.raises(MessageError, match="must be int"):
+        Message.from_header({**msg.header(), "step": "3"})
+    with pytest.raises(MessageError, match="unknown message kind"):
+        Message.from_header({"kind": "nope", "v": 1})
+    with pytest.raises(MessageError, match="lacks field 'run_id'"):
+        Message.from_header({"kind": "done", "v": 1, "step": 1, "stage": 0, "replica": 0})
+
+
+def test_split_buffers_keeps_bytes_in_order() -> None:
+    chunks = [memoryview(bytes(range(i, i + 10))) for i in range(0, 50, 10)]
+    parts = split_buffers(chunks, 4)
+    assert len(parts) == 4
+    joined = b"".join(bytes(c) for part in parts for c in part)
+    assert joined == bytes(range(50))
+
+
+def test_transport_sends_small_and_laned_frames() -> None:
+    async def go() -> None:
+        d1 = hivemind.DHT(start=True)
+        d2 = hivemind.DHT(initial_peers=[str(m) for m in d1.get_visible_maddrs()], start=True)
+        a, b = Transport(await d1.replicate_p2p()), Transport(await d2.replicate_p2p())
+        try:
+            await a.start()
+            await b.start()
+            big = torch.randn(LANE_THRESHOLD // 4 + 12345)
+            small = torch.arange(10)
+            await a.send(b.peer_id, Activations("r", 0, 0, 1), [small])
+            await a.send(b.peer_id, Activations("r", 0, 1, 1), [big, small])
+            await a.send(b.peer_id, Activations("r", 0, 2, 1), [small])
+            got = [await asyncio.wait_for(b.inbox.get(), 30) for _ in range(3)]
+            assert [g.message.mb for g in got] == [0, 1, 2]
+            assert got[0].sender == a.peer_id
+            vals = got[1].values()
+            assert torch.equal(vals[0], big) and torch.equal(vals[1], small)
+            assert a.bytes_sent[b.peer_id] > big.nbytes
+        finally:
+            await a.aclose()
+            await b.aclose()
+            d1.shutdown()
+            d2.shutdown()
+
+    asyncio.run(go())
