@@ -221,6 +221,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"started {args.peers} peer processes (logs in {log_dir})", flush=True)
 
     print(f"fusionllm demo: a coordinator and {args.peers} peers on loopback, talking libp2p", flush=True)
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    # Ctrl-C (even where a shell started us with SIGINT ignored) and SIGTERM stop every peer we started.
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
     try:
         code = run_async(_coordinate(args, spawn))
     finally:

@@ -164,3 +164,22 @@ def test_vanished_peer_is_reported_and_the_coordinator_stops(tmp_path: Path) -> 
     finally:
         for p in [coord, *peers]:
             _kill(p)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "term"])
+def test_demo_interrupted_stops_every_process(sig: int) -> None:
+    before = _p2pd_pids()
+    demo = _spawn("demo", "--peers", "2", "--steps", "100000", *SMALL)
+    try:
+        assert demo.stdout is not None
+        while "2 of 2 peers have joined" not in demo.stdout.readline():
+            assert demo.poll() is None
+        time.sleep(2)
+        demo.send_signal(sig)
+        demo.wait(60)
+        assert demo.returncode == 130
+    finally:
+        _kill(demo)
+    time.sleep(1)
+    assert not (_p2pd_pids() - before)
+    assert not [p for p in psutil.process_iter(["cmdline"]) if "join" in (p.info["cmdline"] or [])]
