@@ -196,6 +196,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     args.host_maddrs = ["/ip4/127.0.0.1/tcp/0"]
     args.min_peers = args.peers
     args.run = f"demo-{os.getpid()}"
+    if args.save is None:
+        args.save = "fusionllm-demo.safetensors"
     log_dir = Path(tempfile.mkdtemp(prefix="fusionllm-demo-"))
     procs: list[subprocess.Popen[bytes]] = []
 
