@@ -83,7 +83,6 @@ class Coordinator:
         self.dht: hivemind.DHT | None = None
         self.transport: Transport | None = None
         self._tasks: list[asyncio.Task[Any]] = []
-        self._inbox: asyncio.Queue[Any] = asyncio.Queue()
         self.adverts: dict[str, Advert] = {}
 
     async def start(self) -> None:

@@ -62,27 +62,37 @@ def pick_cut(job: JobSpec, model: nn.Module, stages: int) -> Cut:
     return balanced_cut(dag, stages)
 
 
+def _executors(model: nn.Module, cut: Cut, lr: float) -> list[StageExecutor]:
+    part = partition(trace(model), cut)
+    k = cut.num_stages
+    return [StageExecutor(build_stage(part, s), lr, s == k - 1) for s in range(k)]
+
+
+def _forward(execs: list[StageExecutor], mb_index: int, mb: tuple[torch.Tensor, ...]) -> float:
+    values = mb
+    for ex in execs:
+        values = ex.forward(mb_index, values)
+    return float(values)
+
+
+def _backward(execs: list[StageExecutor], mb_index: int, divisor: int) -> None:
+    grads = execs[-1].backward(mb_index, None, divisor)
+    for ex in reversed(execs[:-1]):
+        grads = ex.backward(mb_index, grads)
+
+
 def train_staged(job: JobSpec, stages: int | Cut, progress: Progress | None = None) -> TrainResult:
     """Train through the rebuilt stages of a cut, run one after another (GPipe order)."""
     model = job.build_model()
     cut = stages if isinstance(stages, Cut) else pick_cut(job, model, stages)
-    part = partition(trace(model), cut)
-    k = cut.num_stages
-    execs = [StageExecutor(build_stage(part, s), job.lr, s == k - 1) for s in range(k)]
+    execs = _executors(model, cut, job.lr)
     result = TrainResult(model, cut=cut)
     start = time.perf_counter()
     for step, batch in enumerate(itertools.islice(job.batches(), job.steps)):
         mbs = split_batch(batch, job.micro_batches)
-        total = 0.0
-        for i, mb in enumerate(mbs):
-            values = mb
-            for ex in execs:
-                values = ex.forward(i, values)
-            total += float(values)
+        total = sum(_forward(execs, i, mb) for i, mb in enumerate(mbs))
         for i in range(len(mbs)):
-            grads = execs[-1].backward(i, None, job.micro_batches)
-            for ex in reversed(execs[:-1]):
-                grads = ex.backward(i, grads)
+            _backward(execs, i, job.micro_batches)
         for ex in execs:
             ex.step()
         result.losses.append(total / len(mbs))
@@ -111,18 +121,11 @@ def check_stages(job: JobSpec, cut: Cut) -> dict[str, float]:
         (loss / len(mbs)).backward()
         ref_loss += float(loss.detach()) / len(mbs)
     staged = job.build_model()
-    part = partition(trace(staged), cut)
-    k = cut.num_stages
-    execs = [StageExecutor(build_stage(part, s), job.lr, s == k - 1) for s in range(k)]
+    execs = _executors(staged, cut, job.lr)
     st_loss = 0.0
     for i, mb in enumerate(mbs):
-        values = mb
-        for ex in execs:
-            values = ex.forward(i, values)
-        st_loss += float(values) / len(mbs)
-        grads = execs[-1].backward(i, None, len(mbs))
-        for ex in reversed(execs[:-1]):
-            grads = ex.backward(i, grads)
+        st_loss += _forward(execs, i, mb) / len(mbs)
+        _backward(execs, i, len(mbs))
     ref_params = dict(ref.named_parameters())
     grad_err = 0.0
     for name, p in staged.named_parameters():

@@ -24,6 +24,16 @@ def _p2pd_pids() -> set[int]:
     return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "p2pd"}
 
 
+def _no_new_p2pd(before: set[int], timeout: float = 10.0) -> bool:
+    """Bounded wait for every p2p daemon started since ``before`` to exit."""
+    deadline = time.monotonic() + timeout
+    while _p2pd_pids() - before:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def _reference(tmp_path: Path, flags: list[str]) -> Path:
     out = tmp_path / "reference.safetensors"
     r = run_cli("train", "--reference", *flags, "--save", str(out))
@@ -83,8 +93,7 @@ def test_coordinator_and_three_joined_peers_equal_reference(tmp_path: Path, flag
             _kill(p)
     assert "stage 2 replica 0" in out
     assert compare_checkpoints(ckpt, _reference(tmp_path, common)) <= 1e-5
-    time.sleep(0.5)
-    assert not (_p2pd_pids() - before), "a p2p daemon outlived its run"
+    assert _no_new_p2pd(before), "a p2p daemon outlived its run"
 
 
 def test_demo_with_replicas_equals_reference(tmp_path: Path) -> None:
@@ -113,8 +122,7 @@ def test_demo_lowers_loss_and_leaves_nothing_behind(tmp_path: Path) -> None:
     m = re.search(r"loss ([\d.]+) -> ([\d.]+)", r.stdout)
     assert m and float(m.group(2)) < float(m.group(1)) - 0.5, r.stdout
     assert "saved fusionllm-demo.safetensors" in r.stdout and (tmp_path / "fusionllm-demo.safetensors").is_file()
-    time.sleep(0.5)
-    assert not (_p2pd_pids() - before)
+    assert _no_new_p2pd(before)
     leftovers = [
         p
         for p in psutil.process_iter(["cmdline"])
@@ -181,6 +189,5 @@ def test_demo_interrupted_stops_every_process(sig: int) -> None:
         assert demo.returncode == 130
     finally:
         _kill(demo)
-    time.sleep(1)
-    assert not (_p2pd_pids() - before)
+    assert _no_new_p2pd(before)
     assert not [p for p in psutil.process_iter(["cmdline"]) if "join" in (p.info["cmdline"] or [])]
