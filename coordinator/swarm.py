@@ -18,7 +18,11 @@ import torch
 from hivemind.utils import get_dht_time
 
 from coordinator.assign import Assignment, assign
+from coordinator.links import boundary_specs, choose_codecs, float_bytes
 from coordinator.opdag import build_opdag
+from protocol.codecs import Codec
+from protocol.envelope import Envelope, Gate, Reject, Rejected, match_values
+from protocol.identity import Identity, IdentityError, check_record, key_hex, sign_record
 from protocol.job import JobSpec, split_batch
 from protocol.messages import (
     Abort,
@@ -27,6 +31,8 @@ from protocol.messages import (
     Assign,
     CoordinatorRecord,
     Finish,
+    Hello,
+    LinkPlan,
     Message,
     PeerFailure,
     Ready,
@@ -36,6 +42,10 @@ from protocol.messages import (
     dht_key,
 )
 from protocol.transport import PeerUnreachable, Transport
+from protocol.wire import encode_values
+
+#: what peers may send the coordinator
+_FROM_PEERS = ("hello", "ready", "done", "state", "failure")
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +66,10 @@ class CoordinatorConfig:
     peer_wait_s: float = 120.0
     step_timeout_s: float = 300.0
     record_ttl: float = 10.0
+    identity: str | None = None  # key file; None: a fresh key for this process only
+    compression: str = "none"  # none, fp16, bf16, int8, or adatopk (per link, from bandwidth)
+    topk_fraction: float | None = None  # pin AdaTopK's kept fraction on the links that need compressing
+    link_mbps: list[float] = field(default_factory=list)  # pace each stage boundary's link (loopback demos)
 
 
 @dataclass
@@ -75,6 +89,22 @@ class RunSummary:
     adverts: dict[str, Advert]
     link_bytes: dict[str, int]  # "src->dst" -> bytes
     state: dict[str, torch.Tensor]
+    links: list[LinkReport] = field(default_factory=list)  # per stage boundary
+
+
+@dataclass
+class LinkReport:
+    """One stage boundary: its codec, measured bandwidth and traffic (both ways)."""
+
+    boundary: int
+    codec: str
+    mbps: float
+    wire_bytes: int
+    raw_bytes: int
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_bytes / max(self.wire_bytes, 1)
 
 
 class Coordinator:
@@ -84,15 +114,28 @@ class Coordinator:
         self.transport: Transport | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self.adverts: dict[str, Advert] = {}
+        self.identity: Identity | None = None
+        self.gate = Gate(config.run_id)
+        self.gate.accept_hello = True
+        self.gate.expect = self._expect
+
+    def _expect(self, env: Envelope, message: Message, sender: str) -> None:
+        if env.kind not in _FROM_PEERS:
+            raise Rejected(Reject.UNEXPECTED, f"peers do not send the coordinator '{env.kind}'")
 
     async def start(self) -> None:
+        """Raises SwarmError (one line) when the identity file cannot be used."""
         cfg = self.config
         loop = asyncio.get_running_loop()
+        try:
+            self.identity = Identity.load_or_create(cfg.identity) if cfg.identity else Identity.generate()
+        except IdentityError as exc:
+            raise SwarmError(str(exc)) from None
         self.dht = await loop.run_in_executor(
             None,
             lambda: hivemind.DHT(initial_peers=cfg.initial_peers, host_maddrs=cfg.host_maddrs, start=True),
         )
-        self.transport = Transport(await self.dht.replicate_p2p())
+        self.transport = Transport(await self.dht.replicate_p2p(), self.identity, self.gate)
         await self.transport.start()
         await self._publish_record()
         self._tasks.append(asyncio.create_task(self._refresh_record()))
@@ -107,11 +150,12 @@ class Coordinator:
         return "fusionllm join --initial-peers " + " ".join(self.visible_maddrs) + run
 
     async def _publish_record(self) -> None:
-        assert self.dht is not None and self.transport is not None
+        assert self.dht is not None and self.transport is not None and self.identity is not None
         expires = get_dht_time() + self.config.record_ttl
         rec = CoordinatorRecord(self.transport.peer_id, self.visible_maddrs, self.config.run_id, expires)
+        record = sign_record(self.identity, rec.header())
         key = dht_key(self.config.run_id, "coordinator")
-        await asyncio.get_running_loop().run_in_executor(None, lambda: self.dht.store(key, rec.header(), expires))
+        await asyncio.get_running_loop().run_in_executor(None, lambda: self.dht.store(key, record, expires))
 
     async def _refresh_record(self) -> None:
         while True:
@@ -122,7 +166,8 @@ class Coordinator:
                 logger.warning("coordinator record refresh failed: %s", exc)
 
     async def live_adverts(self) -> dict[str, Advert]:
-        """The adverts in the DHT that have not expired, by peer id."""
+        """The adverts in the DHT that have not expired, are signed, and whose key the
+        peer bound to its libp2p id with its hello, by peer id."""
         assert self.dht is not None
         key = dht_key(self.config.run_id, "adverts")
         found = await asyncio.get_running_loop().run_in_executor(None, lambda: self.dht.get(key, latest=True))
@@ -133,10 +178,14 @@ class Coordinator:
         for subkey, item in found.value.items():
             try:
                 ad = Advert.from_header(item.value)
+                key = check_record(item.value)
             except Exception as exc:
-                logger.warning("ignoring a malformed advert under %r: %s", subkey, exc)
+                logger.warning("ignoring a bad advert under %r: %s", subkey, exc)
                 continue
-            if isinstance(ad, Advert) and ad.expires_at > now and ad.peer_id == subkey:
+            bound = self.gate.keys.get(ad.peer_id) if isinstance(ad, Advert) else None
+            if bound is None or key_hex(bound) != key_hex(key):
+                continue  # no hello yet (or from another key): not admitted
+            if ad.expires_at > now and ad.peer_id == subkey:
                 out[ad.peer_id] = ad
         return out
 
@@ -180,6 +229,8 @@ class Coordinator:
                 raise SwarmError(f"peer {inbound.sender} ({self._where(inbound.sender)}) failed: {msg.reason}")
             if isinstance(msg, kinds) and getattr(msg, "run_id", None) == self.config.run_id:
                 return inbound
+            if isinstance(msg, Hello):
+                continue  # a late joiner's key binding (the gate already did it)
             logger.warning("ignoring an unexpected %s from %s", msg.KIND, inbound.sender)
 
     def _where(self, peer_id: str) -> str:
@@ -199,35 +250,54 @@ class Coordinator:
         assert self.transport is not None
         cfg, job, tp = self.config, self.config.job, self.transport
         self.adverts = await self.wait_for_peers(on_peers)
-        dag = build_opdag(model, job.first_micro_batch())
+        example = job.first_micro_batch()
+        dag = build_opdag(model, example)
         self._assignment = plan = assign(dag, list(self.adverts.values()), cfg.num_stages)
+        k = plan.cut.num_stages
+        if cfg.link_mbps and len(cfg.link_mbps) != k - 1:
+            raise SwarmError(f"--link-mbps gives {len(cfg.link_mbps)} rates; the plan has {k - 1} stage boundaries")
+        specs = boundary_specs(model, plan.cut, example)
         peers = {p for group in plan.stages for p in group}
         maddrs = {p: self.adverts[p].maddrs for p in peers}
+        keys = {p: key_hex(self.gate.keys[p]) for p in peers}
         for p in peers:
             tp.learn(p, maddrs[p])
         job_fields = dataclasses.asdict(job)
+        link_reports: list[LinkReport] = []
         try:
             for s, group in enumerate(plan.stages):
                 for r, p in enumerate(group):
-                    await tp.send(
-                        p, Assign(cfg.run_id, s, r, job_fields, plan.cut.to_list(), plan.stages, maddrs, cfg.schedule)
-                    )
+                    a = Assign(cfg.run_id, s, r, job_fields, plan.cut.to_list(), plan.stages, maddrs, cfg.schedule)
+                    a = dataclasses.replace(a, keys=keys, specs=specs, link_mbps=list(cfg.link_mbps))
+                    await tp.send(p, a)
             pending = set(peers)
+            measured: dict[str, dict[str, float]] = {}
             while pending:
                 inbound = await self._next((Ready,), cfg.step_timeout_s, pending)
                 pending.discard(inbound.sender)
+                measured[inbound.sender] = inbound.message.next_mbps
+            codecs, mbps = self._choose_codecs(dag, plan, specs, measured)
+            link_reports = [LinkReport(b, str(c), mbps[b], 0, 0) for b, c in enumerate(codecs)]
+            for p in peers:
+                await tp.send(p, LinkPlan(cfg.run_id, [c.to_json() for c in codecs]))
             losses: list[float] = []
             tokens = 0
             start = time.perf_counter()
             for step, batch in enumerate(itertools.islice(job.batches(), job.steps)):
                 t0 = time.perf_counter()
                 mbs = split_batch(batch, job.micro_batches)
+                for m, mb in enumerate(mbs):
+                    try:
+                        match_values(encode_values(list(mb))[0], specs[0], None)
+                    except Rejected as exc:
+                        raise SwarmError(f"step {step}, micro-batch {m} does not fit the plan: {exc.detail}") from None
                 first = plan.stages[0]
                 for m, mb in enumerate(mbs):
                     await tp.send(first[m % len(first)], Activations(cfg.run_id, step, m, 0), list(mb))
                 pending = set(peers)
                 step_losses: dict[str, float] = {}
                 link_bytes: dict[str, dict[str, int]] = {}
+                raw_bytes: dict[str, dict[str, int]] = {}
                 while pending:
                     inbound = await self._next((StepDone,), cfg.step_timeout_s, pending)
                     if inbound.message.step != step:
@@ -235,6 +305,7 @@ class Coordinator:
                     pending.discard(inbound.sender)
                     step_losses.update(inbound.message.losses)
                     link_bytes[inbound.sender] = inbound.message.bytes_sent
+                    raw_bytes[inbound.sender] = inbound.message.raw_sent
                 if len(step_losses) != len(mbs):
                     raise SwarmError(f"step {step}: got {len(step_losses)} losses for {len(mbs)} micro-batches")
                 losses.append(sum(step_losses.values()) / len(mbs))
@@ -259,7 +330,35 @@ class Coordinator:
             await self._abort(peers, str(exc))
             raise
         links = {f"{src[-6:]}->{dst[-6:]}": n for src, sent in link_bytes.items() for dst, n in sent.items()}
-        return RunSummary(losses, seconds, tokens, plan, self.adverts, links, state)
+        stage_of = {p: s for s, group in enumerate(plan.stages) for p in group}
+        for src, sent in link_bytes.items():
+            for dst, n in sent.items():
+                if dst in stage_of and abs(stage_of[dst] - stage_of[src]) == 1:
+                    report = link_reports[min(stage_of[src], stage_of[dst])]
+                    report.wire_bytes += n
+                    report.raw_bytes += raw_bytes[src].get(dst, n)
+        return RunSummary(losses, seconds, tokens, plan, self.adverts, links, state, link_reports)
+
+    def _choose_codecs(
+        self, dag: Any, plan: Assignment, specs: list[list[Any]], measured: dict[str, dict[str, float]]
+    ) -> tuple[list[Codec], list[float]]:
+        """Per boundary: the slowest measured link between its two stages against the
+        estimated compute time of each stage (3x forward FLOPs on its slowest peer)."""
+        cfg = self.config
+        mbps = [
+            min(measured.get(p, {}).get(q, 1e-3) for p in plan.stages[b] for q in plan.stages[b + 1])
+            for b in range(len(plan.stages) - 1)
+        ]
+        costs = dag.stage_costs(plan.cut)
+        seconds = [
+            3 * c["flops"] / max(min(self.adverts[p].flops for p in group), 1.0)
+            for c, group in zip(costs, plan.stages, strict=True)
+        ]
+        edge_bytes = [float_bytes(spec) for spec in specs[1:]]
+        codecs = choose_codecs(edge_bytes, mbps, seconds, cfg.compression, cfg.topk_fraction)
+        for b, c in enumerate(codecs):
+            logger.info("boundary %d: %.1f Mbit/s, %d bytes per micro-batch -> %s", b, mbps[b], edge_bytes[b], c)
+        return codecs, mbps
 
     async def _abort(self, peers: set[str], reason: str) -> None:
         assert self.transport is not None

@@ -79,6 +79,58 @@ def _add_swarm_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", default="fusionllm", help="run id (peers join with the same)")
     p.add_argument("--peer-wait", type=float, default=120.0, help="seconds to wait for peers")
     p.add_argument("--step-timeout", type=float, default=300.0, help="seconds without progress before giving up")
+    p.add_argument(
+        "--compression",
+        type=_compression,
+        default="none",
+        help="codec on the stage boundaries: none, fp16, bf16, int8 (every link) or adatopk (links too slow for "
+        "the compute get block-wise top-k, the kept fraction from their measured bandwidth)",
+    )
+    p.add_argument("--topk-fraction", type=_fraction, default=None, help="pin AdaTopK's kept fraction (0 < F <= 1)")
+    p.add_argument(
+        "--link-mbps",
+        type=_rates,
+        default=[],
+        metavar="R1,R2,...",
+        help="pace the sends across each stage boundary to this many Mbit/s (0: unpaced), e.g. 1000,1000,20",
+    )
+
+
+def _compression(text: str) -> str:
+    from protocol.codecs import CODECS
+
+    if text not in CODECS:
+        raise argparse.ArgumentTypeError(f"'{text}' is not one of {', '.join(CODECS)}")
+    return text
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value} is not in (0, 1]")
+    return value
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of Mbit/s") from None
+    if any(not r >= 0 or r == float("inf") for r in rates):
+        raise argparse.ArgumentTypeError(f"'{text}': rates must be finite and at least 0")
+    return rates
+
+
+def _add_identity_flag(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument(
+        "--identity",
+        default=default,
+        metavar="PATH",
+        help=f"Ed25519 key file, created (mode 0600) if missing (default: {default})",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_job_flags(p, steps=1200)
     _add_swarm_flags(p)
     p.add_argument("--peers", type=_positive, default=4, help="number of peer processes")
+    _add_identity_flag(p, "~/.fusionllm/coordinator.key")
 
     p = sub.add_parser("coordinator", help="host a swarm run: DHT, stage assignment, training driver")
     _add_job_flags(p, steps=100)
@@ -97,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-maddrs", nargs="+", default=["/ip4/127.0.0.1/tcp/0"], metavar="MADDR")
     p.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR", help="join an existing DHT")
     p.add_argument("--min-peers", type=_positive, default=2, help="peers to wait for before training")
+    _add_identity_flag(p, "~/.fusionllm/coordinator.key")
 
     p = sub.add_parser("join", help="lend this machine to a swarm")
     p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR")
@@ -105,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda if present)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--join-timeout", type=float, default=30.0, help="seconds to reach the DHT and coordinator")
+    _add_identity_flag(p, "~/.fusionllm/peer.key")
 
     p = sub.add_parser("train", help="train in one process: the whole model or its stages")
     _add_job_flags(p, steps=10)

@@ -57,8 +57,12 @@ def _summary(summary: Any, save: str | None) -> str:
                 f"  stage {s} replica {r}: peer {p} ({ad.device}, {ad.flops / 1e9:.1f} GFLOP/s, "
                 f"up {ad.up_mbps:.0f} Mbit/s)"
             )
-    for link, n in sorted(summary.link_bytes.items()):
-        lines.append(f"  link {link}: {n / 1e6:.1f} MB")
+    for link in summary.links:
+        lines.append(
+            f"  boundary {link.boundary} (stage {link.boundary} <-> {link.boundary + 1}, {link.mbps:.0f} Mbit/s "
+            f"measured): {link.codec}, {link.wire_bytes / 1e6:.2f} MB on the wire for {link.raw_bytes / 1e6:.2f} MB "
+            f"of tensors, ratio {link.ratio:.1f}x"
+        )
     if save:
         lines.append(f"saved {save}")
     return "\n".join(lines)
@@ -80,9 +84,20 @@ async def _coordinate(args: argparse.Namespace, on_ready: Any = None) -> int:
         schedule=args.schedule,
         peer_wait_s=args.peer_wait,
         step_timeout_s=args.step_timeout,
+        identity=os.path.expanduser(args.identity),
+        compression=args.compression,
+        topk_fraction=args.topk_fraction,
+        link_mbps=args.link_mbps,
     )
+    if args.stages and args.link_mbps and len(args.link_mbps) != args.stages - 1:
+        raise UsageError(f"--link-mbps gives {len(args.link_mbps)} rates for {args.stages - 1} stage boundaries")
     coord = Coordinator(cfg)
-    await coord.start()
+    try:
+        await coord.start()
+    except SwarmError as exc:
+        print(f"fusionllm: error: {exc}", file=sys.stderr)
+        await coord.aclose()
+        return 2
     bar: tqdm | None = None
     try:
         print(f"coordinator is up; volunteers join with:\n  {coord.join_command()}", flush=True)
@@ -141,6 +156,7 @@ async def _join(args: argparse.Namespace) -> int:
             host_maddrs=args.host_maddrs,
             device=args.device,
             join_timeout=args.join_timeout,
+            identity=os.path.expanduser(args.identity),
         )
     )
     try:
@@ -195,6 +211,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     args.initial_peers = []
     args.host_maddrs = ["/ip4/127.0.0.1/tcp/0"]
     args.min_peers = args.peers
+    stages = args.stages or args.peers
+    if args.link_mbps and len(args.link_mbps) != stages - 1:
+        raise UsageError(f"--link-mbps gives {len(args.link_mbps)} rates for {stages - 1} stage boundaries")
     args.run = f"demo-{os.getpid()}"
     if args.save is None:
         args.save = "fusionllm-demo.safetensors"
@@ -213,6 +232,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 args.run,
                 "--threads",
                 "1",
+                "--identity",
+                str(log_dir / f"peer{i}.key"),
                 "--initial-peers",
                 *coord.visible_maddrs,
             ]

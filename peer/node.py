@@ -15,10 +15,14 @@ import torch
 from hivemind.utils import get_dht_time
 
 from peer.bench import free_memory, measure_flops, pick_device
+from peer.checks import PlanChecks
 from peer.executor import StageExecutor
 from peer.mailbox import Mailbox
 from protocol import schedule as schedules
+from protocol.codecs import Codec, CodecError, ErrorFeedback
+from protocol.envelope import Gate
 from protocol.graph import Cut, build_stage, partition, trace
+from protocol.identity import Identity, IdentityError, check_record, public_key, sign_record
 from protocol.job import JobSpec
 from protocol.messages import (
     PROTOCOL_VERSION,
@@ -29,6 +33,8 @@ from protocol.messages import (
     CoordinatorRecord,
     Finish,
     Gradients,
+    Hello,
+    LinkPlan,
     PeerFailure,
     Ready,
     Release,
@@ -38,6 +44,7 @@ from protocol.messages import (
     dht_key,
 )
 from protocol.transport import PeerUnreachable, Transport
+from protocol.wire import Link
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +57,10 @@ class RunAborted(RuntimeError):
     pass
 
 
+class RunRefused(RuntimeError):
+    """The assignment cannot be served (e.g. a malformed key or codec in it)."""
+
+
 @dataclass
 class PeerConfig:
     initial_peers: list[str]
@@ -59,7 +70,9 @@ class PeerConfig:
     advert_ttl: float = 6.0
     join_timeout: float = 30.0
     bandwidth_probe_bytes: int = 4 << 20
+    link_probe_bytes: int = 1 << 20
     message_timeout: float = 600.0
+    identity: str | None = None  # key file; None: a fresh key for this process only
 
 
 class PeerNode:
@@ -73,11 +86,18 @@ class PeerNode:
         self.advert: Advert | None = None
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
         self._tasks: list[asyncio.Task[Any]] = []
+        self.identity: Identity | None = None
+        self.checks: PlanChecks | None = None
+        self.feedback = ErrorFeedback()
 
     # ---------------------------------------------------------------- joining
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         cfg = self.config
+        try:
+            self.identity = Identity.load_or_create(cfg.identity) if cfg.identity else Identity.generate()
+        except IdentityError as exc:
+            raise JoinError(str(exc)) from None
         try:
             self.dht = await asyncio.wait_for(
                 loop.run_in_executor(
@@ -93,16 +113,20 @@ class PeerNode:
         except Exception as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise JoinError(f"could not join the DHT through {', '.join(cfg.initial_peers)}: {first}") from None
-        self.transport = Transport(await self.dht.replicate_p2p())
+        gate = Gate(cfg.run_id)
+        self.transport = Transport(await self.dht.replicate_p2p(), self.identity, gate)
         await self.transport.start()
         self._tasks.append(asyncio.create_task(self._dispatch()))
-        self.coordinator = await self._find_coordinator()
+        self.coordinator, key = await self._find_coordinator()
+        gate.admit(self.coordinator.peer_id, key)
+        self.checks = gate.expect = PlanChecks(self.coordinator.peer_id)
         self.transport.learn(self.coordinator.peer_id, self.coordinator.maddrs)
         flops = await loop.run_in_executor(self._compute, measure_flops, self.device)
         try:
             up, down = await self.transport.measure_bandwidth(self.coordinator.peer_id, cfg.bandwidth_probe_bytes)
         except (PeerUnreachable, ConnectionError, asyncio.IncompleteReadError) as exc:
             raise JoinError(f"cannot reach the coordinator {self.coordinator.peer_id}: {exc}") from None
+        await self.transport.send(self.coordinator.peer_id, Hello(cfg.run_id, self.identity.public_hex))
         self.advert = Advert(
             peer_id=self.transport.peer_id,
             maddrs=[str(m) for m in self.dht.get_visible_maddrs()],
@@ -121,7 +145,7 @@ class PeerNode:
             "joined as %s: %.2f GFLOP/s, up %.0f / down %.0f Mbit/s", self.advert.peer_id, flops / 1e9, up, down
         )
 
-    async def _find_coordinator(self) -> CoordinatorRecord:
+    async def _find_coordinator(self) -> tuple[CoordinatorRecord, Any]:
         assert self.dht is not None
         key = dht_key(self.config.run_id, "coordinator")
         deadline = time.monotonic() + self.config.join_timeout
@@ -132,22 +156,23 @@ class PeerNode:
                 try:
                     rec = CoordinatorRecord.from_header(found.value)
                     if isinstance(rec, CoordinatorRecord):
-                        return rec
+                        return rec, check_record(found.value)
                 except Exception as exc:
-                    logger.warning("ignoring a malformed coordinator record: %s", exc)
+                    logger.warning("ignoring a bad coordinator record: %s", exc)
             await asyncio.sleep(0.5)
         raise JoinError(
             f"no coordinator for run '{self.config.run_id}' in the DHT after {self.config.join_timeout:.0f} s"
         )
 
     async def _publish(self) -> None:
-        assert self.dht is not None and self.advert is not None
+        assert self.dht is not None and self.advert is not None and self.identity is not None
         expires = get_dht_time() + self.config.advert_ttl
         ad = Advert(**{**self.advert.__dict__, "expires_at": expires})
+        record = sign_record(self.identity, ad.header())
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(
             None,
-            lambda: self.dht.store(dht_key(self.config.run_id, "adverts"), ad.header(), expires, subkey=ad.peer_id),
+            lambda: self.dht.store(dht_key(self.config.run_id, "adverts"), record, expires, subkey=ad.peer_id),
         )
 
     async def _refresh_adverts(self) -> None:
@@ -168,6 +193,8 @@ class PeerNode:
                 self.mailbox.fail(RunAborted(msg.reason))
             elif isinstance(msg, Assign):
                 self.mailbox.put("assign", inbound)
+            elif isinstance(msg, LinkPlan):
+                self.mailbox.put("links", inbound)
             elif isinstance(msg, Finish):
                 self.mailbox.put("finish", inbound)
             elif isinstance(msg, Release):
@@ -195,7 +222,7 @@ class PeerNode:
         except RunAborted as exc:
             logger.error("the coordinator aborted the run: %s", exc)
             return 1
-        except PeerUnreachable as exc:
+        except (PeerUnreachable, RunRefused) as exc:
             logger.error("%s", exc)
             await self._report_failure(a, str(exc))
             return 1
@@ -209,13 +236,31 @@ class PeerNode:
 
     async def _train(self, a: Assign) -> int:
         assert self.transport is not None and self.coordinator is not None
+        assert self.checks is not None
         tp = self.transport
         for pid, addrs in a.maddrs.items():
             tp.learn(pid, addrs)
+        try:
+            for pid, hex_key in a.keys.items():
+                if pid != tp.peer_id:
+                    tp.gate.admit(pid, public_key(hex_key))
+        except IdentityError as exc:
+            raise RunRefused(f"the assignment holds a bad key: {exc}") from None
         job = JobSpec(**a.job)
         cut = Cut(tuple(a.cut))
         k, s, r = cut.num_stages, a.stage, a.replica
         start = time.perf_counter()
+        replicas = a.stages[s]
+        my_mbs = [m for m in range(job.micro_batches) if m % len(replicas) == r]
+        self.checks.my_mbs = frozenset(my_mbs)
+        self.checks.assign = a
+        rates = list(a.link_mbps)  # per boundary; a link is paced the same both ways
+        if s < min(k - 1, len(rates)):
+            for pid in a.stages[s + 1]:
+                tp.set_rate(pid, rates[s])
+        if 0 < s <= len(rates):
+            for pid in a.stages[s - 1]:
+                tp.set_rate(pid, rates[s - 1])
 
         def build() -> StageExecutor:
             model = job.build_model()
@@ -223,13 +268,24 @@ class PeerNode:
             return StageExecutor(module, job.lr, s == k - 1)
 
         ex = await self._run_compute(build)
-        await tp.send(self.coordinator.peer_id, Ready(a.run_id, s, r, time.perf_counter() - start))
-        replicas = a.stages[s]
-        my_mbs = [m for m in range(job.micro_batches) if m % len(replicas) == r]
+        build_s = time.perf_counter() - start
+        next_mbps = {}
+        for pid in a.stages[s + 1] if s < k - 1 else []:
+            next_mbps[pid], _ = await tp.measure_bandwidth(pid, self.config.link_probe_bytes, down=False)
+        await tp.send(self.coordinator.peer_id, Ready(a.run_id, s, r, build_s, next_mbps))
+        plan_msg = (await self.mailbox.get("links", self.config.message_timeout)).message
+        try:
+            codecs = [Codec.from_json(c) for c in plan_msg.codecs]
+        except CodecError as exc:
+            raise RunRefused(f"the link plan names a bad codec: {exc}") from None
+        if len(codecs) != k - 1:
+            raise RunRefused(f"the link plan has {len(codecs)} codecs for {k - 1} boundaries")
+        self.checks.codecs = [c.to_json() for c in codecs]
         uniform = len({len(p) for p in a.stages}) == 1
         plan = schedules.make(a.schedule if uniform else "gpipe", k, len(my_mbs))[s]
         timeout = self.config.message_timeout
         for step in range(job.steps):
+            self.checks.step = step
             sends: list[asyncio.Task[int]] = []
             losses: dict[str, float] = {}
             compute_s = 0.0
@@ -246,7 +302,9 @@ class PeerNode:
                     else:
                         dest = a.stages[s + 1][mb % len(a.stages[s + 1])]
                         sends.append(
-                            asyncio.create_task(tp.send(dest, Activations(a.run_id, step, mb, s + 1), list(out)))
+                            asyncio.create_task(
+                                tp.send(dest, Activations(a.run_id, step, mb, s + 1), list(out), Link(codecs[s]))
+                            )
                         )
                 else:
                     grad_out = None
@@ -258,7 +316,10 @@ class PeerNode:
                     compute_s += time.perf_counter() - t0
                     if s > 0:
                         dest = a.stages[s - 1][mb % len(a.stages[s - 1])]
-                        sends.append(asyncio.create_task(tp.send(dest, Gradients(a.run_id, step, mb, s - 1), grads)))
+                        link = Link(codecs[s - 1], self.feedback, dest)
+                        sends.append(
+                            asyncio.create_task(tp.send(dest, Gradients(a.run_id, step, mb, s - 1), grads, link))
+                        )
             if len(replicas) > 1:
                 await self._average_replicas(a, ex, step, timeout)
             await self._run_compute(ex.step)
@@ -266,7 +327,7 @@ class PeerNode:
                 await t
             await tp.send(
                 self.coordinator.peer_id,
-                StepDone(a.run_id, step, s, r, losses, compute_s, dict(tp.bytes_sent)),
+                StepDone(a.run_id, step, s, r, losses, compute_s, dict(tp.bytes_sent), dict(tp.raw_sent)),
             )
         inb = await self.mailbox.get("finish", timeout)
         if inb.message.send_state and r == 0:

@@ -34,9 +34,10 @@ def _check(name: str, value: Any, tp: Any) -> Any:
         (item_tp, *_) = typing.get_args(tp) or (Any,)
         return [_check(name, v, item_tp) for v in value]
     if origin is dict:
-        if not isinstance(value, dict):
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
             raise MessageError(f"field '{name}' must be an object")
-        return value
+        (_, value_tp) = typing.get_args(tp) or (str, Any)
+        return {k: _check(name, v, value_tp) for k, v in value.items()}
     if origin in (typing.Union, types.UnionType):
         for option in typing.get_args(tp):
             if option is type(None) and value is None:
@@ -98,6 +99,8 @@ class Advert(Message):
     torch_version: str
     protocol_version: int
     expires_at: float  # hivemind DHT time
+    pubkey: str = ""  # Ed25519 public key (hex); the record is signed with it
+    sig: str = ""
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,9 @@ class Assign(Message):
     stages: list[list[str]]  # peer ids serving each stage, replica order
     maddrs: dict[str, list[str]]  # peer id -> addresses
     schedule: str = "1f1b"
+    keys: dict[str, str] = field(default_factory=dict)  # peer id -> Ed25519 public key (hex): the admitted peers
+    specs: list[list[Any]] = field(default_factory=list)  # per stage: descriptions of its input values
+    link_mbps: list[float] = field(default_factory=list)  # per stage boundary: pace sends to this rate (0: no pacing)
 
 
 @dataclass(frozen=True)
@@ -122,6 +128,26 @@ class Ready(Message):
     stage: int
     replica: int
     build_s: float
+    next_mbps: dict[str, float] = field(default_factory=dict)  # next-stage peer id -> measured upload Mbit/s
+
+
+@dataclass(frozen=True)
+class Hello(Message):
+    """Peer -> coordinator, first message: binds the peer's Ed25519 key to the libp2p
+    peer id that the stream authenticated."""
+
+    KIND: ClassVar[str] = "hello"
+    run_id: str
+    pubkey: str
+
+
+@dataclass(frozen=True)
+class LinkPlan(Message):
+    """Coordinator -> peers after every peer is ready: the codec on each stage boundary."""
+
+    KIND: ClassVar[str] = "links"
+    run_id: str
+    codecs: list[dict[str, Any]]  # per stage boundary: Codec.to_json()
 
 
 @dataclass(frozen=True)
@@ -170,6 +196,7 @@ class StepDone(Message):
     losses: dict[str, float] = field(default_factory=dict)  # micro-batch -> loss (last stage)
     compute_s: float = 0.0
     bytes_sent: dict[str, int] = field(default_factory=dict)  # destination peer -> bytes
+    raw_sent: dict[str, int] = field(default_factory=dict)  # destination peer -> those bytes uncompressed
 
 
 @dataclass(frozen=True)
@@ -217,6 +244,8 @@ class CoordinatorRecord(Message):
     maddrs: list[str]
     run_id: str
     expires_at: float
+    pubkey: str = ""
+    sig: str = ""
 
 
 def dht_key(run_id: str, what: str) -> str:

@@ -21,13 +21,16 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr as HivemindMultiaddr
 from multiaddr import Multiaddr
 
-from protocol.messages import Message, MessageError
+from protocol.envelope import HEAD, MAGIC, Envelope, Gate, Reject, Rejected, Sealer, inline_payload
+from protocol.identity import SIGNATURE_BYTES, Identity
+from protocol.messages import Message
 from protocol.wire import (
-    DEFAULT_MAX_PAYLOAD_BYTES,
+    MAX_HEADER_BYTES,
     Frame,
+    Link,
     WireError,
     encode_values,
-    pack_header,
+    raw_bytes,
     read_frame,
     split_buffers,
     write_frame,
@@ -49,11 +52,16 @@ class PeerUnreachable(ConnectionError):
     """A destination peer could not be reached or dropped the stream."""
 
 
+#: rejections after which a stream cannot be trusted to stay in step
+_FATAL = (Reject.MALFORMED, Reject.TRUNCATED, Reject.OVERSIZED, Reject.BAD_ENVELOPE)
+
+
 @dataclass(frozen=True)
 class Inbound:
     sender: str
     message: Message
     frame: Frame
+    envelope: Envelope | None = None
 
     def values(self) -> list[Any]:
         return self.frame.values()
@@ -77,23 +85,36 @@ def peer_id_of(maddr: str) -> str | None:
 
 
 class Transport:
-    """Send and receive FusionLLM frames over a hivemind ``P2P`` instance."""
+    """Send and receive signed FusionLLM frames over a hivemind ``P2P`` instance.
 
-    def __init__(self, p2p: P2P, max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES) -> None:
+    Every message is sealed with this process's identity; every incoming one goes
+    through ``gate`` and only what passes reaches the inbox. ``set_rate`` paces the
+    sends to one peer (application-level shaping, e.g. to mimic a slow link)."""
+
+    def __init__(self, p2p: P2P, identity: Identity, gate: Gate) -> None:
         self.p2p = p2p
-        self.max_payload = max_payload
+        self.identity = identity
+        self.gate = gate
+        self.sealer = Sealer(identity, p2p.peer_id.to_base58())
         self.inbox: asyncio.Queue[Inbound] = asyncio.Queue()
         self.bytes_sent: dict[str, int] = defaultdict(int)
-        self.rejected: dict[str, int] = defaultdict(int)
+        self.raw_sent: dict[str, int] = defaultdict(int)  # what those bytes were before compression
         self._streams: dict[str, tuple[asyncio.StreamReader, asyncio.StreamWriter]] = {}
         self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._known: dict[str, list[str]] = {}
         self._frame_ids = itertools.count()
         self._lane_parts: dict[tuple[str, int, int], asyncio.Future[bytes]] = {}
+        self._rates: dict[str, float] = {}  # peer id -> bytes/s
+        self._pace_locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._free_at: dict[str, float] = defaultdict(float)
 
     @property
     def peer_id(self) -> str:
         return self.p2p.peer_id.to_base58()
+
+    @property
+    def max_payload(self) -> int:
+        return self.gate.max_payload
 
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(MSG_PROTOCOL, self._handle)
@@ -103,6 +124,24 @@ class Transport:
     def learn(self, peer_id: str, maddrs: list[str]) -> None:
         """Remember where a peer listens (from its advert or assignment)."""
         self._known[peer_id] = maddrs
+
+    def set_rate(self, peer_id: str, mbps: float | None) -> None:
+        """Pace sends to ``peer_id`` to ``mbps`` Mbit/s (None: as fast as possible)."""
+        if mbps is None or mbps <= 0:
+            self._rates.pop(peer_id, None)
+        else:
+            self._rates[peer_id] = mbps * 1e6 / 8
+
+    async def _pace(self, peer_id: str, nbytes: int) -> None:
+        """Wait as long as ``nbytes`` take on the paced link to ``peer_id``."""
+        rate = self._rates.get(peer_id)
+        if rate is None:
+            return
+        async with self._pace_locks[peer_id]:
+            now = time.monotonic()
+            start = max(now, self._free_at[peer_id])
+            self._free_at[peer_id] = start + nbytes / rate
+            await asyncio.sleep(self._free_at[peer_id] - now)
 
     async def _open(self, peer_id: str, protocol: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         pid = PeerID.from_base58(peer_id)
@@ -132,27 +171,35 @@ class Transport:
                 raise PeerUnreachable(f"stream to peer {peer_id} broke: {exc}") from None
         return sum(len(b) for b in buffers)
 
-    async def send(self, peer_id: str, message: Message, values: list[Any] | None = None) -> int:
-        """Send one message (with tensor values) to ``peer_id``; returns bytes written.
-        Large payloads go over ``LANES`` parallel streams, the header over the main one."""
-        header = message.header()
+    async def send(
+        self, peer_id: str, message: Message, values: list[Any] | None = None, link: Link | None = None
+    ) -> int:
+        """Seal and send one message (with values, encoded by ``link``'s codec) to
+        ``peer_id``; returns bytes written. Large payloads go over ``LANES``
+        parallel streams, the signed head over the main one."""
+        descs: list[Any] = []
         chunks: list[memoryview] = []
         if values is not None:
-            header["values"], chunks = encode_values(values)
+            descs, chunks = encode_values(values, link)
         total = sum(len(c) for c in chunks)
+        codec = str(link.codec) if link is not None else "none"
         if total <= LANE_THRESHOLD:
-            n = await self._write(peer_id, peer_id, MSG_PROTOCOL, [pack_header(header, total), *chunks])
+            head, _ = self.sealer.seal(message, descs, chunks, codec)
+            await self._pace(peer_id, len(head) + total)
+            n = await self._write(peer_id, peer_id, MSG_PROTOCOL, [head, *chunks])
         else:
             frame_id = next(self._frame_ids)
             parts = split_buffers(chunks, LANES)
             sizes = [sum(len(c) for c in part) for part in parts]
-            header["lanes"] = {"id": frame_id, "bytes": sizes}
-            writes = [self._write(peer_id, peer_id, MSG_PROTOCOL, [pack_header(header, 0)])]
+            head, _ = self.sealer.seal(message, descs, chunks, codec, {"id": frame_id, "bytes": sizes})
+            await self._pace(peer_id, len(head) + total)
+            writes = [self._write(peer_id, peer_id, MSG_PROTOCOL, [head])]
             for lane, part in enumerate(parts):
-                head = _LANE_HEAD.pack(frame_id, lane, sizes[lane])
-                writes.append(self._write(f"{peer_id}/lane{lane}", peer_id, LANE_PROTOCOL, [head, *part]))
+                lane_head = _LANE_HEAD.pack(frame_id, lane, sizes[lane])
+                writes.append(self._write(f"{peer_id}/lane{lane}", peer_id, LANE_PROTOCOL, [lane_head, *part]))
             n = sum(await asyncio.gather(*writes))
         self.bytes_sent[peer_id] += n
+        self.raw_sent[peer_id] += n - total + raw_bytes(descs)
         return n
 
     def _lane_future(self, key: tuple[str, int, int]) -> asyncio.Future[bytes]:
@@ -163,6 +210,8 @@ class Transport:
     async def _handle_lane(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sender = info.peer_id.to_base58()
         try:
+            if sender not in self.gate.keys:
+                raise Rejected(Reject.NOT_ADMITTED, f"lane stream from {sender}, who is not admitted")
             while True:
                 try:
                     head = await reader.readexactly(_LANE_HEAD.size)
@@ -170,55 +219,72 @@ class Transport:
                     break
                 frame_id, lane, size = _LANE_HEAD.unpack(head)
                 if size > self.max_payload or lane >= LANES:
-                    raise WireError(f"lane part of {size} bytes (lane {lane}) is over the limits")
+                    raise Rejected(Reject.OVERSIZED, f"lane part of {size} bytes (lane {lane}) is over the limits")
                 fut = self._lane_future((sender, frame_id, lane))
                 data = await reader.readexactly(size)
                 if not fut.done():
                     fut.set_result(data)
-        except (WireError, ConnectionError, asyncio.IncompleteReadError) as exc:
-            self.rejected[str(exc)] += 1
-            logger.warning("dropped a lane stream from %s: %s", sender, exc)
+        except Rejected as exc:
+            self.gate.reject(sender, exc)
+        except (ConnectionError, asyncio.IncompleteReadError) as exc:
+            logger.debug("lane stream from %s ended: %s", sender, exc)
         finally:
             writer.close()
 
-    async def _join_lanes(self, sender: str, frame: Frame) -> Frame:
-        lanes = frame.header.get("lanes")
-        if not isinstance(lanes, dict) or not isinstance(lanes.get("id"), int):
-            raise WireError("malformed 'lanes' in a header")
-        sizes = lanes.get("bytes")
-        if not isinstance(sizes, list) or len(sizes) > LANES or not all(isinstance(x, int) for x in sizes):
-            raise WireError("malformed lane sizes")
-        if sum(sizes) > self.max_payload:
-            raise WireError(f"payload of {sum(sizes)} bytes is over the limit of {self.max_payload}")
+    async def _join_lanes(self, sender: str, env: Envelope) -> memoryview:
+        lanes = env.lanes or {}
+        sizes = lanes["bytes"]
         keys = [(sender, lanes["id"], i) for i in range(len(sizes))]
         try:
             parts = await asyncio.wait_for(asyncio.gather(*(self._lane_future(k) for k in keys)), 120)
+        except asyncio.TimeoutError:
+            raise Rejected(Reject.TRUNCATED, "lane parts did not arrive within 120 s") from None
         finally:
             for k in keys:
                 self._lane_parts.pop(k, None)
         if [len(p) for p in parts] != sizes:
-            raise WireError("lane parts do not match their announced sizes")
-        return Frame(frame.header, memoryview(bytearray().join(parts)))
+            raise Rejected(Reject.TRUNCATED, "lane parts do not match their announced sizes")
+        return memoryview(bytearray().join(parts))
 
     async def _handle(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sender = info.peer_id.to_base58()
         try:
             while True:
-                frame = await read_frame(reader, self.max_payload)
-                if frame is None:
-                    break
-                if "lanes" in frame.header:
-                    frame = await self._join_lanes(sender, frame)
                 try:
-                    msg = Message.from_header(frame.header)
-                except MessageError as exc:
-                    self.rejected[str(exc)] += 1
-                    logger.warning("rejected a message from %s: %s", sender, exc)
+                    first = await reader.readexactly(HEAD.size)
+                except asyncio.IncompleteReadError as exc:
+                    if exc.partial:
+                        raise Rejected(Reject.TRUNCATED, "stream ended inside a frame head") from None
+                    break
+                magic, hlen = HEAD.unpack(first)
+                if magic != MAGIC:
+                    raise Rejected(Reject.MALFORMED, f"bad magic {magic!r}: not a signed FusionLLM frame")
+                if hlen > MAX_HEADER_BYTES:
+                    raise Rejected(Reject.OVERSIZED, f"header of {hlen} bytes is over {MAX_HEADER_BYTES}")
+                head = first + await reader.readexactly(hlen + SIGNATURE_BYTES)
+                try:
+                    env, message = self.gate.check_head(head, sender)
+                except Rejected as exc:
+                    skip = inline_payload(head)
+                    if exc.code in _FATAL or skip is None or skip > self.max_payload:
+                        raise
+                    self.gate.reject(sender, exc)
+                    await _discard(reader, skip)  # the sender's later frames still count
                     continue
-                await self.inbox.put(Inbound(sender, msg, frame))
-        except WireError as exc:
-            self.rejected[str(exc)] += 1
-            logger.warning("dropped the stream from %s: %s", sender, exc)
+                try:
+                    if env.lanes is not None:
+                        payload = await self._join_lanes(sender, env)
+                    else:
+                        payload = await _read_payload(reader, env.payload_bytes)
+                    self.gate.check_payload(env, payload, sender)
+                except Rejected as exc:
+                    if exc.code is Reject.TRUNCATED:
+                        raise
+                    self.gate.reject(sender, exc)
+                    continue
+                await self.inbox.put(Inbound(sender, message, Frame({"values": env.values}, payload), env))
+        except Rejected as exc:
+            self.gate.reject(sender, exc)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
@@ -242,25 +308,49 @@ class Transport:
         finally:
             writer.close()
 
-    async def measure_bandwidth(self, peer_id: str, nbytes: int = 8 << 20) -> tuple[float, float]:
-        """Timed transfer with ``peer_id``: (upload, download) in Mbit/s."""
+    async def measure_bandwidth(self, peer_id: str, nbytes: int = 8 << 20, down: bool = True) -> tuple[float, float]:
+        """Timed transfer with ``peer_id``: (upload, download) in Mbit/s (download 0.0
+        when not measured). The upload is paced like any other send to that peer."""
         reader, writer = await self._open(peer_id, BW_PROTOCOL)
+        down_bytes = nbytes if down else 0
         try:
             import torch
 
             blob = torch.zeros(nbytes, dtype=torch.uint8)
             start = time.perf_counter()
-            await write_frame(writer, {"down_bytes": nbytes}, [blob])
+            await self._pace(peer_id, nbytes)
+            await write_frame(writer, {"down_bytes": down_bytes}, [blob])
             await reader.readexactly(1)
             up_s = time.perf_counter() - start
             start = time.perf_counter()
-            await reader.readexactly(nbytes)
+            await reader.readexactly(down_bytes)
             down_s = time.perf_counter() - start
         finally:
             writer.close()
-        return nbytes * 8 / up_s / 1e6, nbytes * 8 / down_s / 1e6
+        return nbytes * 8 / up_s / 1e6, (down_bytes * 8 / down_s / 1e6 if down_bytes else 0.0)
 
     async def aclose(self) -> None:
         for _, writer in self._streams.values():  # main and lane streams
             writer.close()
         self._streams.clear()
+
+
+async def _read_payload(reader: asyncio.StreamReader, size: int) -> memoryview:
+    payload = bytearray(size)
+    view = memoryview(payload)
+    got = 0
+    while got < size:
+        chunk = await reader.read(min(size - got, 1 << 22))
+        if not chunk:
+            raise Rejected(Reject.TRUNCATED, "stream ended inside a payload")
+        view[got : got + len(chunk)] = chunk
+        got += len(chunk)
+    return view
+
+
+async def _discard(reader: asyncio.StreamReader, size: int) -> None:
+    while size > 0:
+        chunk = await reader.read(min(size, 1 << 20))
+        if not chunk:
+            raise Rejected(Reject.TRUNCATED, "stream ended inside a rejected payload")
+        size -= len(chunk)

@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import struct
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from protocol.codecs import Codec, CodecError, ErrorFeedback
+from protocol.codecs import decode as decode_tensor
+from protocol.codecs import encode as encode_tensor
 
 MAGIC = b"FLM1"
 MAX_HEADER_BYTES = 1 << 20
@@ -35,28 +40,39 @@ _DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
+_ITEMSIZE = {v: torch.empty((), dtype=v).element_size() for v in _DTYPES.values()}
 
 
 class WireError(ValueError):
     """A frame or value that does not follow the wire format."""
 
 
-def encode_value(value: Any, chunks: list[memoryview]) -> Any:
-    """Describe ``value`` as JSON, appending tensor bytes to ``chunks``."""
+def encode_value(value: Any, chunks: list[memoryview], link: Link | None = None) -> Any:
+    """Describe ``value`` as JSON, appending tensor bytes to ``chunks``. Floating
+    tensors are compressed with ``link``'s codec (and its error feedback)."""
     if isinstance(value, torch.Tensor):
         t = value.detach()
         if t.device.type != "cpu":
             t = t.cpu()
         if t.dtype not in _NAMES:
             raise WireError(f"dtype {t.dtype} cannot travel on the wire")
+        desc: dict[str, Any] = {"t": "tensor", "dtype": _NAMES[t.dtype], "shape": list(t.shape)}
+        if link is not None and link.codec.applies_to(t):
+            parts = link.encode(t)
+            chunks.extend(parts)
+            desc["codec"] = link.codec.to_json()
+            desc["parts"] = [len(p) for p in parts]
+            desc["nbytes"] = sum(desc["parts"])
+            return desc
         t = t.contiguous()
         buf = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() > 0 else memoryview(b"")
         chunks.append(buf)
-        return {"t": "tensor", "dtype": _NAMES[t.dtype], "shape": list(t.shape), "nbytes": len(buf)}
+        desc["nbytes"] = len(buf)
+        return desc
     if isinstance(value, torch.Size):
         return {"t": "size", "v": list(value)}
     if isinstance(value, (tuple, list)):
-        return {"t": type(value).__name__, "items": [encode_value(v, chunks) for v in value]}
+        return {"t": type(value).__name__, "items": [encode_value(v, chunks, link) for v in value]}
     if isinstance(value, torch.device):
         return {"t": "device", "v": str(value)}
     if isinstance(value, torch.dtype):
@@ -66,13 +82,98 @@ def encode_value(value: Any, chunks: list[memoryview]) -> Any:
     raise WireError(f"values of type {type(value).__name__} cannot travel on the wire")
 
 
+class Link:
+    """How tensors are encoded on one link: its codec and, for gradients, the
+    error-feedback residuals of that link (one per value slot)."""
+
+    def __init__(self, codec: Codec, feedback: ErrorFeedback | None = None, key: Any = None) -> None:
+        self.codec = codec
+        self.feedback = feedback
+        self.key = key
+        self._slot = 0
+
+    def encode(self, t: torch.Tensor) -> list[memoryview]:
+        slot, self._slot = self._slot, self._slot + 1
+        if self.feedback is not None:
+            return self.feedback.encode((self.key, slot), t, self.codec)
+        return encode_tensor(t, self.codec)[0]
+
+
 def _shape_numel(shape: Any) -> int:
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise WireError(f"bad tensor shape {shape!r}")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > 16
+        or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in shape)
+    ):
+        raise WireError(f"bad tensor shape {str(shape)[:64]}")
     n = 1
     for d in shape:
         n *= d
     return n
+
+
+def _tensor_desc(desc: dict[str, Any]) -> tuple[torch.dtype, list[int], int, Codec | None]:
+    """(dtype, shape, bytes, codec) of a tensor description, checked for consistency."""
+    dtype = _DTYPES.get(desc.get("dtype"))  # type: ignore[arg-type]
+    if dtype is None:
+        raise WireError(f"unknown dtype {str(desc.get('dtype'))[:32]!r}")
+    shape = desc.get("shape")
+    numel = _shape_numel(shape)
+    nbytes = desc.get("nbytes")
+    codec = None
+    if "codec" in desc:
+        try:
+            codec = Codec.from_json(desc["codec"])
+        except (CodecError, TypeError) as exc:
+            raise WireError(f"bad codec: {exc}") from None
+        expected = codec.part_sizes(numel, dtype)
+        if desc.get("parts") != expected or nbytes != sum(expected):
+            raise WireError(f"{codec} tensor of shape {shape} must have parts of {expected} bytes")
+    elif nbytes != numel * _ITEMSIZE[dtype]:
+        raise WireError(f"tensor of shape {shape} and dtype {desc['dtype']} cannot be {nbytes} bytes")
+    return dtype, shape, nbytes, codec
+
+
+def check_descriptions(descs: Any, payload_bytes: int) -> None:
+    """Check value descriptions without a payload: structure, sizes, and that they
+    account for exactly ``payload_bytes``."""
+    if not isinstance(descs, list):
+        raise WireError("'values' is not a list")
+    total = sum(_described_bytes(d, 0) for d in descs)
+    if total != payload_bytes:
+        raise WireError(f"values describe {total} bytes, the payload has {payload_bytes}")
+
+
+def _described_bytes(desc: Any, depth: int) -> int:
+    if depth > 32:
+        raise WireError("values nested too deeply")
+    if not isinstance(desc, dict):
+        raise WireError("value description is not an object")
+    kind = desc.get("t")
+    if kind == "tensor":
+        return _tensor_desc(desc)[2]
+    if kind in ("tuple", "list"):
+        items = desc.get("items")
+        if not isinstance(items, list):
+            raise WireError("tuple without items")
+        return sum(_described_bytes(d, depth + 1) for d in items)
+    if kind in ("size", "device", "dtype", "py"):
+        decode_value(desc, memoryview(b""), 0)
+        return 0
+    raise WireError(f"unknown value kind {str(kind)[:32]!r}")
+
+
+def raw_bytes(descs: list[Any]) -> int:
+    """What the described values take uncompressed."""
+    total = 0
+    for d in descs:
+        if not isinstance(d, dict):
+            continue
+        if d.get("t") == "tensor":
+            total += math.prod(d["shape"]) * _ITEMSIZE[_DTYPES[d["dtype"]]]
+        elif d.get("t") in ("tuple", "list"):
+            total += raw_bytes(d.get("items", []))
+    return total
 
 
 def decode_value(desc: Any, payload: memoryview, offset: int, device: torch.device | None = None) -> tuple[Any, int]:
@@ -81,24 +182,28 @@ def decode_value(desc: Any, payload: memoryview, offset: int, device: torch.devi
         raise WireError("value description is not an object")
     kind = desc.get("t")
     if kind == "tensor":
-        dtype = _DTYPES.get(desc.get("dtype"))  # type: ignore[arg-type]
-        if dtype is None:
-            raise WireError(f"unknown dtype {desc.get('dtype')!r}")
-        shape = desc.get("shape")
-        numel = _shape_numel(shape)
-        nbytes = desc.get("nbytes")
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if nbytes != numel * itemsize:
-            raise WireError(f"tensor of shape {shape} and dtype {desc['dtype']} cannot be {nbytes} bytes")
+        dtype, shape, nbytes, codec = _tensor_desc(desc)
         if offset + nbytes > len(payload):
             raise WireError("payload shorter than its tensors")
-        raw = payload[offset : offset + nbytes]
-        if numel == 0:
-            t = torch.empty(shape, dtype=dtype)
-        elif offset % itemsize == 0:  # zero-copy: the tensor shares the frame's own buffer
-            t = torch.frombuffer(payload, dtype=dtype, count=numel, offset=offset).reshape(shape)
+        if codec is not None:
+            parts, at = [], offset
+            for size in desc["parts"]:
+                parts.append(payload[at : at + size])
+                at += size
+            try:
+                t = decode_tensor(parts, codec, dtype, shape)
+            except CodecError as exc:
+                raise WireError(str(exc)) from None
         else:
-            t = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
+            numel = math.prod(shape)
+            itemsize = _ITEMSIZE[dtype]
+            raw = payload[offset : offset + nbytes]
+            if numel == 0:
+                t = torch.empty(shape, dtype=dtype)
+            elif offset % itemsize == 0:  # zero-copy: the tensor shares the frame's own buffer
+                t = torch.frombuffer(payload, dtype=dtype, count=numel, offset=offset).reshape(shape)
+            else:
+                t = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
         if device is not None and device.type != "cpu":
             t = t.to(device)
         return t, offset + nbytes
@@ -112,7 +217,10 @@ def decode_value(desc: Any, payload: memoryview, offset: int, device: torch.devi
             out.append(v)
         return (tuple(out) if kind == "tuple" else out), offset
     if kind == "size":
-        return torch.Size(desc.get("v", [])), offset
+        v = desc.get("v")
+        if not isinstance(v, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in v):
+            raise WireError("bad size value")
+        return torch.Size(v), offset
     if kind == "device":
         return (device or torch.device("cpu")), offset
     if kind == "dtype":
@@ -148,10 +256,10 @@ class Frame:
         return out
 
 
-def encode_values(values: list[Any]) -> tuple[list[Any], list[memoryview]]:
+def encode_values(values: list[Any], link: Link | None = None) -> tuple[list[Any], list[memoryview]]:
     """Descriptions of ``values`` and the payload buffers they refer to, in order."""
     chunks: list[memoryview] = []
-    return [encode_value(v, chunks) for v in values], chunks
+    return [encode_value(v, chunks, link) for v in values], chunks
 
 
 def pack_header(header: dict[str, Any], payload_bytes: int) -> bytes:

@@ -1,0 +1,71 @@
+"""What a peer expects to receive, from whom, given its assignment: the plan's
+half of the envelope checks (the rest is in ``protocol.envelope.Gate``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from protocol.envelope import Envelope, Reject, Rejected, match_values
+from protocol.messages import Assign, Message
+
+#: control messages only the coordinator sends
+_FROM_COORDINATOR = ("assign", "links", "finish", "release", "abort")
+
+
+@dataclass
+class PlanChecks:
+    """The peer's expectations; ``step`` is the step it is working on."""
+
+    coordinator: str
+    assign: Assign | None = None
+    codecs: list[dict[str, Any]] = field(default_factory=list)
+    step: int = 0
+    my_mbs: frozenset[int] = frozenset()
+
+    def __call__(self, env: Envelope, message: Message, sender: str) -> None:
+        a = self.assign
+        if env.kind in _FROM_COORDINATOR and sender == self.coordinator:
+            if a is None and env.kind not in ("assign", "abort"):
+                raise Rejected(Reject.UNEXPECTED, f"{env.kind} before an assignment")
+            return
+        if a is None:
+            raise Rejected(Reject.UNEXPECTED, f"{env.kind} from {sender} before an assignment")
+        s, k = a.stage, len(a.stages)
+        if env.kind == "act":
+            upstream = [self.coordinator] if s == 0 else a.stages[s - 1]
+            self._route(env, sender, upstream, (self.step, self.step + 1))
+            codec = None if s == 0 else self._codec(s - 1)
+            if a.specs:
+                match_values(env.values, a.specs[s], codec)
+        elif env.kind == "grad":
+            if s == k - 1:
+                raise Rejected(Reject.UNEXPECTED, "gradients sent to the last stage")
+            self._route(env, sender, a.stages[s + 1], (self.step,))
+            if a.specs:
+                match_values(env.values, a.specs[s + 1], self._codec(s), gradients=True)
+        elif env.kind == "rgrad":
+            peers = [p for p in a.stages[s] if p != self.peer_id]
+            if sender not in peers or env.stage != s or env.step != self.step:
+                raise Rejected(Reject.UNEXPECTED, f"replica gradients for stage {env.stage} step {env.step}")
+        else:
+            raise Rejected(Reject.UNEXPECTED, f"{env.kind} from {sender}")
+
+    @property
+    def peer_id(self) -> str:
+        assert self.assign is not None
+        return self.assign.stages[self.assign.stage][self.assign.replica]
+
+    def _codec(self, boundary: int) -> dict[str, Any] | None:
+        return self.codecs[boundary] if boundary < len(self.codecs) else None
+
+    def _route(self, env: Envelope, sender: str, senders: list[str], steps: tuple[int, ...]) -> None:
+        assert self.assign is not None
+        if sender not in senders:
+            raise Rejected(Reject.UNEXPECTED, f"{env.kind} from {sender}, who does not feed stage {self.assign.stage}")
+        if env.stage != self.assign.stage:
+            raise Rejected(Reject.UNEXPECTED, f"{env.kind} for stage {env.stage}; this peer serves {self.assign.stage}")
+        if env.step not in steps:
+            raise Rejected(Reject.UNEXPECTED, f"{env.kind} for step {env.step}; this peer is at step {self.step}")
+        if env.mb not in self.my_mbs:
+            raise Rejected(Reject.UNEXPECTED, f"{env.kind} for micro-batch {env.mb}, not one of this replica's")
