@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 
-import hivemind
 import pytest
 import torch
+from p2p import transport_pair
 
 from protocol.messages import Activations, Message, MessageError, StepDone
-from protocol.transport import LANE_THRESHOLD, Transport
+from protocol.transport import LANE_THRESHOLD
 from protocol.wire import MAGIC, WireError, pack_bytes, read_frame, split_buffers
 
 
@@ -86,12 +86,7 @@ def test_split_buffers_keeps_bytes_in_order() -> None:
 
 def test_transport_sends_small_and_laned_frames() -> None:
     async def go() -> None:
-        d1 = hivemind.DHT(start=True)
-        d2 = hivemind.DHT(initial_peers=[str(m) for m in d1.get_visible_maddrs()], start=True)
-        a, b = Transport(await d1.replicate_p2p()), Transport(await d2.replicate_p2p())
-        try:
-            await a.start()
-            await b.start()
+        async with transport_pair() as (a, b):
             big = torch.randn(LANE_THRESHOLD // 4 + 12345)
             small = torch.arange(10)
             await a.send(b.peer_id, Activations("r", 0, 0, 1), [small])
@@ -103,10 +98,5 @@ def test_transport_sends_small_and_laned_frames() -> None:
             vals = got[1].values()
             assert torch.equal(vals[0], big) and torch.equal(vals[1], small)
             assert a.bytes_sent[b.peer_id] > big.nbytes
-        finally:
-            await a.aclose()
-            await b.aclose()
-            d1.shutdown()
-            d2.shutdown()
 
     asyncio.run(go())

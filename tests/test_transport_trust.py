@@ -1,0 +1,108 @@
+"""Over real libp2p streams: bad frames are dropped with their code and counted,
+and the same sender's valid traffic on the same stream goes on."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+from p2p import transport_pair
+
+from protocol.envelope import HEAD, Reject
+from protocol.identity import Identity
+from protocol.messages import Activations
+from protocol.transport import MSG_PROTOCOL, Transport
+
+
+def _sealed(t: Transport, msg: Activations, x: torch.Tensor, key: Identity | None = None) -> bytes:
+    from protocol.envelope import Sealer
+    from protocol.wire import encode_values
+
+    sealer = t.sealer if key is None else Sealer(key, t.peer_id)
+    descs, chunks = encode_values([x])
+    head, _ = sealer.seal(msg, descs, chunks)
+    return head + b"".join(bytes(c) for c in chunks)
+
+
+async def _until(cond, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+def test_bad_frames_are_dropped_and_valid_traffic_goes_on() -> None:
+    async def go() -> None:
+        async with transport_pair("r", max_payload=1 << 20) as (a, b):
+            x = torch.randn(64)
+            await a.send(b.peer_id, Activations("r", 0, 0, 1), [x])
+            good = _sealed(a, Activations("r", 0, 1, 1), x)
+            forged = _sealed(a, Activations("r", 0, 2, 1), x, key=Identity.generate())
+            tampered = bytearray(_sealed(a, Activations("r", 0, 3, 1), x))
+            tampered[-1] ^= 0xFF
+            other_run = _sealed(a, Activations("elsewhere", 0, 4, 1), x)
+            raw = [good, good, forged, bytes(tampered), other_run]  # the second `good` is a replay
+            await a._write(b.peer_id, b.peer_id, MSG_PROTOCOL, raw)
+            await a.send(b.peer_id, Activations("r", 0, 5, 1), [x])
+            got = [await asyncio.wait_for(b.inbox.get(), 20) for _ in range(3)]
+            assert [g.message.mb for g in got] == [0, 1, 5]
+            assert torch.equal(got[2].values()[0], x)
+            await _until(lambda: sum(b.gate.counts.values()) == 4)
+            assert b.gate.counts == {
+                Reject.REPLAY: 1,
+                Reject.BAD_SIGNATURE: 1,
+                Reject.BAD_DIGEST: 1,
+                Reject.WRONG_RUN: 1,
+            }
+            assert b.inbox.empty()
+            assert {r[2] for r in b.gate.recent} == {"replay", "bad_signature", "bad_digest", "wrong_run"}
+
+    asyncio.run(go())
+
+
+def test_oversized_frame_is_rejected_before_its_payload_arrives() -> None:
+    async def go() -> None:
+        async with transport_pair("r", max_payload=1 << 20) as (a, b):
+            frame = _sealed(a, Activations("r", 0, 0, 1), torch.zeros(1 << 19))  # 2 MiB payload
+            end = HEAD.size + HEAD.unpack_from(frame)[1] + 64
+            # only the head is sent: the receiver must not wait for 2 MiB that never come
+            await a._write("probe", b.peer_id, MSG_PROTOCOL, [frame[:end]])
+            await _until(lambda: b.gate.counts[Reject.OVERSIZED] == 1, timeout=10)
+            x = torch.ones(3)
+            await a.send(b.peer_id, Activations("r", 0, 1, 1), [x])  # its other stream still works
+            got = await asyncio.wait_for(b.inbox.get(), 20)
+            assert got.message.mb == 1
+
+    asyncio.run(go())
+
+
+def test_unadmitted_sender_is_refused() -> None:
+    async def go() -> None:
+        async with transport_pair("r") as (a, b):
+            b.gate.keys.clear()
+            await a.send(b.peer_id, Activations("r", 0, 0, 1), [torch.ones(2)])
+            await _until(lambda: b.gate.counts[Reject.NOT_ADMITTED] == 1)
+            assert b.inbox.empty()
+
+    asyncio.run(go())
+
+
+def test_paced_link_takes_as_long_as_its_rate_says() -> None:
+    async def go() -> None:
+        async with transport_pair("r") as (a, b):
+            x = torch.zeros(250_000)  # 1 MB
+            await a.send(b.peer_id, Activations("r", 0, 0, 1), [x])  # opens the stream
+            await b.inbox.get()
+            a.set_rate(b.peer_id, 40.0)  # 40 Mbit/s: 1 MB takes 0.2 s
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            for mb in range(1, 4):
+                await a.send(b.peer_id, Activations("r", 0, mb, 1), [x])
+            for _ in range(3):
+                await asyncio.wait_for(b.inbox.get(), 20)
+            took = loop.time() - start
+            assert 0.6 <= took < 2.0, took
+            up, _ = await a.measure_bandwidth(b.peer_id, 1 << 20, down=False)
+            assert 25 < up <= 41, up
+
+    asyncio.run(go())
