@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from p2p import transport_pair  # noqa: E402
 
-from protocol.codecs import Codec, decode, encode  # noqa: E402
+from protocol.codecs import Codec, decode, encode_parts  # noqa: E402
 from protocol.envelope import Gate, Sealer  # noqa: E402
 from protocol.identity import Identity  # noqa: E402
 from protocol.messages import Activations  # noqa: E402
@@ -54,8 +54,8 @@ def codec_speeds() -> dict[str, float]:
     gb = x.numel() * 4 / 1e9
     codec = Codec("adatopk", DENSITY)
     k = round(DENSITY * N)
-    enc_s = _best(lambda: encode(x, codec))
-    parts, _ = encode(x, codec)
+    enc_s = _best(lambda: encode_parts(x, codec))
+    parts = encode_parts(x, codec)
     parts = [memoryview(bytearray(p)) for p in parts]
     dec_s = _best(lambda: decode(parts, codec, torch.float32, [N]))
 
@@ -65,7 +65,7 @@ def codec_speeds() -> dict[str, float]:
         idx.int()
 
     glob_s = _best(global_topk, repeats=3)
-    fp16_s = _best(lambda: encode(x, Codec("fp16")))
+    fp16_s = _best(lambda: encode_parts(x, Codec("fp16")))
     descs, chunks = encode_values([x], Link(codec))
     head, payload = Sealer(Identity.generate(), "p").seal(Activations("r", 0, 0, 1), descs, chunks, str(codec))
     ideal = k * (2 + 1)

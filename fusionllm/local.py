@@ -151,3 +151,16 @@ def compare_checkpoints(a: str | Path, b: str | Path) -> float:
     if sa.keys() != sb.keys():
         return math.inf
     return max((relative_error(sa[k].float(), sb[k].float()) for k in sa), default=0.0)
+
+
+def validation_loss(job: JobSpec, checkpoint: str | Path, batches: int = 20) -> float:
+    """Mean loss of the model in ``checkpoint`` on the first ``batches`` batches of
+    the data's validation split (the same batches for every checkpoint)."""
+    model = job.build_model()
+    model.load_state_dict(load_file(str(checkpoint)))
+    model.eval()
+    total = 0.0
+    with torch.no_grad():
+        for batch in itertools.islice(job.batches("val"), batches):
+            total += float(model(*batch))
+    return total / batches

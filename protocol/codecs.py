@@ -132,13 +132,17 @@ def _padded_blocks(flat: torch.Tensor, block: int) -> torch.Tensor:
     return flat.view(blocks, block)
 
 
-def _topk_rows(rows: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of each row's ``k`` largest magnitudes, processed in cache-sized chunks."""
-    if k == 0:
-        return torch.empty(rows.shape[0], 0, dtype=torch.int64)
+def _topk_rows(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's ``k`` largest-magnitude values and their indices, row by row in
+    order, processed in cache-sized chunks (abs, top-k and gather while hot)."""
     step = max(1, _CHUNK_ELEMENTS // rows.shape[1])
-    parts = [rows[i : i + step].abs().topk(k, dim=1, sorted=False)[1] for i in range(0, rows.shape[0], step)]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    vals, idx = [], []
+    for i in range(0, rows.shape[0], step):
+        chunk = rows[i : i + step]
+        top = chunk.abs().topk(k, dim=1, sorted=False).indices
+        idx.append(top.reshape(-1))
+        vals.append(chunk.gather(1, top).reshape(-1))
+    return torch.cat(vals) if len(vals) > 1 else vals[0], torch.cat(idx) if len(idx) > 1 else idx[0]
 
 
 def topk_select(x: torch.Tensor, codec: Codec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,9 +153,9 @@ def topk_select(x: torch.Tensor, codec: Codec) -> tuple[torch.Tensor, torch.Tens
     idx, vals = [], []
     for lo, hi, k in ((0, extra, base + 1), (extra, rows.shape[0], base)):
         if hi > lo and k > 0:
-            i = _topk_rows(rows[lo:hi], k)
-            idx.append(i.reshape(-1))
-            vals.append(rows[lo:hi].gather(1, i).reshape(-1))
+            v, i = _topk_rows(rows[lo:hi], k)
+            idx.append(i)
+            vals.append(v)
     if not idx:
         return flat.new_zeros(0), torch.zeros(0, dtype=torch.int64)
     return torch.cat(vals) if len(vals) > 1 else vals[0], torch.cat(idx) if len(idx) > 1 else idx[0]
@@ -159,24 +163,55 @@ def topk_select(x: torch.Tensor, codec: Codec) -> tuple[torch.Tensor, torch.Tens
 
 def encode(x: torch.Tensor, codec: Codec) -> tuple[list[memoryview], torch.Tensor]:
     """Encode ``x``; returns the parts to send and what the receiver will decode
-    (as ``x``'s dtype and shape), from which error feedback takes its residual."""
+    (as ``x``'s dtype and shape)."""
+    parts, residual = encode_with_residual(x, codec)
+    return parts, (x.detach().float() - residual).to(x.dtype).view(x.shape)
+
+
+def encode_parts(x: torch.Tensor, codec: Codec) -> list[memoryview]:
+    """Just the parts to send (no residual: the fast path for activations)."""
+    if codec.name == "adatopk":
+        return encode_topk(x, codec)[0]
     if codec.name == "none":
-        return [_bytes(x)], x
+        return [_bytes(x)]
+    if codec.name in _CAST:
+        return [_bytes(x.detach().to(_CAST[codec.name]))]
+    return encode_with_residual(x, codec)[0]
+
+
+def encode_with_residual(x: torch.Tensor, codec: Codec) -> tuple[list[memoryview], torch.Tensor]:
+    """Encode ``x``; returns the parts and what they lose (``x`` minus what the
+    receiver decodes, in fp32), which error feedback adds to the next message."""
+    if codec.name == "none":
+        return [_bytes(x)], torch.zeros(x.shape)
     if codec.name in _CAST:
         small = x.detach().to(_CAST[codec.name])
-        return [_bytes(small)], small.to(x.dtype)
+        return [_bytes(small)], x.detach().float() - small.float()
     if codec.name == "int8":
         flat = x.detach().reshape(-1).float()
         rows = _padded_blocks(flat, codec.block)
         scale = rows.abs().amax(dim=1).clamp_min(1e-30) / 127.0
         q = torch.round(rows / scale[:, None]).clamp_(-127, 127).to(torch.int8)
         approx = (q.float() * scale[:, None]).reshape(-1)[: flat.numel()]
-        return [_bytes(scale), _bytes(q.reshape(-1)[: flat.numel()])], approx.to(x.dtype).view(x.shape)
+        return [_bytes(scale), _bytes(q.reshape(-1)[: flat.numel()])], (flat - approx).view(x.shape)
+    return encode_topk(x, codec, residual=True)  # type: ignore[return-value]
+
+
+def encode_topk(x: torch.Tensor, codec: Codec, residual: bool = False) -> tuple[list[memoryview], torch.Tensor | None]:
+    """AdaTopK's parts for ``x``; with ``residual``, also what they leave out."""
     vals, idx = topk_select(x, codec)
     vals16 = vals.half()
-    index = idx.to(codec.index_dtype())
-    approx = _scatter(x.numel(), codec, vals16.float(), idx).to(x.dtype).view(x.shape)
-    return [_bytes(vals16), _bytes(index)], approx
+    parts = [_bytes(vals16), _bytes(idx.to(codec.index_dtype()))]
+    if not residual:
+        return parts, None
+    rest = _padded_blocks(x.detach().reshape(-1).float().clone(), codec.block)
+    base, extra = _per_block_counts(len(vals), rest.shape[0])
+    split = extra * (base + 1)
+    for lo, hi, k, sl in ((0, extra, base + 1, slice(0, split)), (extra, rest.shape[0], base, slice(split, None))):
+        if hi > lo and k > 0:
+            kept = (vals[sl] - vals16[sl].float()).view(hi - lo, k)  # only fp16 rounding stays behind
+            rest[lo:hi].scatter_(1, idx[sl].view(hi - lo, k), kept)
+    return parts, rest.reshape(-1)[: x.numel()].view(x.shape)
 
 
 def _scatter(numel: int, codec: Codec, vals: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -241,6 +276,5 @@ class ErrorFeedback:
             return encode(x, codec)[0]
         r = self.residuals.get(key)
         target = x.detach().float() if r is None or r.shape != x.shape else x.detach().float() + r
-        parts, approx = encode(target, codec)
-        self.residuals[key] = target - approx.float()
+        parts, self.residuals[key] = encode_with_residual(target, codec)
         return parts

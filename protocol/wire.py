@@ -18,9 +18,8 @@ from typing import Any
 
 import torch
 
-from protocol.codecs import Codec, CodecError, ErrorFeedback
+from protocol.codecs import Codec, CodecError, ErrorFeedback, encode_parts
 from protocol.codecs import decode as decode_tensor
-from protocol.codecs import encode as encode_tensor
 
 MAGIC = b"FLM1"
 MAX_HEADER_BYTES = 1 << 20
@@ -96,7 +95,7 @@ class Link:
         slot, self._slot = self._slot, self._slot + 1
         if self.feedback is not None:
             return self.feedback.encode((self.key, slot), t, self.codec)
-        return encode_tensor(t, self.codec)[0]
+        return encode_parts(t, self.codec)
 
 
 def _shape_numel(shape: Any) -> int:
