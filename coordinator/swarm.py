@@ -20,6 +20,8 @@ from hivemind.utils import get_dht_time
 from coordinator.assign import Assignment, assign
 from coordinator.links import boundary_specs, choose_codecs, float_bytes
 from coordinator.opdag import build_opdag
+from coordinator.status import StatusBoard
+from coordinator.web import StatusServer
 from protocol.codecs import Codec
 from protocol.envelope import Envelope, Gate, Reject, Rejected, match_values
 from protocol.identity import Identity, IdentityError, check_record, key_hex, sign_record
@@ -70,6 +72,9 @@ class CoordinatorConfig:
     compression: str = "none"  # none, fp16, bf16, int8, or adatopk (per link, from bandwidth)
     topk_fraction: float | None = None  # pin AdaTopK's kept fraction on the links that need compressing
     link_mbps: list[float] = field(default_factory=list)  # pace each stage boundary's link (loopback demos)
+    status: bool = True  # serve the status page, /api/v1/state and /metrics
+    status_host: str = "127.0.0.1"
+    status_port: int | None = None  # None: 8470, or any free port if that is taken
 
 
 @dataclass
@@ -118,6 +123,9 @@ class Coordinator:
         self.gate = Gate(config.run_id)
         self.gate.accept_hello = True
         self.gate.expect = self._expect
+        self.board = StatusBoard(config.run_id, config.job.steps)
+        self.gate.listeners.append(self.board.reject)
+        self.status: StatusServer | None = None
 
     def _expect(self, env: Envelope, message: Message, sender: str) -> None:
         if env.kind not in _FROM_PEERS:
@@ -131,6 +139,13 @@ class Coordinator:
             self.identity = Identity.load_or_create(cfg.identity) if cfg.identity else Identity.generate()
         except IdentityError as exc:
             raise SwarmError(str(exc)) from None
+        if cfg.status:
+            self.status = StatusServer(self.board, cfg.status_host, cfg.status_port)
+            try:
+                await self.status.start()
+            except OSError as exc:
+                self.status = None
+                raise SwarmError(str(exc)) from None
         self.dht = await loop.run_in_executor(
             None,
             lambda: hivemind.DHT(initial_peers=cfg.initial_peers, host_maddrs=cfg.host_maddrs, start=True),
@@ -182,12 +197,25 @@ class Coordinator:
             except Exception as exc:
                 logger.warning("ignoring a bad advert under %r: %s", subkey, exc)
                 continue
-            bound = self.gate.keys.get(ad.peer_id) if isinstance(ad, Advert) else None
+            if not isinstance(ad, Advert):
+                logger.warning("ignoring a %s record under %r among the adverts", ad.KIND, subkey)
+                continue
+            bound = self.gate.keys.get(ad.peer_id)
             if bound is None or key_hex(bound) != key_hex(key):
                 continue  # no hello yet (or from another key): not admitted
             if ad.expires_at > now and ad.peer_id == subkey:
                 out[ad.peer_id] = ad
+        self.board.saw_adverts(out)
         return out
+
+    async def _watch_adverts(self) -> None:
+        """Keep the status board's peers fresh while training (joins, leaves, health)."""
+        while True:
+            await asyncio.sleep(2.0)
+            try:
+                await self.live_adverts()
+            except Exception as exc:  # the DHT may hiccup; the next poll retries
+                logger.debug("advert poll failed: %s", exc)
 
     async def wait_for_peers(self, on_change: Callable[[int], None] | None = None) -> dict[str, Advert]:
         cfg = self.config
@@ -225,6 +253,7 @@ class Coordinator:
                     ) from None
                 continue
             msg = inbound.message
+            self.board.heard_from(inbound.sender)
             if isinstance(msg, PeerFailure):
                 raise SwarmError(f"peer {inbound.sender} ({self._where(inbound.sender)}) failed: {msg.reason}")
             if isinstance(msg, kinds) and getattr(msg, "run_id", None) == self.config.run_id:
@@ -250,13 +279,19 @@ class Coordinator:
         assert self.transport is not None
         cfg, job, tp = self.config, self.config.job, self.transport
         self.adverts = await self.wait_for_peers(on_peers)
+        self._tasks.append(asyncio.create_task(self._watch_adverts()))
         example = job.first_micro_batch()
         dag = build_opdag(model, example)
         self._assignment = plan = assign(dag, list(self.adverts.values()), cfg.num_stages)
         k = plan.cut.num_stages
-        if cfg.link_mbps and len(cfg.link_mbps) != k - 1:
-            raise SwarmError(f"--link-mbps gives {len(cfg.link_mbps)} rates; the plan has {k - 1} stage boundaries")
         specs = boundary_specs(model, plan.cut, example)
+        self.board.set_plan(
+            [op.flops for op in dag.ops],
+            dag.stage_costs(plan.cut),
+            plan.cut.to_list(),
+            dag.boundary_bytes(plan.cut),
+            plan.stages,
+        )
         peers = {p for group in plan.stages for p in group}
         maddrs = {p: self.adverts[p].maddrs for p in peers}
         keys = {p: key_hex(self.gate.keys[p]) for p in peers}
@@ -264,7 +299,11 @@ class Coordinator:
             tp.learn(p, maddrs[p])
         job_fields = dataclasses.asdict(job)
         link_reports: list[LinkReport] = []
+        link_bytes: dict[str, dict[str, int]] = {}
+        raw_bytes: dict[str, dict[str, int]] = {}
         try:
+            if cfg.link_mbps and len(cfg.link_mbps) != k - 1:
+                raise SwarmError(f"--link-mbps gives {len(cfg.link_mbps)} rates; the plan has {k - 1} stage boundaries")
             for s, group in enumerate(plan.stages):
                 for r, p in enumerate(group):
                     a = Assign(cfg.run_id, s, r, job_fields, plan.cut.to_list(), plan.stages, maddrs, cfg.schedule)
@@ -278,6 +317,7 @@ class Coordinator:
                 measured[inbound.sender] = inbound.message.next_mbps
             codecs, mbps = self._choose_codecs(dag, plan, specs, measured)
             link_reports = [LinkReport(b, str(c), mbps[b], 0, 0) for b, c in enumerate(codecs)]
+            self.board.set_links([str(c) for c in codecs], mbps)
             for p in peers:
                 await tp.send(p, LinkPlan(cfg.run_id, [c.to_json() for c in codecs]))
             losses: list[float] = []
@@ -296,8 +336,6 @@ class Coordinator:
                     await tp.send(first[m % len(first)], Activations(cfg.run_id, step, m, 0), list(mb))
                 pending = set(peers)
                 step_losses: dict[str, float] = {}
-                link_bytes: dict[str, dict[str, int]] = {}
-                raw_bytes: dict[str, dict[str, int]] = {}
                 while pending:
                     inbound = await self._next((StepDone,), cfg.step_timeout_s, pending)
                     if inbound.message.step != step:
@@ -310,6 +348,8 @@ class Coordinator:
                     raise SwarmError(f"step {step}: got {len(step_losses)} losses for {len(mbs)} micro-batches")
                 losses.append(sum(step_losses.values()) / len(mbs))
                 tokens += batch[0].numel()
+                traffic = _traffic(plan, link_bytes, raw_bytes)
+                self.board.step_done(step, losses[-1], time.perf_counter() - t0, batch[0].numel(), traffic)
                 if on_step:
                     on_step(StepReport(step, losses[-1], time.perf_counter() - t0, batch[0].numel()))
             seconds = time.perf_counter() - start
@@ -324,19 +364,17 @@ class Coordinator:
             for p in peers:
                 await tp.send(p, Release(cfg.run_id))
         except PeerUnreachable as exc:
+            self.board.finish(False, str(exc))
             await self._abort(peers, str(exc))
             raise SwarmError(str(exc)) from None
         except SwarmError as exc:
+            self.board.finish(False, str(exc))
             await self._abort(peers, str(exc))
             raise
+        self.board.finish(True, f"{len(losses)} steps in {seconds:.0f} s")
         links = {f"{src[-6:]}->{dst[-6:]}": n for src, sent in link_bytes.items() for dst, n in sent.items()}
-        stage_of = {p: s for s, group in enumerate(plan.stages) for p in group}
-        for src, sent in link_bytes.items():
-            for dst, n in sent.items():
-                if dst in stage_of and abs(stage_of[dst] - stage_of[src]) == 1:
-                    report = link_reports[min(stage_of[src], stage_of[dst])]
-                    report.wire_bytes += n
-                    report.raw_bytes += raw_bytes[src].get(dst, n)
+        for report, (wire, raw) in zip(link_reports, _traffic(plan, link_bytes, raw_bytes), strict=True):
+            report.wire_bytes, report.raw_bytes = wire, raw
         return RunSummary(losses, seconds, tokens, plan, self.adverts, links, state, link_reports)
 
     def _choose_codecs(
@@ -371,7 +409,25 @@ class Coordinator:
     async def aclose(self) -> None:
         for t in self._tasks:
             t.cancel()
+        if self.status is not None:
+            await self.status.aclose()
         if self.transport is not None:
             await self.transport.aclose()
         if self.dht is not None:
             self.dht.shutdown()
+
+
+def _traffic(
+    plan: Assignment, wire: dict[str, dict[str, int]], raw: dict[str, dict[str, int]]
+) -> list[tuple[int, int]]:
+    """(wire, raw) bytes so far across each stage boundary, both directions, from the
+    peers' cumulative per-destination counts."""
+    stage_of = {p: s for s, group in enumerate(plan.stages) for p in group}
+    out = [[0, 0] for _ in range(len(plan.stages) - 1)]
+    for src, sent in wire.items():
+        for dst, n in sent.items():
+            if dst in stage_of and src in stage_of and abs(stage_of[dst] - stage_of[src]) == 1:
+                b = min(stage_of[src], stage_of[dst])
+                out[b][0] += n
+                out[b][1] += raw.get(src, {}).get(dst, n)
+    return [(w, r) for w, r in out]

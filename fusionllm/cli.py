@@ -86,6 +86,13 @@ def _add_swarm_flags(p: argparse.ArgumentParser) -> None:
         help="codec on the stage boundaries: none, fp16, bf16, int8 (every link) or adatopk (links too slow for "
         "the compute get block-wise top-k, the kept fraction from their measured bandwidth)",
     )
+    p.add_argument("--status-host", default="127.0.0.1", help="address of the status page (default: 127.0.0.1)")
+    p.add_argument(
+        "--status-port",
+        type=_port,
+        default=None,
+        help="port of the status page (default: 8470, or any free port if taken; 0: any free port)",
+    )
     p.add_argument("--topk-fraction", type=_fraction, default=None, help="pin AdaTopK's kept fraction (0 < F <= 1)")
     p.add_argument(
         "--link-mbps",
@@ -94,6 +101,16 @@ def _add_swarm_flags(p: argparse.ArgumentParser) -> None:
         metavar="R1,R2,...",
         help="pace the sends across each stage boundary to this many Mbit/s (0: unpaced), e.g. 1000,1000,20",
     )
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port (0-65535)")
+    return value
 
 
 def _compression(text: str) -> str:
@@ -160,6 +177,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--join-timeout", type=float, default=30.0, help="seconds to reach the DHT and coordinator")
     _add_identity_flag(p, "~/.fusionllm/peer.key")
+
+    p = sub.add_parser("status", help="print a coordinator's status page in the terminal")
+    p.add_argument(
+        "--coordinator",
+        default="http://127.0.0.1:8470",
+        metavar="URL",
+        help="the status page's address, as demo and coordinator print it (default: http://127.0.0.1:8470)",
+    )
+    p.add_argument("--json", action="store_true", help="print the raw /api/v1/state JSON")
 
     p = sub.add_parser("train", help="train in one process: the whole model or its stages")
     _add_job_flags(p, steps=10)

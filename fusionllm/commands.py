@@ -6,6 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
+import time
+from typing import Any
 
 from tqdm import tqdm
 
@@ -146,3 +149,74 @@ def cmd_compare(args: argparse.Namespace) -> int:
     ok = err <= args.tol
     print(f"largest relative error {err:.3g}: " + ("equal within" if ok else "differ beyond") + f" {args.tol:g}")
     return 0 if ok else 1
+
+
+def _ago(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+def render_status(st: dict[str, Any]) -> str:
+    """The status page as terminal text."""
+    tr = st["training"]
+    loss = "-" if tr["loss"] is None else f"{tr['loss']:.4f}"
+    tps = "-" if tr["tokens_per_s"] is None else f"{tr['tokens_per_s']:,.0f}"
+    eta = "-" if tr["eta_s"] is None else _ago(tr["eta_s"])
+    lines = [
+        f"run {st['run_id']}: {st['phase']}" + (f" ({st['message']})" if st["message"] else ""),
+        f"step {tr['step']}/{tr['steps']}  loss {loss}  tokens/s {tps}  elapsed {_ago(tr['elapsed_s'])}  ETA {eta}",
+        "",
+        f"{'peer':<54} {'device':<12} {'GFLOP/s':>8} {'up/down Mbit/s':>15} {'conn':<8} stage replica "
+        f"{'seen':>6} health",
+    ]
+    for p in st["peers"]:
+        stage = "-" if p["stage"] is None else str(p["stage"])
+        replica = "-" if p["replica"] is None else str(p["replica"])
+        lines.append(
+            f"{p['id']:<54} {p['device'][:12]:<12} {p['flops'] / 1e9:>8.1f} "
+            f"{p['up_mbps']:>7.0f}/{p['down_mbps']:<7.0f} {p['connection']:<8} {stage:>5} {replica:>7} "
+            f"{_ago(st['now'] - p['last_seen']):>6} {p['health']}"
+        )
+    if st["plan"]:
+        lines.append("")
+        for stg in st["plan"]["stages"]:
+            lines.append(
+                f"stage {stg['stage']}: ops {stg['first_op']}-{stg['last_op']}, {stg['flops'] / 1e6:.1f} MFLOP, "
+                f"{stg['param_bytes'] / 1e6:.2f} MB of parameters"
+            )
+    for link in st["links"]:
+        lines.append(
+            f"boundary {link['boundary']} -> {link['boundary'] + 1}: {link['codec']} at {link['mbps']} Mbit/s, "
+            f"{link['wire_bytes'] / 1e6:.2f} MB on the wire for {link['raw_bytes'] / 1e6:.2f} MB, "
+            f"ratio {link['ratio']}x"
+        )
+    if st["rejected"]:
+        lines.append("rejected messages: " + ", ".join(f"{k} {v}" for k, v in sorted(st["rejected"].items())))
+    if st["events"]:
+        lines.append("")
+        lines.append("recent events:")
+        for e in st["events"][-10:]:
+            lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(e['t']))} {e['kind']}: {e['text']}")
+    return "\n".join(lines)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import urllib.error
+    import urllib.request
+
+    base = args.coordinator.rstrip("/")
+    if not base.startswith(("http://", "https://")):
+        raise UsageError(f"--coordinator '{args.coordinator}' is not an http:// or https:// URL")
+    url = base + "/api/v1/state"
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            state = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        print(f"fusionllm: error: {url} answered {exc.code} {exc.reason}", file=sys.stderr)
+        return 1
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        print(f"fusionllm: error: cannot read the status at {url}: {reason}", file=sys.stderr)
+        return 1
+    print(json.dumps(state, indent=1) if args.json else render_status(state))
+    return 0

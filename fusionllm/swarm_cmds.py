@@ -88,6 +88,8 @@ async def _coordinate(args: argparse.Namespace, on_ready: Any = None) -> int:
         compression=args.compression,
         topk_fraction=args.topk_fraction,
         link_mbps=args.link_mbps,
+        status_host=args.status_host,
+        status_port=args.status_port,
     )
     if args.stages and args.link_mbps and len(args.link_mbps) != args.stages - 1:
         raise UsageError(f"--link-mbps gives {len(args.link_mbps)} rates for {args.stages - 1} stage boundaries")
@@ -101,6 +103,8 @@ async def _coordinate(args: argparse.Namespace, on_ready: Any = None) -> int:
     bar: tqdm | None = None
     try:
         print(f"coordinator is up; volunteers join with:\n  {coord.join_command()}", flush=True)
+        if coord.status is not None:
+            print(f"status page: {coord.status.url}", flush=True)
         if on_ready is not None:
             await on_ready(coord)
 

@@ -241,6 +241,8 @@ class Gate:
         self.accept_hello = False
         self.counts: collections.Counter[Reject] = collections.Counter()
         self.recent: collections.deque[tuple[float, str, str, str]] = collections.deque(maxlen=200)
+        #: called with (sender, code, detail) on every rejection, e.g. by the status page
+        self.listeners: list[Callable[[str, str, str], None]] = []
         self._windows: dict[str, _Window] = {}
 
     def admit(self, peer_id: str, key: Ed25519PublicKey) -> None:
@@ -251,6 +253,8 @@ class Gate:
         self.counts[exc.code] += 1
         self.recent.append((time.time(), sender, exc.code.value, exc.detail))
         logger.warning("rejected a message from %s: %s", sender, exc)
+        for listener in self.listeners:
+            listener(sender, exc.code.value, exc.detail)
 
     def check_head(self, head: bytes, sender: str) -> tuple[Envelope, Message]:
         """Check everything but the payload's digest; ``head`` is magic, length,

@@ -66,6 +66,11 @@ def test_inspect_json_and_text(cli) -> None:
             "tied weights",
         ),
         (["frobnicate"], "invalid choice"),
+        (["demo", "--compression", "zip"], "'zip' is not one of none, fp16, bf16, int8, adatopk"),
+        (["demo", "--topk-fraction", "1.5"], "1.5 is not in (0, 1]"),
+        (["demo", "--link-mbps", "10,fast"], "is not a comma-separated list of Mbit/s"),
+        (["demo", "--link-mbps", "10,-1"], "rates must be finite and at least 0"),
+        (["demo", "--peers", "3", "--link-mbps", "10"], "--link-mbps gives 1 rates for 2 stage boundaries"),
     ],
 )
 def test_usage_errors_are_one_line_exit_2(cli, args: list[str], needle: str) -> None:

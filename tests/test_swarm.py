@@ -191,3 +191,43 @@ def test_demo_interrupted_stops_every_process(sig: int) -> None:
         _kill(demo)
     assert _no_new_p2pd(before)
     assert not [p for p in psutil.process_iter(["cmdline"]) if "join" in (p.info["cmdline"] or [])]
+
+
+def test_demo_compresses_only_the_slow_link(tmp_path: Path) -> None:
+    """With --compression adatopk, the boundary paced to 10 Mbit/s gets AdaTopK and the
+    fast one stays uncompressed; the demo reports bytes per link and the ratio."""
+    ckpt = tmp_path / "c.safetensors"
+    r = run_cli(
+        "demo",
+        "--peers",
+        "3",
+        "--steps",
+        "8",
+        *SMALL,
+        "--compression",
+        "adatopk",
+        "--link-mbps",
+        "10000,10",
+        "--save",
+        str(ckpt),
+        timeout=240,
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    fast = re.search(r"boundary 0 .*?: (\S+), ([\d.]+) MB on the wire .*? ratio ([\d.]+)x", r.stdout)
+    slow = re.search(r"boundary 1 \(stage 1 <-> 2, (\d+) Mbit/s measured\): (\S+), .*? ratio ([\d.]+)x", r.stdout)
+    assert fast and slow, r.stdout
+    assert fast.group(1) == "none" and float(fast.group(3)) == 1.0
+    assert 7 <= int(slow.group(1)) <= 11, "the paced link measures about its rate"
+    assert slow.group(2).startswith("adatopk:") and float(slow.group(3)) > 2.0
+    assert re.search(r"loss [\d.]+ -> [\d.]+", r.stdout)
+
+
+def test_identity_file_readable_by_others_is_refused(tmp_path: Path) -> None:
+    key = tmp_path / "peer.key"
+    r = run_cli("join", "--initial-peers", "/ip4/127.0.0.1/tcp/9", "--identity", str(key), "--join-timeout", "1")
+    assert key.is_file() and (key.stat().st_mode & 0o777) == 0o600, "created on first use, private"
+    os.chmod(key, 0o644)
+    r = run_cli("join", "--initial-peers", "/ip4/127.0.0.1/tcp/9", "--identity", str(key))
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "readable by others" in lines[0] and "chmod 600" in lines[0]
