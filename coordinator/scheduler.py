@@ -1,0 +1,498 @@
+"""The OP-Fence scheduler and its baselines: pure functions of (OP-DAG costs, peer
+profiles, network, options) to a :class:`Plan` with predicted times.
+
+OP-Fence:
+
+1. clusters peers by the bandwidth between them (the network's clusters);
+2. orders the clusters along the pipeline so consecutive clusters have the
+   fastest links between them (every order for up to 7 clusters, else greedy);
+3. for each candidate number of stages, gives each cluster stages in proportion
+   to its FLOP/s and splits its peers into that many balanced replica groups, so
+   stage groups never straddle a slow link when there are at least as many
+   stages as clusters;
+4. cuts the DAG by binary search on the bottleneck time: each stage takes as many
+   ops as its group computes within the bound, and ends at the position whose
+   boundary tensors cross the link in time (compressed with AdaTopK down to
+   ``min_fraction`` where needed);
+5. picks AdaTopK's kept fraction per slow edge (just enough), predicts the
+   iteration, keeps the best plan that fits memory.
+
+Baselines on the same number of stages: ``even`` (peers in the given order, equal
+op counts), ``compute`` (peers balanced by FLOP/s regardless of bandwidth, ops
+split in proportion), ``random`` (seeded random groups and cut).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+import random
+from dataclasses import dataclass
+
+from coordinator.estimator import (
+    DagCosts,
+    LinkInfo,
+    Network,
+    PeerProfile,
+    Plan,
+    boundary_positions,
+    link_seconds,
+    nearest_allowed,
+    predict,
+    stage_memory,
+    wire_bytes,
+)
+from protocol.codecs import Codec
+
+SCHEDULERS = ("opfence", "even", "compute", "random")
+#: up to this many peers, OP-Fence tries every split of its peer order into stages
+SMALL_SWARM = 8
+#: up to this many peers, every grouping of peers into stages (Bell(6) = 203 of them)
+TINY_SWARM = 6
+
+
+@dataclass(frozen=True)
+class Options:
+    micro_batches: int = 8
+    max_stages: int = 32
+    compression: bool = True  # OP-Fence may put AdaTopK on slow edges
+    min_fraction: float = 0.01  # never keep less than this (accuracy)
+    seed: int = 0
+    stages: int | None = None  # force the number of stages
+
+
+class ScheduleError(ValueError):
+    """No plan is possible (e.g. more stages than ops or peers)."""
+
+
+def plan(
+    scheduler: str, costs: DagCosts, peers: list[PeerProfile], network: Network, options: Options = Options()
+) -> Plan:
+    """The plan of ``scheduler`` (one of SCHEDULERS)."""
+    if not peers:
+        raise ScheduleError("no peers to plan for")
+    if scheduler == "opfence":
+        return opfence(costs, peers, network, options)
+    k = options.stages or _baseline_stages(costs, peers, options)
+    if scheduler == "even":
+        return even(costs, peers, network, options, k)
+    if scheduler == "compute":
+        return compute(costs, peers, network, options, k)
+    if scheduler == "random":
+        return random_plan(costs, peers, network, options, k)
+    raise ScheduleError(f"unknown scheduler {scheduler!r} (known: {', '.join(SCHEDULERS)})")
+
+
+def _candidate_stages(costs: DagCosts, peers: list[PeerProfile], options: Options) -> list[int]:
+    limit = min(len(peers), len(boundary_positions(costs)) + 1, options.max_stages)
+    if options.stages is not None:
+        if options.stages > limit:
+            raise ScheduleError(f"{options.stages} stages need {options.stages} peers and ops; the limit is {limit}")
+        return [options.stages]
+    ks = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128}
+    clusters = len({p.cluster for p in peers})
+    ks |= {clusters, 2 * clusters}
+    return sorted(k for k in ks if 1 <= k <= limit)
+
+
+def _baseline_stages(costs: DagCosts, peers: list[PeerProfile], options: Options) -> int:
+    """Baselines get the pipeline depth bandwidth-unaware systems pick: as many
+    stages as they may, one peer each where possible."""
+    return min(len(peers), len(boundary_positions(costs)) + 1, options.max_stages)
+
+
+# ------------------------------------------------------------------ OP-Fence
+
+
+def order_clusters(network: Network, clusters: dict[str, list[PeerProfile]]) -> list[str]:
+    """Cluster order along the pipeline: consecutive clusters joined by fast links."""
+    names = sorted(clusters, key=lambda c: (-sum(p.flops for p in clusters[c]), c))
+    if len(names) <= 1:
+        return names
+
+    def bw(a: str, b: str) -> float:
+        return network.link(clusters[a][0].id, clusters[b][0].id).mbps
+
+    def score(order: tuple[str, ...]) -> tuple[float, float]:
+        links = [bw(a, b) for a, b in zip(order, order[1:])]
+        return (min(links), sum(math.log(x) for x in links))
+
+    if len(names) <= 7:
+        return list(max(itertools.permutations(names), key=score))
+    order = [names[0]]
+    left = set(names[1:])
+    while left:
+        nxt = max(sorted(left), key=lambda c: bw(order[-1], c))
+        order.append(nxt)
+        left.remove(nxt)
+    return order
+
+
+def _apportion(weights: list[float], k: int) -> list[int]:
+    """Split ``k`` stages over clusters in proportion to ``weights``, at least one each
+    when ``k`` allows (largest remainders)."""
+    n = len(weights)
+    if k < n:
+        return []
+    total = sum(weights)
+    quotas = [1 + (k - n) * w / total for w in weights]
+    out = [int(q) for q in quotas]
+    for i in sorted(range(n), key=lambda i: quotas[i] - out[i], reverse=True)[: k - sum(out)]:
+        out[i] += 1
+    return out
+
+
+def _balanced_groups(peers: list[PeerProfile], k: int) -> list[list[PeerProfile]]:
+    """``k`` groups of similar total FLOP/s (the fastest peer first into the lightest group)."""
+    groups: list[list[PeerProfile]] = [[] for _ in range(k)]
+    load = [0.0] * k
+    for p in sorted(peers, key=lambda p: (-p.flops, p.id)):
+        i = min(range(k), key=lambda i: (load[i], len(groups[i]), i))
+        groups[i].append(p)
+        load[i] += p.flops
+    return groups
+
+
+def _contiguous_groups(peers: list[PeerProfile], k: int) -> list[list[PeerProfile]]:
+    """``k`` runs of consecutive peers with similar total FLOP/s."""
+    total = sum(p.flops for p in peers)
+    groups: list[list[PeerProfile]] = [[]]
+    acc = 0.0
+    for i, p in enumerate(peers):
+        left_peers, left_groups = len(peers) - i, k - len(groups)
+        if groups[-1] and left_groups > 0 and (acc >= total * len(groups) / k or left_peers <= left_groups):
+            groups.append([])
+        groups[-1].append(p)
+        acc += p.flops
+    return groups
+
+
+def _stage_groups(ordered: list[str], clusters: dict[str, list[PeerProfile]], k: int) -> list[list[PeerProfile]] | None:
+    counts = _apportion([sum(p.flops for p in clusters[c]) for c in ordered], k)
+    if counts:
+        groups: list[list[PeerProfile]] = []
+        for c, n in zip(ordered, counts):
+            if n > len(clusters[c]):
+                return None
+            groups.extend(_balanced_groups(clusters[c], n))
+        return groups
+    flat = [p for c in ordered for p in sorted(clusters[c], key=lambda p: (-p.flops, p.id))]
+    return _contiguous_groups(flat, k)
+
+
+@dataclass
+class StageModel:
+    """What limits one stage group: compute, the replicas' all-reduce, memory."""
+
+    cap: float  # total FLOP/s
+    replicas: int
+    inner: LinkInfo | None  # slowest link inside the group (all-reduce)
+    memory: int  # the smallest member's
+    in_flight: int  # micro-batches whose activations it holds at once
+
+    def seconds(self, costs: DagCosts, lo: int, hi: int, micro_batches: int) -> float:
+        """Per micro-batch: compute plus the all-reduce spread over the iteration."""
+        t = 3 * costs.stage_flops(lo, hi) / max(self.cap, 1.0)
+        if self.inner is not None:
+            r = self.replicas
+            t += link_seconds(2 * costs.stage_params(lo, hi) * (r - 1) / r, self.inner) / micro_batches
+        return t
+
+    def fits(self, costs: DagCosts, lo: int, hi: int) -> bool:
+        return stage_memory(costs, lo, hi, self.in_flight) <= self.memory
+
+
+def stage_models(groups: list[list[PeerProfile]], network: Network, micro_batches: int) -> list[StageModel]:
+    k = len(groups)
+    return [
+        StageModel(
+            sum(p.flops for p in g),
+            len(g),
+            network.slowest_within([p.id for p in g]),
+            min(p.memory_bytes for p in g),
+            min(micro_batches, k - s),
+        )
+        for s, g in enumerate(groups)
+    ]
+
+
+def bottleneck_cut(
+    costs: DagCosts, stages: list[StageModel], links: list[LinkInfo], options: Options
+) -> tuple[int, ...] | None:
+    """Cut positions minimizing the slowest stage or link (binary search on the bound;
+    each stage takes the most ops it can run within the bound and its memory, and
+    ends at the furthest position whose boundary tensors cross the link in time,
+    compressed down to ``min_fraction`` where allowed). None: nothing fits."""
+    k, n, m = len(stages), costs.num_ops, options.micro_batches
+    allowed = boundary_positions(costs)
+    if len(allowed) < k - 1:
+        return None
+    if k == 1:
+        return () if stages[0].fits(costs, 0, n) else None
+    floor = Codec("adatopk", options.min_fraction) if options.compression else Codec()
+    busy = [[wire_bytes(costs, p, floor) * 8 / max(links[b].mbps * 1e6, 1.0) for p in range(n)] for b in range(k - 1)]
+
+    def furthest(s: int, lo: int, bound: float, limit: int) -> int:
+        """The largest hi in [lo, limit] that stage s can take within the bound."""
+        a, b = lo, limit
+        while a < b:
+            mid = (a + b + 1) // 2
+            if stages[s].seconds(costs, lo, mid, m) <= bound and stages[s].fits(costs, lo, mid):
+                a = mid
+            else:
+                b = mid - 1
+        return a
+
+    def attempt(bound: float) -> tuple[int, ...] | None:
+        out: list[int] = []
+        lo = 0
+        for s in range(k - 1):
+            room = allowed[len(allowed) - (k - 1 - s)]  # leave a position for every later boundary
+            hi = furthest(s, lo, bound, room)
+            i = bisect.bisect_right(allowed, hi) - 1
+            while i >= 0 and allowed[i] > lo and busy[s][allowed[i]] > bound:
+                i -= 1
+            if i < 0 or allowed[i] <= lo:
+                return None
+            out.append(allowed[i])
+            lo = allowed[i]
+        last = stages[-1]
+        if last.seconds(costs, lo, n, m) > bound or not last.fits(costs, lo, n):
+            return None
+        return tuple(out)
+
+    high = max(st.seconds(costs, 0, n, m) for st in stages) + max(max(row) for row in busy) + 1e-9
+    best = attempt(high)
+    if best is None:
+        return None
+    low = 0.0
+    for _ in range(40):
+        mid = (low + high) / 2
+        got = attempt(mid)
+        if got is None:
+            low = mid
+        else:
+            best, high = got, mid
+    return best
+
+
+def _proportional_cut(costs: DagCosts, weights: list[float]) -> tuple[int, ...]:
+    """Cut so stage FLOPs follow ``weights`` (the tied-weight rule respected)."""
+    allowed = boundary_positions(costs)
+    total = costs.total_flops
+    out: list[int] = []
+    share = 0.0
+    k = len(weights)
+    for s in range(k - 1):
+        share += weights[s] / sum(weights)
+        goal = bisect.bisect_right(costs._pf, share * total) - 1
+        lo = out[-1] + 1 if out else 1
+        hi = allowed[len(allowed) - (k - 1 - s)] if len(allowed) >= k - 1 - s else costs.num_ops - 1
+        pos = nearest_allowed(allowed, max(goal, lo), lo, hi)
+        if pos is None:
+            raise ScheduleError(f"no room for {k} stages between tied weights")
+        out.append(pos)
+    return tuple(out)
+
+
+def choose_fractions(costs: DagCosts, plan_: Plan, network: Network, options: Options) -> list[Codec]:
+    """AdaTopK on each edge slower than the slowest stage: just enough to keep up."""
+    codecs = []
+    bound = max(plan_.stage_s) if plan_.stage_s else 0.0
+    for b, pos in enumerate(plan_.cut):
+        link = network.group_link(plan_.groups[b], plan_.groups[b + 1])
+        raw = costs.cross_bytes[pos] * 8 / max(link.mbps * 1e6, 1.0)  # busy time; latency overlaps
+        if not options.compression or raw <= bound or costs.float_cross[pos] == 0:
+            codecs.append(Codec())
+            continue
+        budget = bound * link.mbps * 1e6 / 8  # bytes the link carries in time
+        other = costs.cross_bytes[pos] - costs.float_cross[pos]
+        fraction = (budget - other) / max(costs.float_cross[pos] * 3 / 4, 1.0)
+        fraction = min(1.0, max(options.min_fraction, fraction))
+        codecs.append(Codec() if fraction >= 1.0 else Codec("adatopk", float(fraction)))
+    return codecs
+
+
+def _groupings(ordered: list[str], clusters: dict[str, list[PeerProfile]], k: int) -> list[list[list[PeerProfile]]]:
+    """Candidate stage groups for ``k`` stages: stages apportioned to clusters (in
+    pipeline order and reversed), and runs of the cluster-ordered peers."""
+    out = []
+    for order in (ordered, ordered[::-1]):
+        g = _stage_groups(order, clusters, k)
+        if g is not None and all(g):
+            out.append(g)
+        flat = [p for c in order for p in sorted(clusters[c], key=lambda p: (-p.flops, p.id))]
+        if k <= len(flat):
+            out.append(_contiguous_groups(flat, k))
+        if len(flat) <= SMALL_SWARM:  # small swarms: every run of consecutive peers
+            for bounds in itertools.combinations(range(1, len(flat)), k - 1):
+                edges = (0, *bounds, len(flat))
+                out.append([flat[a:b] for a, b in zip(edges, edges[1:])])
+    unique = []
+    for g in out:
+        key = [[p.id for p in grp] for grp in g]
+        if all(key != [[p.id for p in grp] for grp in u] for u in unique):
+            unique.append(g)
+    return unique
+
+
+def _evaluate(costs: DagCosts, cut: tuple[int, ...], ids: list[list[str]], by_id: dict[str, PeerProfile],
+              network: Network, options: Options) -> Plan:  # fmt: skip
+    cand = predict(costs, Plan(cut, ids, [Codec()] * len(cut), "opfence"), by_id, network, options.micro_batches)
+    cand.codecs = choose_fractions(costs, cand, network, options)
+    return predict(costs, cand, by_id, network, options.micro_batches)
+
+
+def _better(a: Plan, b: Plan | None) -> bool:
+    return b is None or (a.fits_memory, -a.iteration_s) > (b.fits_memory, -b.iteration_s)
+
+
+def _refine(costs: DagCosts, start: Plan, by_id: dict[str, PeerProfile], network: Network, options: Options,
+            rounds: int = 3, reach: int = 3) -> Plan:  # fmt: skip
+    """Hill-climb the boundaries a few positions each way on the predicted iteration
+    time (the bottleneck search ignores pipeline fill and drain)."""
+    allowed = set(boundary_positions(costs))
+    best = start
+    for _ in range(rounds):
+        improved = False
+        for b in range(len(best.cut)):
+            lo = best.cut[b - 1] if b else 0
+            hi = best.cut[b + 1] if b + 1 < len(best.cut) else costs.num_ops
+            for d in [x for r in range(1, reach + 1) for x in (-r, r)]:
+                pos = best.cut[b] + d
+                if lo < pos < hi and pos in allowed:
+                    cut = best.cut[:b] + (pos,) + best.cut[b + 1 :]
+                    cand = _evaluate(costs, cut, best.groups, by_id, network, options)
+                    if _better(cand, best):
+                        best, improved = cand, True
+        if not improved:
+            break
+    return best
+
+
+def opfence(costs: DagCosts, peers: list[PeerProfile], network: Network, options: Options = Options()) -> Plan:
+    by_id = {p.id: p for p in peers}
+    clusters: dict[str, list[PeerProfile]] = {}
+    for p in peers:
+        clusters.setdefault(network.cluster_of.get(p.id, p.cluster), []).append(p)
+    ordered = order_clusters(network, clusters)
+    best: Plan | None = None
+    for k in _candidate_stages(costs, peers, options):
+        for groups in _groupings(ordered, clusters, k):
+            ids = [[p.id for p in g] for g in groups]
+            links = [network.group_link(ids[b], ids[b + 1]) for b in range(k - 1)]
+            cut = bottleneck_cut(costs, stage_models(groups, network, options.micro_batches), links, options)
+            if cut is None:
+                continue
+            candidate = _evaluate(costs, cut, ids, by_id, network, options)
+            if _better(candidate, best):
+                best = candidate
+    if best is None:
+        raise ScheduleError("no stage count gives a valid plan for these peers and this model")
+    reach = costs.num_ops if costs.num_ops <= 64 else 3
+    if len(peers) <= TINY_SWARM and options.stages is None:
+        finalists = sorted([best, *_tiny_candidates(costs, peers, by_id, network, options)],
+                           key=lambda p: (not p.fits_memory, p.iteration_s))[:6]  # fmt: skip
+    else:
+        finalists = [best]
+    refined = [_refine(costs, f, by_id, network, options, reach=reach) for f in finalists]
+    return min(refined, key=lambda p: (not p.fits_memory, p.iteration_s))
+
+
+def _set_partitions(items: list[PeerProfile]):  # type: ignore[no-untyped-def]
+    """Every split of ``items`` into unordered non-empty groups."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in _set_partitions(rest):
+        yield [[first], *part]
+        for i in range(len(part)):
+            yield [*part[:i], [first, *part[i]], *part[i + 1 :]]
+
+
+def _tiny_candidates(costs: DagCosts, peers: list[PeerProfile], by_id: dict[str, PeerProfile], network: Network,
+                     options: Options) -> list[Plan]:  # fmt: skip
+    """Tiny swarms: every grouping of the peers, in every stage order (up to 24)."""
+    out = []
+    limit = len(boundary_positions(costs)) + 1
+    for part in _set_partitions(sorted(peers, key=lambda p: p.id)):
+        if len(part) > limit:
+            continue
+        for order in itertools.islice(itertools.permutations(part), 24):
+            groups = list(order)
+            ids = [[p.id for p in g] for g in groups]
+            links = [network.group_link(ids[t], ids[t + 1]) for t in range(len(ids) - 1)]
+            cut = bottleneck_cut(costs, stage_models(groups, network, options.micro_batches), links, options)
+            if cut is not None:
+                out.append(_evaluate(costs, cut, ids, by_id, network, options))
+    return out
+
+
+# ------------------------------------------------------------------ baselines
+
+
+def _finish(costs: DagCosts, cut: tuple[int, ...], groups: list[list[PeerProfile]], name: str, network: Network,
+            options: Options) -> Plan:  # fmt: skip
+    ids = [[p.id for p in g] for g in groups]
+    by_id = {p.id: p for g in groups for p in g}
+    return predict(costs, Plan(cut, ids, [Codec()] * (len(groups) - 1), name), by_id, network, options.micro_batches)
+
+
+def even(costs: DagCosts, peers: list[PeerProfile], network: Network, options: Options, k: int) -> Plan:
+    """Peers in the given order, ``k`` runs of them; equal op counts per stage."""
+    groups = [peers[i * len(peers) // k : (i + 1) * len(peers) // k] for i in range(k)]
+    cut = _proportional_cut(DagCosts([1] * costs.num_ops, [0] * costs.num_ops, [0] * costs.num_ops,
+                                     [0] * costs.num_ops, [0] * costs.num_ops, costs.forbidden), [1.0] * k)  # fmt: skip
+    return _finish(costs, cut, groups, "even", network, options)
+
+
+def compute(costs: DagCosts, peers: list[PeerProfile], network: Network, options: Options, k: int) -> Plan:
+    """FLOP/s-balanced groups and a FLOP-proportional cut; bandwidth ignored."""
+    groups = _balanced_groups(peers, k)
+    cut = _proportional_cut(costs, [sum(p.flops for p in g) for g in groups])
+    return _finish(costs, cut, groups, "compute", network, options)
+
+
+def random_plan(costs: DagCosts, peers: list[PeerProfile], network: Network, options: Options, k: int) -> Plan:
+    """Seeded random groups and cut positions."""
+    rng = random.Random(options.seed)
+    shuffled = list(peers)
+    rng.shuffle(shuffled)
+    groups = [shuffled[i * len(peers) // k : (i + 1) * len(peers) // k] for i in range(k)]
+    cut = tuple(sorted(rng.sample(boundary_positions(costs), k - 1)))
+    return _finish(costs, cut, groups, "random", network, options)
+
+
+def _ordered_partitions(items: list[PeerProfile], k: int):  # type: ignore[no-untyped-def]
+    """Every way to put all ``items`` into ``k`` non-empty, ordered groups."""
+    if k == 1:
+        yield [list(items)]
+        return
+    n = len(items)
+    for labels in itertools.product(range(k), repeat=n):
+        if len(set(labels)) == k:
+            yield [[items[i] for i in range(n) if labels[i] == g] for g in range(k)]
+
+
+def exhaustive(costs: DagCosts, peers: list[PeerProfile], network: Network, options: Options = Options()) -> Plan:
+    """The best plan over every grouping of every peer into ordered stages and every
+    cut (codecs by the same rule as OP-Fence). Only for tiny instances."""
+    by_id = {p.id: p for p in peers}
+    allowed = boundary_positions(costs)
+    best: Plan | None = None
+    for k in range(1, min(len(peers), len(allowed) + 1) + 1):
+        cuts = list(itertools.combinations(allowed, k - 1))
+        for groups in _ordered_partitions(peers, k):
+            ids = [[p.id for p in g] for g in groups]
+            for cut in cuts:
+                cand = predict(costs, Plan(cut, ids, [Codec()] * (k - 1), "exhaustive"), by_id, network,
+                               options.micro_batches)  # fmt: skip
+                cand.codecs = choose_fractions(costs, cand, network, options)
+                predict(costs, cand, by_id, network, options.micro_batches)
+                if cand.fits_memory and (best is None or cand.iteration_s < best.iteration_s):
+                    best = cand
+    if best is None:
+        raise ScheduleError("no plan fits memory")
+    return best

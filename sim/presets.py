@@ -1,0 +1,102 @@
+"""Topologies shipped with the package (``fusionllm sim --topology NAME``).
+
+Three testbeds of 16 GPUs each, 48 in all, like the FusionLLM paper's mix of
+data-centre and consumer GPUs on links from 8 Mbit/s to 10 Gbit/s. GPU figures
+are sustained mixed-precision training throughput (not datasheet peaks):
+A100 120 TFLOP/s 80 GB, V100 60/32, RTX 4090 80/24, RTX 3090 35/24, T4 20/16.
+
+- ``testbed1``: two data centres, 8 A100 and 8 V100, 10 Gbit/s inside each,
+  1 Gbit/s (20 ms) between them.
+- ``testbed2``: four sites of four mixed consumer GPUs, 1 Gbit/s inside a site,
+  50-200 Mbit/s (30-80 ms) between sites.
+- ``testbed3``: a lab of 8 RTX 3090 on 10 Gbit/s and 8 home GPUs, each behind its
+  own 8-100 Mbit/s uplink (20-120 ms).
+- ``internet-1k`` / ``internet-10k``: 1,000 / 10,000 volunteers in 25 / 100
+  regions (seeded): 200-1000 Mbit/s inside a region, 8-200 Mbit/s between
+  regions, falling with distance.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from sim.topology import Topology, parse
+
+GPUS = {"a100": (120.0, 80), "v100": (60.0, 32), "4090": (80.0, 24), "3090": (35.0, 24), "t4": (20.0, 16)}
+PRESETS = ("testbed1", "testbed2", "testbed3", "internet-1k", "internet-10k")
+MIXED = ("testbed1", "testbed2", "testbed3")  # mixed bandwidth: where OP-Fence must win
+
+
+def _peer(pid: str, gpu: str, cluster: str) -> dict[str, Any]:
+    tflops, mem = GPUS[gpu]
+    return {"id": pid, "tflops": tflops, "memory_gb": mem, "cluster": cluster}
+
+
+def _link(mbps: float, ms: float) -> dict[str, float]:
+    return {"mbps": mbps, "latency_ms": ms}
+
+
+def testbed1() -> dict[str, Any]:
+    peers = [_peer(f"a{i}", "a100", "dc1") for i in range(8)] + [_peer(f"v{i}", "v100", "dc2") for i in range(8)]
+    clusters = {"dc1": {"dc1": _link(10000, 0.1), "dc2": _link(1000, 20)}, "dc2": {"dc2": _link(10000, 0.1)}}
+    return {"peers": peers, "clusters": clusters}
+
+
+def testbed2() -> dict[str, Any]:
+    rng = random.Random(2)
+    sites = ["s1", "s2", "s3", "s4"]
+    kinds = ["4090", "3090", "3090", "t4"]
+    peers = [_peer(f"{s}g{i}", kinds[(i + j) % 4], s) for j, s in enumerate(sites) for i in range(4)]
+    clusters: dict[str, dict[str, Any]] = {s: {s: _link(1000, 0.5)} for s in sites}
+    for i, a in enumerate(sites):
+        for b in sites[i + 1 :]:
+            clusters[a][b] = _link(rng.choice([50, 100, 200]), rng.choice([30, 50, 80]))
+    return {"peers": peers, "clusters": clusters}
+
+
+def testbed3() -> dict[str, Any]:
+    rng = random.Random(3)
+    peers = [_peer(f"lab{i}", "3090", "lab") for i in range(8)]
+    homes = [f"home{i}" for i in range(8)]
+    peers += [_peer(h, ["4090", "3090", "t4"][i % 3], h) for i, h in enumerate(homes)]
+    clusters: dict[str, dict[str, Any]] = {"lab": {"lab": _link(10000, 0.1)}}
+    for i, h in enumerate(homes):
+        clusters[h] = {h: _link(10000, 0.0)}
+        clusters["lab"][h] = _link(rng.choice([8, 20, 50, 100]), rng.choice([20, 40, 80]))
+        for g in homes[i + 1 :]:
+            clusters[h][g] = _link(rng.choice([8, 20, 50]), rng.choice([40, 80, 120]))
+    return {"peers": peers, "clusters": clusters}
+
+
+def internet(num_peers: int, regions: int, seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+    names = [f"r{i}" for i in range(regions)]
+    where = {r: (rng.random(), rng.random()) for r in names}
+    weights = [rng.uniform(0.2, 1.0) for _ in names]
+    peers = []
+    for i in range(num_peers):
+        region = rng.choices(names, weights)[0]
+        peers.append(_peer(f"p{i}", rng.choice(list(GPUS)), region))
+    clusters: dict[str, dict[str, Any]] = {}
+    for i, a in enumerate(names):
+        clusters[a] = {a: _link(rng.choice([200, 500, 1000]), 2)}
+        for b in names[i + 1 :]:
+            d = ((where[a][0] - where[b][0]) ** 2 + (where[a][1] - where[b][1]) ** 2) ** 0.5
+            clusters[a][b] = _link(round(max(8.0, 200 * (1 - d / 1.42) ** 2), 1), round(10 + 150 * d, 1))
+    used = {p["cluster"] for p in peers}
+    clusters = {a: {b: v for b, v in row.items() if b in used} for a, row in clusters.items() if a in used}
+    return {"peers": peers, "clusters": clusters}
+
+
+def preset(name: str) -> Topology:
+    builders = {
+        "testbed1": testbed1,
+        "testbed2": testbed2,
+        "testbed3": testbed3,
+        "internet-1k": lambda: internet(1000, 25, 1),
+        "internet-10k": lambda: internet(10000, 100, 2),
+    }
+    if name not in builders:
+        raise KeyError(name)
+    return parse(builders[name](), name)
