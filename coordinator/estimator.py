@@ -170,6 +170,7 @@ class Network:
         self.overrides = overrides or {}
         self.measured = measured or set()
         self.default = default
+        self._memo: dict[tuple[tuple[str, ...], tuple[str, ...]], LinkInfo] = {}
 
     def link(self, a: str, b: str) -> LinkInfo:
         if a == b:
@@ -182,16 +183,30 @@ class Network:
 
     def group_link(self, xs: list[str], ys: list[str]) -> LinkInfo:
         """The slowest pair between two groups, times the pairs that can send at once."""
-        pairs = [self.link(x, y) for x in _sample(xs) for y in _sample(ys)]
-        worst = min(pairs, key=lambda link: link.mbps)
-        return LinkInfo(worst.mbps * min(len(xs), len(ys)), max(p.latency_s for p in pairs), worst.measured)
+        sx, sy = tuple(_sample(xs)), tuple(_sample(ys))
+        worst = self._memo.get((sx, sy))
+        if worst is None:
+            pairs = [self.link(x, y) for x in sx for y in sy]
+            slowest = min(pairs, key=lambda link: link.mbps)
+            worst = LinkInfo(slowest.mbps, max(p.latency_s for p in pairs), slowest.measured)
+            self._remember((sx, sy), worst)
+        return LinkInfo(worst.mbps * min(len(xs), len(ys)), worst.latency_s, worst.measured)
 
     def slowest_within(self, xs: list[str]) -> LinkInfo | None:
         if len(xs) < 2:
             return None
-        sample = _sample(xs)
-        pairs = [self.link(a, b) for i, a in enumerate(sample) for b in sample[i + 1 :]]
-        return min(pairs, key=lambda link: link.mbps) if pairs else None
+        sample = tuple(_sample(xs))
+        got = self._memo.get((sample, ()))
+        if got is None:
+            pairs = [self.link(a, b) for i, a in enumerate(sample) for b in sample[i + 1 :]]
+            got = min(pairs, key=lambda link: link.mbps)
+            self._remember((sample, ()), got)
+        return got
+
+    def _remember(self, key: tuple[tuple[str, ...], tuple[str, ...]], value: LinkInfo) -> None:
+        if len(self._memo) > 100_000:
+            self._memo.clear()
+        self._memo[key] = value
 
     @classmethod
     def infer(
@@ -280,8 +295,16 @@ class Plan:
         }
 
 
+class PeerTable(dict[str, PeerProfile]):
+    """Peers by id, with their total FLOP/s summed once (do not mutate)."""
+
+    def __init__(self, peers: Iterable[PeerProfile]) -> None:
+        super().__init__((p.id, p) for p in peers)
+        self.total_flops = sum(p.flops for p in self.values())
+
+
 def lower_bound(costs: DagCosts, peers: dict[str, PeerProfile], micro_batches: int) -> float:
-    total = sum(p.flops for p in peers.values())
+    total = peers.total_flops if isinstance(peers, PeerTable) else sum(p.flops for p in peers.values())
     return 3 * micro_batches * costs.total_flops / max(total, 1.0)
 
 

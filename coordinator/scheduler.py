@@ -35,6 +35,7 @@ from coordinator.estimator import (
     LinkInfo,
     Network,
     PeerProfile,
+    PeerTable,
     Plan,
     boundary_positions,
     link_seconds,
@@ -60,6 +61,7 @@ class Options:
     min_fraction: float = 0.01  # never keep less than this (accuracy)
     seed: int = 0
     stages: int | None = None  # force the number of stages
+    standby: bool = True  # OP-Fence may leave peers out (on standby) when that is faster
 
 
 class ScheduleError(ValueError):
@@ -181,6 +183,21 @@ def _stage_groups(ordered: list[str], clusters: dict[str, list[PeerProfile]], k:
     return _contiguous_groups(flat, k)
 
 
+_FLOOR_CACHE: dict[tuple[int, str], list[float]] = {}
+
+
+def _floor_bytes(costs: DagCosts, codec: Codec) -> list[float]:
+    """Wire bytes at every cut position under ``codec`` (cached per cost table)."""
+    key = (id(costs), str(codec))
+    got = _FLOOR_CACHE.get(key)
+    if got is None or len(got) != costs.num_ops:
+        got = [wire_bytes(costs, p, codec) for p in range(costs.num_ops)]
+        if len(_FLOOR_CACHE) > 64:
+            _FLOOR_CACHE.clear()
+        _FLOOR_CACHE[key] = got
+    return got
+
+
 @dataclass
 class StageModel:
     """What limits one stage group: compute, the replicas' all-reduce, memory."""
@@ -231,7 +248,8 @@ def bottleneck_cut(
     if k == 1:
         return () if stages[0].fits(costs, 0, n) else None
     floor = Codec("adatopk", options.min_fraction) if options.compression else Codec()
-    busy = [[wire_bytes(costs, p, floor) * 8 / max(links[b].mbps * 1e6, 1.0) for p in range(n)] for b in range(k - 1)]
+    floor_bytes = _floor_bytes(costs, floor)
+    per_byte = [8 / max(link.mbps * 1e6, 1.0) for link in links]  # seconds per byte on each link
 
     def furthest(s: int, lo: int, bound: float, limit: int) -> int:
         """The largest hi in [lo, limit] that stage s can take within the bound."""
@@ -250,19 +268,26 @@ def bottleneck_cut(
         for s in range(k - 1):
             room = allowed[len(allowed) - (k - 1 - s)]  # leave a position for every later boundary
             hi = furthest(s, lo, bound, room)
-            i = bisect.bisect_right(allowed, hi) - 1
-            while i >= 0 and allowed[i] > lo and busy[s][allowed[i]] > bound:
-                i -= 1
-            if i < 0 or allowed[i] <= lo:
+            top = bisect.bisect_right(allowed, hi) - 1
+            chosen = None
+            limit = bound / per_byte[s]  # bytes the link carries within the bound
+            for table in (costs.cross_bytes, floor_bytes):  # a position that needs no compression first
+                i = top
+                while i >= 0 and allowed[i] > lo and table[allowed[i]] > limit:
+                    i -= 1
+                if i >= 0 and allowed[i] > lo:
+                    chosen = allowed[i]
+                    break
+            if chosen is None:
                 return None
-            out.append(allowed[i])
-            lo = allowed[i]
+            out.append(chosen)
+            lo = chosen
         last = stages[-1]
         if last.seconds(costs, lo, n, m) > bound or not last.fits(costs, lo, n):
             return None
         return tuple(out)
 
-    high = max(st.seconds(costs, 0, n, m) for st in stages) + max(max(row) for row in busy) + 1e-9
+    high = max(st.seconds(costs, 0, n, m) for st in stages) + max(floor_bytes) * max(per_byte) + 1e-9
     best = attempt(high)
     if best is None:
         return None
@@ -372,22 +397,24 @@ def _refine(costs: DagCosts, start: Plan, by_id: dict[str, PeerProfile], network
 
 
 def opfence(costs: DagCosts, peers: list[PeerProfile], network: Network, options: Options = Options()) -> Plan:
-    by_id = {p.id: p for p in peers}
+    by_id = PeerTable(peers)
     clusters: dict[str, list[PeerProfile]] = {}
     for p in peers:
         clusters.setdefault(network.cluster_of.get(p.id, p.cluster), []).append(p)
     ordered = order_clusters(network, clusters)
     best: Plan | None = None
-    for k in _candidate_stages(costs, peers, options):
-        for groups in _groupings(ordered, clusters, k):
-            ids = [[p.id for p in g] for g in groups]
-            links = [network.group_link(ids[b], ids[b + 1]) for b in range(k - 1)]
-            cut = bottleneck_cut(costs, stage_models(groups, network, options.micro_batches), links, options)
-            if cut is None:
-                continue
-            candidate = _evaluate(costs, cut, ids, by_id, network, options)
-            if _better(candidate, best):
-                best = candidate
+    for pool_order, pool in _pools(ordered, clusters, options):
+        pool_peers = [p for c in pool_order for p in pool[c]]
+        for k in _candidate_stages(costs, pool_peers, options):
+            for groups in _groupings(pool_order, pool, k):
+                ids = [[p.id for p in g] for g in groups]
+                links = [network.group_link(ids[b], ids[b + 1]) for b in range(k - 1)]
+                cut = bottleneck_cut(costs, stage_models(groups, network, options.micro_batches), links, options)
+                if cut is None:
+                    continue
+                candidate = _evaluate(costs, cut, ids, by_id, network, options)
+                if _better(candidate, best):
+                    best = candidate
     if best is None:
         raise ScheduleError("no stage count gives a valid plan for these peers and this model")
     reach = costs.num_ops if costs.num_ops <= 64 else 3
@@ -398,6 +425,25 @@ def opfence(costs: DagCosts, peers: list[PeerProfile], network: Network, options
         finalists = [best]
     refined = [_refine(costs, f, by_id, network, options, reach=reach) for f in finalists]
     return min(refined, key=lambda p: (not p.fits_memory, p.iteration_s))
+
+
+def _pools(ordered: list[str], clusters: dict[str, list[PeerProfile]], options: Options):  # type: ignore[no-untyped-def]
+    """The peer pools OP-Fence plans with: every peer, and (with ``standby``) the
+    first 1, 2, 4, ... clusters in pipeline order and the fastest 1, 2, 4, ... peers
+    of the first cluster; the rest wait on standby (fast links beat more GPUs
+    behind slow ones)."""
+    yield ordered, clusters
+    if not options.standby:
+        return
+    j = 1
+    while j < len(ordered):
+        yield ordered[:j], {c: clusters[c] for c in ordered[:j]}
+        j *= 2
+    first = sorted(clusters[ordered[0]], key=lambda p: (-p.flops, p.id))
+    m = 1
+    while m < len(first):
+        yield ordered[:1], {ordered[0]: first[:m]}
+        m *= 2
 
 
 def _set_partitions(items: list[PeerProfile]):  # type: ignore[no-untyped-def]
@@ -479,7 +525,7 @@ def _ordered_partitions(items: list[PeerProfile], k: int):  # type: ignore[no-un
 def exhaustive(costs: DagCosts, peers: list[PeerProfile], network: Network, options: Options = Options()) -> Plan:
     """The best plan over every grouping of every peer into ordered stages and every
     cut (codecs by the same rule as OP-Fence). Only for tiny instances."""
-    by_id = {p.id: p for p in peers}
+    by_id = PeerTable(peers)
     allowed = boundary_positions(costs)
     best: Plan | None = None
     for k in range(1, min(len(peers), len(allowed) + 1) + 1):

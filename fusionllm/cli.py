@@ -178,6 +178,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--join-timeout", type=float, default=30.0, help="seconds to reach the DHT and coordinator")
     _add_identity_flag(p, "~/.fusionllm/peer.key")
 
+    for name, helptext in (
+        ("plan", "dry-run the scheduler on a topology: stages, peers, predicted times, codecs"),
+        ("sim", "simulate schedulers on a topology (seeded; churn optional)"),
+    ):
+        p = sub.add_parser(name, help=helptext)
+        _add_job_flags(p, steps=1)
+        p.add_argument("--topology", required=True, help="topology JSON file or preset (testbed1..3, internet-1k/10k)")
+        p.add_argument("--stages", type=_positive, default=None, help="force the number of stages")
+        p.add_argument("--max-stages", type=_positive, default=32)
+        p.add_argument("--compression", choices=["adatopk", "none"], default="adatopk")
+        p.add_argument("--min-fraction", type=_fraction, default=0.01, help="AdaTopK keeps at least this fraction")
+        p.add_argument("--json", action="store_true", help="print one JSON object")
+        if name == "plan":
+            p.add_argument("--scheduler", choices=["opfence", "even", "compute", "random"], default="opfence")
+        else:
+            p.add_argument("--schedulers", default="opfence,even,compute,random", help="comma-separated")
+            p.add_argument("--iterations", type=_positive, default=20)
+            p.add_argument("--churn", type=int, default=0, metavar="N", help="N seeded join/leave/slow-down events")
+            p.add_argument("--plot", default=None, metavar="OUT.png", help="plot iteration times")
+
     p = sub.add_parser("status", help="print a coordinator's status page in the terminal")
     p.add_argument(
         "--coordinator",
@@ -214,12 +234,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from fusionllm import commands, swarm_cmds
+    from fusionllm import commands, plan_cmds, swarm_cmds
     from protocol.graph import CutError, TraceFailure
     from protocol.job import SpecError
 
     try:
-        handler = getattr(swarm_cmds, f"cmd_{args.command}", None) or getattr(commands, f"cmd_{args.command}")
+        name = f"cmd_{args.command}"
+        handler = getattr(swarm_cmds, name, None) or getattr(plan_cmds, name, None) or getattr(commands, name)
         return int(handler(args) or 0)
     except (UsageError, SpecError, CutError, TraceFailure) as exc:
         print(f"fusionllm: error: {exc}", file=sys.stderr)

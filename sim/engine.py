@@ -133,6 +133,7 @@ def simulate(
     current = replan()
     result = SimResult(scheduler, [], current.iteration_s, current.lower_bound_s)
     events = sorted(churn or [], key=lambda c: c.iteration)
+    last_optional = -10
     for it in range(iterations):
         forced = False
         for ev in [e for e in events if e.iteration == it]:
@@ -145,7 +146,13 @@ def simulate(
                 p = true_peers[ev.peer]
                 true_peers[ev.peer] = PeerProfile(p.id, p.flops * ev.factor, p.memory_bytes, p.cluster)
         penalty = 0.0
-        if forced or any(e.iteration == it for e in events):
+        slowed = any(
+            e.iteration == it and e.kind == "slow" and any(e.peer in g for g in current.groups) for e in events
+        )
+        joined = any(e.iteration == it and e.kind == "join" for e in events)
+        # re-plan when a planned peer left or slowed down; for joins at most every 10 iterations
+        if forced or slowed or (joined and it - last_optional >= 10):
+            last_optional = it if not forced else last_optional
             try:
                 candidate = replan()
             except ScheduleError:

@@ -1,0 +1,251 @@
+"""The workload estimator, OP-Fence and its baselines, topology files and the
+simulator: pure functions on hand-made and seeded random instances."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from coordinator.estimator import DagCosts, Network, PeerProfile, Plan, predict
+from coordinator.scheduler import SCHEDULERS, Options, ScheduleError, exhaustive, opfence, plan
+from protocol.codecs import Codec
+from sim.engine import Churn, iteration_seconds, simulate
+from sim.presets import PRESETS, preset
+from sim.topology import TopologyError, parse
+from tests.conftest import run_cli
+
+GB = 1 << 30
+
+
+def _chain(flops: list[int], cross: list[int], params: int = 0) -> DagCosts:
+    n = len(flops)
+    return DagCosts(flops, [params] * n, [1 << 20] * n, [0, *cross], [0, *cross])
+
+
+def _two_clusters(fast: float = 10_000.0, slow: float = 10.0) -> tuple[list[PeerProfile], Network]:
+    peers = [PeerProfile(f"{c}{i}", 10e12, 80 * GB, c) for c in "ab" for i in range(2)]
+    clusters = {("a", "a"): (fast, 1e-4), ("b", "b"): (fast, 1e-4), ("a", "b"): (slow, 0.05)}
+    return peers, Network({p.id: p.cluster for p in peers}, clusters)
+
+
+def test_slow_link_carries_the_smallest_boundary() -> None:
+    """Eight equal ops; every boundary carries 64 MB except one in the middle (1 kB):
+    OP-Fence puts the slow link exactly there and keeps both clusters busy."""
+    cross = [64 << 20] * 7
+    cross[3] = 1024  # boundary before op 4
+    costs = _chain([10**12] * 8, cross, params=50 << 20)  # replicas across the slow link would all-reduce 400 MB
+    peers, net = _two_clusters()
+    p = opfence(costs, peers, net, Options(micro_batches=8, standby=False))
+    clusters_of_stages = [{x[0] for x in g} for g in p.groups]
+    assert all(len(c) == 1 for c in clusters_of_stages), "no stage straddles the slow link"
+    slow_edges = [b for b in range(len(p.cut)) if clusters_of_stages[b] != clusters_of_stages[b + 1]]
+    assert [p.cut[b] for b in slow_edges] == [4]
+    assert p.codecs[slow_edges[0]] == Codec(), "a 1 kB boundary needs no compression"
+    for name in ("even", "compute", "random"):
+        assert plan(name, costs, peers, net, Options(micro_batches=8)).iteration_s > p.iteration_s
+
+
+def test_compute_is_split_in_proportion_to_flops() -> None:
+    costs = _chain([10**11] * 40, [1024] * 39)
+    peers = [PeerProfile("fast", 30e12, 80 * GB, "x"), PeerProfile("slow", 10e12, 80 * GB, "x")]
+    net = Network({"fast": "x", "slow": "x"}, {("x", "x"): (10_000.0, 1e-4)})
+    p = opfence(costs, peers, net, Options(micro_batches=16, stages=2, standby=False))
+    stage_ops = [hi - lo for lo, hi in p.ranges(costs.num_ops)]
+    fast_stage = 0 if p.groups[0] == ["fast"] else 1
+    assert stage_ops[fast_stage] == 30 and stage_ops[1 - fast_stage] == 10
+    assert max(p.stage_s) == pytest.approx(min(p.stage_s), rel=0.01)
+
+
+def test_memory_forces_a_split_and_unfit_plans_are_flagged() -> None:
+    costs = _chain([10**11] * 10, [1024] * 9, params=1 << 30)  # 10 GiB of weights, 40 GiB with Adam
+    small = [PeerProfile(f"p{i}", 10e12, 24 * GB, "x") for i in range(3)]
+    net = Network({p.id: "x" for p in small}, {("x", "x"): (10_000.0, 1e-4)})
+    p = opfence(costs, small, net, Options(micro_batches=4))
+    assert p.fits_memory and len(p.groups) >= 2
+    whole = predict(costs, Plan((), [["p0"]], []), {q.id: q for q in small}, net, 4)
+    assert not whole.fits_memory
+
+
+def test_slow_links_get_adatopk_just_enough() -> None:
+    costs = _chain([10**12] * 4, [256 << 20] * 3, params=50 << 20)  # every boundary is big
+    peers, net = _two_clusters(slow=100.0)
+    p = opfence(costs, peers, net, Options(micro_batches=8, standby=False, min_fraction=0.001))
+    slow = [b for b in range(len(p.cut)) if p.groups[b][0][0] != p.groups[b + 1][0][0]]
+    assert slow and all(p.codecs[b].name == "adatopk" for b in slow)
+    fast = [b for b in range(len(p.cut)) if b not in slow]
+    assert all(p.codecs[b] == Codec() for b in fast)
+    b = slow[0]
+    link_busy = p.link_s[b] - 0.05
+    assert link_busy <= max(p.stage_s) * 1.05, "compressed just enough to keep up with compute"
+
+
+def _random_instance(seed: int, peers_max: int, ops_choices: list[int]) -> tuple[DagCosts, list[PeerProfile], Network]:
+    rng = random.Random(seed)
+    n_peers, n_ops = rng.randint(4, peers_max), rng.choice(ops_choices)
+    costs = DagCosts.synthetic(n_ops, seed, act_bytes=rng.choice([1 << 18, 1 << 20, 1 << 22]))
+    nclu = rng.choice([1, 2, 3])
+    peers = [
+        PeerProfile(f"p{i}", rng.uniform(5, 100) * 1e9, 1 << 40, f"c{rng.randrange(nclu)}") for i in range(n_peers)
+    ]
+    clusters = {}
+    for a in range(nclu):
+        for b in range(a, nclu):
+            same = a == b
+            clusters[(f"c{a}", f"c{b}")] = (10_000.0, 1e-4) if same else (rng.choice([8, 50, 200, 1000]), 0.03)
+    return costs, peers, Network({p.id: p.cluster for p in peers}, clusters)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_opfence_within_ten_percent_of_exhaustive(seed: int) -> None:
+    costs, peers, net = _random_instance(seed, 5, [8, 9, 10])
+    opts = Options(micro_batches=4, standby=False)
+    best = exhaustive(costs, peers, net, opts)
+    got = opfence(costs, peers, net, opts)
+    assert got.iteration_s <= 1.10 * best.iteration_s
+    assert got.lower_bound_s <= best.iteration_s
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(100, 103))
+def test_opfence_within_ten_percent_of_exhaustive_six_peers_twelve_ops(seed: int) -> None:
+    costs, peers, net = _random_instance(seed, 6, [12])
+    peers = peers[:6] if len(peers) >= 6 else peers
+    opts = Options(micro_batches=4, standby=False)
+    assert opfence(costs, peers, net, opts).iteration_s <= 1.10 * exhaustive(costs, peers, net, opts).iteration_s
+
+
+def test_lower_bound_holds_for_every_scheduler_and_the_simulator() -> None:
+    topo = preset("testbed1")
+    costs = DagCosts.synthetic(60, seed=3)
+    for name in SCHEDULERS:
+        r = simulate(costs, topo, name, Options(micro_batches=8), 3)
+        assert r.lower_bound_s <= r.predicted_s and r.lower_bound_s <= min(r.iteration_s)
+
+
+def test_estimator_and_simulator_agree_on_a_plain_pipeline() -> None:
+    costs = _chain([10**12] * 12, [4 << 20] * 11)
+    peers = [PeerProfile(f"p{i}", 20e12, 80 * GB, "x") for i in range(4)]
+    net = Network({p.id: "x" for p in peers}, {("x", "x"): (1000.0, 0.001)})
+    p = predict(costs, Plan((3, 6, 9), [[f"p{i}"] for i in range(4)], [Codec()] * 3), {q.id: q for q in peers}, net, 8)
+    simulated = iteration_seconds(costs, p, {q.id: q for q in peers}, net, 8)
+    assert simulated == pytest.approx(p.iteration_s, rel=0.25)
+
+
+def test_network_inferred_from_a_few_probes() -> None:
+    topo = preset("testbed2")
+    unlabeled = [PeerProfile(p.id, p.flops, p.memory_bytes, "") for p in topo.peers]
+    probes = topo.probes(per_peer=4, seed=1)
+    net = Network.infer(unlabeled, probes)
+    true = {p.id: p.cluster for p in topo.peers}
+    for a in true:
+        for b in true:
+            if true[a] == true[b] and (a, b) in probes:
+                assert net.cluster_of[a] == net.cluster_of[b], "a measured fast pair lands in one cluster"
+    some_probe = next(iter(probes))
+    assert net.link(*some_probe).measured
+    unprobed = next((a, b) for a in true for b in true if a != b and (a, b) not in probes and (b, a) not in probes)
+    assert not net.link(*unprobed).measured
+
+
+def _peer(pid: str = "a", cluster: str | None = None, **extra: object) -> dict:
+    out: dict = {"id": pid, "tflops": 1, "memory_gb": 1, **extra}
+    if cluster:
+        out["cluster"] = cluster
+    return out
+
+
+_LINK = {"mbps": 1, "latency_ms": 1}
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        ({"peers": []}, "peers: must be a non-empty list"),
+        ({"peers": [_peer(tflops="fast")]}, "peers[0].tflops"),
+        ({"peers": [_peer(), _peer()]}, "appears twice"),
+        ({"peers": [_peer(cluster="A")], "clusters": {"A": {"B": _LINK}}}, "clusters.A.B"),
+        ({"peers": [_peer(cluster="A")], "clusters": {"A": {"A": {**_LINK, "mbps": -1}}}}, "clusters.A.A.mbps"),
+        ({"peers": [_peer()], "links": [{"src": "a", "dst": "zz", **_LINK}]}, "links[0].dst"),
+    ],
+)
+def test_topology_errors_name_the_field(data: dict, needle: str) -> None:
+    with pytest.raises(TopologyError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+        parse(data)
+
+
+def test_topology_links_override_clusters_symmetrically() -> None:
+    topo = parse(
+        {
+            "peers": [{"id": i, "tflops": 10, "memory_gb": 24, "cluster": i[0]} for i in ("a1", "a2", "b1")],
+            "clusters": {"a": {"a": {"mbps": 10000, "latency_ms": 0.1}, "b": {"mbps": 100, "latency_ms": 40}}},
+            "links": [{"src": "a1", "dst": "b1", "mbps": 8, "latency_ms": 120}],
+        }
+    )
+    assert topo.network.link("b1", "a1").mbps == 8 and topo.network.link("a2", "b1").mbps == 100
+    assert topo.network.link("b1", "a2").latency_s == pytest.approx(0.04)
+
+
+def test_simulation_is_seeded_and_survives_churn() -> None:
+    topo = preset("testbed3")
+    costs = DagCosts.synthetic(80, seed=5)
+    first = simulate(costs, topo, "opfence", Options(micro_batches=8), 6)
+    planned = [pid for g in opfence(costs, topo.peers, topo.network, Options(micro_batches=8)).groups for pid in g]
+    churn = [Churn(2, "leave", planned[0]), Churn(3, "slow", planned[-1], 0.25), Churn(4, "join", "home7")]
+    a = simulate(costs, topo, "opfence", Options(micro_batches=8), 6, churn, held_out={"home7"})
+    b = simulate(costs, topo, "opfence", Options(micro_batches=8), 6, churn, held_out={"home7"})
+    assert a.iteration_s == b.iteration_s, "same seed, same run"
+    assert len(a.iteration_s) == 6 and all(t > 0 for t in a.iteration_s)
+    assert any(it == 2 for it, _ in a.replans), "a planned peer left: re-planned at once"
+    assert first.iteration_s[0] == a.iteration_s[0]
+
+
+def test_presets_build() -> None:
+    sizes = {name: len(preset(name).peers) for name in PRESETS}
+    assert sizes["testbed1"] + sizes["testbed2"] + sizes["testbed3"] == 48
+    assert sizes["internet-1k"] == 1000 and sizes["internet-10k"] == 10_000
+    speeds = [
+        link[0] for name in ("testbed1", "testbed2", "testbed3") for link in preset(name).network.clusters.values()
+    ]
+    assert min(speeds) == 8 and max(speeds) == 10_000
+
+
+def test_unknown_scheduler_and_impossible_stage_counts() -> None:
+    costs = DagCosts.synthetic(5)
+    peers, net = _two_clusters()
+    with pytest.raises(ScheduleError, match="unknown scheduler"):
+        plan("fastest", costs, peers, net)
+    with pytest.raises(ScheduleError):
+        plan("opfence", costs, peers, net, Options(stages=9))
+
+
+def test_plan_and_sim_commands(tmp_path: Path) -> None:
+    topo = tmp_path / "t.json"
+    topo.write_text(
+        json.dumps(
+            {
+                "peers": [_peer(f"{c}{i}", c, tflops=20, memory_gb=24) for c in "AB" for i in range(3)],
+                "clusters": {"A": {"A": {"mbps": 10000, "latency_ms": 0.1}, "B": {"mbps": 50, "latency_ms": 40}},
+                             "B": {"B": {"mbps": 10000, "latency_ms": 0.1}}},
+            }
+        )
+    )  # fmt: skip
+    r = run_cli("plan", "--topology", str(topo), "--model", "gpt", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["scheduler"] == "opfence" and out["iteration_s"] >= out["lower_bound_s"] > 0
+    assert out["stages"][0]["first_op"] == 0 and out["stages"][-1]["last_op"] == out["num_ops"] - 1
+    plot = tmp_path / "sim.png"
+    r = run_cli("sim", "--topology", str(topo), "--model", "gpt", "--iterations", "3", "--json", "--plot", str(plot))
+    assert r.returncode == 0, r.stderr
+    sims = json.loads(r.stdout)["schedulers"]
+    assert set(sims) == set(SCHEDULERS) and all(v["iteration_s"] >= v["lower_bound_s"] for v in sims.values())
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"peers": [{"id": "a", "tflops": 1}]}))
+    r = run_cli("plan", "--topology", str(bad), "--model", "gpt")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "peers[0]: missing 'memory_gb'" in r.stderr
+    r = run_cli("sim", "--topology", "testbed9", "--model", "gpt")
+    assert r.returncode == 2 and "not a preset" in r.stderr
