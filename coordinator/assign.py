@@ -1,24 +1,27 @@
-"""Stage assignment from measured adverts: a pure function of a snapshot.
-
-Peers are grouped into ``num_stages`` groups with balanced total FLOP/s (the
-fastest peer first, always into the group with the least FLOP/s so far); the
-DAG is cut so each stage's FLOPs follow its group's FLOP/s. Extra peers become
-replicas. The bandwidth-aware OP-Fence scheduler replaces this later.
-"""
+"""Stage assignment for a live swarm from its peers' adverts: OP-Fence on what the
+peers measured (FLOP/s and memory; bandwidth to the coordinator stands in for the
+links between peers until they measure those). A pure function of a snapshot."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import statistics
+from dataclasses import dataclass, field
 
-from coordinator.opdag import OpDag, balanced_cut
+from coordinator.estimator import DagCosts, Network, PeerProfile, Plan
+from coordinator.opdag import OpDag
+from coordinator.scheduler import Options, ScheduleError, opfence
 from protocol.graph import Cut
 from protocol.messages import Advert
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Assignment:
     cut: Cut
     stages: list[list[str]]  # peer ids per stage, in replica order
+    plan: Plan | None = field(default=None, compare=False)  # the estimator's prediction
 
     def stage_of(self, peer_id: str) -> tuple[int, int]:
         for s, peers in enumerate(self.stages):
@@ -27,18 +30,33 @@ class Assignment:
         raise KeyError(peer_id)
 
 
-def assign(dag: OpDag, adverts: list[Advert], num_stages: int | None = None) -> Assignment:
-    """Give every advertised peer a stage; ``num_stages`` defaults to one per peer."""
+def network_from_adverts(adverts: list[Advert]) -> Network:
+    """Pairwise bandwidth guessed from each peer's measured up/down to the coordinator."""
+    ids = [a.peer_id for a in adverts]
+    overrides = {
+        (a.peer_id, b.peer_id): (max(min(a.up_mbps, b.down_mbps), 1e-3), 0.001)
+        for a in adverts
+        for b in adverts
+        if a.peer_id != b.peer_id
+    }
+    typical = statistics.median(v[0] for v in overrides.values()) if overrides else 1000.0
+    return Network({i: "swarm" for i in ids}, {("swarm", "swarm"): (typical, 0.001)}, overrides)
+
+
+def assign(dag: OpDag, adverts: list[Advert], num_stages: int | None = None, micro_batches: int = 4) -> Assignment:
+    """Every advertised peer gets a stage; ``num_stages`` defaults to one per peer."""
     if not adverts:
         raise ValueError("no peers to assign")
     k = num_stages or len(adverts)
     if k > len(adverts):
         raise ValueError(f"{k} stages need at least {k} peers, {len(adverts)} joined")
-    groups: list[list[Advert]] = [[] for _ in range(k)]
-    for ad in sorted(adverts, key=lambda a: (-a.flops, a.peer_id)):
-        target = min(range(k), key=lambda s: (sum(a.flops for a in groups[s]), len(groups[s]), s))
-        groups[target].append(ad)
-    # Stage s does FLOPs in proportion to what its replicas can do together.
-    weights = [max(sum(a.flops for a in g), 1.0) for g in groups]
-    cut = balanced_cut(dag, k, weights)
-    return Assignment(cut=cut, stages=[[a.peer_id for a in g] for g in groups])
+    costs = DagCosts.from_opdag(dag)
+    peers = [PeerProfile(a.peer_id, a.flops, a.memory_bytes, "swarm") for a in adverts]
+    options = Options(micro_batches=micro_batches, stages=k, standby=False, compression=False)
+    try:
+        plan = opfence(costs, peers, network_from_adverts(adverts), options)
+    except ScheduleError as exc:
+        raise ValueError(str(exc)) from None
+    if not plan.fits_memory:
+        logger.warning("the best plan may not fit the peers' free memory")
+    return Assignment(cut=Cut(tuple(plan.cut)), stages=plan.groups, plan=plan)

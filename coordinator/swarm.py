@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -95,6 +96,7 @@ class RunSummary:
     link_bytes: dict[str, int]  # "src->dst" -> bytes
     state: dict[str, torch.Tensor]
     links: list[LinkReport] = field(default_factory=list)  # per stage boundary
+    estimate: dict[str, Any] = field(default_factory=dict)  # the estimator's prediction next to what ran
 
 
 @dataclass
@@ -282,7 +284,10 @@ class Coordinator:
         self._tasks.append(asyncio.create_task(self._watch_adverts()))
         example = job.first_micro_batch()
         dag = build_opdag(model, example)
-        self._assignment = plan = assign(dag, list(self.adverts.values()), cfg.num_stages)
+        try:
+            self._assignment = plan = assign(dag, list(self.adverts.values()), cfg.num_stages, job.micro_batches)
+        except ValueError as exc:
+            raise SwarmError(f"cannot plan the run: {exc}") from None
         k = plan.cut.num_stages
         specs = boundary_specs(model, plan.cut, example)
         self.board.set_plan(
@@ -321,6 +326,8 @@ class Coordinator:
             for p in peers:
                 await tp.send(p, LinkPlan(cfg.run_id, [c.to_json() for c in codecs]))
             losses: list[float] = []
+            step_seconds: list[float] = []
+            compute: dict[str, list[float]] = {p: [] for p in peers}
             tokens = 0
             start = time.perf_counter()
             for step, batch in enumerate(itertools.islice(job.batches(), job.steps)):
@@ -342,11 +349,13 @@ class Coordinator:
                         continue
                     pending.discard(inbound.sender)
                     step_losses.update(inbound.message.losses)
+                    compute[inbound.sender].append(inbound.message.compute_s)
                     link_bytes[inbound.sender] = inbound.message.bytes_sent
                     raw_bytes[inbound.sender] = inbound.message.raw_sent
                 if len(step_losses) != len(mbs):
                     raise SwarmError(f"step {step}: got {len(step_losses)} losses for {len(mbs)} micro-batches")
                 losses.append(sum(step_losses.values()) / len(mbs))
+                step_seconds.append(time.perf_counter() - t0)
                 tokens += batch[0].numel()
                 traffic = _traffic(plan, link_bytes, raw_bytes)
                 self.board.step_done(step, losses[-1], time.perf_counter() - t0, batch[0].numel(), traffic)
@@ -375,7 +384,8 @@ class Coordinator:
         links = {f"{src[-6:]}->{dst[-6:]}": n for src, sent in link_bytes.items() for dst, n in sent.items()}
         for report, (wire, raw) in zip(link_reports, _traffic(plan, link_bytes, raw_bytes), strict=True):
             report.wire_bytes, report.raw_bytes = wire, raw
-        return RunSummary(losses, seconds, tokens, plan, self.adverts, links, state, link_reports)
+        estimate = _estimate(plan, compute, step_seconds, job.micro_batches)
+        return RunSummary(losses, seconds, tokens, plan, self.adverts, links, state, link_reports, estimate)
 
     def _choose_codecs(
         self, dag: Any, plan: Assignment, specs: list[list[Any]], measured: dict[str, dict[str, float]]
@@ -431,3 +441,30 @@ def _traffic(
                 out[b][0] += n
                 out[b][1] += raw.get(src, {}).get(dst, n)
     return [(w, r) for w, r in out]
+
+
+def _estimate(plan: Assignment, compute: dict[str, list[float]], step_seconds: list[float], mbs: int) -> dict[str, Any]:
+    """The estimator's predicted step and per-stage times next to the measured ones
+    (medians over the steps; a stage's time per micro-batch is its peers' forward
+    plus backward compute divided by the micro-batches each handled)."""
+    if plan.plan is None or not step_seconds:
+        return {}
+    stages = []
+    for s, group in enumerate(plan.stages):
+        per_mb = [
+            statistics.median(compute[p]) / max(len(range(r, mbs, len(group))), 1)
+            for r, p in enumerate(group)
+            if compute.get(p)
+        ]
+        stages.append(
+            {
+                "stage": s,
+                "predicted_ms": round(plan.plan.stage_s[s] * 1e3, 3),
+                "measured_ms": round(statistics.median(per_mb) * 1e3, 3) if per_mb else None,
+            }
+        )
+    return {
+        "predicted_step_s": round(plan.plan.iteration_s, 5),
+        "measured_step_s": round(statistics.median(step_seconds), 5),
+        "stages": stages,
+    }

@@ -63,6 +63,13 @@ def _summary(summary: Any, save: str | None) -> str:
             f"measured): {link.codec}, {link.wire_bytes / 1e6:.2f} MB on the wire for {link.raw_bytes / 1e6:.2f} MB "
             f"of tensors, ratio {link.ratio:.1f}x"
         )
+    est = summary.estimate
+    if est:
+        lines.append(
+            f"estimator: predicted {est['predicted_step_s'] * 1e3:.1f} ms per step, measured "
+            f"{est['measured_step_s'] * 1e3:.1f} ms (median); per micro-batch, stage by stage, predicted/measured: "
+            + ", ".join(f"{s['predicted_ms']:.2f}/{s['measured_ms']:.2f} ms" for s in est["stages"])
+        )
     if save:
         lines.append(f"saved {save}")
     return "\n".join(lines)
