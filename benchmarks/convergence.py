@@ -22,8 +22,8 @@ STEPS = 300
 SLOW_MBPS = 10.0
 
 
-def _demo(out: Path, *flags: str) -> tuple[float, int, str]:
-    """(validation loss, bytes on the slow link, its codec) of one demo run."""
+def _demo(out: Path, *flags: str) -> tuple[float, int, str, float]:
+    """(validation loss, bytes on the slow link, its codec, its compression ratio) of one demo run."""
     ckpt = out / "model.safetensors"
     proc = subprocess.run(
         [sys.executable, "-m", "fusionllm", "demo", "--peers", "3", "--steps", str(STEPS), "--save", str(ckpt), *flags],
@@ -34,9 +34,9 @@ def _demo(out: Path, *flags: str) -> tuple[float, int, str]:
     )
     if proc.returncode != 0:
         raise SystemExit(f"demo {' '.join(flags)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    m = re.search(r"boundary 1 \(.*?\): (\S+), ([\d.]+) MB on the wire", proc.stdout)
+    m = re.search(r"boundary 1 \(.*?\): (\S+), ([\d.]+) MB on the wire .*? ratio ([\d.]+)x", proc.stdout)
     assert m, proc.stdout
-    return validation_loss(JobSpec(steps=STEPS), ckpt), int(float(m.group(2)) * 1e6), m.group(1)
+    return validation_loss(JobSpec(steps=STEPS), ckpt), int(float(m.group(2)) * 1e6), m.group(1), float(m.group(3))
 
 
 def main() -> None:
@@ -44,8 +44,10 @@ def main() -> None:
         a, b = Path(tmp) / "plain", Path(tmp) / "adatopk"
         a.mkdir()
         b.mkdir()
-        plain_loss, plain_bytes, _ = _demo(a, "--compression", "none")
-        topk_loss, topk_bytes, codec = _demo(b, "--compression", "adatopk", "--link-mbps", f"10000,{SLOW_MBPS:g}")
+        plain_loss, plain_bytes, _, _ = _demo(a, "--compression", "none")
+        topk_loss, topk_bytes, codec, ratio = _demo(
+            b, "--compression", "adatopk", "--link-mbps", f"10000,{SLOW_MBPS:g}"
+        )
     print(
         json.dumps(
             {
@@ -53,7 +55,10 @@ def main() -> None:
                 "uncompressed_val_loss": round(plain_loss, 4),
                 "adatopk_val_loss": round(topk_loss, 4),
                 "loss_ratio": round(topk_loss / plain_loss, 4),
-                "slow_link_bytes_ratio": round(plain_bytes / max(topk_bytes, 1), 2),
+                # the slow link's tensor bytes over its bytes on the wire, in the compressed run
+                "slow_link_bytes_ratio": ratio,
+                "uncompressed_run_slow_link_mb": round(plain_bytes / 1e6, 2),
+                "adatopk_run_slow_link_mb": round(topk_bytes / 1e6, 2),
                 "slow_link_codec": codec,
                 "slow_link_mbps": SLOW_MBPS,
             }

@@ -327,6 +327,16 @@ class Gate:
         return Opened(env, message)
 
 
+def lane_id(head: bytes) -> int | None:
+    """The lane frame id a (rejected) frame's header announces, if readable."""
+    try:
+        header = json.loads(head[HEAD.size : len(head) - SIGNATURE_BYTES])
+        value = header["lanes"]["id"]
+    except (ValueError, UnicodeDecodeError, TypeError, KeyError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def inline_payload(head: bytes) -> int | None:
     """How many payload bytes follow a rejected frame's head on its stream, if its
     header says so readably (0 when the payload travels on lanes)."""

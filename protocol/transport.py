@@ -21,7 +21,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr as HivemindMultiaddr
 from multiaddr import Multiaddr
 
-from protocol.envelope import HEAD, MAGIC, Envelope, Gate, Reject, Rejected, Sealer, inline_payload
+from protocol.envelope import HEAD, MAGIC, Envelope, Gate, Reject, Rejected, Sealer, inline_payload, lane_id
 from protocol.identity import SIGNATURE_BYTES, Identity
 from protocol.messages import Message
 from protocol.wire import (
@@ -104,6 +104,7 @@ class Transport:
         self._known: dict[str, list[str]] = {}
         self._frame_ids = itertools.count()
         self._lane_parts: dict[tuple[str, int, int], asyncio.Future[bytes]] = {}
+        self._dropped: set[tuple[str, int]] = set()  # (sender, lane frame id) of rejected frames
         self._rates: dict[str, float] = {}  # peer id -> bytes/s
         self._pace_locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._free_at: dict[str, float] = defaultdict(float)
@@ -202,6 +203,13 @@ class Transport:
         self.raw_sent[peer_id] += n - total + raw_bytes(descs)
         return n
 
+    def _drop_lanes(self, sender: str, frame_id: int) -> None:
+        if len(self._dropped) > 4096:
+            self._dropped.clear()
+        self._dropped.add((sender, frame_id))
+        for lane in range(LANES):
+            self._lane_parts.pop((sender, frame_id, lane), None)
+
     def _lane_future(self, key: tuple[str, int, int]) -> asyncio.Future[bytes]:
         if key not in self._lane_parts:
             self._lane_parts[key] = asyncio.get_running_loop().create_future()
@@ -220,8 +228,10 @@ class Transport:
                 frame_id, lane, size = _LANE_HEAD.unpack(head)
                 if size > self.max_payload or lane >= LANES:
                     raise Rejected(Reject.OVERSIZED, f"lane part of {size} bytes (lane {lane}) is over the limits")
-                fut = self._lane_future((sender, frame_id, lane))
                 data = await reader.readexactly(size)
+                if (sender, frame_id) in self._dropped:
+                    continue  # the frame's signed head was rejected
+                fut = self._lane_future((sender, frame_id, lane))
                 if not fut.done():
                     fut.set_result(data)
         except Rejected as exc:
@@ -269,6 +279,9 @@ class Transport:
                     if exc.code in _FATAL or skip is None or skip > self.max_payload:
                         raise
                     self.gate.reject(sender, exc)
+                    dropped = lane_id(head)
+                    if dropped is not None:  # its parts on the lane streams are dropped too
+                        self._drop_lanes(sender, dropped)
                     await _discard(reader, skip)  # the sender's later frames still count
                     continue
                 try:

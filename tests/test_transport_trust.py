@@ -106,3 +106,20 @@ def test_paced_link_takes_as_long_as_its_rate_says() -> None:
             assert 25 < up <= 41, up
 
     asyncio.run(go())
+
+
+def test_rejected_laned_frame_leaves_no_parts_behind() -> None:
+    async def go() -> None:
+        from protocol.transport import LANE_THRESHOLD
+
+        async with transport_pair("r") as (a, b):
+            big = torch.randn(LANE_THRESHOLD // 4 + 1000)  # over the threshold: travels on lanes
+            await a.send(b.peer_id, Activations("elsewhere", 0, 0, 1), [big])
+            await _until(lambda: b.gate.counts[Reject.WRONG_RUN] == 1)
+            await asyncio.sleep(0.5)  # let every lane part arrive
+            assert not b._lane_parts, "the rejected frame's lane parts are dropped, not kept"
+            await a.send(b.peer_id, Activations("r", 0, 1, 1), [big])
+            got = await asyncio.wait_for(b.inbox.get(), 30)
+            assert got.message.mb == 1 and torch.equal(got.values()[0], big)
+
+    asyncio.run(go())
