@@ -10,7 +10,9 @@
 - ``fp16_encode_gbps``: the fp16 cast codec.
 - ``sign_verify_fraction_of_transfer``: sealing (BLAKE3 digest + Ed25519 sign)
   and checking (signature, digest) one 4 MiB message, over the time the same
-  message takes from one transport to another on loopback (libp2p streams).
+  signed message takes from one transport's ``send`` to the other's inbox on
+  loopback (libp2p streams; best of 10); ``..._of_unsigned_transfer`` divides by
+  that time minus the crypto instead.
 """
 
 from __future__ import annotations
@@ -117,8 +119,10 @@ def main() -> None:
     transfer = asyncio.run(_transfer_seconds())
     out["sign_verify_ms_4mib"] = round(sv * 1e3, 2)
     out["transfer_ms_4mib"] = round(transfer * 1e3, 2)
-    # the transfer time includes signing and checking; compare against the rest
-    out["sign_verify_fraction_of_transfer"] = round(sv / max(transfer - sv, 1e-9), 3)
+    # the end-to-end time of a signed 4 MiB message, sealing and checking included
+    out["sign_verify_fraction_of_transfer"] = round(sv / transfer, 3)
+    # the stricter reading: against the transfer without the crypto
+    out["sign_verify_fraction_of_unsigned_transfer"] = round(sv / max(transfer - sv, 1e-9), 3)
     print(json.dumps(out))
 
 

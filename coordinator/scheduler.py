@@ -17,9 +17,7 @@ OP-Fence:
 5. picks AdaTopK's kept fraction per slow edge (just enough), predicts the
    iteration, keeps the best plan that fits memory.
 
-Baselines on the same number of stages: ``even`` (peers in the given order, equal
-op counts), ``compute`` (peers balanced by FLOP/s regardless of bandwidth, ops
-split in proportion), ``random`` (seeded random groups and cut).
+The baselines live in ``coordinator.baselines``; ``plan`` runs any of them by name.
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-import random
 from dataclasses import dataclass
 
 from coordinator.estimator import (
@@ -58,7 +55,7 @@ class Options:
     micro_batches: int = 8
     max_stages: int = 32
     compression: bool = True  # OP-Fence may put AdaTopK on slow edges
-    min_fraction: float = 0.01  # never keep less than this (accuracy)
+    min_fraction: float = 0.1  # never keep less than this (accuracy, as coordinator.links.MIN_FRACTION)
     seed: int = 0
     stages: int | None = None  # force the number of stages
     standby: bool = True  # OP-Fence may leave peers out (on standby) when that is faster
@@ -76,13 +73,15 @@ def plan(
         raise ScheduleError("no peers to plan for")
     if scheduler == "opfence":
         return opfence(costs, peers, network, options)
+    from coordinator import baselines
+
     k = options.stages or _baseline_stages(costs, peers, options)
     if scheduler == "even":
-        return even(costs, peers, network, options, k)
+        return baselines.even(costs, peers, network, options, k)
     if scheduler == "compute":
-        return compute(costs, peers, network, options, k)
+        return baselines.compute(costs, peers, network, options, k)
     if scheduler == "random":
-        return random_plan(costs, peers, network, options, k)
+        return baselines.random_plan(costs, peers, network, options, k)
     raise ScheduleError(f"unknown scheduler {scheduler!r} (known: {', '.join(SCHEDULERS)})")
 
 
@@ -474,71 +473,3 @@ def _tiny_candidates(costs: DagCosts, peers: list[PeerProfile], by_id: dict[str,
             if cut is not None:
                 out.append(_evaluate(costs, cut, ids, by_id, network, options))
     return out
-
-
-# ------------------------------------------------------------------ baselines
-
-
-def _finish(costs: DagCosts, cut: tuple[int, ...], groups: list[list[PeerProfile]], name: str, network: Network,
-            options: Options) -> Plan:  # fmt: skip
-    ids = [[p.id for p in g] for g in groups]
-    by_id = {p.id: p for g in groups for p in g}
-    return predict(costs, Plan(cut, ids, [Codec()] * (len(groups) - 1), name), by_id, network, options.micro_batches)
-
-
-def even(costs: DagCosts, peers: list[PeerProfile], network: Network, options: Options, k: int) -> Plan:
-    """Peers in the given order, ``k`` runs of them; equal op counts per stage."""
-    groups = [peers[i * len(peers) // k : (i + 1) * len(peers) // k] for i in range(k)]
-    cut = _proportional_cut(DagCosts([1] * costs.num_ops, [0] * costs.num_ops, [0] * costs.num_ops,
-                                     [0] * costs.num_ops, [0] * costs.num_ops, costs.forbidden), [1.0] * k)  # fmt: skip
-    return _finish(costs, cut, groups, "even", network, options)
-
-
-def compute(costs: DagCosts, peers: list[PeerProfile], network: Network, options: Options, k: int) -> Plan:
-    """FLOP/s-balanced groups and a FLOP-proportional cut; bandwidth ignored."""
-    groups = _balanced_groups(peers, k)
-    cut = _proportional_cut(costs, [sum(p.flops for p in g) for g in groups])
-    return _finish(costs, cut, groups, "compute", network, options)
-
-
-def random_plan(costs: DagCosts, peers: list[PeerProfile], network: Network, options: Options, k: int) -> Plan:
-    """Seeded random groups and cut positions."""
-    rng = random.Random(options.seed)
-    shuffled = list(peers)
-    rng.shuffle(shuffled)
-    groups = [shuffled[i * len(peers) // k : (i + 1) * len(peers) // k] for i in range(k)]
-    cut = tuple(sorted(rng.sample(boundary_positions(costs), k - 1)))
-    return _finish(costs, cut, groups, "random", network, options)
-
-
-def _ordered_partitions(items: list[PeerProfile], k: int):  # type: ignore[no-untyped-def]
-    """Every way to put all ``items`` into ``k`` non-empty, ordered groups."""
-    if k == 1:
-        yield [list(items)]
-        return
-    n = len(items)
-    for labels in itertools.product(range(k), repeat=n):
-        if len(set(labels)) == k:
-            yield [[items[i] for i in range(n) if labels[i] == g] for g in range(k)]
-
-
-def exhaustive(costs: DagCosts, peers: list[PeerProfile], network: Network, options: Options = Options()) -> Plan:
-    """The best plan over every grouping of every peer into ordered stages and every
-    cut (codecs by the same rule as OP-Fence). Only for tiny instances."""
-    by_id = PeerTable(peers)
-    allowed = boundary_positions(costs)
-    best: Plan | None = None
-    for k in range(1, min(len(peers), len(allowed) + 1) + 1):
-        cuts = list(itertools.combinations(allowed, k - 1))
-        for groups in _ordered_partitions(peers, k):
-            ids = [[p.id for p in g] for g in groups]
-            for cut in cuts:
-                cand = predict(costs, Plan(cut, ids, [Codec()] * (k - 1), "exhaustive"), by_id, network,
-                               options.micro_batches)  # fmt: skip
-                cand.codecs = choose_fractions(costs, cand, network, options)
-                predict(costs, cand, by_id, network, options.micro_batches)
-                if cand.fits_memory and (best is None or cand.iteration_s < best.iteration_s):
-                    best = cand
-    if best is None:
-        raise ScheduleError("no plan fits memory")
-    return best

@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--stages", type=_positive, default=None, help="force the number of stages")
         p.add_argument("--max-stages", type=_positive, default=32)
         p.add_argument("--compression", choices=["adatopk", "none"], default="adatopk")
-        p.add_argument("--min-fraction", type=_fraction, default=0.01, help="AdaTopK keeps at least this fraction")
+        p.add_argument("--min-fraction", type=_fraction, default=0.1, help="AdaTopK keeps at least this fraction")
         p.add_argument("--json", action="store_true", help="print one JSON object")
         if name == "plan":
             p.add_argument("--scheduler", choices=["opfence", "even", "compute", "random"], default="opfence")

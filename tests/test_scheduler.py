@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from coordinator.baselines import exhaustive
 from coordinator.estimator import DagCosts, Network, PeerProfile, Plan, predict
-from coordinator.scheduler import SCHEDULERS, Options, ScheduleError, exhaustive, opfence, plan
+from coordinator.scheduler import SCHEDULERS, Options, ScheduleError, opfence, plan
 from protocol.codecs import Codec
 from sim.engine import Churn, iteration_seconds, simulate
 from sim.presets import PRESETS, preset
@@ -82,9 +83,11 @@ def test_slow_links_get_adatopk_just_enough() -> None:
     assert link_busy <= max(p.stage_s) * 1.05, "compressed just enough to keep up with compute"
 
 
-def _random_instance(seed: int, peers_max: int, ops_choices: list[int]) -> tuple[DagCosts, list[PeerProfile], Network]:
+def _random_instance(
+    seed: int, peers_max: int, ops_choices: list[int], peers_min: int = 4
+) -> tuple[DagCosts, list[PeerProfile], Network]:
     rng = random.Random(seed)
-    n_peers, n_ops = rng.randint(4, peers_max), rng.choice(ops_choices)
+    n_peers, n_ops = rng.randint(peers_min, peers_max), rng.choice(ops_choices)
     costs = DagCosts.synthetic(n_ops, seed, act_bytes=rng.choice([1 << 18, 1 << 20, 1 << 22]))
     nclu = rng.choice([1, 2, 3])
     peers = [
@@ -111,8 +114,8 @@ def test_opfence_within_ten_percent_of_exhaustive(seed: int) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(100, 103))
 def test_opfence_within_ten_percent_of_exhaustive_six_peers_twelve_ops(seed: int) -> None:
-    costs, peers, net = _random_instance(seed, 6, [12])
-    peers = peers[:6] if len(peers) >= 6 else peers
+    costs, peers, net = _random_instance(seed, 6, [12], peers_min=6)
+    assert len(peers) == 6 and costs.num_ops == 12
     opts = Options(micro_batches=4, standby=False)
     assert opfence(costs, peers, net, opts).iteration_s <= 1.10 * exhaustive(costs, peers, net, opts).iteration_s
 
