@@ -124,9 +124,9 @@ class PeerNode:
         flops = await loop.run_in_executor(self._compute, measure_flops, self.device)
         try:
             up, down = await self.transport.measure_bandwidth(self.coordinator.peer_id, cfg.bandwidth_probe_bytes)
+            await self.transport.send(self.coordinator.peer_id, Hello(cfg.run_id, self.identity.public_hex))
         except (PeerUnreachable, ConnectionError, asyncio.IncompleteReadError) as exc:
             raise JoinError(f"cannot reach the coordinator {self.coordinator.peer_id}: {exc}") from None
-        await self.transport.send(self.coordinator.peer_id, Hello(cfg.run_id, self.identity.public_hex))
         self.advert = Advert(
             peer_id=self.transport.peer_id,
             maddrs=[str(m) for m in self.dht.get_visible_maddrs()],

@@ -338,6 +338,8 @@ class Transport:
             start = time.perf_counter()
             await reader.readexactly(down_bytes)
             down_s = time.perf_counter() - start
+        except (ConnectionError, OSError, asyncio.IncompleteReadError) as exc:
+            raise PeerUnreachable(f"bandwidth probe with peer {peer_id} broke: {exc or type(exc).__name__}") from None
         finally:
             writer.close()
         return nbytes * 8 / up_s / 1e6, (down_bytes * 8 / down_s / 1e6 if down_bytes else 0.0)

@@ -123,3 +123,26 @@ def test_rejected_laned_frame_leaves_no_parts_behind() -> None:
             assert got.message.mb == 1 and torch.equal(got.values()[0], big)
 
     asyncio.run(go())
+
+
+def test_broken_bandwidth_probe_is_peer_unreachable() -> None:
+    """A probe whose other end hangs up is a PeerUnreachable (one line to the user),
+    not a stray IncompleteReadError."""
+
+    async def go() -> None:
+        import pytest
+
+        from protocol.transport import BW_PROTOCOL, PeerUnreachable
+
+        async with transport_pair("r") as (a, b):
+
+            async def hang_up(info, reader, writer) -> None:  # type: ignore[no-untyped-def]
+                await reader.read(10)
+                writer.close()
+
+            await b.p2p.remove_binary_stream_handler(BW_PROTOCOL)
+            await b.p2p.add_binary_stream_handler(BW_PROTOCOL, hang_up)
+            with pytest.raises(PeerUnreachable, match="bandwidth probe with peer"):
+                await asyncio.wait_for(a.measure_bandwidth(b.peer_id, 1 << 20), 30)
+
+    asyncio.run(go())
