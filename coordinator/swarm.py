@@ -256,13 +256,23 @@ class Coordinator:
                 continue
             msg = inbound.message
             self.board.heard_from(inbound.sender)
-            if isinstance(msg, PeerFailure):
-                raise SwarmError(f"peer {inbound.sender} ({self._where(inbound.sender)}) failed: {msg.reason}")
-            if isinstance(msg, kinds) and getattr(msg, "run_id", None) == self.config.run_id:
-                return inbound
             if isinstance(msg, Hello):
                 continue  # a late joiner's key binding (the gate already did it)
+            if isinstance(msg, PeerFailure) and self._assigned(inbound.sender):
+                raise SwarmError(f"peer {inbound.sender} ({self._where(inbound.sender)}) failed: {msg.reason}")
+            # only the peers awaited now may answer: an admitted peer outside the plan cannot
+            # slip in a step's losses or a stage's weights
+            if (
+                isinstance(msg, kinds)
+                and getattr(msg, "run_id", None) == self.config.run_id
+                and inbound.sender in peers
+            ):
+                return inbound
             logger.warning("ignoring an unexpected %s from %s", msg.KIND, inbound.sender)
+
+    def _assigned(self, peer_id: str) -> bool:
+        plan = getattr(self, "_assignment", None)
+        return plan is not None and any(peer_id in group for group in plan.stages)
 
     def _where(self, peer_id: str) -> str:
         try:
@@ -348,7 +358,8 @@ class Coordinator:
                     if inbound.message.step != step:
                         continue
                     pending.discard(inbound.sender)
-                    step_losses.update(inbound.message.losses)
+                    if inbound.sender in plan.stages[-1]:  # only the last stage computes the loss
+                        step_losses.update(inbound.message.losses)
                     compute[inbound.sender].append(inbound.message.compute_s)
                     link_bytes[inbound.sender] = inbound.message.bytes_sent
                     raw_bytes[inbound.sender] = inbound.message.raw_sent
