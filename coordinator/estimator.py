@@ -29,6 +29,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from protocol.codecs import Codec
 
 #: Adam keeps weights, gradients and two moments: 4 bytes of state per parameter byte
@@ -49,6 +51,7 @@ class DagCosts:
     _pf: list[int] = field(default_factory=list, repr=False)
     _pp: list[int] = field(default_factory=list, repr=False)
     _pa: list[int] = field(default_factory=list, repr=False)
+    _wire: dict[str, list[float]] = field(default_factory=dict, repr=False)  # codec -> wire bytes per position
 
     def __post_init__(self) -> None:
         n = len(self.flops)
@@ -74,6 +77,13 @@ class DagCosts:
 
     def stage_acts(self, lo: int, hi: int) -> int:
         return self._pa[hi] - self._pa[lo]
+
+    def wire_table(self, codec: Codec) -> list[float]:
+        """Wire bytes of a cut at every position under ``codec`` (computed once per codec)."""
+        key = str(codec)
+        if key not in self._wire:
+            self._wire[key] = [wire_bytes(self, p, codec) for p in range(self.num_ops)]
+        return self._wire[key]
 
     @classmethod
     def from_opdag(cls, dag: Any) -> DagCosts:
@@ -315,7 +325,7 @@ def wire_bytes(costs: DagCosts, position: int, codec: Codec) -> float:
     if codec.name == "none" or floating == 0:
         return float(costs.cross_bytes[position])
     numel = floating // 4
-    return other + codec.wire_bytes(numel, _F32) * (floating / max(numel * 4, 1))
+    return other + codec.wire_bytes(numel, torch.float32) * (floating / max(numel * 4, 1))
 
 
 def stage_seconds(costs: DagCosts, lo: int, hi: int, group: list[PeerProfile]) -> float:
@@ -342,10 +352,8 @@ def predict(
     ranges = plan.ranges(costs.num_ops)
     groups = [[peers[p] for p in g] for g in plan.groups]
     plan.stage_s = [stage_seconds(costs, lo, hi, g) for (lo, hi), g in zip(ranges, groups)]
-    plan.link_s = []
-    for b, pos in enumerate(plan.cut):
-        link = network.group_link(plan.groups[b], plan.groups[b + 1])
-        plan.link_s.append(link_seconds(wire_bytes(costs, pos, plan.codecs[b]), link))
+    links = [network.group_link(plan.groups[b], plan.groups[b + 1]) for b in range(len(plan.cut))]
+    plan.link_s = [link_seconds(wire_bytes(costs, pos, c), link) for pos, c, link in zip(plan.cut, plan.codecs, links)]
     plan.allreduce_s = []
     for (lo, hi), g in zip(ranges, plan.groups):
         inner = network.slowest_within(g)
@@ -353,7 +361,7 @@ def predict(
         plan.allreduce_s.append(
             0.0 if inner is None else link_seconds(2 * costs.stage_params(lo, hi) * (r - 1) / r, inner)
         )
-    busy = [t - network.group_link(plan.groups[b], plan.groups[b + 1]).latency_s for b, t in enumerate(plan.link_s)]
+    busy = [t - link.latency_s for t, link in zip(plan.link_s, links)]
     steady = max(plan.stage_s + busy)  # latency overlaps in the steady state; bandwidth does not
     fill = sum(plan.stage_s) + 2 * sum(plan.link_s)
     plan.iteration_s = fill + (micro_batches - 1) * steady + max(plan.allreduce_s, default=0.0)
@@ -379,6 +387,3 @@ def nearest_allowed(allowed: list[int], goal: int, lo: int, hi: int) -> int | No
             if best is None or abs(allowed[j] - goal) < abs(best - goal):
                 best = allowed[j]
     return best
-
-
-_F32 = __import__("torch").float32

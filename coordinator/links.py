@@ -69,13 +69,21 @@ def choose_codecs(
     bottleneck = max(stage_seconds, default=0.0)
     out = []
     for nbytes, mbps in zip(edge_bytes, edge_mbps, strict=True):
-        seconds = nbytes * 8 / max(mbps, 1e-9) / 1e6
-        if seconds <= bottleneck or nbytes == 0:
-            out.append(Codec())
-            continue
-        probe = Codec("adatopk", 0.5)
-        per_value = probe.wire_bytes(1 << 16, torch.float32) / (0.5 * (1 << 16))  # bytes per kept value
-        need = bottleneck / seconds  # the fraction of the raw bytes the link can carry in time
-        keep = fraction if fraction is not None else max(MIN_FRACTION, min(1.0, need * 4 / per_value))
-        out.append(Codec() if keep >= 1.0 else Codec("adatopk", float(keep)))
+        keep = fraction if fraction is not None else keep_fraction(nbytes, 0, mbps, bottleneck, MIN_FRACTION)
+        needed = nbytes > 0 and nbytes * 8 / max(mbps * 1e6, 1e-3) > bottleneck
+        out.append(Codec("adatopk", float(keep)) if needed and keep < 1.0 else Codec())
     return out
+
+
+#: bytes AdaTopK sends per kept value: an fp16 value and a uint8 index (blocks of 256)
+KEPT_BYTES = 3
+
+
+def keep_fraction(float_bytes: float, other_bytes: float, mbps: float, bound_s: float, floor: float) -> float:
+    """AdaTopK's kept fraction for a link carrying ``float_bytes`` of floating tensors
+    (plus ``other_bytes`` that travel raw) per micro-batch: just enough that it moves
+    them within ``bound_s``, never below ``floor``; 1.0 when no compression is needed."""
+    if float_bytes <= 0 or (float_bytes + other_bytes) * 8 / max(mbps * 1e6, 1e-3) <= bound_s:
+        return 1.0
+    budget = bound_s * mbps * 1e6 / 8 - other_bytes  # bytes the link carries in time
+    return min(1.0, max(floor, budget / (float_bytes * KEPT_BYTES / 4)))

@@ -39,8 +39,8 @@ from coordinator.estimator import (
     nearest_allowed,
     predict,
     stage_memory,
-    wire_bytes,
 )
+from coordinator.links import keep_fraction
 from protocol.codecs import Codec
 
 SCHEDULERS = ("opfence", "even", "compute", "random")
@@ -182,21 +182,6 @@ def _stage_groups(ordered: list[str], clusters: dict[str, list[PeerProfile]], k:
     return _contiguous_groups(flat, k)
 
 
-_FLOOR_CACHE: dict[tuple[int, str], list[float]] = {}
-
-
-def _floor_bytes(costs: DagCosts, codec: Codec) -> list[float]:
-    """Wire bytes at every cut position under ``codec`` (cached per cost table)."""
-    key = (id(costs), str(codec))
-    got = _FLOOR_CACHE.get(key)
-    if got is None or len(got) != costs.num_ops:
-        got = [wire_bytes(costs, p, codec) for p in range(costs.num_ops)]
-        if len(_FLOOR_CACHE) > 64:
-            _FLOOR_CACHE.clear()
-        _FLOOR_CACHE[key] = got
-    return got
-
-
 @dataclass
 class StageModel:
     """What limits one stage group: compute, the replicas' all-reduce, memory."""
@@ -247,7 +232,7 @@ def bottleneck_cut(
     if k == 1:
         return () if stages[0].fits(costs, 0, n) else None
     floor = Codec("adatopk", options.min_fraction) if options.compression else Codec()
-    floor_bytes = _floor_bytes(costs, floor)
+    floor_bytes = costs.wire_table(floor)
     per_byte = [8 / max(link.mbps * 1e6, 1.0) for link in links]  # seconds per byte on each link
 
     def furthest(s: int, lo: int, bound: float, limit: int) -> int:
@@ -326,15 +311,9 @@ def choose_fractions(costs: DagCosts, plan_: Plan, network: Network, options: Op
     bound = max(plan_.stage_s) if plan_.stage_s else 0.0
     for b, pos in enumerate(plan_.cut):
         link = network.group_link(plan_.groups[b], plan_.groups[b + 1])
-        raw = costs.cross_bytes[pos] * 8 / max(link.mbps * 1e6, 1.0)  # busy time; latency overlaps
-        if not options.compression or raw <= bound or costs.float_cross[pos] == 0:
-            codecs.append(Codec())
-            continue
-        budget = bound * link.mbps * 1e6 / 8  # bytes the link carries in time
-        other = costs.cross_bytes[pos] - costs.float_cross[pos]
-        fraction = (budget - other) / max(costs.float_cross[pos] * 3 / 4, 1.0)
-        fraction = min(1.0, max(options.min_fraction, fraction))
-        codecs.append(Codec() if fraction >= 1.0 else Codec("adatopk", float(fraction)))
+        floating = costs.float_cross[pos]
+        keep = keep_fraction(floating, costs.cross_bytes[pos] - floating, link.mbps, bound, options.min_fraction)
+        codecs.append(Codec() if not options.compression or keep >= 1.0 else Codec("adatopk", keep))
     return codecs
 
 

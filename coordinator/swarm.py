@@ -138,7 +138,7 @@ class Coordinator:
         cfg = self.config
         loop = asyncio.get_running_loop()
         try:
-            self.identity = Identity.load_or_create(cfg.identity) if cfg.identity else Identity.generate()
+            self.identity = Identity.from_option(cfg.identity)
         except IdentityError as exc:
             raise SwarmError(str(exc)) from None
         if cfg.status:

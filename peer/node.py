@@ -95,7 +95,7 @@ class PeerNode:
         loop = asyncio.get_running_loop()
         cfg = self.config
         try:
-            self.identity = Identity.load_or_create(cfg.identity) if cfg.identity else Identity.generate()
+            self.identity = Identity.from_option(cfg.identity)
         except IdentityError as exc:
             raise JoinError(str(exc)) from None
         try:

@@ -36,6 +36,11 @@ class Identity:
         return cls(Ed25519PrivateKey.generate())
 
     @classmethod
+    def from_option(cls, path: str | None) -> Identity:
+        """The identity in ``path``, or a fresh one for this process when None."""
+        return cls.load_or_create(path) if path else cls.generate()
+
+    @classmethod
     def load_or_create(cls, path: str | os.PathLike[str]) -> Identity:
         """The identity in ``path``; a new one is written there (mode 0600) if it does not exist."""
         p = Path(path)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -60,6 +62,29 @@ def _kill(proc: subprocess.Popen[str]) -> None:
     except ProcessLookupError:
         pass
     proc.wait(10)
+
+
+def _status_url(proc: subprocess.Popen[str]) -> str:
+    """Read a demo's or coordinator's output up to the status page's URL."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith("status page: "):
+            return line.split()[-1]
+        assert line or proc.poll() is None, "exited before printing the status page"
+    raise AssertionError("no status page URL printed")
+
+
+def _wait_for_steps(url: str, steps: int = 2, timeout: float = 120.0) -> None:
+    """Bounded wait until the run's status API reports ``steps`` finished steps."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with urllib.request.urlopen(url + "api/v1/state", timeout=10) as r:
+            if json.loads(r.read())["training"]["step"] >= steps:
+                return
+        assert time.monotonic() < deadline, f"fewer than {steps} steps after {timeout:.0f} s"
+        time.sleep(0.2)
 
 
 def _join_command(coord: subprocess.Popen[str]) -> list[str]:
@@ -158,11 +183,9 @@ def test_vanished_peer_is_reported_and_the_coordinator_stops(tmp_path: Path) -> 
     peers: list[subprocess.Popen[str]] = []
     try:
         join_args = _join_command(coord)
+        url = _status_url(coord)
         peers = [_spawn("join", *join_args, "--threads", "1") for _ in range(2)]
-        assert coord.stdout is not None
-        while "2 of 2 peers have joined" not in coord.stdout.readline():
-            pass
-        time.sleep(3)  # training is under way
+        _wait_for_steps(url)  # training is under way
         _kill(peers[1])
         start = time.monotonic()
         out, _ = coord.communicate(timeout=120)
@@ -180,10 +203,7 @@ def test_demo_interrupted_stops_every_process(sig: int) -> None:
     before = _p2pd_pids()
     demo = _spawn("demo", "--peers", "2", "--steps", "100000", *SMALL)
     try:
-        assert demo.stdout is not None
-        while "2 of 2 peers have joined" not in demo.stdout.readline():
-            assert demo.poll() is None
-        time.sleep(2)
+        _wait_for_steps(_status_url(demo))
         demo.send_signal(sig)
         demo.wait(60)
         assert demo.returncode == 130
