@@ -126,7 +126,11 @@ def test_demo_with_replicas_equals_reference(tmp_path: Path) -> None:
     ckpt = tmp_path / "swarm.safetensors"
     r = run_cli("demo", "--peers", "4", "--stages", "2", *common, "--save", str(ckpt), timeout=240)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "stage 1 replica 1" in r.stdout and "stage 0 replica 1" in r.stdout
+    # OP-Fence groups 4 peers into 2 stages as 2+2 or 1+3, from FLOP/s measured on a busy
+    # machine; either way every peer serves and some stage has replicas
+    placed = re.findall(r"stage (\d) replica (\d)", r.stdout)
+    assert len(placed) == 4 and {s for s, _ in placed} == {"0", "1"}
+    assert any(rep != "0" for _, rep in placed)
     assert compare_checkpoints(ckpt, _reference(tmp_path, common)) <= 1e-5
 
 
