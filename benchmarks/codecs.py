@@ -8,6 +8,10 @@
 - ``adatopk_wire_vs_ideal``: AdaTopK's bytes on the wire (including its signed
   envelope head) over k x (value bytes + index bytes), k = 1% of the elements.
 - ``fp16_encode_gbps``: the fp16 cast codec.
+- ``int4sr_encode_gbps``: 4-bit codes with stochastic rounding (the gradients of
+  ``auto``'s slow links); ``lowrank8_encode_gbps``: rank 8 of the same 16M
+  elements as a 131072 x 128 matrix (activations of 128 channels: an exact SVD),
+  and ``lowrank8_wire_ratio`` its fp32 bytes over its bytes on the wire.
 - ``sign_verify_fraction_of_transfer``: sealing (BLAKE3 digest + Ed25519 sign)
   and checking (signature, digest) one 4 MiB message, over the time the same
   signed message takes from one transport's ``send`` to the other's inbox on
@@ -68,6 +72,11 @@ def codec_speeds() -> dict[str, float]:
 
     glob_s = _best(global_topk, repeats=3)
     fp16_s = _best(lambda: encode_parts(x, Codec("fp16")))
+    int4 = Codec("int4", stochastic=True)
+    gen = torch.Generator().manual_seed(0)
+    int4_s = _best(lambda: encode_parts(x, int4, gen))
+    low, matrix = Codec("lowrank", rank=8), x.view(-1, 128)
+    low_s = _best(lambda: encode_parts(matrix, low), repeats=3)
     descs, chunks = encode_values([x], Link(codec))
     head, payload = Sealer(Identity.generate(), "p").seal(Activations("r", 0, 0, 1), descs, chunks, str(codec))
     ideal = k * (2 + 1)
@@ -78,6 +87,9 @@ def codec_speeds() -> dict[str, float]:
         "adatopk_vs_global_topk": round(glob_s / enc_s, 2),
         "adatopk_wire_vs_ideal": round((len(head) + payload) / ideal, 4),
         "fp16_encode_gbps": round(gb / fp16_s, 3),
+        "int4sr_encode_gbps": round(gb / int4_s, 3),
+        "lowrank8_encode_gbps": round(gb / low_s, 3),
+        "lowrank8_wire_ratio": round(N * 4 / low.wire_bytes(N, torch.float32, list(matrix.shape)), 2),
     }
 
 

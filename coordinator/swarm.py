@@ -70,8 +70,9 @@ class CoordinatorConfig:
     step_timeout_s: float = 300.0
     record_ttl: float = 10.0
     identity: str | None = None  # key file; None: a fresh key for this process only
-    compression: str = "none"  # none, fp16, bf16, int8, or adatopk (per link, from bandwidth)
+    compression: str = "none"  # none, fp16, bf16, int8, int4 (every link), adatopk or auto (per link, from bandwidth)
     topk_fraction: float | None = None  # pin AdaTopK's kept fraction on the links that need compressing
+    lowrank_rank: int | None = None  # pin auto's rank on the links that get low-rank activations
     link_mbps: list[float] = field(default_factory=list)  # pace each stage boundary's link (loopback demos)
     status: bool = True  # serve the status page, /api/v1/state and /metrics
     status_host: str = "127.0.0.1"
@@ -414,7 +415,9 @@ class Coordinator:
             for c, group in zip(costs, plan.stages, strict=True)
         ]
         edge_bytes = [float_bytes(spec) for spec in specs[1:]]
-        codecs = choose_codecs(edge_bytes, mbps, seconds, cfg.compression, cfg.topk_fraction)
+        codecs = choose_codecs(
+            edge_bytes, mbps, seconds, cfg.compression, cfg.topk_fraction, specs[1:], rank=cfg.lowrank_rank
+        )
         for b, c in enumerate(codecs):
             logger.info("boundary %d: %.1f Mbit/s, %d bytes per micro-batch -> %s", b, mbps[b], edge_bytes[b], c)
         return codecs, mbps

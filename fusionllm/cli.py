@@ -83,8 +83,9 @@ def _add_swarm_flags(p: argparse.ArgumentParser) -> None:
         "--compression",
         type=_compression,
         default="none",
-        help="codec on the stage boundaries: none, fp16, bf16, int8 (every link) or adatopk (links too slow for "
-        "the compute get block-wise top-k, the kept fraction from their measured bandwidth)",
+        help="codec on the stage boundaries: none, fp16, bf16, int8, int4 (every link); adatopk (links too slow "
+        "for the compute get block-wise top-k, the kept fraction from their measured bandwidth); auto (slow links "
+        "get the mildest codec that suffices: fp16, int8, or low-rank activations with 4-bit unbiased gradients)",
     )
     p.add_argument("--status-host", default="127.0.0.1", help="address of the status page (default: 127.0.0.1)")
     p.add_argument(
@@ -94,6 +95,9 @@ def _add_swarm_flags(p: argparse.ArgumentParser) -> None:
         help="port of the status page (default: 8470, or any free port if taken; 0: any free port)",
     )
     p.add_argument("--topk-fraction", type=_fraction, default=None, help="pin AdaTopK's kept fraction (0 < F <= 1)")
+    p.add_argument(
+        "--rank", type=_rank, default=None, help="pin the rank of auto's low-rank activations on slow links (R >= 1)"
+    )
     p.add_argument(
         "--link-mbps",
         type=_rates,
@@ -114,10 +118,9 @@ def _port(text: str) -> int:
 
 
 def _compression(text: str) -> str:
-    from protocol.codecs import CODECS
-
-    if text not in CODECS:
-        raise argparse.ArgumentTypeError(f"'{text}' is not one of {', '.join(CODECS)}")
+    modes = ("none", "fp16", "bf16", "int8", "int4", "adatopk", "auto")
+    if text not in modes:
+        raise argparse.ArgumentTypeError(f"'{text}' is not one of {', '.join(modes)}")
     return text
 
 
@@ -128,6 +131,16 @@ def _fraction(text: str) -> float:
         raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
     if not 0.0 < value <= 1.0:
         raise argparse.ArgumentTypeError(f"{value} is not in (0, 1]")
+    return value
+
+
+def _rank(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
+    if not 1 <= value <= 65536:
+        raise argparse.ArgumentTypeError(f"{value} is not in [1, 65536]")
     return value
 
 

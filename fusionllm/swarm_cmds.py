@@ -94,6 +94,7 @@ async def _coordinate(args: argparse.Namespace, on_ready: Any = None) -> int:
         identity=os.path.expanduser(args.identity),
         compression=args.compression,
         topk_fraction=args.topk_fraction,
+        lowrank_rank=args.rank,
         link_mbps=args.link_mbps,
         status_host=args.status_host,
         status_port=args.status_port,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from protocol.codecs import Codec
 from protocol.envelope import Envelope, Reject, Rejected, match_values
 from protocol.messages import Assign, Message
 
@@ -35,7 +36,7 @@ class PlanChecks:
         if env.kind == "act":
             upstream = [self.coordinator] if s == 0 else a.stages[s - 1]
             self._route(env, sender, upstream, (self.step, self.step + 1))
-            codec = None if s == 0 else self._codec(s - 1)
+            codec = None if s == 0 else self._codec(s - 1, "forward")
             if a.specs:
                 match_values(env.values, a.specs[s], codec)
         elif env.kind == "grad":
@@ -43,7 +44,7 @@ class PlanChecks:
                 raise Rejected(Reject.UNEXPECTED, "gradients sent to the last stage")
             self._route(env, sender, a.stages[s + 1], (self.step,))
             if a.specs:
-                match_values(env.values, a.specs[s + 1], self._codec(s), gradients=True)
+                match_values(env.values, a.specs[s + 1], self._codec(s, "backward"), gradients=True)
         elif env.kind == "rgrad":
             peers = [p for p in a.stages[s] if p != self.peer_id]
             # a faster replica may already be one step ahead
@@ -57,8 +58,12 @@ class PlanChecks:
         assert self.assign is not None
         return self.assign.stages[self.assign.stage][self.assign.replica]
 
-    def _codec(self, boundary: int) -> dict[str, Any] | None:
-        return self.codecs[boundary] if boundary < len(self.codecs) else None
+    def _codec(self, boundary: int, direction: str) -> dict[str, Any] | None:
+        """The codec the plan puts on a boundary's activations (``forward``) or
+        gradients (``backward``)."""
+        if boundary >= len(self.codecs):
+            return None
+        return getattr(Codec.from_json(self.codecs[boundary]), direction).to_json()
 
     def _route(self, env: Envelope, sender: str, senders: list[str], steps: tuple[int, ...]) -> None:
         assert self.assign is not None

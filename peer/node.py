@@ -281,6 +281,8 @@ class PeerNode:
         if len(codecs) != k - 1:
             raise RunRefused(f"the link plan has {len(codecs)} codecs for {k - 1} boundaries")
         self.checks.codecs = [c.to_json() for c in codecs]
+        # stochastic rounding of gradients: seeded by run, stage and replica (reproducible)
+        rounding = torch.Generator().manual_seed(job.seed * 1_000_003 + s * 1009 + r)
         uniform = len({len(p) for p in a.stages}) == 1
         plan = schedules.make(a.schedule if uniform else "gpipe", k, len(my_mbs))[s]
         timeout = self.config.message_timeout
@@ -301,11 +303,8 @@ class PeerNode:
                         losses[str(mb)] = float(out)
                     else:
                         dest = a.stages[s + 1][mb % len(a.stages[s + 1])]
-                        sends.append(
-                            asyncio.create_task(
-                                tp.send(dest, Activations(a.run_id, step, mb, s + 1), list(out), Link(codecs[s]))
-                            )
-                        )
+                        msg = Activations(a.run_id, step, mb, s + 1)
+                        sends.append(asyncio.create_task(tp.send(dest, msg, list(out), Link(codecs[s].forward))))
                 else:
                     grad_out = None
                     if s < k - 1:
@@ -316,7 +315,7 @@ class PeerNode:
                     compute_s += time.perf_counter() - t0
                     if s > 0:
                         dest = a.stages[s - 1][mb % len(a.stages[s - 1])]
-                        link = Link(codecs[s - 1], self.feedback, dest)
+                        link = Link(codecs[s - 1].backward, self.feedback, dest, rounding)
                         sends.append(
                             asyncio.create_task(tp.send(dest, Gradients(a.run_id, step, mb, s - 1), grads, link))
                         )

@@ -10,6 +10,20 @@
   values in total, spread evenly over blocks (the first ``K % blocks`` blocks keep
   one more), each block exactly its own largest-magnitude ones. Indices travel
   within the block (uint8 for blocks of up to 256, else uint16), values as fp16.
+- ``int4``: blocks of ``block`` elements, each with an fp32 scale (its absolute
+  maximum / 7) and 4-bit codes (two per byte). Rounding to the nearest code errs
+  by at most scale / 2; with ``stochastic`` a value rounds up or down with the
+  probabilities that make the code's expectation the value itself (unbiased, error
+  below one scale step): gradients use that, so compression adds noise, not bias.
+- ``lowrank``: the tensor as a matrix (rows = all but its last dimension) cut to
+  its ``rank`` largest singular triplets: U as fp16 (entries within [-1, 1]), the
+  singular values as fp32, V^T as fp16. Activations between transformer blocks
+  are close to low-rank (rank 8 of 128 keeps all but ~1% of their norm in the demo
+  GPT), which top-k in the channel basis cannot exploit.
+
+A link may use one codec forward and another for the gradients coming back
+(``grad``): the pair ``lowrank:8/int4sr`` sends activations at rank 8 and their
+gradients as unbiased 4-bit codes.
 
 A codec's description is part of the value's JSON description, so a receiver
 knows, from the shape and the codec alone, the exact byte count of every part;
@@ -24,7 +38,7 @@ from typing import Any
 
 import torch
 
-CODECS = ("none", "fp16", "bf16", "int8", "adatopk")
+CODECS = ("none", "fp16", "bf16", "int8", "adatopk", "int4", "lowrank")
 _CAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
 #: rows of blocks processed at once: a chunk stays in cache through abs/topk/gather
 _CHUNK_ELEMENTS = 1 << 20
@@ -40,47 +54,101 @@ class Codec:
 
     name: str = "none"
     fraction: float = 1.0  # adatopk: the kept fraction of each tensor's elements
-    block: int = 256  # int8 and adatopk: elements per block
+    block: int = 256  # int8, int4 and adatopk: elements per block
+    rank: int = 8  # lowrank: singular triplets kept
+    stochastic: bool = False  # int4: unbiased stochastic rounding
+    grad: Codec | None = None  # the codec of the gradients coming back (None: this one)
 
     def __post_init__(self) -> None:
         if self.name not in CODECS:
             raise CodecError(f"unknown codec {self.name!r} (known: {', '.join(CODECS)})")
         if not (isinstance(self.fraction, float) and 0.0 < self.fraction <= 1.0):
             raise CodecError(f"kept fraction {self.fraction!r} is not in (0, 1]")
-        if not (isinstance(self.block, int) and 2 <= self.block <= 65536):
+        if not (isinstance(self.block, int) and not isinstance(self.block, bool) and 2 <= self.block <= 65536):
             raise CodecError(f"block size {self.block!r} is not in [2, 65536]")
+        if not (isinstance(self.rank, int) and not isinstance(self.rank, bool) and 1 <= self.rank <= 65536):
+            raise CodecError(f"rank {self.rank!r} is not in [1, 65536]")
+        if not isinstance(self.stochastic, bool):
+            raise CodecError(f"'stochastic' {self.stochastic!r} is not a boolean")
+        if self.grad is not None and (not isinstance(self.grad, Codec) or self.grad.grad is not None):
+            raise CodecError("a gradient codec must be a plain codec")
 
     @property
     def lossless(self) -> bool:
         return self.name == "none"
 
+    @property
+    def forward(self) -> Codec:
+        """The codec of the values sent forward (activations)."""
+        return self if self.grad is None else Codec(self.name, self.fraction, self.block, self.rank, self.stochastic)
+
+    @property
+    def backward(self) -> Codec:
+        """The codec of the gradients sent back."""
+        return self.forward if self.grad is None else self.grad
+
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "fraction": self.fraction, "block": self.block}
+        d: dict[str, Any] = {"name": self.name, "fraction": self.fraction, "block": self.block}
+        if self.name == "lowrank":
+            d["rank"] = self.rank
+        if self.stochastic:
+            d["stochastic"] = True
+        if self.grad is not None:
+            d["grad"] = self.grad.to_json()
+        return d
 
     @classmethod
-    def from_json(cls, d: Any) -> Codec:
+    def from_json(cls, d: Any, nested: bool = False) -> Codec:
         if not isinstance(d, dict):
             raise CodecError("codec spec is not an object")
         fraction = d.get("fraction", 1.0)
         if isinstance(fraction, int) and not isinstance(fraction, bool):
             fraction = float(fraction)
-        return cls(str(d.get("name", "none")), fraction, d.get("block", 256))
+        grad = d.get("grad")
+        if grad is not None and nested:
+            raise CodecError("a gradient codec must be a plain codec")
+        return cls(
+            str(d.get("name", "none")),
+            fraction,
+            d.get("block", 256),
+            d.get("rank", 8),
+            d.get("stochastic", False),
+            None if grad is None else cls.from_json(grad, nested=True),
+        )
 
     @classmethod
     def parse(cls, text: str) -> Codec:
-        """``none``, ``fp16``, ``bf16``, ``int8``, ``adatopk`` or ``adatopk:FRACTION``."""
+        """``none``, ``fp16``, ``bf16``, ``int8``, ``int4``, ``int4sr`` (stochastic
+        rounding), ``adatopk[:FRACTION]``, ``lowrank[:RANK]``, or ``FORWARD/GRAD``: one
+        codec for the activations and another for their gradients."""
+        if "/" in text:
+            fwd, _, back = text.partition("/")
+            if "/" in back:
+                raise CodecError(f"{text!r}: at most one codec forward and one for the gradients")
+            f, b = cls.parse(fwd), cls.parse(back)
+            return cls(f.name, f.fraction, f.block, f.rank, f.stochastic, b)
         name, _, arg = text.partition(":")
+        if name == "int4sr" and not arg:
+            return cls("int4", stochastic=True)
         if arg:
-            if name != "adatopk":
-                raise CodecError(f"codec {name!r} takes no parameter")
             try:
-                return cls(name, float(arg))
+                if name == "adatopk":
+                    return cls(name, float(arg))
+                if name == "lowrank":
+                    return cls(name, rank=int(arg))
             except ValueError:
-                raise CodecError(f"kept fraction {arg!r} is not a number") from None
+                raise CodecError(f"{name} parameter {arg!r} is not a number") from None
+            raise CodecError(f"codec {name!r} takes no parameter")
         return cls(name)
 
     def __str__(self) -> str:
-        return f"adatopk:{self.fraction:g}" if self.name == "adatopk" else self.name
+        if self.grad is not None:
+            return f"{self.forward}/{self.grad}"
+        if self.name == "adatopk":
+            return f"adatopk:{self.fraction:g}"
+        if self.name == "lowrank":
+            return f"lowrank:{self.rank}"
+        return "int4sr" if self.name == "int4" and self.stochastic else self.name
 
     # ------------------------------------------------------------ sizes
     def kept(self, numel: int) -> int:
@@ -90,8 +158,9 @@ class Codec:
     def index_dtype(self) -> torch.dtype:
         return torch.uint8 if self.block <= 256 else torch.int16
 
-    def part_sizes(self, numel: int, dtype: torch.dtype) -> list[int]:
-        """The byte count of each encoded part of a tensor of ``numel`` elements."""
+    def part_sizes(self, numel: int, dtype: torch.dtype, shape: list[int] | None = None) -> list[int]:
+        """The byte count of each encoded part of a tensor of ``numel`` elements
+        (``lowrank`` also needs its ``shape``; without one it is a single row)."""
         if self.name == "none":
             return [numel * _itemsize(dtype)]
         if self.name in _CAST:
@@ -99,11 +168,21 @@ class Codec:
         blocks = math.ceil(numel / self.block)
         if self.name == "int8":
             return [blocks * 4, numel]
+        if self.name == "int4":
+            return [blocks * 4, (numel + 1) // 2]
+        if self.name == "lowrank":
+            rows, cols = matrix_shape(numel, shape)
+            r = self.rank_for(rows, cols)
+            return [rows * r * 2, r * 4, r * cols * 2]
         k = self.kept(numel)
         return [k * 2, k * (1 if self.block <= 256 else 2)]
 
-    def wire_bytes(self, numel: int, dtype: torch.dtype) -> int:
-        return sum(self.part_sizes(numel, dtype))
+    def wire_bytes(self, numel: int, dtype: torch.dtype, shape: list[int] | None = None) -> int:
+        return sum(self.part_sizes(numel, dtype, shape))
+
+    def rank_for(self, rows: int, cols: int) -> int:
+        """lowrank: the triplets a ``rows`` x ``cols`` matrix keeps."""
+        return min(self.rank, rows, cols)
 
     def applies_to(self, t: torch.Tensor) -> bool:
         """Only floating tensors are compressed; integer ones travel raw."""
@@ -112,6 +191,13 @@ class Codec:
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def matrix_shape(numel: int, shape: list[int] | None) -> tuple[int, int]:
+    """(rows, columns) of a tensor seen as a matrix: its last dimension is the columns."""
+    if shape and len(shape) >= 2 and shape[-1] > 0:
+        return numel // shape[-1], shape[-1]
+    return (1, numel) if numel else (0, 0)
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
@@ -164,24 +250,73 @@ def topk_select(x: torch.Tensor, codec: Codec) -> tuple[torch.Tensor, torch.Tens
 def encode(x: torch.Tensor, codec: Codec) -> tuple[list[memoryview], torch.Tensor]:
     """Encode ``x``; returns the parts to send and what the receiver will decode
     (as ``x``'s dtype and shape)."""
+    if codec.name in ("int4", "lowrank"):
+        parts = encode_parts(x, codec)
+        return parts, decode(parts, codec, x.dtype, list(x.shape))
     parts, residual = encode_with_residual(x, codec)
     return parts, (x.detach().float() - residual).to(x.dtype).view(x.shape)
 
 
-def encode_parts(x: torch.Tensor, codec: Codec) -> list[memoryview]:
-    """Just the parts to send (no residual: the fast path for activations)."""
+def encode_parts(x: torch.Tensor, codec: Codec, generator: torch.Generator | None = None) -> list[memoryview]:
+    """Just the parts to send (no residual: the fast path for activations).
+    ``generator`` drives stochastic rounding (int4 with ``stochastic``)."""
     if codec.name == "adatopk":
         return encode_topk(x, codec)[0]
     if codec.name == "none":
         return [_bytes(x)]
     if codec.name in _CAST:
         return [_bytes(x.detach().to(_CAST[codec.name]))]
+    if codec.name == "int4":
+        return encode_int4(x, codec, generator)
+    if codec.name == "lowrank":
+        return encode_lowrank(x, codec)
     return encode_with_residual(x, codec)[0]
+
+
+def encode_int4(x: torch.Tensor, codec: Codec, generator: torch.Generator | None = None) -> list[memoryview]:
+    """int4's parts: fp32 scales per block, then the 4-bit codes (value + 8) two per
+    byte, the first in the low nibble."""
+    flat = x.detach().reshape(-1).float()
+    rows = _padded_blocks(flat, codec.block)
+    scale = rows.abs().amax(dim=1).clamp_min(1e-30) / 7.0
+    v = rows / scale[:, None]
+    if codec.stochastic:
+        q = torch.floor(v + torch.rand(v.shape, generator=generator))
+    else:
+        q = torch.round(v)
+    codes = (q.clamp_(-7, 7) + 8).to(torch.uint8).reshape(-1)[: flat.numel()]
+    if codes.numel() % 2:
+        codes = torch.cat([codes, codes.new_zeros(1)])
+    pairs = codes.view(-1, 2)
+    packed = pairs[:, 0] | (pairs[:, 1] << 4)
+    return [_bytes(scale), _bytes(packed)]
+
+
+def encode_lowrank(x: torch.Tensor, codec: Codec) -> list[memoryview]:
+    """lowrank's parts: U (rows x r, fp16), the singular values (fp32), V^T (r x
+    columns, fp16). Small matrices get an exact SVD, large ones a randomized one."""
+    rows, cols = matrix_shape(x.numel(), list(x.shape))
+    r = codec.rank_for(rows, cols)
+    m = x.detach().reshape(rows, cols).float()
+    if not bool(torch.isfinite(m).all()):  # what raw bytes would carry on: NaN everywhere
+        nan = torch.full((r,), math.nan)
+        return [_bytes(torch.zeros(rows, r).half()), _bytes(nan), _bytes(torch.zeros(r, cols).half())]
+    if min(rows, cols) <= 1024:
+        u, s, vh = torch.linalg.svd(m, full_matrices=False)
+        u, s, vh = u[:, :r], s[:r], vh[:r]
+    else:
+        u, s, v = torch.svd_lowrank(m, q=min(r + 8, rows, cols), niter=2)
+        u, s, vh = u[:, :r], s[:r], v[:, :r].T
+    return [_bytes(u.half()), _bytes(s.contiguous()), _bytes(vh.half())]
 
 
 def encode_with_residual(x: torch.Tensor, codec: Codec) -> tuple[list[memoryview], torch.Tensor]:
     """Encode ``x``; returns the parts and what they lose (``x`` minus what the
     receiver decodes, in fp32), which error feedback adds to the next message."""
+    if codec.name in ("int4", "lowrank"):
+        parts = encode_parts(x, codec)
+        back = decode(parts, codec, torch.float32, list(x.shape))
+        return parts, x.detach().float() - back
     if codec.name == "none":
         return [_bytes(x)], torch.zeros(x.shape)
     if codec.name in _CAST:
@@ -228,7 +363,7 @@ def _scatter(numel: int, codec: Codec, vals: torch.Tensor, idx: torch.Tensor) ->
 def decode(parts: list[memoryview], codec: Codec, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
     """Rebuild a tensor from its parts; sizes must already match ``part_sizes``."""
     numel = math.prod(shape)
-    sizes = codec.part_sizes(numel, dtype)
+    sizes = codec.part_sizes(numel, dtype, shape)
     if [len(p) for p in parts] != sizes:
         raise CodecError(f"{codec} parts of {[len(p) for p in parts]} bytes, expected {sizes}")
     if numel == 0:
@@ -244,6 +379,21 @@ def decode(parts: list[memoryview], codec: Codec, dtype: torch.dtype, shape: lis
         padded = torch.zeros(blocks * codec.block, dtype=torch.float32)
         padded[:numel] = q.float()
         return (padded.view(blocks, codec.block) * scale[:, None]).reshape(-1)[:numel].to(dtype).view(shape)
+    if codec.name == "int4":
+        scale = _from(parts[0], torch.float32)
+        packed = _from(parts[1], torch.uint8)
+        codes = torch.stack([packed & 0xF, packed >> 4], dim=1).reshape(-1)[:numel]
+        blocks = scale.numel()
+        padded = torch.zeros(blocks * codec.block, dtype=torch.float32)
+        padded[:numel] = codes.float() - 8.0
+        return (padded.view(blocks, codec.block) * scale[:, None]).reshape(-1)[:numel].to(dtype).view(shape)
+    if codec.name == "lowrank":
+        rows, cols = matrix_shape(numel, shape)
+        r = codec.rank_for(rows, cols)
+        u = _from(parts[0], torch.float16).float().view(rows, r)
+        s = _from(parts[1], torch.float32)
+        vh = _from(parts[2], torch.float16).float().view(r, cols)
+        return ((u * s) @ vh).to(dtype).view(shape)
     vals = _from(parts[0], torch.float16).float()
     idx = _from(parts[1], codec.index_dtype()).long()
     if codec.block > 256:
@@ -272,7 +422,7 @@ class ErrorFeedback:
         self.residuals: dict[Any, torch.Tensor] = {}
 
     def encode(self, key: Any, x: torch.Tensor, codec: Codec) -> list[memoryview]:
-        if codec.lossless:
+        if codec.lossless or codec.stochastic:  # unbiased codes need no feedback
             return encode(x, codec)[0]
         r = self.residuals.get(key)
         target = x.detach().float() if r is None or r.shape != x.shape else x.detach().float() + r

@@ -85,17 +85,24 @@ class Link:
     """How tensors are encoded on one link: its codec and, for gradients, the
     error-feedback residuals of that link (one per value slot)."""
 
-    def __init__(self, codec: Codec, feedback: ErrorFeedback | None = None, key: Any = None) -> None:
+    def __init__(
+        self,
+        codec: Codec,
+        feedback: ErrorFeedback | None = None,
+        key: Any = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
         self.codec = codec
         self.feedback = feedback
         self.key = key
+        self.generator = generator  # stochastic rounding's random numbers on this link
         self._slot = 0
 
     def encode(self, t: torch.Tensor) -> list[memoryview]:
         slot, self._slot = self._slot, self._slot + 1
-        if self.feedback is not None:
+        if self.feedback is not None and not self.codec.stochastic:
             return self.feedback.encode((self.key, slot), t, self.codec)
-        return encode_parts(t, self.codec)
+        return encode_parts(t, self.codec, self.generator)
 
 
 def _shape_numel(shape: Any) -> int:
@@ -125,7 +132,7 @@ def _tensor_desc(desc: dict[str, Any]) -> tuple[torch.dtype, list[int], int, Cod
             codec = Codec.from_json(desc["codec"])
         except (CodecError, TypeError) as exc:
             raise WireError(f"bad codec: {exc}") from None
-        expected = codec.part_sizes(numel, dtype)
+        expected = codec.part_sizes(numel, dtype, shape)
         if desc.get("parts") != expected or nbytes != sum(expected):
             raise WireError(f"{codec} tensor of shape {shape} must have parts of {expected} bytes")
     elif nbytes != numel * _ITEMSIZE[dtype]:

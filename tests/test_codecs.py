@@ -8,15 +8,16 @@ import math
 import pytest
 import torch
 
-from coordinator.links import MIN_FRACTION, choose_codecs
-from protocol.codecs import Codec, CodecError, ErrorFeedback, decode, encode, topk_select
+from coordinator.links import MIN_FRACTION, MIN_RANK, choose_codecs
+from protocol.codecs import Codec, CodecError, ErrorFeedback, decode, encode, encode_parts, topk_select
 from protocol.wire import Frame, Link, WireError, encode_values
 
 
 def _roundtrip(x: torch.Tensor, codec: Codec) -> torch.Tensor:
     parts, approx = encode(x, codec)
     out = decode([memoryview(bytes(p)) for p in parts], codec, x.dtype, list(x.shape))
-    assert torch.equal(out, approx), "the sender's view of the decoded tensor must be what the receiver decodes"
+    same = torch.allclose(out, approx, rtol=0, atol=0, equal_nan=True)
+    assert same, "the sender's view of the decoded tensor must be what the receiver decodes"
     return out
 
 
@@ -43,6 +44,79 @@ def test_int8_error_is_at_most_a_block_max_over_254(numel: int) -> None:
     blocks_max = torch.cat([x.abs(), x.new_zeros(pad)]).view(-1, 256).amax(dim=1)
     bound = (blocks_max / 254).repeat_interleave(256)[:numel] * (1 + 1e-5)
     assert torch.all((out - x).abs() <= bound)
+
+
+@pytest.mark.parametrize("numel", [1, 255, 256, 1001, 4099])
+def test_int4_error_is_at_most_half_a_step(numel: int) -> None:
+    codec = Codec("int4")
+    x = torch.randn(numel) * torch.linspace(0.01, 100, numel)
+    out = _roundtrip(x, codec)
+    assert codec.wire_bytes(numel, torch.float32) == math.ceil(numel / 256) * 4 + (numel + 1) // 2
+    pad = -numel % 256
+    blocks_max = torch.cat([x.abs(), x.new_zeros(pad)]).view(-1, 256).amax(dim=1)
+    step = (blocks_max / 7).repeat_interleave(256)[:numel]
+    assert torch.all((out - x).abs() <= step / 2 * (1 + 1e-5))
+
+
+def test_int4_stochastic_rounding_is_unbiased_and_within_one_step() -> None:
+    """Each value rounds to one of its two neighbouring codes, with the probabilities
+    that make the mean of many encodings the value itself."""
+    codec = Codec("int4", stochastic=True)
+    x = torch.randn(512)
+    gen = torch.Generator().manual_seed(0)
+    outs = torch.stack([decode(encode_parts(x, codec, gen), codec, torch.float32, [512]) for _ in range(2000)])
+    step = (x.view(2, 256).abs().amax(dim=1) / 7).repeat_interleave(256)
+    assert torch.all((outs - x).abs() < step * (1 + 1e-5))
+    assert torch.all((outs.mean(dim=0) - x).abs() < step * 0.05), "the mean of 2000 encodings approaches x"
+    assert not torch.equal(outs[0], outs[1]), "rounding is random"
+    again = torch.Generator().manual_seed(0)
+    assert torch.equal(decode(encode_parts(x, codec, again), codec, torch.float32, [512]), outs[0]), "and seeded"
+
+
+@pytest.mark.parametrize("shape", [(4, 64, 128), (300, 20), (2, 3), (37,), (1, 1)])
+def test_lowrank_is_exact_up_to_the_rank_and_optimal_beyond(shape: tuple[int, ...]) -> None:
+    """A matrix of rank <= R comes back within fp16's precision; a fuller one loses
+    exactly its singular values beyond R (Eckart-Young), within fp16 rounding."""
+    rows, cols = (math.prod(shape[:-1]), shape[-1]) if len(shape) > 1 else (1, shape[0])
+    r = min(3, rows, cols)
+    low = (torch.randn(rows, r) @ torch.randn(r, cols)).view(shape)
+    codec = Codec("lowrank", rank=3)
+    assert (_roundtrip(low, codec) - low).norm() <= 2e-3 * low.norm()
+    full = torch.randn(shape)
+    s = torch.linalg.svdvals(full.reshape(rows, cols))
+    lost = float(s[r:].square().sum().sqrt())
+    err = float((_roundtrip(full, codec) - full).norm())
+    assert err == pytest.approx(lost, rel=1e-2, abs=2e-3 * float(full.norm()))
+    parts = encode_parts(full, codec)
+    assert [len(p) for p in parts] == [rows * r * 2, r * 4, r * cols * 2]
+
+
+def test_lowrank_of_a_non_finite_tensor_decodes_to_nan() -> None:
+    """Like raw bytes would, a NaN or inf activation arrives as NaN (the loss shows it)."""
+    x = torch.randn(8, 16)
+    x[3, 4] = math.inf
+    out = _roundtrip(x, Codec("lowrank", rank=2))
+    assert torch.isnan(out).all()
+
+
+def test_codec_pairs_parse_print_and_split_by_direction() -> None:
+    pair = Codec.parse("lowrank:8/int4sr")
+    assert str(pair) == "lowrank:8/int4sr"
+    assert pair.forward == Codec("lowrank", rank=8)
+    assert pair.backward == Codec("int4", stochastic=True)
+    assert Codec.from_json(pair.to_json()) == pair
+    assert Codec("int8").backward == Codec("int8") == Codec("int8").forward
+    for bad in ("int4/int8/fp16", "lowrank:x", "int8:3", "lowrank:0"):
+        with pytest.raises(CodecError):
+            Codec.parse(bad)
+
+
+def test_stochastic_gradients_skip_error_feedback() -> None:
+    """Unbiased codes need no residual; a biased codec keeps one."""
+    fb = ErrorFeedback()
+    fb.encode("a", torch.randn(300), Codec("int4", stochastic=True))
+    fb.encode("b", torch.randn(300), Codec("int4"))
+    assert list(fb.residuals) == ["b"]
 
 
 @pytest.mark.parametrize(("numel", "fraction", "block"), [(10_000, 0.01, 256), (4096, 0.1, 256), (5000, 0.03, 1024)])
@@ -124,7 +198,18 @@ def test_codecs_inside_frames_and_links() -> None:
 
 
 @pytest.mark.parametrize(
-    "spec", [{"name": "zip"}, {"name": "adatopk", "fraction": 0.0}, {"name": "int8", "block": 1}, "adatopk"]
+    "spec",
+    [
+        {"name": "zip"},
+        {"name": "adatopk", "fraction": 0.0},
+        {"name": "int8", "block": 1},
+        "adatopk",
+        {"name": "lowrank", "rank": 0},
+        {"name": "lowrank", "rank": True},
+        {"name": "int4", "stochastic": "yes"},
+        {"name": "lowrank", "grad": {"name": "int4", "grad": {"name": "int8"}}},
+        {"name": "lowrank", "grad": "int4"},
+    ],
 )
 def test_bad_codec_specs_are_refused(spec: object) -> None:
     with pytest.raises(CodecError):
@@ -143,3 +228,26 @@ def test_codec_choice_compresses_only_links_slower_than_compute() -> None:
     assert slowest.fraction == MIN_FRACTION
     assert choose_codecs([1_000_000], [8], [0.01], "adatopk", fraction=0.2)[0].fraction == 0.2
     assert choose_codecs([1, 1], [1, 1], [1, 1], "fp16") == [Codec("fp16"), Codec("fp16")]
+
+
+def test_auto_codec_takes_the_mildest_codec_that_suffices() -> None:
+    """1 MB of fp32 activations (2048 x 128) per micro-batch, stages take 10 ms:
+    1000 Mbit/s needs nothing, 500 fp16, 250 int8; slower links get low-rank
+    activations (rank from the bandwidth, never below MIN_RANK) with unbiased 4-bit
+    gradients."""
+    spec = [{"t": "tensor", "dtype": "float32", "shape": [16, 128, 128]}, {"t": "py", "v": None}]
+    nbytes = 16 * 128 * 128 * 4
+    rates = [2000, 600, 300, 100, 1]
+    codecs = choose_codecs([nbytes] * len(rates), rates, [0.01], "auto", edge_specs=[spec] * len(rates))
+    assert [c.name for c in codecs] == ["none", "fp16", "int8", "lowrank", "lowrank"]
+    fast, slowest = codecs[3], codecs[4]
+    assert fast.grad == Codec("int4", stochastic=True)
+    budget = 0.01 * 100e6 / 8
+    per_rank = 2 * (2048 + 128) + 4
+    assert fast.rank == int(budget // per_rank), "the largest rank the link moves in time"
+    assert fast.forward.wire_bytes(2048 * 128, torch.float32, [2048, 128]) <= budget
+    assert slowest.rank == MIN_RANK
+    pinned = choose_codecs([nbytes] * 2, [2000, 100], [0.01], "auto", edge_specs=[spec] * 2, rank=3)
+    assert pinned[0] == Codec() and pinned[1].rank == 3, "a pinned rank applies where low-rank is chosen"
+    with pytest.raises(ValueError):
+        choose_codecs([nbytes], [1], [0.01], "auto")

@@ -114,14 +114,16 @@ def test_run_admission_and_signature(
     assert _code(_gate(), _frame(Sealer(sender_key, sender_name), message), stream) is code
 
 
-def _assigned_gate(stage: int = 1) -> Gate:
-    """A gate with the plan checks of the peer serving ``stage`` of a 3-stage run."""
+def _assigned_gate(stage: int = 1, boundary1: Codec | None = None) -> Gate:
+    """A gate with the plan checks of the peer serving ``stage`` of a 3-stage run
+    (boundary 1 in ``adatopk:0.1`` unless ``boundary1`` says otherwise)."""
     gate = Gate(RUN)
     for name, key in ((ALICE, KEY_A), (BOB, KEY_B), (COORD, KEY_C)):
         gate.admit(name, key.public_key)
     spec_act = describe(encode_values([torch.zeros(4, 8, 16), torch.zeros(4, 8, dtype=torch.long)])[0])
     a = Assign(RUN, stage, 0, {}, [5, 9], [[ALICE], [BOB], ["carol"]], {}, keys={}, specs=[[], spec_act, spec_act])
-    checks = PlanChecks(COORD, a, [Codec().to_json(), Codec("adatopk", 0.1).to_json()], 4, frozenset({0, 1, 2, 3}))
+    second = boundary1 or Codec("adatopk", 0.1)
+    checks = PlanChecks(COORD, a, [Codec().to_json(), second.to_json()], 4, frozenset({0, 1, 2, 3}))
     gate.expect = checks
     return gate
 
@@ -165,6 +167,27 @@ def test_shapes_dtypes_and_codecs_must_match_the_plan() -> None:
     sealer = Sealer(carol, "carol")
     assert _code(gate, _frame(sealer, Gradients(RUN, 4, 1, 1), grads, Link(Codec("adatopk", 0.1))), "carol") is None
     assert _code(gate, _frame(sealer, Gradients(RUN, 4, 1, 1), grads), "carol") is Reject.BAD_TENSORS
+
+
+def test_a_codec_pair_is_checked_per_direction() -> None:
+    """With ``lowrank:4/int4sr`` on boundary 1, stage 2 sends int4sr gradients back:
+    gradients in the forward codec, or in int4 without stochastic rounding, are refused."""
+    pair = Codec.parse("lowrank:4/int4sr")
+    carol = Identity.generate()
+    grads = [torch.randn(4, 8, 16), None]
+    cases = ((pair.backward, None), (pair.forward, Reject.BAD_TENSORS), (Codec("int4"), Reject.BAD_TENSORS))
+    for link_codec, want in cases:
+        gate = _assigned_gate(boundary1=pair)
+        gate.admit("carol", carol.public_key)
+        frame = _frame(Sealer(carol, "carol"), Gradients(RUN, 4, 1, 1), grads, Link(link_codec))
+        assert _code(gate, frame, "carol") is want, link_codec
+    # and stage 2 takes activations only at rank 4
+    good = [torch.randn(4, 8, 16), torch.zeros(4, 8, dtype=torch.long)]
+    bob = Sealer(KEY_B, BOB)
+    assert _code(_assigned_gate(2, pair), _frame(bob, Activations(RUN, 4, 0, 2), good, Link(pair.forward)), BOB) is None
+    wrong = Link(Codec("lowrank", rank=5))
+    refused = _code(_assigned_gate(2, pair), _frame(bob, Activations(RUN, 4, 0, 2), good, wrong), BOB)
+    assert refused is Reject.BAD_TENSORS
 
 
 def test_oversized_frames_are_rejected_from_their_head() -> None:
@@ -223,7 +246,7 @@ _seen: list[str] = []
 
 _dtypes = st.sampled_from([torch.float32, torch.float16, torch.int64, torch.uint8])
 _shapes = st.lists(st.integers(0, 6), min_size=0, max_size=3)
-_codecs = st.sampled_from([None, "fp16", "bf16", "int8", "adatopk"])
+_codecs = st.sampled_from([None, "fp16", "bf16", "int8", "adatopk:0.3", "int4", "int4sr", "lowrank:2"])
 
 
 @st.composite
@@ -240,7 +263,7 @@ def _messages(draw: st.DrawFn) -> tuple[bytes, Reject | None, str]:
     }[kind]
     values = [torch.randn(draw(_shapes)).to(draw(_dtypes)) for _ in range(draw(st.integers(0, 3)))]
     codec = draw(_codecs)
-    link = Link(Codec(codec, 0.3) if codec == "adatopk" else Codec(codec)) if codec else None
+    link = Link(Codec.parse(codec)) if codec else None
     frame = _frame(Sealer(KEY_A, ALICE), msg, values, link)
     head = head_length(frame)
     mutation = draw(

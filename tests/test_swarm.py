@@ -217,9 +217,12 @@ def test_demo_interrupted_stops_every_process(sig: int) -> None:
     assert not [p for p in psutil.process_iter(["cmdline"]) if "join" in (p.info["cmdline"] or [])]
 
 
-def test_demo_compresses_only_the_slow_link(tmp_path: Path) -> None:
-    """With --compression adatopk, the boundary paced to 10 Mbit/s gets AdaTopK and the
-    fast one stays uncompressed; the demo reports bytes per link and the ratio."""
+@pytest.mark.parametrize(("mode", "codec"), [("adatopk", r"adatopk:[\d.]+"), ("auto", r"lowrank:\d+/int4sr")])
+def test_demo_compresses_only_the_slow_link(tmp_path: Path, mode: str, codec: str) -> None:
+    """With --compression adatopk (or auto), the boundary paced to 10 Mbit/s gets
+    AdaTopK (or low-rank activations and 4-bit unbiased gradients: each direction
+    checked against the plan by the receiving gate) and the fast one stays
+    uncompressed; the demo reports bytes per link and the ratio."""
     ckpt = tmp_path / "c.safetensors"
     r = run_cli(
         "demo",
@@ -229,7 +232,7 @@ def test_demo_compresses_only_the_slow_link(tmp_path: Path) -> None:
         "8",
         *SMALL,
         "--compression",
-        "adatopk",
+        mode,
         "--link-mbps",
         "10000,10",
         "--save",
@@ -242,7 +245,7 @@ def test_demo_compresses_only_the_slow_link(tmp_path: Path) -> None:
     assert fast and slow, r.stdout
     assert fast.group(1) == "none" and float(fast.group(3)) == 1.0
     assert 7 <= int(slow.group(1)) <= 11, "the paced link measures about its rate"
-    assert slow.group(2).startswith("adatopk:") and float(slow.group(3)) > 2.0
+    assert re.fullmatch(codec, slow.group(2)) and float(slow.group(3)) > 2.0
     assert re.search(r"loss [\d.]+ -> [\d.]+", r.stdout)
 
 
