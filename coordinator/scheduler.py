@@ -260,7 +260,7 @@ def bottleneck_cut(
                 while i >= 0 and allowed[i] > lo and table[allowed[i]] > limit:
                     i -= 1
                 if i >= 0 and allowed[i] > lo:
-                    chosen = allowed[i]
+                    chosen = lightest_nearby(costs, allowed, i, lo, table)
                     break
             if chosen is None:
                 return None
@@ -283,6 +283,26 @@ def bottleneck_cut(
             low = mid
         else:
             best, high = got, mid
+    return best
+
+
+#: positions whose prefix FLOPs differ by at most this fraction of the model's count
+#: as the same split of the compute
+TIE_FLOPS = 1e-3
+
+
+def lightest_nearby(costs: DagCosts, allowed: list[int], i: int, lo: int, table: list[float]) -> int:
+    """``allowed[i]`` or an earlier position (after ``lo``) that splits the compute the
+    same way (within ``TIE_FLOPS``) and has fewer bytes crossing in ``table``. In a
+    transformer the cut then lands where only the residual stream crosses (just
+    after a residual add), not after the next LayerNorm, where its output crosses too."""
+    best = allowed[i]
+    slack = TIE_FLOPS * costs.total_flops
+    j = i - 1
+    while j >= 0 and allowed[j] > lo and costs.stage_flops(allowed[j], allowed[i]) <= slack:
+        if table[allowed[j]] < table[best]:
+            best = allowed[j]
+        j -= 1
     return best
 
 
@@ -353,17 +373,23 @@ def _better(a: Plan, b: Plan | None) -> bool:
 
 def _refine(costs: DagCosts, start: Plan, by_id: dict[str, PeerProfile], network: Network, options: Options,
             rounds: int = 3, reach: int = 3) -> Plan:  # fmt: skip
-    """Hill-climb the boundaries a few positions each way on the predicted iteration
-    time (the bottleneck search ignores pipeline fill and drain)."""
-    allowed = set(boundary_positions(costs))
+    """Hill-climb the boundaries on the predicted iteration time (the bottleneck
+    search ignores pipeline fill and drain): a few positions each way, and every
+    position that splits the compute the same way (within ``TIE_FLOPS``), so a
+    boundary can move to where fewer bytes cross."""
+    ordered = boundary_positions(costs)
+    allowed = set(ordered)
+    slack = TIE_FLOPS * costs.total_flops
     best = start
     for _ in range(rounds):
         improved = False
         for b in range(len(best.cut)):
             lo = best.cut[b - 1] if b else 0
             hi = best.cut[b + 1] if b + 1 < len(best.cut) else costs.num_ops
-            for d in [x for r in range(1, reach + 1) for x in (-r, r)]:
-                pos = best.cut[b] + d
+            here = best.cut[b]
+            steps = {here + x for r in range(1, reach + 1) for x in (-r, r)}
+            ties = {q for q in ordered if costs.stage_flops(min(q, here), max(q, here)) <= slack}
+            for pos in sorted((steps | ties) - {here}, key=lambda q: (abs(q - here), q)):
                 if lo < pos < hi and pos in allowed:
                     cut = best.cut[:b] + (pos,) + best.cut[b + 1 :]
                     cand = _evaluate(costs, cut, best.groups, by_id, network, options)

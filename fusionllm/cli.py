@@ -107,14 +107,19 @@ def _add_swarm_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _port(text: str) -> int:
+def _whole(text: str, low: int, high: int, what: str, bounds: str) -> int:
+    """``text`` as an integer in [low, high]; ``what`` names it, ``bounds`` the range."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a port number") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} is not a port (0-65535)")
+        raise argparse.ArgumentTypeError(f"'{text}' is not {what}") from None
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"{value} is not {bounds}")
     return value
+
+
+def _port(text: str) -> int:
+    return _whole(text, 0, 65535, "a port number", "a port (0-65535)")
 
 
 def _compression(text: str) -> str:
@@ -135,13 +140,7 @@ def _fraction(text: str) -> float:
 
 
 def _rank(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
-    if not 1 <= value <= 65536:
-        raise argparse.ArgumentTypeError(f"{value} is not in [1, 65536]")
-    return value
+    return _whole(text, 1, 65536, "a whole number", "in [1, 65536]")
 
 
 def _rates(text: str) -> list[float]:

@@ -301,11 +301,13 @@ def encode_lowrank(x: torch.Tensor, codec: Codec) -> list[memoryview]:
     if not bool(torch.isfinite(m).all()):  # what raw bytes would carry on: NaN everywhere
         nan = torch.full((r,), math.nan)
         return [_bytes(torch.zeros(rows, r).half()), _bytes(nan), _bytes(torch.zeros(r, cols).half())]
-    if min(rows, cols) <= 1024:
+    try:
+        if min(rows, cols) > 1024:
+            raise torch.linalg.LinAlgError("large: randomized")
         u, s, vh = torch.linalg.svd(m, full_matrices=False)
         u, s, vh = u[:, :r], s[:r], vh[:r]
-    else:
-        u, s, v = torch.svd_lowrank(m, q=min(r + 8, rows, cols), niter=2)
+    except torch.linalg.LinAlgError:  # too large, or the exact SVD did not converge
+        u, s, v = torch.svd_lowrank(m, q=min(r + 8, rows, cols), niter=4)
         u, s, vh = u[:, :r], s[:r], v[:, :r].T
     return [_bytes(u.half()), _bytes(s.contiguous()), _bytes(vh.half())]
 

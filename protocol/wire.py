@@ -40,6 +40,24 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 _NAMES = {v: k for k, v in _DTYPES.items()}
 _ITEMSIZE = {v: torch.empty((), dtype=v).element_size() for v in _DTYPES.values()}
+#: integer types a wider integer tensor may travel as, narrowest first, with their ranges
+_NARROW = ((torch.uint8, 0, 255), (torch.int8, -128, 127), (torch.int16, -(1 << 15), (1 << 15) - 1),
+           (torch.int32, -(1 << 31), (1 << 31) - 1))  # fmt: skip
+
+
+_WIDE_INTS = (torch.int16, torch.int32, torch.int64)
+
+
+def _narrowest(t: torch.Tensor) -> torch.dtype | None:
+    """The narrowest integer type holding every value of the integer tensor ``t``
+    (None: none narrower than its own)."""
+    lo, hi = int(t.min()), int(t.max())
+    for dtype, low, high in _NARROW:
+        if _ITEMSIZE[dtype] >= t.element_size():
+            return None
+        if low <= lo and hi <= high:
+            return dtype
+    return None
 
 
 class WireError(ValueError):
@@ -48,7 +66,9 @@ class WireError(ValueError):
 
 def encode_value(value: Any, chunks: list[memoryview], link: Link | None = None) -> Any:
     """Describe ``value`` as JSON, appending tensor bytes to ``chunks``. Floating
-    tensors are compressed with ``link``'s codec (and its error feedback)."""
+    tensors are compressed with ``link``'s codec (and its error feedback); on a
+    compressing link, integer tensors travel losslessly in the narrowest integer
+    type that holds their values (``narrow``: token ids as uint8 or int16, not int64)."""
     if isinstance(value, torch.Tensor):
         t = value.detach()
         if t.device.type != "cpu":
@@ -63,6 +83,11 @@ def encode_value(value: Any, chunks: list[memoryview], link: Link | None = None)
             desc["parts"] = [len(p) for p in parts]
             desc["nbytes"] = sum(desc["parts"])
             return desc
+        if link is not None and not link.codec.lossless and t.numel() > 0 and t.dtype in _WIDE_INTS:
+            narrow = _narrowest(t)
+            if narrow is not None:
+                t = t.to(narrow)
+                desc["narrow"] = _NAMES[narrow]
         t = t.contiguous()
         buf = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() > 0 else memoryview(b"")
         chunks.append(buf)
@@ -118,8 +143,9 @@ def _shape_numel(shape: Any) -> int:
     return n
 
 
-def _tensor_desc(desc: dict[str, Any]) -> tuple[torch.dtype, list[int], int, Codec | None]:
-    """(dtype, shape, bytes, codec) of a tensor description, checked for consistency."""
+def _tensor_desc(desc: dict[str, Any]) -> tuple[torch.dtype, list[int], int, Codec | None, torch.dtype]:
+    """(dtype, shape, bytes, codec, the dtype its bytes are in) of a tensor
+    description, checked for consistency."""
     dtype = _DTYPES.get(desc.get("dtype"))  # type: ignore[arg-type]
     if dtype is None:
         raise WireError(f"unknown dtype {str(desc.get('dtype'))[:32]!r}")
@@ -135,9 +161,15 @@ def _tensor_desc(desc: dict[str, Any]) -> tuple[torch.dtype, list[int], int, Cod
         expected = codec.part_sizes(numel, dtype, shape)
         if desc.get("parts") != expected or nbytes != sum(expected):
             raise WireError(f"{codec} tensor of shape {shape} must have parts of {expected} bytes")
-    elif nbytes != numel * _ITEMSIZE[dtype]:
-        raise WireError(f"tensor of shape {shape} and dtype {desc['dtype']} cannot be {nbytes} bytes")
-    return dtype, shape, nbytes, codec
+        return dtype, shape, nbytes, codec, dtype
+    stored = dtype
+    if "narrow" in desc:
+        stored = _DTYPES.get(desc["narrow"]) if isinstance(desc["narrow"], str) else None  # type: ignore[assignment]
+        if dtype not in _WIDE_INTS or stored not in [n[0] for n in _NARROW] or _ITEMSIZE[stored] >= _ITEMSIZE[dtype]:
+            raise WireError(f"a {desc['dtype']} tensor cannot travel as {str(desc['narrow'])[:16]!r}")
+    if nbytes != numel * _ITEMSIZE[stored]:
+        raise WireError(f"tensor of shape {shape} and dtype {_NAMES[stored]} cannot be {nbytes} bytes")
+    return dtype, shape, nbytes, codec, stored
 
 
 def check_descriptions(descs: Any, payload_bytes: int) -> None:
@@ -188,7 +220,7 @@ def decode_value(desc: Any, payload: memoryview, offset: int, device: torch.devi
         raise WireError("value description is not an object")
     kind = desc.get("t")
     if kind == "tensor":
-        dtype, shape, nbytes, codec = _tensor_desc(desc)
+        dtype, shape, nbytes, codec, stored = _tensor_desc(desc)
         if offset + nbytes > len(payload):
             raise WireError("payload shorter than its tensors")
         if codec is not None:
@@ -202,14 +234,16 @@ def decode_value(desc: Any, payload: memoryview, offset: int, device: torch.devi
                 raise WireError(str(exc)) from None
         else:
             numel = math.prod(shape)
-            itemsize = _ITEMSIZE[dtype]
+            itemsize = _ITEMSIZE[stored]
             raw = payload[offset : offset + nbytes]
             if numel == 0:
-                t = torch.empty(shape, dtype=dtype)
+                t = torch.empty(shape, dtype=stored)
             elif offset % itemsize == 0:  # zero-copy: the tensor shares the frame's own buffer
-                t = torch.frombuffer(payload, dtype=dtype, count=numel, offset=offset).reshape(shape)
+                t = torch.frombuffer(payload, dtype=stored, count=numel, offset=offset).reshape(shape)
             else:
-                t = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
+                t = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(stored).reshape(shape)
+            if stored != dtype:
+                t = t.to(dtype)
         if device is not None and device.type != "cpu":
             t = t.to(device)
         return t, offset + nbytes

@@ -91,6 +91,21 @@ def test_lowrank_is_exact_up_to_the_rank_and_optimal_beyond(shape: tuple[int, ..
     assert [len(p) for p in parts] == [rows * r * 2, r * 4, r * cols * 2]
 
 
+def test_lowrank_falls_back_to_a_randomized_svd(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exact SVD that does not converge is no error: a randomized one takes over."""
+
+    exact = torch.linalg.svd
+
+    def fail_on_the_whole(m: torch.Tensor, **kwargs: object) -> object:
+        if m.shape == (64, 40):
+            raise torch.linalg.LinAlgError("did not converge")
+        return exact(m, **kwargs)  # the randomized SVD's own small one
+
+    monkeypatch.setattr(torch.linalg, "svd", fail_on_the_whole)
+    low = torch.randn(64, 3) @ torch.randn(3, 40)
+    assert (_roundtrip(low, Codec("lowrank", rank=3)) - low).norm() <= 2e-3 * low.norm()
+
+
 def test_lowrank_of_a_non_finite_tensor_decodes_to_nan() -> None:
     """Like raw bytes would, a NaN or inf activation arrives as NaN (the loss shows it)."""
     x = torch.randn(8, 16)
@@ -195,6 +210,39 @@ def test_codecs_inside_frames_and_links() -> None:
     descs[0]["parts"][0] += 2
     with pytest.raises(WireError):
         Frame({"values": descs}, payload).values()
+
+
+@pytest.mark.parametrize(
+    ("values", "narrow"),
+    [
+        (torch.arange(256).view(4, 64), "uint8"),  # token ids of a byte-level model
+        (torch.tensor([-128, 0, 127]), "int8"),
+        (torch.tensor([-1, 30000]), "int16"),
+        (torch.tensor([0, 50256]), "int32"),  # GPT-2's vocabulary (no uint16 here)
+        (torch.tensor([0, 1 << 20], dtype=torch.int32), None),
+        (torch.tensor([-(1 << 40), 3]), None),
+        (torch.tensor([70000, 3]), "int32"),
+    ],
+)
+def test_integer_tensors_travel_narrowed_on_compressing_links(values: torch.Tensor, narrow: str | None) -> None:
+    descs, chunks = encode_values([values], Link(Codec("int4")))
+    assert descs[0].get("narrow") == narrow
+    out = Frame({"values": descs}, memoryview(bytearray(b"".join(bytes(c) for c in chunks)))).values()[0]
+    assert out.dtype == values.dtype and torch.equal(out, values)
+    stored = {"uint8": 1, "int8": 1, "int16": 2, "int32": 4, None: values.element_size()}[narrow]
+    assert sum(len(c) for c in chunks) == values.numel() * stored
+    plain, _ = encode_values([values], Link(Codec()))
+    assert "narrow" not in plain[0], "uncompressed links carry the tensor as it is"
+
+
+@pytest.mark.parametrize("narrow", ["float16", "int64", "int32", "bool", 3])
+def test_a_forged_narrowing_is_refused(narrow: object) -> None:
+    """Only a narrower integer type may carry an integer tensor (here int32)."""
+    values = torch.arange(6, dtype=torch.int32)
+    descs, chunks = encode_values([values])
+    descs[0]["narrow"] = narrow
+    with pytest.raises(WireError):
+        Frame({"values": descs}, memoryview(bytearray(b"".join(bytes(c) for c in chunks)))).values()
 
 
 @pytest.mark.parametrize(

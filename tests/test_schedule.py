@@ -46,3 +46,39 @@ def test_assignment_follows_measured_flops() -> None:
     assert len(plan.stages) == 2 and sorted(p for g in plan.stages for p in g) == ["p0", "p1", "p2", "p3"]
     with pytest.raises(ValueError, match="need at least 3 peers"):
         assign(dag, [_ad("a", 1), _ad("b", 1)], num_stages=3)
+
+
+def test_gpt_cuts_land_where_only_the_residual_stream_crosses() -> None:
+    """Positions that split the compute the same way (a LayerNorm apart) are not all
+    equal on the wire: right after a residual add only the stream crosses, one
+    position later the LayerNorm's output crosses too (twice the bytes, and not
+    low-rank). Over 40 seeded FLOP/s draws for 3 peers, every boundary takes the
+    light one. One of these draws used to cut after blocks.3.ln_1 (264 kB)."""
+    import random
+
+    from coordinator.estimator import DagCosts
+
+    job = JobSpec()
+    dag = build_opdag(job.build_model(), job.first_micro_batch())
+    costs = DagCosts.from_opdag(dag)
+    stream = 4 * 64 * 128 * 4 + 4 * 64 * 8  # the residual stream and the targets
+    rng = random.Random(0)
+    for _ in range(40):
+        ads = [
+            Advert(
+                f"p{i}",
+                [],
+                "cpu",
+                rng.uniform(25e9, 45e9),
+                8 << 30,
+                rng.uniform(250, 500),
+                rng.uniform(250, 500),
+                "2",
+                1,
+                0.0,
+            )  # fmt: skip
+            for i in range(3)
+        ]
+        plan = assign(dag, ads)
+        cut = plan.cut.to_list()
+        assert [costs.cross_bytes[p] for p in cut] == [stream, stream], (cut, [a.flops for a in ads])
