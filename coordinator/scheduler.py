@@ -289,6 +289,8 @@ def bottleneck_cut(
 #: positions whose prefix FLOPs differ by at most this fraction of the model's count
 #: as the same split of the compute
 TIE_FLOPS = 1e-3
+#: and only this many positions away are tried as ties (planning time on large graphs)
+TIE_REACH = 16
 
 
 def lightest_nearby(costs: DagCosts, allowed: list[int], i: int, lo: int, table: list[float]) -> int:
@@ -388,7 +390,9 @@ def _refine(costs: DagCosts, start: Plan, by_id: dict[str, PeerProfile], network
             hi = best.cut[b + 1] if b + 1 < len(best.cut) else costs.num_ops
             here = best.cut[b]
             steps = {here + x for r in range(1, reach + 1) for x in (-r, r)}
-            ties = {q for q in ordered if costs.stage_flops(min(q, here), max(q, here)) <= slack}
+            a, z = bisect.bisect_left(ordered, here - TIE_REACH), bisect.bisect_right(ordered, here + TIE_REACH)
+            near = ordered[a:z]
+            ties = {q for q in near if costs.stage_flops(min(q, here), max(q, here)) <= slack}
             for pos in sorted((steps | ties) - {here}, key=lambda q: (abs(q - here), q)):
                 if lo < pos < hi and pos in allowed:
                     cut = best.cut[:b] + (pos,) + best.cut[b + 1 :]
