@@ -278,13 +278,13 @@ def encode_int4(x: torch.Tensor, codec: Codec, generator: torch.Generator | None
     byte, the first in the low nibble."""
     flat = x.detach().reshape(-1).float()
     rows = _padded_blocks(flat, codec.block)
-    scale = rows.abs().amax(dim=1).clamp_min(1e-30) / 7.0
-    v = rows / scale[:, None]
+    scale = rows.abs().amax(dim=1).clamp_min_(1e-30).div_(7.0)
+    v = rows / scale[:, None]  # in [-7, 7]; rounded in place from here on
     if codec.stochastic:
-        q = torch.floor(v + torch.rand(v.shape, generator=generator))
+        v.add_(torch.rand(v.shape, generator=generator)).floor_()
     else:
-        q = torch.round(v)
-    codes = (q.clamp_(-7, 7) + 8).to(torch.uint8).reshape(-1)[: flat.numel()]
+        v.round_()
+    codes = v.clamp_(-7, 7).add_(8).to(torch.uint8).reshape(-1)[: flat.numel()]
     if codes.numel() % 2:
         codes = torch.cat([codes, codes.new_zeros(1)])
     pairs = codes.view(-1, 2)
