@@ -10,11 +10,13 @@
   values in total, spread evenly over blocks (the first ``K % blocks`` blocks keep
   one more), each block exactly its own largest-magnitude ones. Indices travel
   within the block (uint8 for blocks of up to 256, else uint16), values as fp16.
-- ``int4``: blocks of ``block`` elements, each with an fp32 scale (its absolute
-  maximum / 7) and 4-bit codes (two per byte). Rounding to the nearest code errs
-  by at most scale / 2; with ``stochastic`` a value rounds up or down with the
-  probabilities that make the code's expectation the value itself (unbiased, error
-  below one scale step): gradients use that, so compression adds noise, not bias.
+- ``int4``: blocks of ``block`` elements (128 unless said), each with a bf16 step
+  (its absolute maximum / 7.5, rounded up) and 4-bit codes (two per byte) for the
+  16 levels (code - 7.5) x step, which span [-max, max]. Rounding to the nearest
+  level errs by at most half a step; with ``stochastic`` a value rounds up or down
+  with the probabilities that make the level's expectation the value itself
+  (unbiased, error below one step): gradients use that, so compression adds noise,
+  not bias.
 - ``lowrank``: the tensor as a matrix (rows = all but its last dimension) cut to
   its ``rank`` largest singular triplets: U as fp16 (entries within [-1, 1]), the
   singular values as fp32, V^T as fp16. Activations between transformer blocks
@@ -54,12 +56,14 @@ class Codec:
 
     name: str = "none"
     fraction: float = 1.0  # adatopk: the kept fraction of each tensor's elements
-    block: int = 256  # int8, int4 and adatopk: elements per block
+    block: int = 0  # int8, int4 and adatopk: elements per block (0: 128 for int4, else 256)
     rank: int = 8  # lowrank: singular triplets kept
     stochastic: bool = False  # int4: unbiased stochastic rounding
     grad: Codec | None = None  # the codec of the gradients coming back (None: this one)
 
     def __post_init__(self) -> None:
+        if self.block == 0:  # the codec's default
+            object.__setattr__(self, "block", 128 if self.name == "int4" else 256)
         if self.name not in CODECS:
             raise CodecError(f"unknown codec {self.name!r} (known: {', '.join(CODECS)})")
         if not (isinstance(self.fraction, float) and 0.0 < self.fraction <= 1.0):
@@ -110,7 +114,7 @@ class Codec:
         return cls(
             str(d.get("name", "none")),
             fraction,
-            d.get("block", 256),
+            d.get("block", 0),
             d.get("rank", 8),
             d.get("stochastic", False),
             None if grad is None else cls.from_json(grad, nested=True),
@@ -169,7 +173,7 @@ class Codec:
         if self.name == "int8":
             return [blocks * 4, numel]
         if self.name == "int4":
-            return [blocks * 4, (numel + 1) // 2]
+            return [blocks * 2, (numel + 1) // 2]
         if self.name == "lowrank":
             rows, cols = matrix_shape(numel, shape)
             r = self.rank_for(rows, cols)
@@ -274,22 +278,23 @@ def encode_parts(x: torch.Tensor, codec: Codec, generator: torch.Generator | Non
 
 
 def encode_int4(x: torch.Tensor, codec: Codec, generator: torch.Generator | None = None) -> list[memoryview]:
-    """int4's parts: fp32 scales per block, then the 4-bit codes (value + 8) two per
-    byte, the first in the low nibble."""
+    """int4's parts: the bf16 step of each block, then the 4-bit codes two per byte,
+    the first in the low nibble."""
     flat = x.detach().reshape(-1).float()
     rows = _padded_blocks(flat, codec.block)
-    scale = rows.abs().amax(dim=1).clamp_min_(1e-30).div_(7.0)
-    v = rows / scale[:, None]  # in [-7, 7]; rounded in place from here on
+    # max / 7.5, nudged up so that rounding to bf16 never makes the step smaller
+    step = rows.abs().amax(dim=1).clamp_min_(1e-30).mul_((1 + 2**-7) / 7.5).to(torch.bfloat16)
+    v = (rows / step.float()[:, None]).add_(7.5)  # in [0, 15]; rounded in place from here on
     if codec.stochastic:
         v.add_(torch.rand(v.shape, generator=generator)).floor_()
     else:
         v.round_()
-    codes = v.clamp_(-7, 7).add_(8).to(torch.uint8).reshape(-1)[: flat.numel()]
+    codes = v.clamp_(0, 15).to(torch.uint8).reshape(-1)[: flat.numel()]
     if codes.numel() % 2:
         codes = torch.cat([codes, codes.new_zeros(1)])
     pairs = codes.view(-1, 2)
     packed = pairs[:, 0] | (pairs[:, 1] << 4)
-    return [_bytes(scale), _bytes(packed)]
+    return [_bytes(step), _bytes(packed)]
 
 
 def encode_lowrank(x: torch.Tensor, codec: Codec) -> list[memoryview]:
@@ -382,13 +387,13 @@ def decode(parts: list[memoryview], codec: Codec, dtype: torch.dtype, shape: lis
         padded[:numel] = q.float()
         return (padded.view(blocks, codec.block) * scale[:, None]).reshape(-1)[:numel].to(dtype).view(shape)
     if codec.name == "int4":
-        scale = _from(parts[0], torch.float32)
+        step = _from(parts[0], torch.bfloat16).float()
         packed = _from(parts[1], torch.uint8)
         codes = torch.stack([packed & 0xF, packed >> 4], dim=1).reshape(-1)[:numel]
-        blocks = scale.numel()
+        blocks = step.numel()
         padded = torch.zeros(blocks * codec.block, dtype=torch.float32)
-        padded[:numel] = codes.float() - 8.0
-        return (padded.view(blocks, codec.block) * scale[:, None]).reshape(-1)[:numel].to(dtype).view(shape)
+        padded[:numel] = codes.float() - 7.5
+        return (padded.view(blocks, codec.block) * step[:, None]).reshape(-1)[:numel].to(dtype).view(shape)
     if codec.name == "lowrank":
         rows, cols = matrix_shape(numel, shape)
         r = codec.rank_for(rows, cols)
