@@ -222,15 +222,18 @@ def test_demo_compresses_only_the_slow_link(tmp_path: Path, mode: str, codec: st
     """With --compression adatopk (or auto), the boundary paced to 10 Mbit/s gets
     AdaTopK (or low-rank activations and 4-bit unbiased gradients: each direction
     checked against the plan by the receiving gate) and the fast one stays
-    uncompressed; the demo reports bytes per link and the ratio."""
+    uncompressed; the demo reports bytes per link and the ratio.
+
+    The demo's own GPT, not the small one: a small model's stages compute in ~3 ms,
+    which an unpaced loopback link on two busy cores does not always beat, and then
+    that link rightly gets compressed too (seen once in CI)."""
     ckpt = tmp_path / "c.safetensors"
     r = run_cli(
         "demo",
         "--peers",
         "3",
         "--steps",
-        "8",
-        *SMALL,
+        "6",
         "--compression",
         mode,
         "--link-mbps",
@@ -243,7 +246,7 @@ def test_demo_compresses_only_the_slow_link(tmp_path: Path, mode: str, codec: st
     fast = re.search(r"boundary 0 .*?: (\S+), ([\d.]+) MB on the wire .*? ratio ([\d.]+)x", r.stdout)
     slow = re.search(r"boundary 1 \(stage 1 <-> 2, (\d+) Mbit/s measured\): (\S+), .*? ratio ([\d.]+)x", r.stdout)
     assert fast and slow, r.stdout
-    assert fast.group(1) == "none" and float(fast.group(3)) == 1.0
+    assert fast.group(1) == "none" and float(fast.group(3)) == 1.0, r.stdout
     assert 7 <= int(slow.group(1)) <= 11, "the paced link measures about its rate"
     assert re.fullmatch(codec, slow.group(2)) and float(slow.group(3)) > 2.0
     assert re.search(r"loss [\d.]+ -> [\d.]+", r.stdout)
