@@ -74,6 +74,10 @@ class Codec:
             raise CodecError(f"rank {self.rank!r} is not in [1, 65536]")
         if not isinstance(self.stochastic, bool):
             raise CodecError(f"'stochastic' {self.stochastic!r} is not a boolean")
+        if self.stochastic and self.name != "int4":
+            raise CodecError(f"stochastic rounding is int4's, not {self.name}'s")
+        if self.name != "lowrank" and self.rank != 8:  # the JSON of other codecs carries no rank
+            object.__setattr__(self, "rank", 8)
         if self.grad is not None and (not isinstance(self.grad, Codec) or self.grad.grad is not None):
             raise CodecError("a gradient codec must be a plain codec")
 

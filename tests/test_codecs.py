@@ -125,6 +125,7 @@ def test_codec_pairs_parse_print_and_split_by_direction() -> None:
     assert pair.backward == Codec("int4", stochastic=True)
     assert Codec.from_json(pair.to_json()) == pair
     assert Codec("int8").backward == Codec("int8") == Codec("int8").forward
+    assert Codec.from_json(Codec("int8", rank=3).to_json()) == Codec("int8", rank=3), "rank only matters to lowrank"
     for bad in ("int4/int8/fp16", "lowrank:x", "int8:3", "lowrank:0"):
         with pytest.raises(CodecError):
             Codec.parse(bad)
@@ -259,6 +260,7 @@ def test_a_forged_narrowing_is_refused(narrow: object) -> None:
         {"name": "lowrank", "rank": 0},
         {"name": "lowrank", "rank": True},
         {"name": "int4", "stochastic": "yes"},
+        {"name": "lowrank", "stochastic": True},
         {"name": "lowrank", "grad": {"name": "int4", "grad": {"name": "int8"}}},
         {"name": "lowrank", "grad": "int4"},
     ],
