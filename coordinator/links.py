@@ -3,6 +3,8 @@ link gets. ``choose_codecs`` is a pure function of the estimates."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -35,18 +37,18 @@ def boundary_specs(model: nn.Module, cut: Cut, example: tuple[torch.Tensor, ...]
     return specs
 
 
-def float_bytes(spec: list[Any]) -> int:
-    """Bytes of the floating tensors in a stage's input spec (what a codec can shrink)."""
-    total = 0
+def _float_tensors(spec: list[Any]) -> Iterator[tuple[str, list[int], int]]:
+    """(dtype, shape, element count) of every floating tensor in a value spec."""
     for d in spec:
         if d.get("t") == "tensor" and d["dtype"] in ("float32", "float64", "float16", "bfloat16"):
-            numel = 1
-            for n in d["shape"]:
-                numel *= n
-            total += numel * {"float64": 8, "float32": 4}.get(d["dtype"], 2)
+            yield d["dtype"], d["shape"], math.prod(d["shape"])
         elif d.get("t") in ("tuple", "list"):
-            total += float_bytes(d["items"])
-    return total
+            yield from _float_tensors(d["items"])
+
+
+def float_bytes(spec: list[Any]) -> int:
+    """Bytes of the floating tensors in a stage's input spec (what a codec can shrink)."""
+    return sum(numel * {"float64": 8, "float32": 4}.get(dtype, 2) for dtype, _, numel in _float_tensors(spec))
 
 
 def choose_codecs(
@@ -125,20 +127,8 @@ def auto_codec(nbytes: float, mbps: float, bound_s: float, spec: list[Any], rank
 def lowrank_rank(spec: list[Any], budget: float) -> int:
     """The largest rank (at least ``MIN_RANK``) at which the floating tensors of
     ``spec`` fit in ``budget`` bytes: each costs rank x (2 x (rows + columns) + 4)."""
-    per_rank = sum(2 * (rows + cols) + 4 for rows, cols in _matrices(spec))
+    matrices = (matrix_shape(numel, shape) for _, shape, numel in _float_tensors(spec))
+    per_rank = sum(2 * (rows + cols) + 4 for rows, cols in matrices)
     if per_rank == 0:
         return MIN_RANK
     return max(MIN_RANK, int(budget // per_rank))
-
-
-def _matrices(spec: list[Any]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for d in spec:
-        if d.get("t") == "tensor" and d["dtype"] in ("float32", "float64", "float16", "bfloat16"):
-            numel = 1
-            for n in d["shape"]:
-                numel *= n
-            out.append(matrix_shape(numel, d["shape"]))
-        elif d.get("t") in ("tuple", "list"):
-            out.extend(_matrices(d["items"]))
-    return out

@@ -260,7 +260,7 @@ def bottleneck_cut(
                 while i >= 0 and allowed[i] > lo and table[allowed[i]] > limit:
                     i -= 1
                 if i >= 0 and allowed[i] > lo:
-                    chosen = lightest_nearby(costs, allowed, i, lo, table)
+                    chosen = allowed[i]
                     break
             if chosen is None:
                 return None
@@ -286,26 +286,13 @@ def bottleneck_cut(
     return best
 
 
-#: positions whose prefix FLOPs differ by at most this fraction of the model's count
-#: as the same split of the compute
+#: the refinement treats positions whose prefix FLOPs differ by at most this fraction
+#: of the model's count as the same split of the compute, and takes the one where
+#: the fewest bytes cross (in a transformer: right after a residual add, where only
+#: the residual stream crosses, not after the next LayerNorm, where its output does too)
 TIE_FLOPS = 1e-3
 #: and only this many positions away are tried as ties (planning time on large graphs)
 TIE_REACH = 16
-
-
-def lightest_nearby(costs: DagCosts, allowed: list[int], i: int, lo: int, table: list[float]) -> int:
-    """``allowed[i]`` or an earlier position (after ``lo``) that splits the compute the
-    same way (within ``TIE_FLOPS``) and has fewer bytes crossing in ``table``. In a
-    transformer the cut then lands where only the residual stream crosses (just
-    after a residual add), not after the next LayerNorm, where its output crosses too."""
-    best = allowed[i]
-    slack = TIE_FLOPS * costs.total_flops
-    j = i - 1
-    while j >= 0 and allowed[j] > lo and costs.stage_flops(allowed[j], allowed[i]) <= slack:
-        if table[allowed[j]] < table[best]:
-            best = allowed[j]
-        j -= 1
-    return best
 
 
 def _proportional_cut(costs: DagCosts, weights: list[float]) -> tuple[int, ...]:

@@ -20,7 +20,7 @@ class PlanChecks:
 
     coordinator: str
     assign: Assign | None = None
-    codecs: list[dict[str, Any]] = field(default_factory=list)
+    codecs: list[Codec] = field(default_factory=list)  # the link plan's, per boundary
     step: int = 0
     my_mbs: frozenset[int] = frozenset()
 
@@ -63,7 +63,7 @@ class PlanChecks:
         gradients (``backward``)."""
         if boundary >= len(self.codecs):
             return None
-        return getattr(Codec.from_json(self.codecs[boundary]), direction).to_json()
+        return getattr(self.codecs[boundary], direction).to_json()
 
     def _route(self, env: Envelope, sender: str, senders: list[str], steps: tuple[int, ...]) -> None:
         assert self.assign is not None

@@ -280,7 +280,7 @@ class PeerNode:
             raise RunRefused(f"the link plan names a bad codec: {exc}") from None
         if len(codecs) != k - 1:
             raise RunRefused(f"the link plan has {len(codecs)} codecs for {k - 1} boundaries")
-        self.checks.codecs = [c.to_json() for c in codecs]
+        self.checks.codecs = codecs
         # stochastic rounding of gradients: seeded by run, stage and replica (reproducible)
         rounding = torch.Generator().manual_seed(job.seed * 1_000_003 + s * 1009 + r)
         uniform = len({len(p) for p in a.stages}) == 1

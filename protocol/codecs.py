@@ -34,6 +34,7 @@ anything else is rejected.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -85,12 +86,12 @@ class Codec:
     def lossless(self) -> bool:
         return self.name == "none"
 
-    @property
+    @functools.cached_property
     def forward(self) -> Codec:
         """The codec of the values sent forward (activations)."""
         return self if self.grad is None else Codec(self.name, self.fraction, self.block, self.rank, self.stochastic)
 
-    @property
+    @functools.cached_property
     def backward(self) -> Codec:
         """The codec of the gradients sent back."""
         return self.forward if self.grad is None else self.grad
@@ -434,7 +435,7 @@ class ErrorFeedback:
 
     def encode(self, key: Any, x: torch.Tensor, codec: Codec) -> list[memoryview]:
         if codec.lossless or codec.stochastic:  # unbiased codes need no feedback
-            return encode(x, codec)[0]
+            return encode_parts(x, codec)
         r = self.residuals.get(key)
         target = x.detach().float() if r is None or r.shape != x.shape else x.detach().float() + r
         parts, self.residuals[key] = encode_with_residual(target, codec)

@@ -123,7 +123,7 @@ def _assigned_gate(stage: int = 1, boundary1: Codec | None = None) -> Gate:
     spec_act = describe(encode_values([torch.zeros(4, 8, 16), torch.zeros(4, 8, dtype=torch.long)])[0])
     a = Assign(RUN, stage, 0, {}, [5, 9], [[ALICE], [BOB], ["carol"]], {}, keys={}, specs=[[], spec_act, spec_act])
     second = boundary1 or Codec("adatopk", 0.1)
-    checks = PlanChecks(COORD, a, [Codec().to_json(), second.to_json()], 4, frozenset({0, 1, 2, 3}))
+    checks = PlanChecks(COORD, a, [Codec(), second], 4, frozenset({0, 1, 2, 3}))
     gate.expect = checks
     return gate
 
