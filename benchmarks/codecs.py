@@ -17,14 +17,20 @@
   signed message takes from one transport's ``send`` to the other's inbox on
   loopback (libp2p streams; best of 10); ``..._of_unsigned_transfer`` divides by
   that time minus the crypto instead.
+
+``--short`` runs the same paths smaller, for the test suite: 1M elements instead
+of 16M, 1 MiB messages instead of 4 MiB (the ``*_4mib`` keys then hold the 1 MiB
+figures) and fewer repeats.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,12 +45,22 @@ from protocol.identity import Identity  # noqa: E402
 from protocol.messages import Activations  # noqa: E402
 from protocol.wire import Link, encode_values  # noqa: E402
 
-N = 16 * 1024 * 1024
 DENSITY = 0.01
-MESSAGE = 4 << 20
 
 
-def _best(fn, repeats: int = 5) -> float:  # type: ignore[no-untyped-def]
+@dataclass(frozen=True)
+class Sizes:
+    n: int  # elements of the codec benchmarks' tensor (a multiple of 128)
+    message: int  # bytes of the signed message
+    repeats: int  # timed runs of each codec (after a warm-up)
+    transfers: int  # timed transfers (after one that opens the stream)
+
+
+FULL = Sizes(n=16 * 1024 * 1024, message=4 << 20, repeats=5, transfers=10)
+SHORT = Sizes(n=1024 * 1024, message=1 << 20, repeats=2, transfers=3)
+
+
+def _best(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
     fn()
     best = float("inf")
     for _ in range(repeats):
@@ -54,29 +70,30 @@ def _best(fn, repeats: int = 5) -> float:  # type: ignore[no-untyped-def]
     return best
 
 
-def codec_speeds() -> dict[str, float]:
+def codec_speeds(sizes: Sizes) -> dict[str, float]:
+    n, repeats, few = sizes.n, sizes.repeats, min(sizes.repeats, 3)
     torch.manual_seed(0)
-    x = torch.randn(N)
+    x = torch.randn(n)
     gb = x.numel() * 4 / 1e9
     codec = Codec("adatopk", DENSITY)
-    k = round(DENSITY * N)
-    enc_s = _best(lambda: encode_parts(x, codec))
+    k = round(DENSITY * n)
+    enc_s = _best(lambda: encode_parts(x, codec), repeats)
     parts = encode_parts(x, codec)
     parts = [memoryview(bytearray(p)) for p in parts]
-    dec_s = _best(lambda: decode(parts, codec, torch.float32, [N]))
+    dec_s = _best(lambda: decode(parts, codec, torch.float32, [n]), repeats)
 
     def global_topk() -> None:
         idx = x.abs().topk(k, sorted=False).indices
         x[idx].half()
         idx.int()
 
-    glob_s = _best(global_topk, repeats=3)
-    fp16_s = _best(lambda: encode_parts(x, Codec("fp16")))
+    glob_s = _best(global_topk, few)
+    fp16_s = _best(lambda: encode_parts(x, Codec("fp16")), repeats)
     int4 = Codec("int4", stochastic=True)
     gen = torch.Generator().manual_seed(0)
-    int4_s = _best(lambda: encode_parts(x, int4, gen))
+    int4_s = _best(lambda: encode_parts(x, int4, gen), repeats)
     low, matrix = Codec("lowrank", rank=8), x.view(-1, 128)
-    low_s = _best(lambda: encode_parts(matrix, low), repeats=3)
+    low_s = _best(lambda: encode_parts(matrix, low), few)
     descs, chunks = encode_values([x], Link(codec))
     head, payload = Sealer(Identity.generate(), "p").seal(Activations("r", 0, 0, 1), descs, chunks, str(codec))
     ideal = k * (2 + 1)
@@ -89,16 +106,16 @@ def codec_speeds() -> dict[str, float]:
         "fp16_encode_gbps": round(gb / fp16_s, 3),
         "int4sr_encode_gbps": round(gb / int4_s, 3),
         "lowrank8_encode_gbps": round(gb / low_s, 3),
-        "lowrank8_wire_ratio": round(N * 4 / low.wire_bytes(N, torch.float32, list(matrix.shape)), 2),
+        "lowrank8_wire_ratio": round(n * 4 / low.wire_bytes(n, torch.float32, list(matrix.shape)), 2),
     }
 
 
-def sign_verify_seconds() -> float:
+def sign_verify_seconds(sizes: Sizes) -> float:
     key = Identity.generate()
     sealer = Sealer(key, "p")
     gate = Gate("r")
     gate.admit("p", key.public_key)
-    x = torch.randn(MESSAGE // 4)
+    x = torch.randn(sizes.message // 4)
     descs, chunks = encode_values([x])
     payload = memoryview(bytearray(b"".join(bytes(c) for c in chunks)))
 
@@ -107,14 +124,14 @@ def sign_verify_seconds() -> float:
         env, _ = gate.check_head(head, "p")
         gate.check_payload(env, payload, "p")
 
-    return _best(once, repeats=10)
+    return _best(once, 2 * sizes.repeats)
 
 
-async def _transfer_seconds(repeats: int = 10) -> float:
+async def _transfer_seconds(sizes: Sizes) -> float:
     async with transport_pair("r") as (a, b):
-        x = torch.randn(MESSAGE // 4)
+        x = torch.randn(sizes.message // 4)
         best = float("inf")
-        for i in range(repeats + 1):
+        for i in range(sizes.transfers + 1):
             start = time.perf_counter()
             await a.send(b.peer_id, Activations("r", 0, i, 1), [x])
             got = await b.inbox.get()
@@ -125,16 +142,22 @@ async def _transfer_seconds(repeats: int = 10) -> float:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--short", action="store_true", help="a quick run of the same paths (for the test suite)")
+    args = ap.parse_args()
+    sizes = SHORT if args.short else FULL
     torch.set_num_threads(2)
-    out = codec_speeds()
-    sv = sign_verify_seconds()
-    transfer = asyncio.run(_transfer_seconds())
+    out: dict[str, object] = dict(codec_speeds(sizes))
+    sv = sign_verify_seconds(sizes)
+    transfer = asyncio.run(_transfer_seconds(sizes))
     out["sign_verify_ms_4mib"] = round(sv * 1e3, 2)
     out["transfer_ms_4mib"] = round(transfer * 1e3, 2)
     # the end-to-end time of a signed 4 MiB message, sealing and checking included
     out["sign_verify_fraction_of_transfer"] = round(sv / transfer, 3)
     # the stricter reading: against the transfer without the crypto
     out["sign_verify_fraction_of_unsigned_transfer"] = round(sv / max(transfer - sv, 1e-9), 3)
+    if args.short:
+        out["short"] = True
     print(json.dumps(out))
 
 

@@ -1,33 +1,52 @@
 """Swarm throughput against one process, and the RAD data path (hivemind libp2p
-streams carrying FusionLLM frames) against a plain TCP socket, measured in one
-run. Prints one JSON object."""
+streams carrying signed FusionLLM frames) against a plain TCP socket, measured in
+one run. Prints one JSON object.
+
+``--short`` runs the same paths smaller, for the test suite: 12 training steps
+instead of 60 and 16 MiB messages instead of 64 MiB (still above the lane
+threshold, so they travel over parallel streams); the ``*_64mib_*`` keys then
+hold the 16 MiB figures."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import re
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-import hivemind
 import torch
 
-from fusionllm.local import train_reference
-from protocol.job import JobSpec
-from protocol.messages import Activations
-from protocol.transport import Transport
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from p2p import transport_pair  # noqa: E402
+
+from fusionllm.local import train_reference  # noqa: E402
+from protocol.job import JobSpec  # noqa: E402
+from protocol.messages import Activations  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-SIZE = 64 << 20
-STEPS = 60
 
 
-def swarm_tokens_per_s(peers: int = 4) -> float:
+@dataclass(frozen=True)
+class Sizes:
+    steps: int
+    message: int  # bytes per RAD / TCP transfer
+    repeats: int  # timed transfers (after one that opens the stream)
+    peers: int = 4
+
+
+FULL = Sizes(steps=60, message=64 << 20, repeats=3)
+SHORT = Sizes(steps=12, message=16 << 20, repeats=2)
+
+
+def swarm_tokens_per_s(sizes: Sizes) -> float:
     out = subprocess.run(
-        [sys.executable, "-m", "fusionllm", "demo", "--peers", str(peers), "--steps", str(STEPS)],
+        [sys.executable, "-m", "fusionllm", "demo", "--peers", str(sizes.peers), "--steps", str(sizes.steps)],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -39,43 +58,35 @@ def swarm_tokens_per_s(peers: int = 4) -> float:
     return float(m.group(1).replace(",", ""))
 
 
-def reference_tokens_per_s() -> float:
-    res = train_reference(JobSpec(steps=STEPS))
+def reference_tokens_per_s(sizes: Sizes) -> float:
+    res = train_reference(JobSpec(steps=sizes.steps))
     return res.tokens / res.seconds
 
 
-async def _rad(repeats: int = 3) -> float:
-    d1 = hivemind.DHT(start=True)
-    d2 = hivemind.DHT(initial_peers=[str(m) for m in d1.get_visible_maddrs()], start=True)
-    a, b = Transport(await d1.replicate_p2p()), Transport(await d2.replicate_p2p())
-    await a.start()
-    await b.start()
-    blob = torch.ones(SIZE // 4, dtype=torch.float32)
-    best = 0.0
-    try:
-        for i in range(repeats + 1):
+async def _rad(sizes: Sizes) -> float:
+    """Best MB/s of one signed message from one transport's ``send`` to the other's inbox."""
+    async with transport_pair("bench") as (a, b):
+        blob = torch.ones(sizes.message // 4, dtype=torch.float32)
+        best = 0.0
+        for i in range(sizes.repeats + 1):
             start = time.perf_counter()
             await a.send(b.peer_id, Activations("bench", i, 0, 1), [blob])
             got = await b.inbox.get()
             got.values()
-            rate = SIZE / (time.perf_counter() - start) / 1e6
+            rate = sizes.message / (time.perf_counter() - start) / 1e6
             if i > 0:  # the first opens the stream
                 best = max(best, rate)
-    finally:
-        await a.aclose()
-        await b.aclose()
-        d1.shutdown()
-        d2.shutdown()
     return best
 
 
-async def _tcp(repeats: int = 3) -> float:
+async def _tcp(sizes: Sizes) -> float:
+    size = sizes.message
     done: asyncio.Queue[int] = asyncio.Queue()
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while True:
             got = 0
-            while got < SIZE:
+            while got < size:
                 chunk = await reader.read(1 << 22)
                 if not chunk:
                     return
@@ -85,36 +96,39 @@ async def _tcp(repeats: int = 3) -> float:
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     _, writer = await asyncio.open_connection("127.0.0.1", port)
-    data = bytes(SIZE)
+    data = bytes(size)
     best = 0.0
-    for _ in range(repeats):
+    for _ in range(sizes.repeats):
         start = time.perf_counter()
         writer.write(data)
         await writer.drain()
         await done.get()
-        best = max(best, SIZE / (time.perf_counter() - start) / 1e6)
+        best = max(best, size / (time.perf_counter() - start) / 1e6)
     writer.close()
     server.close()
     return best
 
 
 def main() -> None:
-    rad = asyncio.run(_rad())
-    tcp = asyncio.run(_tcp())
-    ref = reference_tokens_per_s()
-    swarm = swarm_tokens_per_s()
-    print(
-        json.dumps(
-            {
-                "swarm_tokens_per_s": round(swarm, 1),
-                "reference_tokens_per_s": round(ref, 1),
-                "swarm_vs_reference": round(swarm / ref, 3),
-                "rad_64mib_mb_per_s": round(rad, 1),
-                "tcp_64mib_mb_per_s": round(tcp, 1),
-                "rad_vs_tcp": round(rad / tcp, 3),
-            }
-        )
-    )
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--short", action="store_true", help="a quick run of the same paths (for the test suite)")
+    args = ap.parse_args()
+    sizes = SHORT if args.short else FULL
+    rad = asyncio.run(_rad(sizes))
+    tcp = asyncio.run(_tcp(sizes))
+    ref = reference_tokens_per_s(sizes)
+    swarm = swarm_tokens_per_s(sizes)
+    out: dict[str, object] = {
+        "swarm_tokens_per_s": round(swarm, 1),
+        "reference_tokens_per_s": round(ref, 1),
+        "swarm_vs_reference": round(swarm / ref, 3),
+        "rad_64mib_mb_per_s": round(rad, 1),
+        "tcp_64mib_mb_per_s": round(tcp, 1),
+        "rad_vs_tcp": round(rad / tcp, 3),
+    }
+    if args.short:
+        out["short"] = True
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -1,39 +1,64 @@
 """What the status page, ``/api/v1/state``, ``/metrics`` and ``fusionllm status``
 show: a board the coordinator writes to and the HTTP side only reads.
 
-The JSON schema (``StatusBoard.state()``), version 1:
+The JSON schema (``StatusBoard.state()``), version 1 (revision 2: fields added,
+none changed meaning):
 
 - ``version``: 1; ``run_id``; ``phase``: waiting, planning, training, done or
   failed; ``started_at`` and ``now`` (unix seconds); ``message``: the last
   failure, if any.
 - ``peers``: a list of objects with ``id``, ``device``, ``flops`` (measured FLOP/s),
   ``up_mbps``/``down_mbps`` (measured to the coordinator), ``connection``
-  (``direct`` or ``relayed``), ``stage`` and ``replica`` (null before the plan),
-  ``last_seen`` (unix seconds) and ``health`` (``ok``, ``late`` after 10 s of
-  silence, ``silent`` after 30 s, ``left``).
+  (``direct`` or ``relayed``), ``stage`` and ``replica`` (null when the peer
+  serves no stage), ``last_seen`` (unix seconds), ``health`` (advert freshness:
+  ``ok``, ``late`` after 10 s of silence, ``silent`` after 30 s, ``left``) and
+  ``state`` (its part in the run: ``joined`` when no plan has placed it yet,
+  ``serving`` a stage, ``standby``, or ``lost`` after a failure, until a plan
+  places it again or it is marked standby). *(revision 2: ``state``)*
 - ``plan``: null before planning, else ``num_ops``, ``op_flops`` (FLOPs per op,
   in topological order), ``stages`` (``stage``, ``first_op``, ``last_op``,
   ``flops``, ``param_bytes``, ``peers``) and ``cuts`` (``boundary``, ``after_op``,
   ``bytes`` crossing per micro-batch, ``codec``, ``mbps`` measured).
-- ``training``: ``step`` (steps done), ``steps``, ``loss`` (the last loss),
-  ``losses`` (``[step, loss]`` pairs, at most 2,000, thinned evenly),
+- ``training``: ``step`` (steps done; it goes back on a rollback), ``steps``,
+  ``epoch`` (the plan epoch, 0 before the first), ``loss`` (the last loss; after
+  a rollback, the last one still on the chart), ``losses`` (``[step, loss]``
+  pairs, at most 2,000, thinned evenly; a rollback drops the points it undoes),
   ``tokens_per_s`` (over the last 20 steps), ``elapsed_s``, ``eta_s``.
+  *(revision 2: ``epoch``)*
+- ``recovery``: ``epoch`` (as in ``training``), ``failures`` (peer failures
+  reported), ``rollbacks``, ``steps_redone`` (steps undone by rollbacks, in
+  all). *(revision 2)*
+- ``checkpoint``: null before the first, else the last one: ``step`` (the steps
+  it holds; a resume continues there), ``path``, ``at`` (unix seconds),
+  ``seconds`` (taken to write) and ``bytes``. *(revision 2)*
 - ``links``: per stage boundary ``boundary``, ``codec``, ``mbps``,
   ``wire_bytes`` and ``raw_bytes`` (both directions, so far) and ``ratio``.
 - ``rejected``: counts of rejected messages by reason code.
-- ``events``: the last 200 of ``{"t", "kind", "text"}``, oldest first; kinds are
-  join, leave, plan, links, rejected, done and failed.
+- ``events``: ``{"t", "kind", "text"}``, oldest first: the last 50 ``rejected``,
+  the last 20 ``checkpoint`` and the last 200 of the other kinds, merged, so
+  neither a flood of rejections nor routine checkpoints hide a failure. Kinds:
+  join, leave, plan, links, epoch, failure, replace, rollback, checkpoint,
+  resume, rejected, done and failed. *(revision 2: the separate histories and
+  the kinds from epoch to resume)*
 """
 
 from __future__ import annotations
 
 import collections
+import heapq
+import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 MAX_POINTS = 2000
 LATE_S, SILENT_S = 10.0, 30.0
+MAX_EVENTS = 200
+# Kinds that come in floods (rejections) or routinely (a checkpoint every N steps) keep
+# their own shorter histories, so they never push the rare ones (joins, plans, failures) out.
+ROUTINE_EVENTS = {"rejected": 50, "checkpoint": 20}
+MAX_REJECTED_EVENTS = ROUTINE_EVENTS["rejected"]
+PEER_STATES = ("joined", "serving", "standby", "lost")
 
 
 class StatusBoard:
@@ -54,11 +79,20 @@ class StatusBoard:
         self._recent: collections.deque[tuple[float, int]] = collections.deque(maxlen=20)  # (seconds, tokens)
         self.train_started: float | None = None
         self.rejected: collections.Counter[str] = collections.Counter()
-        self.events: collections.deque[dict[str, Any]] = collections.deque(maxlen=200)
+        self.epoch = 0
+        self.failures = 0
+        self.rollbacks = 0
+        self.steps_redone = 0
+        self.last_checkpoint: dict[str, Any] | None = None
+        self._seq = itertools.count()  # orders events across the two histories
+        self._histories: dict[str, collections.deque[tuple[int, dict[str, Any]]]] = {
+            kind: collections.deque(maxlen=n) for kind, n in {"": MAX_EVENTS, **ROUTINE_EVENTS}.items()
+        }
 
     # ------------------------------------------------------------ writes
     def event(self, kind: str, text: str) -> None:
-        self.events.append({"t": self.clock(), "kind": kind, "text": text})
+        history = self._histories.get(kind, self._histories[""])
+        history.append((next(self._seq), {"t": self.clock(), "kind": kind, "text": text}))
 
     def saw_adverts(self, adverts: dict[str, Any]) -> None:
         """The live adverts (by peer id) at one poll of the DHT."""
@@ -67,7 +101,8 @@ class StatusBoard:
             view = self.peers.get(pid)
             if view is None or view["health"] == "left":
                 self.event("join", f"peer {pid} joined: {ad.device}, {ad.flops / 1e9:.1f} GFLOP/s")
-                view = self.peers[pid] = {"id": pid, "stage": None, "replica": None}
+                state = "lost" if view is not None and view["state"] == "lost" else "joined"
+                view = self.peers[pid] = {"id": pid, "stage": None, "replica": None, "state": state}
             relayed = any("/p2p-circuit" in m for m in ad.maddrs)
             view.update(
                 device=ad.device,
@@ -95,15 +130,21 @@ class StatusBoard:
         boundary_bytes: list[int],
         groups: list[list[str]],
     ) -> None:
+        """A plan (the first or a new epoch's): its peers serve, the other known
+        peers stand by, except lost ones, which stay lost."""
         self.phase = "planning"
-        for s, group in enumerate(groups):
-            for r, pid in enumerate(group):
-                if pid in self.peers:
-                    self.peers[pid].update(stage=s, replica=r)
+        placed = {pid: (s, r) for s, group in enumerate(groups) for r, pid in enumerate(group)}
+        for pid, view in self.peers.items():
+            if pid in placed:
+                view.update(stage=placed[pid][0], replica=placed[pid][1], state="serving")
+            else:
+                view.update(stage=None, replica=None)
+                if view["state"] != "lost":
+                    view["state"] = "standby"
         self.plan = {
             "num_ops": len(op_flops),
             "op_flops": op_flops,
-            "stages": [{**c, "stage": s, "peers": groups[s]} for s, c in enumerate(stages)],
+            "stages": [{**c, "stage": s, "peers": list(groups[s])} for s, c in enumerate(stages)],
             "cuts": [
                 {"boundary": b, "after_op": cut[b] - 1, "bytes": boundary_bytes[b], "codec": None, "mbps": None}
                 for b in range(len(cut))
@@ -123,20 +164,24 @@ class StatusBoard:
             "links", ", ".join(f"boundary {b}: {c} at {r:.0f} Mbit/s" for b, (c, r) in enumerate(zip(codecs, mbps)))
         )
         self.phase = "training"
-        self.train_started = self.clock()
+        if self.train_started is None:
+            self.train_started = self.clock()
 
     def step_done(self, step: int, loss: float, seconds: float, tokens: int, traffic: list[tuple[int, int]]) -> None:
         """One finished step; ``traffic``: (wire, raw) bytes so far per boundary."""
         self.step = step + 1
         self.last_loss = loss
         self._recent.append((seconds, tokens))
+        self._chart(step, loss)
+        for link, (wire, raw) in zip(self.links, traffic, strict=False):
+            link.update(wire_bytes=wire, raw_bytes=raw, ratio=round(raw / max(wire, 1), 2))
+
+    def _chart(self, step: int, loss: float) -> None:
         if step % self._stride == 0:
             self.losses.append([step, round(loss, 5)])
             if len(self.losses) >= MAX_POINTS:
                 self.losses = self.losses[::2]
                 self._stride *= 2
-        for link, (wire, raw) in zip(self.links, traffic, strict=False):
-            link.update(wire_bytes=wire, raw_bytes=raw, ratio=round(raw / max(wire, 1), 2))
 
     def reject(self, sender: str, code: str, detail: str) -> None:
         self.rejected[code] += 1
@@ -147,7 +192,83 @@ class StatusBoard:
         self.message = message
         self.event("done" if ok else "failed", message or f"{self.step} steps")
 
+    # ------------------------------------------------------------ recovery
+    def set_epoch(self, epoch: int, reason: str) -> None:
+        """A new plan epoch begins; ``reason``: why the run re-planned."""
+        self.epoch = epoch
+        self.event("epoch", f"epoch {epoch}: {reason}")
+
+    def peer_state(self, peer_id: str, state: str) -> None:
+        """Mark a known peer ``joined``, ``serving``, ``standby`` or ``lost``; a
+        peer that serves no more loses its stage. Unknown peers are ignored."""
+        if state not in PEER_STATES:
+            raise ValueError(f"peer state '{state}' is not one of {', '.join(PEER_STATES)}")
+        view = self.peers.get(peer_id)
+        if view is None:
+            return
+        view["state"] = state
+        if state != "serving":
+            view.update(stage=None, replica=None)
+
+    def failure(self, peer_id: str, where: str, reason: str) -> None:
+        """A peer failed (``where``: what it was doing, e.g. "step 12, stage 1")."""
+        self.failures += 1
+        self.peer_state(peer_id, "lost")
+        self.event("failure", f"peer {peer_id} failed at {where}: {reason}")
+
+    def replaced(self, stage: int, old: str, new: str) -> None:
+        """``new`` serves ``stage`` in ``old``'s place (``old`` lost, or moved to standby)."""
+        replica = None
+        if self.plan is not None and 0 <= stage < len(self.plan["stages"]):
+            group = self.plan["stages"][stage]["peers"]
+            replica = group.index(old) if old in group else len(group)
+            group[replica : replica + 1] = [new]
+        old_view, new_view = self.peers.get(old), self.peers.get(new)
+        if old_view is not None and old_view["state"] == "serving":
+            self.peer_state(old, "standby")
+        if new_view is not None:
+            new_view.update(stage=stage, replica=replica, state="serving")
+        self.event("replace", f"stage {stage}: peer {new} replaces {old}")
+
+    def rollback(self, to_step: int, reason: str) -> None:
+        """Training goes back to ``to_step`` (a checkpoint); the steps after it will be redone."""
+        redone = max(0, self.step - to_step)
+        self.rollbacks += 1
+        self.steps_redone += redone
+        self.step = to_step
+        self.losses = [p for p in self.losses if p[0] < to_step]
+        self.last_loss = self.losses[-1][1] if self.losses else None
+        self.event("rollback", f"back to step {to_step}, {redone} steps to redo: {reason}")
+
+    def checkpoint(self, step: int, path: str, seconds: float, nbytes: int) -> None:
+        """A checkpoint holding ``step`` steps was written to ``path``."""
+        self.last_checkpoint = {
+            "step": step,
+            "path": path,
+            "at": self.clock(),
+            "seconds": round(seconds, 3),
+            "bytes": nbytes,
+        }
+        self.event("checkpoint", f"step {step} saved to {path}: {nbytes / 1e6:.1f} MB in {seconds:.1f} s")
+
+    def resumed(self, step: int, run_dir: str) -> None:
+        """This coordinator restarted (``--resume``) from ``run_dir`` at ``step``."""
+        self.step = step
+        self.event("resume", f"coordinator resumed {run_dir} at step {step}")
+
+    def restore_losses(self, losses: Iterable[float]) -> None:
+        """The loss of each step so far (index = step), for a resumed coordinator's chart."""
+        self.losses, self._stride, self.last_loss = [], 1, None
+        for step, loss in enumerate(losses):
+            self._chart(step, loss)
+            self.last_loss = loss
+
     # ------------------------------------------------------------ reads
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        """All histories merged, oldest first."""
+        return [e for _, e in heapq.merge(*self._histories.values(), key=lambda item: item[0])]
+
     def state(self) -> dict[str, Any]:
         now = self.clock()
         peers = []
@@ -172,13 +293,21 @@ class StatusBoard:
             "training": {
                 "step": self.step,
                 "steps": self.steps,
+                "epoch": self.epoch,
                 "loss": self.last_loss,
                 "losses": list(self.losses),
                 "tokens_per_s": round(toks / secs, 1) if secs > 0 else None,
                 "elapsed_s": round(now - self.train_started, 1) if self.train_started else 0.0,
                 "eta_s": round(per_step * (self.steps - self.step), 1) if per_step is not None else None,
             },
+            "recovery": {
+                "epoch": self.epoch,
+                "failures": self.failures,
+                "rollbacks": self.rollbacks,
+                "steps_redone": self.steps_redone,
+            },
+            "checkpoint": dict(self.last_checkpoint) if self.last_checkpoint else None,
             "links": [dict(link) for link in self.links],
             "rejected": dict(self.rejected),
-            "events": list(self.events),
+            "events": self.events,
         }

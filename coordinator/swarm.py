@@ -6,49 +6,37 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import logging
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import hivemind
 import torch
+from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 
-from coordinator.assign import Assignment, assign
-from coordinator.links import boundary_specs, choose_codecs, float_bytes
-from coordinator.opdag import build_opdag
+from coordinator.assign import Assignment
+from coordinator.checkpoint import DB_NAME, CheckpointError, RunDir, default_run_dir
+from coordinator.links import choose_codecs, float_bytes
+from coordinator.run import Driver, RunState
 from coordinator.status import StatusBoard
 from coordinator.web import StatusServer
 from protocol.codecs import Codec
-from protocol.envelope import Envelope, Gate, Reject, Rejected, match_values
+from protocol.envelope import Envelope, Gate, Reject, Rejected
 from protocol.identity import Identity, IdentityError, check_record, key_hex, sign_record
-from protocol.job import JobSpec, split_batch
-from protocol.messages import (
-    Abort,
-    Activations,
-    Advert,
-    Assign,
-    CoordinatorRecord,
-    Finish,
-    Hello,
-    LinkPlan,
-    Message,
-    PeerFailure,
-    Ready,
-    Release,
-    State,
-    StepDone,
-    dht_key,
-)
+from protocol.job import JobSpec
+from protocol.messages import Abort, Advert, CoordinatorRecord, Message, dht_key
 from protocol.transport import PeerUnreachable, Transport
-from protocol.wire import encode_values
 
 #: what peers may send the coordinator
-_FROM_PEERS = ("hello", "ready", "done", "state", "failure")
+_FROM_PEERS = ("hello", "ready", "done", "state", "failure", "beat")
+#: steps between checkpoints unless asked otherwise: at most this much work is redone
+#: after losing a stage that has no replica (see README: what a checkpoint costs)
+DEFAULT_CHECKPOINT_EVERY = 20
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +65,15 @@ class CoordinatorConfig:
     status: bool = True  # serve the status page, /api/v1/state and /metrics
     status_host: str = "127.0.0.1"
     status_port: int | None = None  # None: 8470, or any free port if that is taken
+    run_dir: str | None = None  # checkpoints and run metadata; None: checkpoint.default_run_dir(run_id)
+    resume: bool = False  # continue the run in run_dir from its last checkpoint
+    checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY
+    standby: int = 0  # the slowest N peers of the first plan wait as standby
+    stall_floor_s: float = 8.0  # a planned peer silent this long (or 10 median steps, if longer) has stalled
+    send_timeout_s: float = 30.0  # a send to a peer that takes longer counts as a lost peer
+
+    def job_fields(self) -> dict[str, Any]:
+        return dataclasses.asdict(self.job)
 
 
 @dataclass
@@ -98,6 +95,11 @@ class RunSummary:
     state: dict[str, torch.Tensor]
     links: list[LinkReport] = field(default_factory=list)  # per stage boundary
     estimate: dict[str, Any] = field(default_factory=dict)  # the estimator's prediction next to what ran
+    epochs: int = 1
+    failures: int = 0
+    steps_redone: int = 0
+    checkpoint_s: list[float] = field(default_factory=list)  # seconds each checkpoint write took
+    step_seconds: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -129,19 +131,24 @@ class Coordinator:
         self.board = StatusBoard(config.run_id, config.job.steps)
         self.gate.listeners.append(self.board.reject)
         self.status: StatusServer | None = None
+        self.run_dir: RunDir | None = None
+        self.driver: Driver | None = None
 
     def _expect(self, env: Envelope, message: Message, sender: str) -> None:
         if env.kind not in _FROM_PEERS:
             raise Rejected(Reject.UNEXPECTED, f"peers do not send the coordinator '{env.kind}'")
 
     async def start(self) -> None:
-        """Raises SwarmError (one line) when the identity file cannot be used."""
+        """Raises SwarmError (one line) when the identity file, the run directory or
+        the status page's port cannot be used."""
         cfg = self.config
         loop = asyncio.get_running_loop()
         try:
             self.identity = Identity.from_option(cfg.identity)
         except IdentityError as exc:
             raise SwarmError(str(exc)) from None
+        self.run_dir = self._open_run_dir()
+        host_maddrs, initial_peers = self._addresses()
         if cfg.status:
             self.status = StatusServer(self.board, cfg.status_host, cfg.status_port)
             try:
@@ -149,14 +156,68 @@ class Coordinator:
             except OSError as exc:
                 self.status = None
                 raise SwarmError(str(exc)) from None
+        identity_path = self.run_dir.path / "p2p.key"  # the same libp2p id after a restart
+        if not identity_path.exists():
+            P2P.generate_identity(str(identity_path))
         self.dht = await loop.run_in_executor(
             None,
-            lambda: hivemind.DHT(initial_peers=cfg.initial_peers, host_maddrs=cfg.host_maddrs, start=True),
+            lambda: hivemind.DHT(
+                initial_peers=initial_peers, host_maddrs=host_maddrs, identity_path=str(identity_path), start=True
+            ),
         )
         self.transport = Transport(await self.dht.replicate_p2p(), self.identity, self.gate)
         await self.transport.start()
+        self.run_dir.set_meta("ports", _tcp_ports(self.visible_maddrs))
         await self._publish_record()
         self._tasks.append(asyncio.create_task(self._refresh_record()))
+
+    def _open_run_dir(self) -> RunDir:
+        """The run directory: new (refusing one that holds another run's checkpoints) or,
+        with ``resume``, the one of the same run and job."""
+        cfg = self.config
+        path = Path(cfg.run_dir).expanduser() if cfg.run_dir else default_run_dir(cfg.run_id)
+        if cfg.resume and not (path / DB_NAME).is_file():
+            raise SwarmError(f"--resume {path}: no run there (no {DB_NAME})")
+        run_dir = RunDir(path)
+        try:
+            run_dir.open()
+        except (OSError, CheckpointError) as exc:
+            raise SwarmError(f"cannot use the run directory {path}: {exc}") from None
+        job, run_id = run_dir.get_meta("job"), run_dir.get_meta("run_id")
+        if cfg.resume:
+            if run_id != cfg.run_id or job != cfg.job_fields():
+                raise SwarmError(
+                    f"--resume {path}: that run is '{run_id}' with job {job}; start the coordinator with the same "
+                    "--run and job flags as the first time"
+                )
+        elif run_dir.latest() is not None:
+            raise SwarmError(
+                f"the run directory {path} already holds run '{run_id}' (checkpoint of step {run_dir.latest().step}); "
+                f"continue it with --resume {path}, or choose another --run-dir"
+            )
+        run_dir.set_meta("run_id", cfg.run_id)
+        run_dir.set_meta("job", cfg.job_fields())
+        return run_dir
+
+    def _addresses(self) -> tuple[list[str], list[str]]:
+        """Where to listen and whom to bootstrap from: on resume, the previous ports
+        (where free, so printed join commands stay valid) and the recorded peers."""
+        cfg = self.config
+        if not cfg.resume or self.run_dir is None:
+            return cfg.host_maddrs, cfg.initial_peers
+        from fusionllm.reaper import PortTaken, check_listen_ports
+
+        ports = self.run_dir.get_meta("ports", [])
+        host = list(cfg.host_maddrs)
+        if len(ports) == 1:
+            reused = [m.replace("/tcp/0", f"/tcp/{ports[0]}") for m in host]
+            try:
+                check_listen_ports(reused)
+                host = reused
+            except PortTaken as exc:
+                logger.warning("cannot listen where the run did before: %s", exc)
+        peers = [m for maddrs in self.run_dir.get_meta("peers", {}).values() for m in maddrs if "/p2p/" in m]
+        return host, [*cfg.initial_peers, *peers]
 
     @property
     def visible_maddrs(self) -> list[str]:
@@ -236,170 +297,78 @@ class Coordinator:
                 raise SwarmError(f"only {len(ads)} of {cfg.min_peers} peers joined within {cfg.peer_wait_s:.0f} s")
             await asyncio.sleep(0.5)
 
-    async def _next(self, kinds: tuple[type[Message], ...], timeout: float, peers: set[str]) -> Any:
-        """The next message of ``kinds``; meanwhile watch the awaited ``peers``' adverts."""
-        assert self.transport is not None
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise SwarmError(f"no progress for {timeout:.0f} s (waiting for {len(peers)} peers)")
-            try:
-                inbound = await asyncio.wait_for(self.transport.inbox.get(), min(left, 2.0))
-            except asyncio.TimeoutError:
-                live = await self.live_adverts()
-                gone = sorted(p for p in peers if p not in live)
-                if gone:
-                    raise SwarmError(
-                        "peer " + ", ".join(f"{p} ({self._where(p)})" for p in gone) + " vanished: its advert "
-                        "expired; the run stops (recovering from a lost peer is not built yet)"
-                    ) from None
-                continue
-            msg = inbound.message
-            self.board.heard_from(inbound.sender)
-            if isinstance(msg, Hello):
-                continue  # a late joiner's key binding (the gate already did it)
-            if isinstance(msg, PeerFailure) and self._assigned(inbound.sender):
-                raise SwarmError(f"peer {inbound.sender} ({self._where(inbound.sender)}) failed: {msg.reason}")
-            # only the peers awaited now may answer: an admitted peer outside the plan cannot
-            # slip in a step's losses or a stage's weights
-            if (
-                isinstance(msg, kinds)
-                and getattr(msg, "run_id", None) == self.config.run_id
-                and inbound.sender in peers
-            ):
-                return inbound
-            logger.warning("ignoring an unexpected %s from %s", msg.KIND, inbound.sender)
+    def keys_of(self, peers: set[str]) -> dict[str, str]:
+        """The admitted Ed25519 keys (hex) of ``peers``."""
+        return {p: key_hex(self.gate.keys[p]) for p in peers if p in self.gate.keys}
 
-    def _assigned(self, peer_id: str) -> bool:
-        plan = getattr(self, "_assignment", None)
-        return plan is not None and any(peer_id in group for group in plan.stages)
-
-    def _where(self, peer_id: str) -> str:
+    def where(self, peer_id: str, plan: Assignment | None) -> str:
         try:
-            s, r = self._assignment.stage_of(peer_id)
-            return f"stage {s}, replica {r}"
-        except (AttributeError, KeyError):
+            s, r = plan.stage_of(peer_id) if plan else (None, None)
+        except KeyError:
             return "not assigned"
+        return "not assigned" if s is None else f"stage {s}, replica {r}"
+
+    async def reachable(self, peer_id: str, timeout: float = 2.0) -> bool:
+        """Whether a connection to ``peer_id`` exists or can be made within ``timeout``."""
+        assert self.transport is not None
+        try:
+            if peer_id in await self.transport.connected():
+                return True
+            await asyncio.wait_for(self.transport.connect(peer_id), timeout)
+            return True
+        except Exception:
+            return False
+
+    def traffic(self, st: RunState) -> list[tuple[int, int]]:
+        assert st.plan is not None
+        return _traffic(st.plan, st.link_bytes, st.raw_bytes)
 
     async def run(
         self,
         model: torch.nn.Module,
         on_step: Callable[[StepReport], None] | None = None,
         on_peers: Callable[[int], None] | None = None,
+        on_event: Callable[[str], None] | None = None,
     ) -> RunSummary:
-        """Train ``model``'s job on the swarm; returns the losses and the trained state."""
-        assert self.transport is not None
-        cfg, job, tp = self.config, self.config.job, self.transport
-        self.adverts = await self.wait_for_peers(on_peers)
+        """Train ``model``'s job on the swarm through plan epochs; returns the losses and
+        the trained state. Raises SwarmError (one line) when the run cannot go on."""
+        assert self.transport is not None and self.run_dir is not None
         self._tasks.append(asyncio.create_task(self._watch_adverts()))
-        example = job.first_micro_batch()
-        dag = build_opdag(model, example)
+        driver = Driver(self, model, self.run_dir, on_step, on_event)
+        self.driver = driver
+        start = time.perf_counter()
         try:
-            self._assignment = plan = assign(dag, list(self.adverts.values()), cfg.num_stages, job.micro_batches)
-        except ValueError as exc:
-            raise SwarmError(f"cannot plan the run: {exc}") from None
-        k = plan.cut.num_stages
-        specs = boundary_specs(model, plan.cut, example)
-        self.board.set_plan(
-            [op.flops for op in dag.ops],
-            dag.stage_costs(plan.cut),
-            plan.cut.to_list(),
-            dag.boundary_bytes(plan.cut),
-            plan.stages,
-        )
-        peers = {p for group in plan.stages for p in group}
-        maddrs = {p: self.adverts[p].maddrs for p in peers}
-        keys = {p: key_hex(self.gate.keys[p]) for p in peers}
-        for p in peers:
-            tp.learn(p, maddrs[p])
-        job_fields = dataclasses.asdict(job)
-        link_reports: list[LinkReport] = []
-        link_bytes: dict[str, dict[str, int]] = {}
-        raw_bytes: dict[str, dict[str, int]] = {}
-        try:
-            if cfg.link_mbps and len(cfg.link_mbps) != k - 1:
-                raise SwarmError(f"--link-mbps gives {len(cfg.link_mbps)} rates; the plan has {k - 1} stage boundaries")
-            for s, group in enumerate(plan.stages):
-                for r, p in enumerate(group):
-                    a = Assign(cfg.run_id, s, r, job_fields, plan.cut.to_list(), plan.stages, maddrs, cfg.schedule)
-                    a = dataclasses.replace(a, keys=keys, specs=specs, link_mbps=list(cfg.link_mbps))
-                    await tp.send(p, a)
-            pending = set(peers)
-            measured: dict[str, dict[str, float]] = {}
-            while pending:
-                inbound = await self._next((Ready,), cfg.step_timeout_s, pending)
-                pending.discard(inbound.sender)
-                measured[inbound.sender] = inbound.message.next_mbps
-            codecs, mbps = self._choose_codecs(dag, plan, specs, measured)
-            link_reports = [LinkReport(b, str(c), mbps[b], 0, 0) for b, c in enumerate(codecs)]
-            self.board.set_links([str(c) for c in codecs], mbps)
-            for p in peers:
-                await tp.send(p, LinkPlan(cfg.run_id, [c.to_json() for c in codecs]))
-            losses: list[float] = []
-            step_seconds: list[float] = []
-            compute: dict[str, list[float]] = {p: [] for p in peers}
-            tokens = 0
-            start = time.perf_counter()
-            for step, batch in enumerate(itertools.islice(job.batches(), job.steps)):
-                t0 = time.perf_counter()
-                mbs = split_batch(batch, job.micro_batches)
-                for m, mb in enumerate(mbs):
-                    try:
-                        match_values(encode_values(list(mb))[0], specs[0], None)
-                    except Rejected as exc:
-                        raise SwarmError(f"step {step}, micro-batch {m} does not fit the plan: {exc.detail}") from None
-                first = plan.stages[0]
-                for m, mb in enumerate(mbs):
-                    await tp.send(first[m % len(first)], Activations(cfg.run_id, step, m, 0), list(mb))
-                pending = set(peers)
-                step_losses: dict[str, float] = {}
-                while pending:
-                    inbound = await self._next((StepDone,), cfg.step_timeout_s, pending)
-                    if inbound.message.step != step:
-                        continue
-                    pending.discard(inbound.sender)
-                    if inbound.sender in plan.stages[-1]:  # only the last stage computes the loss
-                        step_losses.update(inbound.message.losses)
-                    compute[inbound.sender].append(inbound.message.compute_s)
-                    link_bytes[inbound.sender] = inbound.message.bytes_sent
-                    raw_bytes[inbound.sender] = inbound.message.raw_sent
-                if len(step_losses) != len(mbs):
-                    raise SwarmError(f"step {step}: got {len(step_losses)} losses for {len(mbs)} micro-batches")
-                losses.append(sum(step_losses.values()) / len(mbs))
-                step_seconds.append(time.perf_counter() - t0)
-                tokens += batch[0].numel()
-                traffic = _traffic(plan, link_bytes, raw_bytes)
-                self.board.step_done(step, losses[-1], time.perf_counter() - t0, batch[0].numel(), traffic)
-                if on_step:
-                    on_step(StepReport(step, losses[-1], time.perf_counter() - t0, batch[0].numel()))
-            seconds = time.perf_counter() - start
-            for p in peers:
-                await tp.send(p, Finish(cfg.run_id))
-            state: dict[str, torch.Tensor] = {}
-            pending = {group[0] for group in plan.stages}
-            while pending:
-                inbound = await self._next((State,), cfg.step_timeout_s, pending)
-                pending.discard(inbound.sender)
-                state.update(zip(inbound.message.names, inbound.frame.values(), strict=True))
-            for p in peers:
-                await tp.send(p, Release(cfg.run_id))
-        except PeerUnreachable as exc:
-            self.board.finish(False, str(exc))
-            await self._abort(peers, str(exc))
-            raise SwarmError(str(exc)) from None
+            st = await driver.run(self.config.resume, on_peers)
         except SwarmError as exc:
             self.board.finish(False, str(exc))
-            await self._abort(peers, str(exc))
+            await self._abort(driver.st.planned | set(self.adverts), str(exc))
             raise
-        self.board.finish(True, f"{len(losses)} steps in {seconds:.0f} s")
-        links = {f"{src[-6:]}->{dst[-6:]}": n for src, sent in link_bytes.items() for dst, n in sent.items()}
-        for report, (wire, raw) in zip(link_reports, _traffic(plan, link_bytes, raw_bytes), strict=True):
-            report.wire_bytes, report.raw_bytes = wire, raw
-        estimate = _estimate(plan, compute, step_seconds, job.micro_batches)
-        return RunSummary(losses, seconds, tokens, plan, self.adverts, links, state, link_reports, estimate)
+        seconds = sum(st.step_seconds) or time.perf_counter() - start
+        assert st.plan is not None and driver.final is not None
+        self.board.finish(True, f"{len(st.losses)} steps in {seconds:.0f} s")
+        links = {f"{src[-6:]}->{dst[-6:]}": n for src, sent in st.link_bytes.items() for dst, n in sent.items()}
+        reports = [
+            LinkReport(b, str(c), st.mbps[b], w, r) for b, (c, (w, r)) in enumerate(zip(st.codecs, self.traffic(st)))
+        ]
+        estimate = _estimate(st.plan, st.compute, st.step_seconds, self.config.job.micro_batches)
+        return RunSummary(
+            st.losses,
+            seconds,
+            st.tokens,
+            st.plan,
+            self.adverts,
+            links,
+            driver.final,
+            reports,
+            estimate,
+            epochs=st.epoch + 1,
+            failures=len(st.lost),
+            steps_redone=st.redone,
+            checkpoint_s=list(st.checkpoint_s),
+            step_seconds=list(st.step_seconds),
+        )
 
-    def _choose_codecs(
+    def choose_codecs(
         self, dag: Any, plan: Assignment, specs: list[list[Any]], measured: dict[str, dict[str, float]]
     ) -> tuple[list[Codec], list[float]]:
         """Per boundary: the slowest measured link between its two stages against the
@@ -439,6 +408,16 @@ class Coordinator:
             await self.transport.aclose()
         if self.dht is not None:
             self.dht.shutdown()
+
+
+def _tcp_ports(maddrs: list[str]) -> list[int]:
+    """The TCP ports among listening multiaddrs."""
+    out = set()
+    for m in maddrs:
+        parts = m.split("/")
+        if "tcp" in parts and parts.index("tcp") + 1 < len(parts):
+            out.add(int(parts[parts.index("tcp") + 1]))
+    return sorted(out)
 
 
 def _traffic(

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from coordinator.status import StatusBoard
+from coordinator.status import PEER_STATES, StatusBoard
 
 logger = logging.getLogger(__name__)
 
@@ -38,13 +38,25 @@ class _BoardCollector:
             "fusionllm_tokens_per_second": ("Tokens per second over the last 20 steps", tr["tokens_per_s"]),
             "fusionllm_eta_seconds": ("Estimated seconds to the end of the run", tr["eta_s"]),
         }
+        gauges["fusionllm_epoch"] = ("Plan epoch", tr["epoch"])
+        if st["checkpoint"] is not None:
+            gauges["fusionllm_checkpoint_step"] = ("Steps held by the last checkpoint", st["checkpoint"]["step"])
+            gauges["fusionllm_checkpoint_bytes"] = ("Size of the last checkpoint", st["checkpoint"]["bytes"])
         for name, (doc, value) in gauges.items():
             if value is not None:
                 yield GaugeMetricFamily(name, doc, value=float(value))
+        rec = st["recovery"]
+        yield CounterMetricFamily("fusionllm_peer_failures", "Peer failures reported", value=rec["failures"])
+        yield CounterMetricFamily("fusionllm_rollbacks", "Rollbacks to a checkpoint", value=rec["rollbacks"])
+        yield CounterMetricFamily("fusionllm_steps_redone", "Steps undone by rollbacks", value=rec["steps_redone"])
         peers = GaugeMetricFamily("fusionllm_peers", "Peers by health", labels=["health"])
         for health in ("ok", "late", "silent", "left"):
             peers.add_metric([health], sum(1 for p in st["peers"] if p["health"] == health))
         yield peers
+        states = GaugeMetricFamily("fusionllm_peer_states", "Peers by their part in the run", labels=["state"])
+        for state in PEER_STATES:
+            states.add_metric([state], sum(1 for p in st["peers"] if p["state"] == state))
+        yield states
         flops = GaugeMetricFamily("fusionllm_peer_flops", "Measured FLOP/s per peer", labels=["peer", "stage"])
         for p in st["peers"]:
             flops.add_metric([p["id"], "" if p["stage"] is None else str(p["stage"])], p.get("flops", 0.0))

@@ -99,6 +99,27 @@ def _add_swarm_flags(p: argparse.ArgumentParser) -> None:
         "--rank", type=_rank, default=None, help="pin the rank of auto's low-rank activations on slow links (R >= 1)"
     )
     p.add_argument(
+        "--checkpoint-every",
+        type=_natural,
+        default=None,
+        metavar="N",
+        help="checkpoint every stage's weights and optimizer state every N steps (default: 20; 0: only at the end)",
+    )
+    p.add_argument(
+        "--run-dir",
+        default=None,
+        metavar="DIR",
+        help="where checkpoints and the run's metadata go (default: ~/.fusionllm/runs/RUN; demo: its log folder)",
+    )
+    p.add_argument("--standby", type=_natural, default=0, metavar="N", help="keep the N slowest peers as standby")
+    p.add_argument(
+        "--stall-timeout",
+        type=_seconds,
+        default=8.0,
+        metavar="S",
+        help="a planned peer silent this long (or 10 median steps, if longer) counts as stalled (default: 8)",
+    )
+    p.add_argument(
         "--link-mbps",
         type=_rates,
         default=[],
@@ -115,6 +136,20 @@ def _whole(text: str, low: int, high: int, what: str, bounds: str) -> int:
         raise argparse.ArgumentTypeError(f"'{text}' is not {what}") from None
     if not low <= value <= high:
         raise argparse.ArgumentTypeError(f"{value} is not {bounds}")
+    return value
+
+
+def _natural(text: str) -> int:
+    return _whole(text, 0, 1 << 40, "a whole number", "at least 0")
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number of seconds") from None
+    if not 0.0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} is not a positive number of seconds")
     return value
 
 
@@ -153,6 +188,16 @@ def _rates(text: str) -> list[float]:
     return rates
 
 
+def _add_threads_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--threads",
+        type=_natural,
+        default=0,
+        help="torch CPU threads (default: torch's choice); a swarm's demo peers use 1, and a reference "
+        "trained with the same count gives bitwise the same weights",
+    )
+
+
 def _add_identity_flag(p: argparse.ArgumentParser, default: str) -> None:
     p.add_argument(
         "--identity",
@@ -179,6 +224,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-maddrs", nargs="+", default=["/ip4/127.0.0.1/tcp/0"], metavar="MADDR")
     p.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR", help="join an existing DHT")
     p.add_argument("--min-peers", type=_positive, default=2, help="peers to wait for before training")
+    p.add_argument(
+        "--resume",
+        default=None,
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR from its last checkpoint (with the same flags as its first start)",
+    )
     _add_identity_flag(p, "~/.fusionllm/coordinator.key")
 
     p = sub.add_parser("join", help="lend this machine to a swarm")
@@ -186,8 +237,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-maddrs", nargs="+", default=["/ip4/127.0.0.1/tcp/0"], metavar="MADDR")
     p.add_argument("--run", default="fusionllm", help="the run to join")
     p.add_argument("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda if present)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    _add_threads_flag(p)
     p.add_argument("--join-timeout", type=float, default=30.0, help="seconds to reach the DHT and coordinator")
+    p.add_argument(
+        "--coordinator-grace",
+        type=_seconds,
+        default=120.0,
+        metavar="S",
+        help="seconds to wait for a lost coordinator to come back before leaving (default: 120)",
+    )
     _add_identity_flag(p, "~/.fusionllm/peer.key")
 
     for name, helptext in (
@@ -224,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--reference", action="store_true", help="train the whole model")
     mode.add_argument("--stages", type=_positive, help="train through K rebuilt stages")
+    _add_threads_flag(p)
     p.add_argument("--cut", default=None, help="explicit stage boundaries (op indices), e.g. 10,40")
 
     p = sub.add_parser("inspect", help="print the OP-DAG and a K-stage cut, and check it")

@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import time
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from coordinator.opdag import OpDag, balanced_cut, build_opdag
@@ -77,6 +79,8 @@ def _train(args: argparse.Namespace, stages: int | None, desc: str) -> TrainResu
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
     result = _train(args, None if args.reference else args.stages, "reference" if args.reference else "stages")
     what = "whole model" if args.reference else f"{result.cut.num_stages} stages (cut {result.cut.to_list()})"
     print(
@@ -156,6 +160,44 @@ def _ago(seconds: float) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
+# C0 and C1 controls, DEL, and the bidi overrides that reorder what follows them.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def _clean(text: Any) -> str:
+    """Text from the coordinator (much of it peer-supplied) made safe for a terminal."""
+    return _CONTROL.sub("", str(text))
+
+
+def _peer_line(p: dict[str, Any], now: float) -> str:
+    stage = "-" if p["stage"] is None else str(p["stage"])
+    replica = "-" if p["replica"] is None else str(p["replica"])
+    return (
+        f"{_clean(p['id']):<54} {_clean(p['device'])[:12]:<12} {p['flops'] / 1e9:>8.1f} "
+        f"{p['up_mbps']:>7.0f}/{p['down_mbps']:<7.0f} {_clean(p['connection']):<8} "
+        f"{_clean(p.get('state', '-')):<8} {stage:>5} {replica:>7} {_ago(now - p['last_seen']):>6} "
+        f"{_clean(p['health'])}"
+    )
+
+
+def _recovery_lines(st: dict[str, Any]) -> list[str]:
+    rec, ck = st.get("recovery"), st.get("checkpoint")
+    lines = []
+    if rec:
+        lines.append(
+            f"epoch {rec['epoch']}  failures {rec['failures']}  rollbacks {rec['rollbacks']}  "
+            f"steps redone {rec['steps_redone']}"
+        )
+    if ck:
+        lines.append(
+            f"last checkpoint: step {ck['step']}, {ck['bytes'] / 1e6:.2f} MB in {ck['seconds']:.1f} s, "
+            f"{_ago(st['now'] - ck['at'])} ago: {_clean(ck['path'])}"
+        )
+    elif rec:
+        lines.append("last checkpoint: none yet")
+    return lines
+
+
 def render_status(st: dict[str, Any]) -> str:
     """The status page as terminal text."""
     tr = st["training"]
@@ -163,20 +205,14 @@ def render_status(st: dict[str, Any]) -> str:
     tps = "-" if tr["tokens_per_s"] is None else f"{tr['tokens_per_s']:,.0f}"
     eta = "-" if tr["eta_s"] is None else _ago(tr["eta_s"])
     lines = [
-        f"run {st['run_id']}: {st['phase']}" + (f" ({st['message']})" if st["message"] else ""),
+        f"run {_clean(st['run_id'])}: {_clean(st['phase'])}" + (f" ({_clean(st['message'])})" if st["message"] else ""),
         f"step {tr['step']}/{tr['steps']}  loss {loss}  tokens/s {tps}  elapsed {_ago(tr['elapsed_s'])}  ETA {eta}",
+        *_recovery_lines(st),
         "",
-        f"{'peer':<54} {'device':<12} {'GFLOP/s':>8} {'up/down Mbit/s':>15} {'conn':<8} stage replica "
+        f"{'peer':<54} {'device':<12} {'GFLOP/s':>8} {'up/down Mbit/s':>15} {'conn':<8} {'state':<8} stage replica "
         f"{'seen':>6} health",
     ]
-    for p in st["peers"]:
-        stage = "-" if p["stage"] is None else str(p["stage"])
-        replica = "-" if p["replica"] is None else str(p["replica"])
-        lines.append(
-            f"{p['id']:<54} {p['device'][:12]:<12} {p['flops'] / 1e9:>8.1f} "
-            f"{p['up_mbps']:>7.0f}/{p['down_mbps']:<7.0f} {p['connection']:<8} {stage:>5} {replica:>7} "
-            f"{_ago(st['now'] - p['last_seen']):>6} {p['health']}"
-        )
+    lines.extend(_peer_line(p, st["now"]) for p in st["peers"])
     if st["plan"]:
         lines.append("")
         for stg in st["plan"]["stages"]:
@@ -186,17 +222,20 @@ def render_status(st: dict[str, Any]) -> str:
             )
     for link in st["links"]:
         lines.append(
-            f"boundary {link['boundary']} -> {link['boundary'] + 1}: {link['codec']} at {link['mbps']} Mbit/s, "
+            f"boundary {link['boundary']} -> {link['boundary'] + 1}: {_clean(link['codec'])} at {link['mbps']} Mbit/s, "
             f"{link['wire_bytes'] / 1e6:.2f} MB on the wire for {link['raw_bytes'] / 1e6:.2f} MB, "
             f"ratio {link['ratio']}x"
         )
     if st["rejected"]:
-        lines.append("rejected messages: " + ", ".join(f"{k} {v}" for k, v in sorted(st["rejected"].items())))
-    if st["events"]:
+        rejected = ", ".join(f"{_clean(k)} {v}" for k, v in sorted(st["rejected"].items()))
+        lines.append("rejected messages: " + rejected)
+    recent = [e for e in st["events"] if e["kind"] != "rejected"][-10:]  # rejections are counted above
+    if recent:
         lines.append("")
         lines.append("recent events:")
-        for e in st["events"][-10:]:
-            lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(e['t']))} {e['kind']}: {e['text']}")
+        for e in recent:
+            when = time.strftime("%H:%M:%S", time.localtime(e["t"]))
+            lines.append(f"  {when} {_clean(e['kind'])}: {_clean(e['text'])}")
     return "\n".join(lines)
 
 

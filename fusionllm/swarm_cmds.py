@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from fusionllm.cli import UsageError, job_from_args
+from fusionllm.commands import _clean as clean
+from fusionllm.reaper import PortTaken, check_listen_ports, start_reaper
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +37,7 @@ def check_maddrs(values: list[str], flag: str) -> list[str]:
 
 
 def run_async(coro: Coroutine[Any, Any, int]) -> int:
+    start_reaper()  # whatever kills us, the DHT child and p2pd die too
     try:
         import uvloop
 
@@ -75,6 +79,23 @@ def _summary(summary: Any, save: str | None) -> str:
     return "\n".join(lines)
 
 
+def _recovery_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The coordinator's checkpoint, resume and failure-detection settings from the flags."""
+    from coordinator.swarm import DEFAULT_CHECKPOINT_EVERY
+
+    resume = getattr(args, "resume", None)
+    if resume and args.run_dir and Path(resume).expanduser() != Path(args.run_dir).expanduser():
+        raise UsageError(f"--resume {resume} and --run-dir {args.run_dir} name different run directories")
+    every = DEFAULT_CHECKPOINT_EVERY if args.checkpoint_every is None else args.checkpoint_every
+    return {
+        "run_dir": resume or args.run_dir,
+        "resume": bool(resume),
+        "checkpoint_every": every,
+        "standby": args.standby,
+        "stall_floor_s": args.stall_timeout,
+    }
+
+
 async def _coordinate(args: argparse.Namespace, on_ready: Any = None) -> int:
     from coordinator.swarm import Coordinator, CoordinatorConfig, SwarmError
 
@@ -98,6 +119,7 @@ async def _coordinate(args: argparse.Namespace, on_ready: Any = None) -> int:
         link_mbps=args.link_mbps,
         status_host=args.status_host,
         status_port=args.status_port,
+        **_recovery_options(args),
     )
     if args.stages and args.link_mbps and len(args.link_mbps) != args.stages - 1:
         raise UsageError(f"--link-mbps gives {len(args.link_mbps)} rates for {args.stages - 1} stage boundaries")
@@ -130,10 +152,18 @@ async def _coordinate(args: argparse.Namespace, on_ready: Any = None) -> int:
                     mininterval=0.2 if sys.stderr.isatty() else 5.0,
                 )
             bar.set_postfix(loss=f"{rep.loss:.4f}", tok_s=f"{rep.tokens / max(rep.seconds, 1e-9):,.0f}")
-            bar.update(1)
+            bar.update(rep.step + 1 - bar.n)  # back after a rollback
+
+        def on_event(text: str) -> None:
+            line = f"{time.strftime('%H:%M:%S')} {clean(text)}"
+            if bar is not None:
+                tqdm.write(line, file=sys.stdout)
+            else:
+                print(line, flush=True)
+            sys.stdout.flush()
 
         try:
-            summary = await coord.run(model, on_step, on_peers)
+            summary = await coord.run(model, on_step, on_peers, on_event)
         except SwarmError as exc:
             if bar is not None:
                 bar.close()
@@ -142,6 +172,8 @@ async def _coordinate(args: argparse.Namespace, on_ready: Any = None) -> int:
             return 1
         if bar is not None:
             bar.close()
+        if coord.run_dir is not None:
+            print(f"checkpoints and run history: {coord.run_dir.path}", flush=True)
         if args.save:
             model.load_state_dict(summary.state, strict=False)
             state = {k: v.detach().cpu().clone().contiguous() for k, v in model.state_dict().items()}
@@ -155,6 +187,10 @@ async def _coordinate(args: argparse.Namespace, on_ready: Any = None) -> int:
 def cmd_coordinator(args: argparse.Namespace) -> int:
     check_maddrs(args.initial_peers, "--initial-peers")
     check_maddrs(args.host_maddrs, "--host-maddrs")
+    try:
+        check_listen_ports(args.host_maddrs)
+    except PortTaken as exc:
+        raise UsageError(str(exc)) from None
     return run_async(_coordinate(args))
 
 
@@ -169,8 +205,10 @@ async def _join(args: argparse.Namespace) -> int:
             device=args.device,
             join_timeout=args.join_timeout,
             identity=os.path.expanduser(args.identity),
+            coordinator_grace=args.coordinator_grace,
         )
     )
+    node.on_event = lambda text: print(f"{time.strftime('%H:%M:%S')} {clean(text)}", flush=True)
     try:
         await node.start()
         print(
@@ -230,6 +268,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.save is None:
         args.save = "fusionllm-demo.safetensors"
     log_dir = Path(tempfile.mkdtemp(prefix="fusionllm-demo-"))
+    if args.run_dir is None:
+        args.run_dir = str(log_dir / "run")
     procs: list[subprocess.Popen[bytes]] = []
 
     async def spawn(coord: Any) -> None:

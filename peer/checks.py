@@ -11,7 +11,7 @@ from protocol.envelope import Envelope, Reject, Rejected, match_values
 from protocol.messages import Assign, Message
 
 #: control messages only the coordinator sends
-_FROM_COORDINATOR = ("assign", "links", "finish", "release", "abort")
+_FROM_COORDINATOR = ("assign", "links", "finish", "release", "abort", "commit", "stagestate", "evict", "standby")
 
 
 @dataclass
@@ -27,7 +27,7 @@ class PlanChecks:
     def __call__(self, env: Envelope, message: Message, sender: str) -> None:
         a = self.assign
         if env.kind in _FROM_COORDINATOR and sender == self.coordinator:
-            if a is None and env.kind not in ("assign", "abort"):
+            if a is None and env.kind not in ("assign", "abort", "evict", "standby", "finish", "release"):
                 raise Rejected(Reject.UNEXPECTED, f"{env.kind} before an assignment")
             return
         if a is None:

@@ -4,11 +4,18 @@ executors and a peer can drive one from the network."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+
+#: Prefix of optimizer-state entries in a state snapshot: ``optim/<param name>/<state key>``.
+OPTIM_PREFIX = "optim/"
+#: The per-parameter state AdamW keeps once it has taken a step.
+ADAMW_STATE_KEYS = frozenset({"step", "exp_avg", "exp_avg_sq"})
+#: How many names a state-mismatch message lists per kind of problem.
+_MAX_NAMES = 3
 
 
 def make_optimizer(params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
@@ -70,6 +77,7 @@ class StageExecutor:
         params = [p for p in module.parameters() if p.requires_grad]
         self.optimizer = make_optimizer(params, lr) if params else None
         self._saved: dict[int, tuple[list[Any], Any]] = {}
+        self.steps_done = 0
 
     @property
     def pending(self) -> int:
@@ -113,3 +121,130 @@ class StageExecutor:
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+        self.steps_done += 1
+
+    def discard_step(self) -> None:
+        """Forget a half-done step (saved forwards and gradients) so it can be redone."""
+        self._saved.clear()
+        self.module.zero_grad(set_to_none=True)
+
+    def _param_names(self) -> dict[int, list[str]]:
+        """id(parameter) -> its names; the first is the canonical (``named_parameters``) one."""
+        names: dict[int, list[str]] = {}
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(name)
+        return names
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """A snapshot of weights, buffers and optimizer state as contiguous CPU copies.
+
+        Weights and buffers keep their ``state_dict`` names (the whole model's);
+        optimizer state is ``optim/<param name>/<key>``. Safe to send or save while
+        training goes on.
+        """
+        out = {k: _cpu_copy(v) for k, v in self.module.state_dict(keep_vars=True).items()}
+        if self.optimizer is not None:
+            names = self._param_names()
+            for p, state in self.optimizer.state.items():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor):
+                        out[f"{OPTIM_PREFIX}{names[id(p)][0]}/{key}"] = _cpu_copy(value)
+        return out
+
+    def select(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The entries of ``tensors`` (e.g. a whole model's merged state) that belong to this stage."""
+        own = set(self.module.state_dict(keep_vars=True))
+        params = {name for aliases in self._param_names().values() for name in aliases}
+        return {
+            k: v for k, v in tensors.items() if k in own or (k.startswith(OPTIM_PREFIX) and _optim_param(k) in params)
+        }
+
+    def load_state_tensors(
+        self, tensors: Mapping[str, torch.Tensor], *, strict_extra: bool = True, steps_done: int | None = None
+    ) -> None:
+        """Load a snapshot made by :meth:`state_tensors` (of this stage or of any cut of
+        the same model, merged). Every weight and buffer must be present with its shape
+        and dtype; keys of other stages raise unless ``strict_extra`` is false. Raises
+        ``ValueError`` (one line) and changes nothing on a mismatch."""
+        mine = self.select(tensors)
+        problems = _Problems()
+        if strict_extra:
+            problems.add("unexpected", [k for k in tensors if k not in mine])
+        weights = {k: v for k, v in mine.items() if not k.startswith(OPTIM_PREFIX)}
+        current = self.module.state_dict(keep_vars=True)
+        problems.add("missing", [k for k in current if k not in weights])
+        for k, v in weights.items():
+            problems.check(k, v, current[k])
+        optim_state = self._optim_state(mine, problems)
+        if problems:
+            raise ValueError(f"stage state does not match: {problems}")
+        with torch.no_grad():
+            self.module.load_state_dict(weights, strict=True)
+        if self.optimizer is not None:
+            sd = self.optimizer.state_dict()
+            sd["state"] = optim_state
+            self.optimizer.load_state_dict(sd)
+        if steps_done is not None:
+            self.steps_done = steps_done
+
+    def _optim_state(self, mine: Mapping[str, torch.Tensor], problems: _Problems) -> dict[int, dict[str, Any]]:
+        """The optimizer's per-parameter state (by index, as ``Optimizer.state_dict`` has it)."""
+        if self.optimizer is None:
+            return {}
+        names = self._param_names()
+        by_name: dict[str, dict[str, torch.Tensor]] = {}
+        for k, v in mine.items():
+            if k.startswith(OPTIM_PREFIX):
+                param, _, key = k[len(OPTIM_PREFIX) :].rpartition("/")
+                by_name.setdefault(param, {})[key] = v
+        state: dict[int, dict[str, Any]] = {}
+        index = 0
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                entries = next((by_name[n] for n in names[id(p)] if n in by_name), None)
+                if entries is not None:
+                    name = names[id(p)][0]
+                    problems.add("incomplete optimizer state of", [name] if set(entries) != ADAMW_STATE_KEYS else [])
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        if key in entries:
+                            problems.check(f"{OPTIM_PREFIX}{name}/{key}", entries[key], p)
+                    # private copies: the optimizer updates its state in place
+                    state[index] = {key: v.detach().clone() for key, v in entries.items()}
+                index += 1
+        return state
+
+
+def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True).contiguous()
+
+
+def _optim_param(key: str) -> str:
+    """The parameter name of an ``optim/<param>/<key>`` entry."""
+    return key[len(OPTIM_PREFIX) :].rpartition("/")[0]
+
+
+class _Problems:
+    """Collects state mismatches per kind and renders them as one line."""
+
+    def __init__(self) -> None:
+        self.kinds: dict[str, list[str]] = {}
+
+    def add(self, kind: str, names: list[str]) -> None:
+        if names:
+            self.kinds.setdefault(kind, []).extend(names)
+
+    def check(self, name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+        if got.shape != want.shape:
+            self.add("mis-shaped", [f"{name} {list(got.shape)} (want {list(want.shape)})"])
+        elif got.dtype != want.dtype:
+            self.add("mis-typed", [f"{name} {got.dtype} (want {want.dtype})"])
+
+    def __bool__(self) -> bool:
+        return bool(self.kinds)
+
+    def __str__(self) -> str:
+        parts = []
+        for kind, names in self.kinds.items():
+            more = f" and {len(names) - _MAX_NAMES} more" if len(names) > _MAX_NAMES else ""
+            parts.append(f"{kind} {', '.join(names[:_MAX_NAMES])}{more}")
+        return "; ".join(parts)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,49 +17,45 @@ from hivemind.utils import get_dht_time
 
 from peer.bench import free_memory, measure_flops, pick_device
 from peer.checks import PlanChecks
-from peer.executor import StageExecutor
+from peer.epoch import EpochRunner, HeldStage, RunRefused
 from peer.mailbox import Mailbox
-from protocol import schedule as schedules
-from protocol.codecs import Codec, CodecError, ErrorFeedback
 from protocol.envelope import Gate
-from protocol.graph import Cut, build_stage, partition, trace
-from protocol.identity import Identity, IdentityError, check_record, public_key, sign_record
-from protocol.job import JobSpec
+from protocol.identity import Identity, IdentityError, check_record, key_hex, sign_record
 from protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
     Activations,
     Advert,
     Assign,
+    Beat,
+    Commit,
     CoordinatorRecord,
+    Evict,
     Finish,
     Gradients,
     Hello,
     LinkPlan,
     PeerFailure,
-    Ready,
     Release,
     ReplicaGrads,
-    State,
-    StepDone,
+    StageState,
+    Standby,
     dht_key,
 )
 from protocol.transport import PeerUnreachable, Transport
-from protocol.wire import Link
 
 logger = logging.getLogger(__name__)
+
+#: seconds between a serving peer's heartbeats
+BEAT_S = 1.0
+#: the coordinator counts as lost when it cannot be reached for this long
+LOST_AFTER_S = 3.0
+
+__all__ = ["JoinError", "PeerConfig", "PeerNode", "RunRefused"]
 
 
 class JoinError(RuntimeError):
     """The peer could not join the swarm; ``str()`` says why in one line."""
-
-
-class RunAborted(RuntimeError):
-    pass
-
-
-class RunRefused(RuntimeError):
-    """The assignment cannot be served (e.g. a malformed key or codec in it)."""
 
 
 @dataclass
@@ -73,6 +70,7 @@ class PeerConfig:
     link_probe_bytes: int = 1 << 20
     message_timeout: float = 600.0
     identity: str | None = None  # key file; None: a fresh key for this process only
+    coordinator_grace: float = 120.0  # how long to wait for a lost coordinator to come back
 
 
 class PeerNode:
@@ -88,7 +86,14 @@ class PeerNode:
         self._tasks: list[asyncio.Task[Any]] = []
         self.identity: Identity | None = None
         self.checks: PlanChecks | None = None
-        self.feedback = ErrorFeedback()
+        self.coordinator_key: Any = None  # pinned at the first contact (trust on first use)
+        self.control: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self.epoch = -1
+        self.step = 0
+        self.held: HeldStage | None = None
+        self.on_event: Callable[[str], None] | None = None
+        self._epoch_task: asyncio.Task[None] | None = None
+        self._reattaching = False
 
     # ---------------------------------------------------------------- joining
     async def start(self) -> None:
@@ -118,6 +123,7 @@ class PeerNode:
         await self.transport.start()
         self._tasks.append(asyncio.create_task(self._dispatch()))
         self.coordinator, key = await self._find_coordinator()
+        self.coordinator_key = key
         gate.admit(self.coordinator.peer_id, key)
         self.checks = gate.expect = PlanChecks(self.coordinator.peer_id)
         self.transport.learn(self.coordinator.peer_id, self.coordinator.maddrs)
@@ -185,20 +191,26 @@ class PeerNode:
 
     # ---------------------------------------------------------------- messages
     async def _dispatch(self) -> None:
+        """Route each inbound message: control messages to the serve loop, the rest to
+        the current epoch's mailbox."""
         assert self.transport is not None
         while True:
             inbound = await self.transport.inbox.get()
             msg = inbound.message
-            if isinstance(msg, Abort):
-                self.mailbox.fail(RunAborted(msg.reason))
-            elif isinstance(msg, Assign):
-                self.mailbox.put("assign", inbound)
-            elif isinstance(msg, LinkPlan):
-                self.mailbox.put("links", inbound)
-            elif isinstance(msg, Finish):
-                self.mailbox.put("finish", inbound)
+            if isinstance(msg, (Assign, Standby)):
+                if msg.epoch <= self.epoch and self.epoch >= 0:
+                    logger.warning("ignoring a repeated %s of epoch %d", msg.KIND, msg.epoch)
+                    continue
+                self._enter_epoch(msg.epoch, msg if isinstance(msg, Assign) else None)
+                self.control.put_nowait((msg.KIND, inbound))
+            elif isinstance(msg, (Abort, Evict, Finish)):
+                self.control.put_nowait((msg.KIND, inbound))
             elif isinstance(msg, Release):
-                self.mailbox.put("release", inbound)
+                continue
+            elif isinstance(msg, (LinkPlan, StageState)):
+                self.mailbox.put(msg.KIND, inbound)
+            elif isinstance(msg, Commit):
+                self.mailbox.put(("commit", msg.step), inbound)
             elif isinstance(msg, Activations):
                 self.mailbox.put(("act", msg.step, msg.mb), inbound)
             elif isinstance(msg, Gradients):
@@ -208,163 +220,196 @@ class PeerNode:
             else:
                 logger.warning("unexpected %s from %s", msg.KIND, inbound.sender)
 
-    async def _run_compute(self, fn: Any, *args: Any) -> Any:
+    def _enter_epoch(self, epoch: int, a: Assign | None) -> None:
+        """From now on frames of older epochs are refused, and this epoch's messages go
+        to a fresh mailbox."""
+        assert self.transport is not None and self.checks is not None
+        self.epoch = self.transport.gate.epoch = epoch
+        self.checks.assign = a
+        self.mailbox = Mailbox()
+
+    async def run_compute(self, fn: Any, *args: Any) -> Any:
+        """Run ``fn`` on the stage's compute thread (one at a time, in order)."""
         return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
 
     # ---------------------------------------------------------------- serving
     async def serve(self) -> int:
-        """Wait for an assignment, train until the run finishes; returns an exit code."""
+        """Serve plan epochs (or wait as standby) until the run finishes; returns an
+        exit code. Survives new epochs, eviction and a coordinator restart."""
         assert self.transport is not None and self.coordinator is not None
-        inbound = await self.mailbox.get("assign", timeout=self.config.message_timeout)
-        a: Assign = inbound.message
-        try:
-            return await self._train(a)
-        except RunAborted as exc:
-            logger.error("the coordinator aborted the run: %s", exc)
-            return 1
-        except (PeerUnreachable, RunRefused) as exc:
-            logger.error("%s", exc)
-            await self._report_failure(a, str(exc))
-            return 1
+        self._tasks.append(asyncio.create_task(self._watch_coordinator()))
+        self._tasks.append(asyncio.create_task(self._beat()))
+        while True:
+            getter = asyncio.ensure_future(self.control.get())
+            waits: set[asyncio.Future[Any]] = {getter}
+            if self._epoch_task is not None:
+                waits.add(self._epoch_task)
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if getter not in done:
+                getter.cancel()
+                await self._epoch_ended()
+                continue
+            kind, item = getter.result()
+            code = await self._control(kind, item)
+            if code is not None:
+                return code
 
-    async def _report_failure(self, a: Assign, reason: str) -> None:
-        assert self.transport is not None and self.coordinator is not None
+    async def _control(self, kind: str, item: Any) -> int | None:
+        """Act on one control event; an exit code ends serving."""
+        await self._stop_epoch()
+        if kind == "assign":
+            a: Assign = item.message
+            self._say(
+                f"epoch {a.epoch}: serving stage {a.stage} (replica {a.replica}) of {len(a.stages)} "
+                f"from step {a.start_step}"
+            )
+            self._epoch_task = asyncio.create_task(EpochRunner(self, a, self.mailbox).run())
+        elif kind == "standby":
+            self.held = None
+            self._say(f"epoch {item.message.epoch}: the plan does not use this peer; waiting as standby")
+        elif kind == "evict":
+            self.held = None
+            self._say(f"dropped from the run: {item.message.reason}; joining again as a standby peer")
+            await self._hello()
+        elif kind == "finish":
+            self._say("the run is finished")
+            return 0
+        elif kind == "abort":
+            logger.error("the coordinator aborted the run: %s", item.message.reason)
+            self._say(f"the coordinator aborted the run: {item.message.reason}")
+            return 1
+        elif kind == "lost":
+            return await self._reattach(item)
+        return None
+
+    async def _epoch_ended(self) -> None:
+        """The epoch task ended: done with the run's steps (wait for Finish), or failed
+        (report it to the coordinator, who starts a new epoch)."""
+        task, self._epoch_task = self._epoch_task, None
+        assert task is not None
         try:
-            await self.transport.send(self.coordinator.peer_id, PeerFailure(a.run_id, a.stage, reason))
-        except PeerUnreachable:
+            task.result()
+        except PeerUnreachable as exc:
+            await self._report_failure(str(exc), exc.peer_id)
+        except (RunRefused, asyncio.TimeoutError) as exc:
+            await self._report_failure(str(exc) or "timed out waiting for a message")
+
+    async def _stop_epoch(self) -> None:
+        """Cancel the running epoch and wait for its compute to finish (the stage's
+        state is then consistent: see EpochRunner._reconcile)."""
+        task, self._epoch_task = self._epoch_task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except BaseException as exc:  # cancelled, or it failed just now: a new epoch follows anyway
+                if not isinstance(exc, (asyncio.CancelledError, Exception)):
+                    raise
+            await self.run_compute(lambda: None)
+
+    async def _report_failure(self, reason: str, suspect: str = "") -> None:
+        assert self.transport is not None and self.coordinator is not None
+        logger.error("%s", reason)
+        stage = self.checks.assign.stage if self.checks and self.checks.assign else -1
+        try:
+            msg = PeerFailure(self.config.run_id, stage, reason, self.epoch, suspect)
+            await asyncio.wait_for(self.transport.send(self.coordinator.peer_id, msg), 10)
+        except (PeerUnreachable, asyncio.TimeoutError):
             pass
 
-    async def _train(self, a: Assign) -> int:
+    def _say(self, text: str) -> None:
+        logger.info("%s", text)
+        if self.on_event is not None:
+            self.on_event(text)
+
+    # ---------------------------------------------------------------- the coordinator
+    async def _hello(self) -> None:
+        assert self.transport is not None and self.coordinator is not None and self.identity is not None
+        hello = Hello(self.config.run_id, self.identity.public_hex)
+        await asyncio.wait_for(self.transport.send(self.coordinator.peer_id, hello), 5)
+
+    async def _beat(self) -> None:
+        """Heartbeats while serving an epoch: the coordinator's stall detector."""
         assert self.transport is not None and self.coordinator is not None
-        assert self.checks is not None
-        tp = self.transport
-        for pid, addrs in a.maddrs.items():
-            tp.learn(pid, addrs)
-        try:
-            for pid, hex_key in a.keys.items():
-                if pid != tp.peer_id:
-                    tp.gate.admit(pid, public_key(hex_key))
-        except IdentityError as exc:
-            raise RunRefused(f"the assignment holds a bad key: {exc}") from None
-        job = JobSpec(**a.job)
-        cut = Cut(tuple(a.cut))
-        k, s, r = cut.num_stages, a.stage, a.replica
-        start = time.perf_counter()
-        replicas = a.stages[s]
-        my_mbs = [m for m in range(job.micro_batches) if m % len(replicas) == r]
-        self.checks.my_mbs = frozenset(my_mbs)
-        self.checks.assign = a
-        rates = list(a.link_mbps)  # per boundary; a link is paced the same both ways
-        if s < min(k - 1, len(rates)):
-            for pid in a.stages[s + 1]:
-                tp.set_rate(pid, rates[s])
-        if 0 < s <= len(rates):
-            for pid in a.stages[s - 1]:
-                tp.set_rate(pid, rates[s - 1])
+        while True:
+            await asyncio.sleep(BEAT_S)
+            if self._epoch_task is None:
+                continue
+            try:
+                beat = Beat(self.config.run_id, self.step, self.epoch)
+                await asyncio.wait_for(self.transport.send(self.coordinator.peer_id, beat), 5)
+            except (PeerUnreachable, asyncio.TimeoutError) as exc:
+                logger.debug("heartbeat failed: %s", exc)
 
-        def build() -> StageExecutor:
-            model = job.build_model()
-            module = build_stage(partition(trace(model), cut), s).to(self.device)
-            return StageExecutor(module, job.lr, s == k - 1)
+    async def _watch_coordinator(self) -> None:
+        """Report the coordinator lost once its connection is gone and cannot be made
+        again for ``LOST_AFTER_S``."""
+        assert self.transport is not None and self.coordinator is not None
+        down_since: float | None = None
+        while True:
+            await asyncio.sleep(1.0)
+            if self._reattaching:
+                down_since = None
+                continue
+            cid = self.coordinator.peer_id
+            try:
+                if cid not in await self.transport.connected():
+                    await asyncio.wait_for(self.transport.connect(cid), 2)
+                down_since = None
+            except Exception as exc:
+                now = time.monotonic()
+                down_since = down_since or now
+                if now - down_since >= LOST_AFTER_S:
+                    self._reattaching = True
+                    self.control.put_nowait(("lost", f"its connection dropped and it cannot be reached: {exc}"))
 
-        ex = await self._run_compute(build)
-        build_s = time.perf_counter() - start
-        next_mbps = {}
-        for pid in a.stages[s + 1] if s < k - 1 else []:
-            next_mbps[pid], _ = await tp.measure_bandwidth(pid, self.config.link_probe_bytes, down=False)
-        await tp.send(self.coordinator.peer_id, Ready(a.run_id, s, r, build_s, next_mbps))
-        plan_msg = (await self.mailbox.get("links", self.config.message_timeout)).message
-        try:
-            codecs = [Codec.from_json(c) for c in plan_msg.codecs]
-        except CodecError as exc:
-            raise RunRefused(f"the link plan names a bad codec: {exc}") from None
-        if len(codecs) != k - 1:
-            raise RunRefused(f"the link plan has {len(codecs)} codecs for {k - 1} boundaries")
-        self.checks.codecs = codecs
-        # stochastic rounding of gradients: seeded by run, stage and replica (reproducible)
-        rounding = torch.Generator().manual_seed(job.seed * 1_000_003 + s * 1009 + r)
-        uniform = len({len(p) for p in a.stages}) == 1
-        plan = schedules.make(a.schedule if uniform else "gpipe", k, len(my_mbs))[s]
-        timeout = self.config.message_timeout
-        for step in range(job.steps):
-            self.checks.step = step
-            sends: list[asyncio.Task[int]] = []
-            losses: dict[str, float] = {}
-            compute_s = 0.0
-            for kind, i in plan:
-                mb = my_mbs[i]
-                if kind == "F":
-                    inb = await self.mailbox.get(("act", step, mb), timeout)
-                    values = inb.frame.values(self.device)
-                    t0 = time.perf_counter()
-                    out = await self._run_compute(ex.forward, mb, values)
-                    compute_s += time.perf_counter() - t0
-                    if s == k - 1:
-                        losses[str(mb)] = float(out)
-                    else:
-                        dest = a.stages[s + 1][mb % len(a.stages[s + 1])]
-                        msg = Activations(a.run_id, step, mb, s + 1)
-                        sends.append(asyncio.create_task(tp.send(dest, msg, list(out), Link(codecs[s].forward))))
-                else:
-                    grad_out = None
-                    if s < k - 1:
-                        inb = await self.mailbox.get(("grad", step, mb), timeout)
-                        grad_out = inb.frame.values(self.device)
-                    t0 = time.perf_counter()
-                    grads = await self._run_compute(ex.backward, mb, grad_out, job.micro_batches)
-                    compute_s += time.perf_counter() - t0
-                    if s > 0:
-                        dest = a.stages[s - 1][mb % len(a.stages[s - 1])]
-                        link = Link(codecs[s - 1].backward, self.feedback, dest, rounding)
-                        sends.append(
-                            asyncio.create_task(tp.send(dest, Gradients(a.run_id, step, mb, s - 1), grads, link))
-                        )
-            if len(replicas) > 1:
-                await self._average_replicas(a, ex, step, timeout)
-            await self._run_compute(ex.step)
-            for t in sends:
-                await t
-            await tp.send(
-                self.coordinator.peer_id,
-                StepDone(a.run_id, step, s, r, losses, compute_s, dict(tp.bytes_sent), dict(tp.raw_sent)),
-            )
-        inb = await self.mailbox.get("finish", timeout)
-        if inb.message.send_state and r == 0:
-            state = ex.module.state_dict()
-            names = sorted(state)
-            await tp.send(self.coordinator.peer_id, State(a.run_id, s, names), [state[n] for n in names])
-        # Leaving now could cut the state off inside the daemons; wait for the coordinator to confirm.
-        try:
-            await self.mailbox.get("release", 60.0)
-        except asyncio.TimeoutError:
-            logger.warning("the coordinator did not confirm the end of the run; leaving anyway")
-        return 0
-
-    async def _average_replicas(self, a: Assign, ex: StageExecutor, step: int, timeout: float) -> None:
-        """Sum the replicas' gradients (each is already divided by the total micro-batch
-        count) in replica order, so every replica applies the same update."""
+    async def _reattach(self, reason: str) -> int | None:
+        """Wait up to the grace period for the coordinator's record (signed by the
+        pinned key) to reappear and answer a hello; then wait for a stage again."""
         assert self.transport is not None
-        s, r = a.stage, a.replica
-        params = dict(ex.module.named_parameters())
-        names = sorted(n for n, p in params.items() if p.grad is not None)
-        mine = [params[n].grad for n in names]
-        for other, pid in enumerate(a.stages[s]):
-            if other != r:
-                await self.transport.send(pid, ReplicaGrads(a.run_id, step, s, r, names), mine)
-        total: dict[str, torch.Tensor] = {}
-        for other in range(len(a.stages[s])):
-            if other == r:
-                got = dict(zip(names, mine, strict=True))
-            else:
-                inb = await self.mailbox.get(("rgrad", step, other), timeout)
-                got = dict(zip(inb.message.names, inb.frame.values(self.device), strict=True))
-            for n, g in got.items():
-                total[n] = g.clone() if n not in total else total[n] + g
-        for n, g in total.items():
-            params[n].grad = g
+        grace = self.config.coordinator_grace
+        self._say(f"lost the coordinator ({reason}); waiting up to {grace:.0f} s for it to come back")
+        self.held = None
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            try:
+                rec = await self._lookup_coordinator()
+                if rec is not None:
+                    self.coordinator = rec
+                    assert self.checks is not None
+                    self.checks.coordinator = rec.peer_id
+                    self.transport.gate.admit(rec.peer_id, self.coordinator_key)
+                    self.transport.learn(rec.peer_id, rec.maddrs)
+                    self.transport.forget(rec.peer_id)
+                    await self._hello()
+                    self._reattaching = False
+                    self._say("the coordinator is back; waiting for a stage")
+                    return None
+            except (PeerUnreachable, asyncio.TimeoutError, ConnectionError) as exc:
+                logger.debug("reattaching failed: %s", exc)
+            await asyncio.sleep(1.0)
+        self._say(f"the coordinator did not come back within {grace:.0f} s; leaving")
+        return 1
+
+    async def _lookup_coordinator(self) -> CoordinatorRecord | None:
+        """The run's coordinator record in the DHT, if signed by the pinned key and fresh."""
+        assert self.dht is not None
+        key = dht_key(self.config.run_id, "coordinator")
+        found = await asyncio.get_running_loop().run_in_executor(None, lambda: self.dht.get(key, latest=True))
+        if found is None:
+            return None
+        try:
+            rec = CoordinatorRecord.from_header(found.value)
+            signer = check_record(found.value)
+        except Exception as exc:
+            logger.warning("ignoring a bad coordinator record: %s", exc)
+            return None
+        if not isinstance(rec, CoordinatorRecord) or key_hex(signer) != key_hex(self.coordinator_key):
+            return None
+        return rec if rec.expires_at > get_dht_time() else None
 
     async def aclose(self) -> None:
-        for t in self._tasks:
+        for t in [*self._tasks, *([self._epoch_task] if self._epoch_task else [])]:
             t.cancel()
         if self.transport is not None:
             await self.transport.aclose()

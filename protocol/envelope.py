@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 MAGIC = b"FLS1"
 HEAD = struct.Struct(">4sI")
 #: fields every message class may have that the envelope itself carries
-_ROUTING = ("run_id", "step", "mb", "stage")
+_ROUTING = ("run_id", "step", "mb", "stage", "epoch")
 
 
 class Reject(enum.Enum):
@@ -66,6 +66,7 @@ class Reject(enum.Enum):
     BAD_TENSORS = "bad_tensors"  # tensor metadata inconsistent, or not the dtypes, shapes and codec the plan expects
     UNEXPECTED = "unexpected"  # a kind, step, micro-batch or stage the plan does not expect from this sender now
     BAD_DIGEST = "bad_digest"  # the payload does not match the signed digest
+    STALE_EPOCH = "stale_epoch"  # sent for a plan epoch older than the receiver's (a peer that stalled or was replaced)
 
 
 class Rejected(Exception):
@@ -93,6 +94,7 @@ class Envelope:
     digest: str
     body: dict[str, Any]
     lanes: dict[str, Any] | None = None
+    epoch: int = -1  # the plan epoch the message belongs to (-1: none, e.g. a hello)
 
     def header(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -110,7 +112,7 @@ def _parse_envelope(header: Any) -> Envelope:
     kwargs: dict[str, Any] = {}
     for name, tp in _FIELD_TYPES.items():
         if name not in header:
-            if name == "lanes":
+            if name in ("lanes", "epoch"):
                 continue
             raise Rejected(Reject.BAD_ENVELOPE, f"envelope lacks '{name}'")
         value = header[name]
@@ -125,20 +127,21 @@ def _parse_envelope(header: Any) -> Envelope:
             raise Rejected(Reject.BAD_ENVELOPE, f"envelope field '{name}' has the wrong type")
         kwargs[name] = value
     env = Envelope(**kwargs)
-    if env.payload_bytes < 0 or env.seq < 0 or min(env.step, env.mb, env.stage) < -1:
+    if env.payload_bytes < 0 or env.seq < 0 or min(env.step, env.mb, env.stage, env.epoch) < -1:
         raise Rejected(Reject.BAD_ENVELOPE, "a negative size, sequence number or index")
     if len(env.digest) != 64:
         raise Rejected(Reject.BAD_ENVELOPE, "digest is not 64 hex characters")
     return env
 
 
-def routing(message: Message) -> tuple[str, int, int, int]:
-    """(run, step, micro-batch, stage) of a message; -1 where it has no such field."""
+def routing(message: Message) -> tuple[str, int, int, int, int]:
+    """(run, step, micro-batch, stage, epoch) of a message; -1 where it has no such field."""
     return (
         str(getattr(message, "run_id", "")),
         int(getattr(message, "step", -1)),
         int(getattr(message, "mb", -1)),
         int(getattr(message, "stage", -1)),
+        int(getattr(message, "epoch", -1)),
     )
 
 
@@ -165,7 +168,7 @@ class Sealer:
         digest = blake3(max_threads=_threads(total))
         for c in chunks:
             digest.update(c)
-        run, step, mb, stage = routing(message)
+        run, step, mb, stage, epoch = routing(message)
         body = {k: v for k, v in dataclasses.asdict(message).items() if k not in _ROUTING}
         env = Envelope(
             PROTOCOL_VERSION,
@@ -182,6 +185,7 @@ class Sealer:
             digest.hexdigest(),
             body,
             lanes,
+            epoch,
         )
         data = json.dumps(env.header(), separators=(",", ":")).encode()
         if len(data) > MAX_HEADER_BYTES:
@@ -236,6 +240,8 @@ class Gate:
         self.max_payload = max_payload
         self.window = window
         self.keys: dict[str, Ed25519PublicKey] = {}
+        #: the receiver's plan epoch: frames of an older one are refused (-1: no epochs yet)
+        self.epoch = -1
         self.expect: Expectation | None = None
         #: admit a sender by its first message, a ``hello`` signed with the key it names
         self.accept_hello = False
@@ -297,6 +303,9 @@ class Gate:
         if hello:  # the key signed it and libp2p authenticated the stream: bind the two
             self.admit(sender, key)
         self._windows.setdefault(sender, _Window(self.window)).check(env.seq)
+        if 0 <= env.epoch < self.epoch:
+            detail = f"{env.kind} of plan epoch {env.epoch}; this run is at epoch {self.epoch}"
+            raise Rejected(Reject.STALE_EPOCH, detail)
         message = _message(env)
         try:
             check_descriptions(env.values, env.payload_bytes)
@@ -359,7 +368,7 @@ def head_length(frame: bytes) -> int:
 
 def _message(env: Envelope) -> Message:
     header: dict[str, Any] = {**env.body, "kind": env.kind, "v": env.v}
-    for name, value in zip(_ROUTING, (env.run, env.step, env.mb, env.stage), strict=True):
+    for name, value in zip(_ROUTING, (env.run, env.step, env.mb, env.stage, env.epoch), strict=True):
         header[name] = value
     try:
         return Message.from_header(header)

@@ -127,6 +127,10 @@ class Assign(Message):
     keys: dict[str, str] = field(default_factory=dict)  # peer id -> Ed25519 public key (hex): the admitted peers
     specs: list[list[Any]] = field(default_factory=list)  # per stage: descriptions of its input values
     link_mbps: list[float] = field(default_factory=list)  # per stage boundary: pace sends to this rate (0: no pacing)
+    epoch: int = 0  # the plan epoch this assignment starts
+    start_step: int = 0  # the first step of the epoch: the stage's state must hold the updates of steps before it
+    restore: str = "init"  # where that state comes from: RESTORE_MODES
+    checkpoint_every: int = 0  # replica 0 of each stage sends its state after every N-th step (0: never)
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,7 @@ class Ready(Message):
     replica: int
     build_s: float
     next_mbps: dict[str, float] = field(default_factory=dict)  # next-stage peer id -> measured upload Mbit/s
+    epoch: int = 0
 
 
 @dataclass(frozen=True)
@@ -156,6 +161,7 @@ class LinkPlan(Message):
     KIND: ClassVar[str] = "links"
     run_id: str
     codecs: list[dict[str, Any]]  # per stage boundary: Codec.to_json()
+    epoch: int = 0
 
 
 @dataclass(frozen=True)
@@ -167,6 +173,7 @@ class Activations(Message):
     step: int
     mb: int
     stage: int
+    epoch: int = 0
 
 
 @dataclass(frozen=True)
@@ -178,6 +185,7 @@ class Gradients(Message):
     step: int
     mb: int
     stage: int
+    epoch: int = 0
 
 
 @dataclass(frozen=True)
@@ -190,6 +198,7 @@ class ReplicaGrads(Message):
     stage: int
     replica: int
     names: list[str]
+    epoch: int = 0
 
 
 @dataclass(frozen=True)
@@ -205,6 +214,7 @@ class StepDone(Message):
     compute_s: float = 0.0
     bytes_sent: dict[str, int] = field(default_factory=dict)  # destination peer -> bytes
     raw_sent: dict[str, int] = field(default_factory=dict)  # destination peer -> those bytes uncompressed
+    epoch: int = 0
 
 
 @dataclass(frozen=True)
@@ -214,6 +224,7 @@ class Finish(Message):
     KIND: ClassVar[str] = "finish"
     run_id: str
     send_state: bool = True
+    epoch: int = 0
 
 
 @dataclass(frozen=True)
@@ -224,6 +235,9 @@ class State(Message):
     run_id: str
     stage: int
     names: list[str]
+    epoch: int = 0
+    step: int = 0  # the steps whose updates the state holds
+    checkpoint: bool = False  # a periodic checkpoint (weights and optimizer state), not the run's end
 
 
 @dataclass(frozen=True)
@@ -234,6 +248,8 @@ class PeerFailure(Message):
     run_id: str
     stage: int
     reason: str
+    epoch: int = 0
+    suspect: str = ""  # the peer id the reporter could not reach, if that was the failure
 
 
 @dataclass(frozen=True)
@@ -267,3 +283,64 @@ class Release(Message):
 
     KIND: ClassVar[str] = "release"
     run_id: str
+
+
+#: where an assigned stage's state comes from: ``init`` (the seeded initial weights,
+#: only at step 0), ``keep`` (what the peer holds: it must be at ``start_step``, or one
+#: step before it with that step's gradients complete), ``state`` (a ``StageState``
+#: frame from the coordinator follows the assignment)
+RESTORE_MODES = ("init", "keep", "state")
+
+
+@dataclass(frozen=True)
+class Commit(Message):
+    """Coordinator -> peers: every peer finished ``step``; apply its optimizer update.
+    Until then a step can be redone exactly (the update is not applied)."""
+
+    KIND: ClassVar[str] = "commit"
+    run_id: str
+    step: int
+    epoch: int = 0
+
+
+@dataclass(frozen=True)
+class StageState(Message):
+    """Coordinator -> peer: the state (weights and optimizer, by name, in the frame) its
+    assigned stage starts the epoch from."""
+
+    KIND: ClassVar[str] = "stagestate"
+    run_id: str
+    stage: int
+    names: list[str]
+    epoch: int = 0
+    step: int = 0
+
+
+@dataclass(frozen=True)
+class Beat(Message):
+    """Peer -> coordinator, every second while serving: alive, in ``epoch``, at ``step``."""
+
+    KIND: ClassVar[str] = "beat"
+    run_id: str
+    step: int
+    epoch: int = 0
+
+
+@dataclass(frozen=True)
+class Evict(Message):
+    """Coordinator -> peer: you are not in the plan of ``epoch`` (you stalled, or your
+    frames were from an older epoch); drop your stage and wait as a fresh standby."""
+
+    KIND: ClassVar[str] = "evict"
+    run_id: str
+    reason: str
+    epoch: int = 0
+
+
+@dataclass(frozen=True)
+class Standby(Message):
+    """Coordinator -> peer: the plan of ``epoch`` does not use you; stay and wait."""
+
+    KIND: ClassVar[str] = "standby"
+    run_id: str
+    epoch: int = 0

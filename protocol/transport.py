@@ -49,7 +49,11 @@ _LANE_HEAD = struct.Struct(">QIQ")  # frame id, lane index, byte count
 
 
 class PeerUnreachable(ConnectionError):
-    """A destination peer could not be reached or dropped the stream."""
+    """A destination peer could not be reached or dropped the stream; ``peer_id`` names it."""
+
+    def __init__(self, message: str, peer_id: str = "") -> None:
+        super().__init__(message)
+        self.peer_id = peer_id
 
 
 #: rejections after which a stream cannot be trusted to stay in step
@@ -144,6 +148,11 @@ class Transport:
             self._free_at[peer_id] = start + nbytes / rate
             await asyncio.sleep(self._free_at[peer_id] - now)
 
+    async def connect(self, peer_id: str) -> None:
+        """Dial ``peer_id`` at its known addresses (raises when the daemon cannot)."""
+        addrs = [HivemindMultiaddr(strip_p2p(a)) for a in self._known.get(peer_id, [])]
+        await self.p2p._client.connect(PeerID.from_base58(peer_id), addrs)
+
     async def _open(self, peer_id: str, protocol: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         pid = PeerID.from_base58(peer_id)
         addrs = [HivemindMultiaddr(strip_p2p(a)) for a in self._known.get(peer_id, [])]
@@ -155,7 +164,9 @@ class Transport:
         try:
             _, reader, writer = await asyncio.wait_for(self.p2p.call_binary_stream_handler(pid, protocol), 20)
         except Exception as exc:
-            raise PeerUnreachable(f"cannot open a stream to peer {peer_id}: {exc or type(exc).__name__}") from None
+            raise PeerUnreachable(
+                f"cannot open a stream to peer {peer_id}: {exc or type(exc).__name__}", peer_id
+            ) from None
         return reader, writer
 
     async def _write(self, key: str, peer_id: str, protocol: str, buffers: list[bytes | memoryview]) -> int:
@@ -169,7 +180,11 @@ class Transport:
                 await writer.drain()
             except (ConnectionError, OSError) as exc:
                 self._streams.pop(key, None)
-                raise PeerUnreachable(f"stream to peer {peer_id} broke: {exc}") from None
+                raise PeerUnreachable(f"stream to peer {peer_id} broke: {exc}", peer_id) from None
+            except asyncio.CancelledError:  # a frame cut in half: the stream cannot carry another
+                self._streams.pop(key, None)
+                writer.close()
+                raise
         return sum(len(b) for b in buffers)
 
     async def send(
@@ -339,10 +354,21 @@ class Transport:
             await reader.readexactly(down_bytes)
             down_s = time.perf_counter() - start
         except (ConnectionError, OSError, asyncio.IncompleteReadError) as exc:
-            raise PeerUnreachable(f"bandwidth probe with peer {peer_id} broke: {exc or type(exc).__name__}") from None
+            raise PeerUnreachable(
+                f"bandwidth probe with peer {peer_id} broke: {exc or type(exc).__name__}", peer_id
+            ) from None
         finally:
             writer.close()
         return nbytes * 8 / up_s / 1e6, (down_bytes * 8 / down_s / 1e6 if down_bytes else 0.0)
+
+    def forget(self, peer_id: str) -> None:
+        """Close the streams to a peer that left (the next send opens new ones)."""
+        for key in [k for k in self._streams if k == peer_id or k.startswith(peer_id + "/")]:
+            self._streams.pop(key)[1].close()
+
+    async def connected(self) -> set[str]:
+        """Peer ids the p2p daemon holds a connection to now."""
+        return {info.peer_id.to_base58() for info in await self.p2p.list_peers()}
 
     async def aclose(self) -> None:
         for _, writer in self._streams.values():  # main and lane streams

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from coordinator.estimator import STATE_PER_PARAM_BYTE, DagCosts, Network, PeerProfile, Plan, link_seconds, wire_bytes
+from coordinator.replan import REPLAN_GAIN, accept_plan, wants_replan
 from coordinator.scheduler import Options, ScheduleError, plan
 from protocol import schedule as schedules
 from sim.topology import Topology
@@ -116,7 +117,7 @@ def simulate(
     iterations: int,
     churn: list[Churn] | None = None,
     probes_per_peer: int = 3,
-    replan_gain: float = 0.1,
+    replan_gain: float = REPLAN_GAIN,
     held_out: set[str] | None = None,
 ) -> SimResult:
     """Plan with ``scheduler`` on what peers measure (a few probes each, the rest
@@ -150,15 +151,14 @@ def simulate(
             e.iteration == it and e.kind == "slow" and any(e.peer in g for g in current.groups) for e in events
         )
         joined = any(e.iteration == it and e.kind == "join" for e in events)
-        # re-plan when a planned peer left or slowed down; for joins at most every 10 iterations
-        if forced or slowed or (joined and it - last_optional >= 10):
+        # the live coordinator's rule (coordinator.replan)
+        if wants_replan(forced, slowed, joined, it, last_optional):
             last_optional = it if not forced else last_optional
             try:
                 candidate = replan()
             except ScheduleError:
                 candidate = current
-            old_time = current.iteration_s if not forced else float("inf")
-            if forced or candidate.iteration_s < (1 - replan_gain) * old_time:
+            if accept_plan(candidate.iteration_s, current.iteration_s, forced, replan_gain):
                 penalty = _move_seconds(costs, current, candidate, topology.network)
                 result.replans.append((it, "a planned peer left" if forced else "a faster plan"))
                 current = candidate

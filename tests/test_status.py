@@ -3,6 +3,7 @@ a live 3-peer demo; the page is checked in headless Chromium."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -10,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -18,8 +20,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from prometheus_client.exposition import generate_latest
 
-from coordinator.status import StatusBoard
+from coordinator.status import MAX_REJECTED_EVENTS, StatusBoard
+from coordinator.web import StatusServer
+from fusionllm.commands import render_status
 from tests.conftest import ROOT, run_cli
 
 SMALL = ["--model-args", "n_layer=2,n_embd=64,n_head=4"]
@@ -70,6 +75,172 @@ def test_board_thins_a_long_loss_chart_evenly() -> None:
     assert len(points) <= 2000 and points[0][0] == 0
     gaps = {b[0] - a[0] for a, b in zip(points, points[1:])}
     assert len(gaps) == 1, "evenly spaced"
+
+
+_STAGES = [
+    {"first_op": 0, "last_op": 1, "flops": 5, "param_bytes": 1000},
+    {"first_op": 2, "last_op": 3, "flops": 16, "param_bytes": 2000},
+]
+
+
+def _planned_board(now: list[float]) -> StatusBoard:
+    """Peers a, b, c planned as stages 0, 1, 1 (c a replica); d known but unplanned; 6 steps done."""
+    board = StatusBoard("run", steps=20, clock=lambda: now[0])
+    board.saw_adverts({pid: _ad() for pid in "abcd"})
+    assert {p["id"]: p["state"] for p in board.state()["peers"]} == dict.fromkeys("abcd", "joined")
+    board.set_epoch(1, "first plan")
+    board.set_plan([5, 0, 7, 9], _STAGES, [2], [4096], [["a"], ["b", "c"]])
+    board.set_links(["none"], [100.0])
+    for step in range(6):
+        now[0] += 1
+        board.step_done(step, 3.0 - step / 10, 1.0, 100, [(10, 10)])
+    return board
+
+
+def test_board_plan_marks_peers_serving_or_standby() -> None:
+    board = _planned_board([1000.0])
+    st = board.state()
+    assert {p["id"]: p["state"] for p in st["peers"]} == {
+        "a": "serving",
+        "b": "serving",
+        "c": "serving",
+        "d": "standby",
+    }
+    assert {p["id"]: (p["stage"], p["replica"]) for p in st["peers"]}["c"] == (1, 1)
+    assert st["training"]["epoch"] == 1 and st["recovery"] == {
+        "epoch": 1,
+        "failures": 0,
+        "rollbacks": 0,
+        "steps_redone": 0,
+    }
+    assert st["checkpoint"] is None
+    assert [e["kind"] for e in st["events"]] == ["join"] * 4 + ["epoch", "plan", "links"]
+    with pytest.raises(ValueError, match="not one of"):
+        board.peer_state("a", "asleep")
+    board.peer_state("nobody", "lost")  # unknown peers are ignored
+    assert "nobody" not in {p["id"] for p in board.state()["peers"]}
+
+
+def test_board_failure_replace_rollback_checkpoint() -> None:
+    now = [1000.0]
+    board = _planned_board(now)
+    board.checkpoint(4, "/runs/r/ckpt-4", 1.25, 12_000_000)
+    assert board.state()["checkpoint"] == {
+        "step": 4,
+        "path": "/runs/r/ckpt-4",
+        "at": now[0],
+        "seconds": 1.25,
+        "bytes": 12_000_000,
+    }
+    board.failure("b", "step 6, stage 1 backward", "connection reset")
+    board.replaced(1, "b", "d")
+    board.rollback(4, "peer b lost; stage 1 restored from the checkpoint")
+    board.set_epoch(2, "replaced b")
+    st = board.state()
+    peers = {p["id"]: p for p in st["peers"]}
+    assert peers["b"]["state"] == "lost" and peers["b"]["stage"] is None
+    assert (peers["d"]["state"], peers["d"]["stage"], peers["d"]["replica"]) == ("serving", 1, 0)
+    assert st["plan"]["stages"][1]["peers"] == ["d", "c"]
+    assert st["training"]["step"] == 4 and st["training"]["epoch"] == 2
+    assert [p[0] for p in st["training"]["losses"]] == [0, 1, 2, 3] and st["training"]["loss"] == 2.7
+    assert st["recovery"] == {"epoch": 2, "failures": 1, "rollbacks": 1, "steps_redone": 2}
+    assert [e["kind"] for e in st["events"]][-5:] == ["checkpoint", "failure", "replace", "rollback", "epoch"]
+    assert "connection reset" in st["events"][-4]["text"]
+    for step in range(4, 8):  # the redone steps come back on the chart, once each
+        board.step_done(step, 2.0, 1.0, 100, [(10, 10)])
+    assert [p[0] for p in board.state()["training"]["losses"]] == list(range(8))
+
+
+def test_a_lost_peer_stays_lost_until_planned_again_or_standby() -> None:
+    now = [1000.0]
+    board = _planned_board(now)
+    board.failure("c", "step 6", "timed out")
+    board.failure("ghost", "step 6", "never advertised")  # counted, nothing else
+    board.saw_adverts({pid: _ad() for pid in "abd"})  # c's advert expires...
+    board.saw_adverts({pid: _ad() for pid in "abcd"})  # ...and c joins again
+    states = lambda: {p["id"]: p["state"] for p in board.state()["peers"]}  # noqa: E731
+    assert states()["c"] == "lost" and board.state()["recovery"]["failures"] == 2
+    board.set_plan([1, 1], [{"first_op": 0, "last_op": 0}, {"first_op": 1, "last_op": 1}], [1], [8], [["a"], ["b"]])
+    assert states() == {"a": "serving", "b": "serving", "c": "lost", "d": "standby"}
+    board.peer_state("c", "standby")
+    assert states()["c"] == "standby"
+    board.failure("c", "standby", "gone again")
+    board.set_plan([1, 1], [{"first_op": 0, "last_op": 0}, {"first_op": 1, "last_op": 1}], [1], [8], [["c"], ["b"]])
+    assert states() == {"a": "standby", "b": "serving", "c": "serving", "d": "standby"}
+
+
+def test_a_resumed_board_shows_the_history_to_its_checkpoint() -> None:
+    board = StatusBoard("run", steps=10_000, clock=lambda: 5.0)
+    board.restore_losses([4.0 - i / 5000 for i in range(5000)])
+    board.resumed(5000, "/runs/r")
+    tr = board.state()["training"]
+    assert tr["step"] == 5000 and tr["loss"] == pytest.approx(4.0 - 4999 / 5000)
+    assert len(tr["losses"]) <= 2000 and tr["losses"][0] == [0, 4.0]
+    assert len({b[0] - a[0] for a, b in zip(tr["losses"], tr["losses"][1:])}) == 1, "evenly spaced"
+    assert board.state()["events"][-1] == {
+        "t": 5.0,
+        "kind": "resume",
+        "text": "coordinator resumed /runs/r at step 5000",
+    }
+
+
+def test_a_flood_of_rejections_does_not_push_out_a_failure() -> None:
+    now = [1000.0]
+    board = _planned_board(now)
+    board.failure("b", "step 6", "stalled")
+    for i in range(1000):
+        now[0] += 0.01
+        board.reject("x", "bad_signature", f"message {i}")
+        if i % 2 == 0:  # routine checkpoints do not push it out either
+            board.checkpoint(i, f"/runs/r/ckpt-{i}", 0.5, 1000)
+    board.checkpoint(6, "/runs/r/ckpt-6", 0.5, 1000)
+    events = board.state()["events"]
+    kinds = [e["kind"] for e in events]
+    assert kinds.count("rejected") == MAX_REJECTED_EVENTS and kinds.count("checkpoint") == 20
+    assert events[-2]["text"].endswith("message 999") and kinds[-1] == "checkpoint"
+    assert kinds[:9] == ["join"] * 4 + ["epoch", "plan", "links", "failure", "rejected"]
+    assert [e["t"] for e in events] == sorted(e["t"] for e in events)
+    assert board.state()["rejected"] == {"bad_signature": 1000}
+
+
+def test_metrics_show_recovery() -> None:
+    now = [1000.0]
+    board = _planned_board(now)
+    board.failure("b", "step 6", "stalled")
+    board.rollback(4, "b lost")
+    board.checkpoint(4, "/runs/r/ckpt-4", 0.5, 1000)
+    text = generate_latest(StatusServer(board).registry).decode()
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line[:1] != "#"}
+    assert values["fusionllm_epoch"] == 1 and values["fusionllm_checkpoint_step"] == 4
+    assert values["fusionllm_peer_failures_total"] == 1 and values["fusionllm_rollbacks_total"] == 1
+    assert values["fusionllm_steps_redone_total"] == 2 and values["fusionllm_step"] == 4
+    assert values['fusionllm_peer_states{state="lost"}'] == 1 and values['fusionllm_peer_states{state="serving"}'] == 2
+    assert (
+        values['fusionllm_peer_states{state="standby"}'] == 1 and values['fusionllm_peer_states{state="joined"}'] == 0
+    )
+
+
+def test_terminal_view_shows_recovery_and_strips_control_characters() -> None:
+    now = [1000.0]
+    board = _planned_board(now)
+    board.saw_adverts({**{pid: _ad() for pid in "abcd"}, "e": _ad(device="gpu\x1b[2J\x07\u202e")})
+    board.failure("b", "step 6", "reset\x1b]0;pwned\x07")
+    board.set_epoch(2, "replaced b")
+    board.checkpoint(4, "/runs/r/ckpt-4", 0.5, 3_000_000)
+    now[0] += 90
+    text = render_status(board.state())
+    assert "epoch 2  failures 1  rollbacks 0  steps redone 0" in text
+    assert "last checkpoint: step 4, 3.00 MB in 0.5 s, 1m30s ago: /runs/r/ckpt-4" in text
+    rows = {line.split()[0]: line.split() for line in text.splitlines() if line[:1] in "abcde" and line[1:2] == " "}
+    assert {pid: row[5] for pid, row in rows.items()} == {
+        "a": "serving",
+        "b": "lost",
+        "c": "serving",
+        "d": "standby",
+        "e": "joined",
+    }
+    assert not any(ord(ch) < 32 and ch != "\n" or 0x7F <= ord(ch) <= 0x9F or ch == "\u202e" for ch in text)
+    assert "reset]0;pwned" in text and "epoch 2: replaced b" in text
 
 
 # ------------------------------------------------------------------ a live run
@@ -128,6 +299,38 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             proc.wait(10)
 
 
+HOSTILE = "<img src=x onerror=\"document.title='pwned'\">"
+
+
+@pytest.fixture(scope="module")
+def recovering() -> Iterator[str]:
+    """The status page of a board (on its own thread and loop) that lost a peer, replaced
+    it, rolled back and re-planned; one peer's device is hostile HTML. Yields the URL."""
+    now = [time.time() - 60]
+    board = _planned_board(now)
+    board.clock = time.time
+    board.saw_adverts({**{pid: _ad() for pid in "abcd"}, "e": _ad(device=HOSTILE)})
+    board.checkpoint(4, "/runs/r/ckpt-4", 1.5, 12_000_000)
+    board.failure("b", "step 6, stage 1", HOSTILE)
+    board.replaced(1, "b", "d")
+    board.rollback(4, "stage 1 restored from the checkpoint")
+    board.set_epoch(2, "b lost; d serves stage 1")
+    for _ in range(300):
+        board.reject("e", "bad_signature", HOSTILE)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    server = StatusServer(board, port=0)
+    asyncio.run_coroutine_threadsafe(server.start(), loop).result(30)
+    try:
+        yield server.url
+    finally:
+        asyncio.run_coroutine_threadsafe(server.aclose(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()
+
+
 def test_api_state_during_a_run(live: str) -> None:
     st = _state(live)
     assert st["version"] == 1 and st["phase"] == "training"
@@ -138,6 +341,8 @@ def test_api_state_during_a_run(live: str) -> None:
             p
         )
         assert p["health"] == "ok" and p["connection"] == "direct" and p["flops"] > 0
+        assert p["state"] == "serving"
+    assert st["recovery"]["failures"] == 0 and st["recovery"]["epoch"] == st["training"]["epoch"]
     plan = st["plan"]
     assert len(plan["stages"]) == 3 and len(plan["cuts"]) == 2 and plan["num_ops"] == len(plan["op_flops"])
     assert all(c["bytes"] > 0 and c["codec"] == "none" for c in plan["cuts"])
@@ -159,6 +364,7 @@ def test_metrics_in_prometheus_text(live: str) -> None:
     assert values['fusionllm_peers{health="ok"}'] == 3.0
     assert values['fusionllm_link_wire_bytes_total{boundary="0"}'] > 0
     assert "# TYPE fusionllm_rejected_messages_total counter" in text
+    assert values['fusionllm_peer_states{state="serving"}'] == 3.0 and values["fusionllm_peer_failures_total"] == 0
 
 
 def test_bad_paths_404_and_nothing_changes_state(live: str) -> None:
@@ -185,7 +391,8 @@ def test_status_command_prints_the_page(live: str) -> None:
     assert r.returncode == 0, r.stderr
     assert "training" in r.stdout and "step " in r.stdout
     assert sum(1 for line in r.stdout.splitlines() if line.startswith("12D3KooW")) == 3
-    assert "boundary 0 -> 1: none" in r.stdout
+    assert "boundary 0 -> 1: none" in r.stdout and "failures 0" in r.stdout
+    assert sum(1 for line in r.stdout.splitlines() if line.startswith("12D3KooW") and " serving " in line) == 3
     r = run_cli("status", "--coordinator", f"http://127.0.0.1:{_free_port()}")
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "cannot read the status" in r.stderr
 
@@ -205,21 +412,39 @@ def _chrome():  # type: ignore[no-untyped-def]
     return webdriver.Chrome(service=Service(driver), options=opts)
 
 
-def test_page_in_headless_chromium(live: str, tmp_path: Path) -> None:
-    from selenium.webdriver.common.by import By
+# One synchronous read of what the page shows: the page redraws every second, so
+# elements found in one WebDriver call may be gone by the next.
+_SNAPSHOT = """
+const q = (sel) => [...document.querySelectorAll(sel)];
+const text = (id) => document.getElementById(id).textContent;
+return {
+  peers: q("#peers tbody tr").map((r) => {
+    const st = r.querySelector("td.state");
+    return {id: r.dataset.peer, stage: r.dataset.stage, state: r.dataset.state, text: r.textContent,
+            state_text: st.textContent, state_class: st.className, state_color: getComputedStyle(st).color};
+  }),
+  points: Number(document.getElementById("loss-chart").dataset.points),
+  bands: q("#plan .stage-band").length, links: q("#links tbody tr").length,
+  marks: q("#loss-chart .checkpoint-mark").length,
+  epoch: text("epoch"), failures: text("failures"), rollbacks: text("rollbacks"), redone: text("redone"),
+  checkpoint: text("checkpoint"), events: q("#events li").map((li) => [li.className, li.textContent]),
+  images: q("img").length, title: document.title,
+};
+"""
 
+
+def test_page_in_headless_chromium(live: str, recovering: str, tmp_path: Path) -> None:
     browser = _chrome()
     try:
         browser.get(live)
-        rows = lambda: browser.find_elements(By.CSS_SELECTOR, "#peers tbody tr")  # noqa: E731
-        _wait(lambda: len(rows()) == 3, 30, "three peer rows")
-        assert sorted(r.get_attribute("data-stage") for r in rows()) == ["0", "1", "2"]
-        points = lambda: int(browser.find_element(By.ID, "loss-chart").get_attribute("data-points"))  # noqa: E731
-        first = points()
-        assert first >= 1
-        _wait(lambda: points() > first, 30, "the loss chart to gain points")
-        assert len(browser.find_elements(By.CSS_SELECTOR, "#plan .stage-band")) == 3
-        assert len(browser.find_elements(By.CSS_SELECTOR, "#links tbody tr")) == 2
+        page = lambda: browser.execute_script(_SNAPSHOT)  # noqa: E731
+        _wait(lambda: len(page()["peers"]) == 3, 30, "three peer rows")
+        first = page()
+        assert sorted(p["stage"] for p in first["peers"]) == ["0", "1", "2"]
+        assert all(p["state"] == "serving" for p in first["peers"])
+        assert first["points"] >= 1
+        _wait(lambda: page()["points"] > first["points"], 30, "the loss chart to gain points")
+        assert (first["bands"], first["links"]) == (3, 2)
         resources = browser.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
         assert resources and all(url.startswith(live) for url in resources), resources
         shot = tmp_path / "status-page.png"
@@ -228,5 +453,38 @@ def test_page_in_headless_chromium(live: str, tmp_path: Path) -> None:
         target = os.environ.get("FUSIONLLM_SCREENSHOT")
         if target:
             shutil.copy(shot, target)
+        _check_recovery_page(browser, recovering, tmp_path)
     finally:
         browser.quit()
+
+
+def _check_recovery_page(browser, url: str, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The epoch, peer states, recovery counters, checkpoint and new event kinds are
+    shown, and the hostile device and failure reason appear as text, never as markup."""
+    browser.get(url)
+    page = lambda: browser.execute_script(_SNAPSHOT)  # noqa: E731
+    _wait(lambda: page()["epoch"] == "2", 30, "the epoch")
+    st = page()
+    peers = {p["id"]: p for p in st["peers"]}
+    assert {pid: p["state"] for pid, p in peers.items()} == {
+        "a": "serving",
+        "b": "lost",
+        "c": "serving",
+        "d": "serving",
+        "e": "joined",
+    }
+    assert peers["b"]["state_text"] == "lost" and "state-lost" in peers["b"]["state_class"].split()
+    assert peers["b"]["state_color"] != peers["a"]["state_color"], "lost and serving look different"
+    assert (st["failures"], st["rollbacks"], st["redone"]) == ("1", "1", "2")
+    assert st["checkpoint"].startswith("step 4 · 12.0 MB") and st["marks"] == 1
+    kinds = [kind for kind, _ in st["events"]]
+    for kind in ("join", "epoch", "plan", "links", "checkpoint", "failure", "replace", "rollback"):
+        assert kind in kinds, kind
+    assert kinds.count("rejected") == MAX_REJECTED_EVENTS
+    assert HOSTILE in peers["e"]["text"] and any(HOSTILE in t for kind, t in st["events"] if kind == "failure")
+    assert st["images"] == 0 and st["title"] == "FusionLLM swarm"
+    shot = tmp_path / "status-page-recovery.png"
+    assert browser.save_screenshot(str(shot))
+    target = os.environ.get("FUSIONLLM_RECOVERY_SCREENSHOT")
+    if target:
+        shutil.copy(shot, target)

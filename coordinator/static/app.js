@@ -23,21 +23,33 @@ function fmtSecs(s) {
        : s >= 60 ? `${Math.floor(s / 60)}m${String(s % 60).padStart(2, "0")}s` : `${s}s`;
 }
 function short(id) { return id.length > 14 ? `…${id.slice(-10)}` : id; }
+const STATES = ["joined", "serving", "standby", "lost"];
+const HEALTHS = ["ok", "late", "silent", "left"];
+function known(value, list) { return list.includes(value) ? value : "unknown"; }
 
-function drawLoss(points) {
+function drawLoss(points, checkpoint) {
   const svg = $("loss-chart");
   svg.replaceChildren();
   svg.dataset.points = String(points.length);
   if (points.length < 1) return;
   const W = 800, H = 220, L = 40, B = 20;
   const xs = points.map((p) => p[0]), ys = points.map((p) => p[1]);
-  const x0 = Math.min(...xs), x1 = Math.max(...xs, x0 + 1), y0 = Math.min(...ys), y1 = Math.max(...ys, y0 + 1e-6);
+  const mark = checkpoint && checkpoint.step >= Math.min(...xs) ? checkpoint.step : null;
+  const x0 = Math.min(...xs), x1 = Math.max(...xs, x0 + 1, mark ?? 0), y0 = Math.min(...ys), y1 = Math.max(...ys, y0 + 1e-6);
   const X = (x) => L + (x - x0) / (x1 - x0) * (W - L - 5), Y = (y) => 5 + (y1 - y) / (y1 - y0) * (H - B - 10);
   for (const y of [y0, (y0 + y1) / 2, y1]) {
     svg.append(el("svg:line", { x1: L, x2: W, y1: Y(y), y2: Y(y), stroke: "#eef0f3" }));
     svg.append(el("svg:text", { x: 2, y: Y(y) + 4, "font-size": 11, fill: "#6b7684" }, y.toFixed(2)));
   }
   svg.append(el("svg:text", { x: W - 60, y: H - 4, "font-size": 11, fill: "#6b7684" }, `step ${x1}`));
+  if (mark !== null) {  // the step a rollback would return to
+    const x = X(mark);
+    svg.append(el("svg:line", { x1: x, x2: x, y1: 0, y2: H - B, stroke: "#2ca25f", "stroke-dasharray": "4,3",
+      class: "checkpoint-mark" }));
+    const right = x > W - 80;  // label on the left of a mark near the right edge
+    svg.append(el("svg:text", { x: right ? x - 3 : x + 3, y: H - B - 4, "font-size": 11, fill: "#2ca25f",
+      "text-anchor": right ? "end" : "start" }, "checkpoint"));
+  }
   const d = points.map((p, i) => `${i ? "L" : "M"}${X(p[0]).toFixed(1)},${Y(p[1]).toFixed(1)}`).join("");
   svg.append(el("svg:path", { d, fill: "none", stroke: "#2f6fdf", "stroke-width": 1.5, class: "loss-line" }));
 }
@@ -68,6 +80,18 @@ function drawPlan(plan) {
   $("plan-note").textContent = `${n} operators in ${plan.stages.length} stages; bar height: FLOPs per op (log)`;
 }
 
+function renderRecovery(st) {
+  const rec = st.recovery, ck = st.checkpoint;
+  $("epoch").textContent = String(rec.epoch);
+  $("failures").textContent = String(rec.failures);
+  $("failures").className = rec.failures ? "bad" : "";
+  $("rollbacks").textContent = String(rec.rollbacks);
+  $("redone").textContent = String(rec.steps_redone);
+  const c = $("checkpoint");
+  c.textContent = ck ? `step ${ck.step} · ${fmtBytes(ck.bytes)} · ${fmtSecs(st.now - ck.at)} ago` : "none yet";
+  c.title = ck ? `${ck.path} (written in ${ck.seconds} s)` : "";
+}
+
 function render(st) {
   $("run").textContent = st.run_id;
   $("phase").textContent = st.phase + (st.message ? `: ${st.message}` : "");
@@ -77,14 +101,19 @@ function render(st) {
   $("tps").textContent = tr.tokens_per_s === null ? "–" : Math.round(tr.tokens_per_s).toLocaleString();
   $("elapsed").textContent = fmtSecs(tr.elapsed_s);
   $("eta").textContent = fmtSecs(tr.eta_s);
-  drawLoss(tr.losses);
+  renderRecovery(st);
+  drawLoss(tr.losses, st.checkpoint);
   drawPlan(st.plan);
   const peers = $("peers").querySelector("tbody");
   peers.replaceChildren(...st.peers.map((p) => {
-    const tr = el("tr", { "data-peer": p.id, "data-stage": p.stage === null ? "" : p.stage });
-    const cells = [short(p.id), p.device, (p.flops / 1e9).toFixed(1), `${p.up_mbps} / ${p.down_mbps}`, p.connection,
-      p.stage === null ? "–" : p.stage, p.replica === null ? "–" : p.replica, `${fmtSecs(st.now - p.last_seen)} ago`, p.health];
-    cells.forEach((c, i) => tr.append(el("td", i === 8 ? { class: p.health } : i === 0 ? { title: p.id } : {}, String(c))));
+    const state = known(p.state, STATES), health = known(p.health, HEALTHS);
+    const tr = el("tr", { "data-peer": p.id, "data-stage": p.stage === null ? "" : p.stage, "data-state": state,
+      class: `peer-${state}` });
+    const cells = [[short(p.id), { title: p.id }], [p.device], [(p.flops / 1e9).toFixed(1)],
+      [`${p.up_mbps} / ${p.down_mbps}`], [p.connection], [state, { class: `state state-${state}` }],
+      [p.stage === null ? "–" : p.stage], [p.replica === null ? "–" : p.replica],
+      [`${fmtSecs(st.now - p.last_seen)} ago`], [health, { class: health }]];
+    cells.forEach(([c, attrs]) => tr.append(el("td", attrs, String(c))));
     return tr;
   }));
   const links = $("links").querySelector("tbody");

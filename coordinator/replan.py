@@ -1,0 +1,69 @@
+"""When to start a new plan epoch, and what the new plan keeps: pure functions of
+a snapshot, called by the live coordinator (``coordinator.run``) and by the
+simulator (``sim.engine``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: a re-plan that nothing forces must beat the current plan's iteration time by this fraction
+REPLAN_GAIN = 0.1
+#: joins alone trigger an optional re-plan at most this often (iterations)
+JOIN_REPLAN_EVERY = 10
+
+
+def wants_replan(forced: bool, slowed: bool, joined: bool, iteration: int, last_optional: int) -> bool:
+    """Whether to consider a new plan at ``iteration``: a planned peer left (forced) or
+    slowed down, or peers joined (at most every ``JOIN_REPLAN_EVERY`` iterations)."""
+    return forced or slowed or (joined and iteration - last_optional >= JOIN_REPLAN_EVERY)
+
+
+def accept_plan(candidate_s: float, current_s: float, forced: bool, gain: float = REPLAN_GAIN) -> bool:
+    """A forced re-plan always takes the candidate; an optional one only when it is
+    faster by ``gain``."""
+    return forced or candidate_s < (1 - gain) * current_s
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What to do after planned peers were lost.
+
+    ``kind``: ``replicas`` (every stage kept a peer: drop the lost replicas, keep the
+    cut, no rollback: the survivors hold the state), ``standby`` (standby peers take
+    the stages that lost their only peer; the state of those stages exists only in
+    the last checkpoint, so every stage rolls back to it) or ``replan`` (too few
+    standby peers: the caller re-plans the remaining peers, and rolls back).
+    ``stages``: the new peer groups (None for ``replan``); ``taken``: (stage, lost
+    peer, standby peer) for each replacement."""
+
+    kind: str
+    stages: list[list[str]] | None
+    rollback: bool
+    taken: list[tuple[int, str, str]]
+
+
+def recover(stages: list[list[str]], lost: set[str], standby: list[str]) -> Recovery:
+    """The recovery for ``stages`` (peer ids per stage, replica order) after ``lost``;
+    ``standby`` lists the waiting peers, best first."""
+    left = [[p for p in group if p not in lost] for group in stages]
+    empty = [s for s, group in enumerate(left) if not group]
+    if not empty:
+        return Recovery("replicas", left, False, [])
+    pool = [p for p in standby if p not in lost]
+    if len(pool) < len(empty):
+        return Recovery("replan", None, True, [])
+    taken = []
+    for s, new in zip(empty, pool, strict=False):
+        old = next(p for p in stages[s] if p in lost)
+        left[s] = [new]
+        taken.append((s, old, new))
+    return Recovery("standby", left, True, taken)
+
+
+def stall_seconds(step_seconds: list[float], floor: float, factor: float = 10.0) -> float:
+    """How long a planned peer may stay silent before it counts as stalled: ``factor``
+    times the median measured step time, never less than ``floor`` seconds."""
+    if not step_seconds:
+        return floor
+    ordered = sorted(step_seconds[-50:])
+    return max(floor, factor * ordered[len(ordered) // 2])

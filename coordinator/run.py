@@ -1,0 +1,575 @@
+"""The training driver of a swarm run: phases (plan, dispatch, step, checkpoint,
+recover, collect) over an explicit :class:`RunState`, keyed on the plan epoch.
+
+A step is two-phase: peers run their forward and backward passes and report
+``StepDone``; only when every planned peer has, the coordinator counts the step
+and sends ``Commit``, and only then do peers apply the optimizer update. So when
+a peer is lost mid-step, no survivor has applied that step, and it can be redone
+exactly. A new plan epoch keeps the survivors' state when every stage kept a
+peer (replicas), and otherwise rolls every stage back to the last checkpoint and
+replays the deterministic data stream from there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from coordinator import replan
+from coordinator.assign import Assignment, assign
+from coordinator.checkpoint import CheckpointInfo, RunDir
+from coordinator.links import boundary_specs
+from coordinator.opdag import build_opdag
+from protocol.codecs import Codec
+from protocol.envelope import Rejected, match_values
+from protocol.graph import Cut, stage_modules
+from protocol.job import split_batch
+from protocol.messages import (
+    Activations,
+    Advert,
+    Assign,
+    Beat,
+    Commit,
+    Evict,
+    Finish,
+    Hello,
+    LinkPlan,
+    Message,
+    PeerFailure,
+    Ready,
+    Release,
+    StageState,
+    Standby,
+    State,
+    StepDone,
+)
+from protocol.transport import Inbound, PeerUnreachable
+from protocol.wire import encode_values
+
+if TYPE_CHECKING:
+    from coordinator.swarm import Coordinator, StepReport
+
+logger = logging.getLogger(__name__)
+
+#: the prefix of optimizer-state tensors in a stage's state (``optim/<param>/<key>``)
+OPTIM_PREFIX = "optim/"
+
+
+class PeerLost(Exception):
+    """Planned peers failed; ``lost`` maps each to why, in one line."""
+
+    def __init__(self, lost: dict[str, str]) -> None:
+        super().__init__("; ".join(f"{p}: {why}" for p, why in lost.items()))
+        self.lost = lost
+
+
+@dataclass
+class RunState:
+    """Everything the phases share. ``step`` counts committed steps."""
+
+    epoch: int = 0
+    step: int = 0
+    plan: Assignment | None = None
+    restore: str = "init"  # how the next dispatch sets the stages' state (messages.RESTORE_MODES)
+    dispatched: bool = False  # the current epoch's assignments went out and every peer is ready
+    reason: str = "first plan"  # why the current epoch started
+    specs: list[list[Any]] = field(default_factory=list)
+    codecs: list[Codec] = field(default_factory=list)
+    mbps: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)  # per committed step
+    step_seconds: list[float] = field(default_factory=list)
+    compute: dict[str, list[float]] = field(default_factory=dict)
+    link_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
+    raw_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
+    lost: dict[str, str] = field(default_factory=dict)  # peer -> why it was dropped
+    last_heard: dict[str, float] = field(default_factory=dict)  # monotonic seconds
+    checkpoint: CheckpointInfo | None = None
+    parts: dict[tuple[int, int], dict[int, dict[str, torch.Tensor]]] = field(default_factory=dict)
+    writes: list[asyncio.Task[None]] = field(default_factory=list)
+    checkpoint_s: list[float] = field(default_factory=list)
+    tokens: int = 0
+    redone: int = 0
+
+    @property
+    def planned(self) -> set[str]:
+        return {p for group in self.plan.stages for p in group} if self.plan else set()
+
+
+class Driver:
+    """Runs one job on a started :class:`Coordinator` through plan epochs."""
+
+    def __init__(
+        self,
+        coord: Coordinator,
+        model: torch.nn.Module,
+        run_dir: RunDir,
+        on_step: Callable[[StepReport], None] | None = None,
+        on_event: Callable[[str], None] | None = None,
+    ) -> None:
+        self.coord = coord
+        self.cfg = coord.config
+        self.job = coord.config.job
+        self.model = model
+        self.run_dir = run_dir
+        self.on_step = on_step
+        self.on_event = on_event or (lambda text: None)
+        self.example = self.job.first_micro_batch()
+        self.dag = build_opdag(model, self.example)
+        self.st = RunState()
+        self._failed: dict[str, str] = {}  # found by the link watcher, not yet handled
+        self._names: dict[tuple[int, ...], list[set[str]]] = {}
+        self._data: tuple[int, Iterator[tuple[torch.Tensor, ...]]] | None = None
+        self.final: dict[str, torch.Tensor] | None = None
+        self._final_write: asyncio.Task[None] | None = None
+        self._evicted: set[str] = set()
+
+    # ------------------------------------------------------------------ the run
+    async def run(self, resume: bool, on_peers: Callable[[int], None] | None = None) -> RunState:
+        """Train to the job's last step; returns the final state (``self.final`` holds
+        the trained weights). Raises SwarmError when no plan fits the peers left."""
+        await (self._resume if resume else self._begin)(on_peers)
+        self.coord.gate.listeners.append(self._on_reject)
+        watcher = asyncio.create_task(self._watch_links())
+        try:
+            while self.final is None:
+                try:
+                    if not self.st.dispatched:
+                        await self._dispatch()
+                    elif self.st.step < self.job.steps:
+                        await self._step()
+                    else:
+                        await self._collect()
+                except PeerLost as exc:
+                    await self._recover(exc.lost)
+        finally:
+            watcher.cancel()
+        await self._release()
+        return self.st
+
+    # ------------------------------------------------------------------ plan
+    async def _begin(self, on_peers: Callable[[int], None] | None) -> None:
+        adverts = await self.coord.wait_for_peers(on_peers)
+        self.st.plan = self._plan(list(adverts.values()), keep_out=self.cfg.standby)
+        self.st.restore = "init"
+        self.run_dir.set_meta("job", self.cfg.job_fields())
+
+    async def _resume(self, on_peers: Callable[[int], None] | None) -> None:
+        st = self.st
+        info = self.run_dir.latest()
+        st.checkpoint = info
+        st.step = info.step if info else 0
+        st.losses = self.run_dir.losses()[: st.step]
+        st.epoch = int(self.run_dir.get_meta("epoch", -1)) + 1
+        st.restore, st.reason = ("state" if st.step else "init"), "the coordinator restarted"
+        self.coord.board.resumed(st.step, str(self.run_dir.path))
+        self.coord.board.restore_losses(st.losses)
+        self.on_event(f"resuming run '{self.cfg.run_id}' from the checkpoint of step {st.step} in {self.run_dir.path}")
+        adverts = await self.coord.wait_for_peers(on_peers)
+        st.plan = self._plan(list(adverts.values()), keep_out=self.cfg.standby)
+
+    def _plan(self, adverts: list[Advert], keep_out: int = 0) -> Assignment:
+        """OP-Fence over ``adverts``; the ``keep_out`` slowest wait as standby."""
+        from coordinator.swarm import SwarmError
+
+        ranked = sorted(adverts, key=lambda a: -a.flops)
+        use = ranked[: max(len(ranked) - keep_out, 1)]
+        k = min(self.cfg.num_stages or len(use), len(use))
+        try:
+            plan = assign(self.dag, use, k, self.job.micro_batches)
+        except ValueError as exc:
+            raise SwarmError(f"cannot plan the run: {exc}") from None
+        return plan
+
+    def _standby(self) -> list[str]:
+        """Admitted peers with a live advert outside the plan and not lost, fastest first."""
+        live = self.coord.adverts
+        planned = self.st.planned
+        pool = [a for p, a in live.items() if p not in planned and p not in self.st.lost]
+        return [a.peer_id for a in sorted(pool, key=lambda a: -a.flops)]
+
+    # ------------------------------------------------------------------ dispatch
+    async def _dispatch(self) -> None:
+        st, cfg, tp, board = self.st, self.cfg, self.coord.transport, self.coord.board
+        assert st.plan is not None and tp is not None
+        plan, k = st.plan, st.plan.cut.num_stages
+        self.coord.adverts = await self.coord.live_adverts()
+        if cfg.link_mbps and len(cfg.link_mbps) != k - 1:
+            from coordinator.swarm import SwarmError
+
+            raise SwarmError(f"--link-mbps gives {len(cfg.link_mbps)} rates; the plan has {k - 1} stage boundaries")
+        st.specs = boundary_specs(self.model, plan.cut, self.example)
+        self.coord.gate.epoch = st.epoch
+        self.run_dir.set_meta("epoch", st.epoch)
+        self.run_dir.set_meta("peers", {p: a.maddrs for p, a in self.coord.adverts.items()})
+        board.set_plan(
+            [op.flops for op in self.dag.ops],
+            self.dag.stage_costs(plan.cut),
+            plan.cut.to_list(),
+            self.dag.boundary_bytes(plan.cut),
+            plan.stages,
+        )
+        board.set_epoch(st.epoch, st.reason)
+        for p in self._standby():
+            board.peer_state(p, "standby")
+        now = time.monotonic()
+        for p in st.planned:
+            st.last_heard[p] = now
+            tp.learn(p, self.coord.adverts[p].maddrs if p in self.coord.adverts else [])
+        states = self._stage_states(plan.cut) if st.restore == "state" else None
+        for s, group in enumerate(plan.stages):
+            for r, p in enumerate(group):
+                await self._send(p, self._assign_msg(s, r))
+                if states is not None:
+                    names = sorted(states[s])
+                    msg = StageState(cfg.run_id, s, names, st.epoch, st.step)
+                    await self._send(p, msg, [states[s][n] for n in names])
+        for p in self._standby():
+            await self._send_quietly(p, Standby(cfg.run_id, st.epoch))
+        await self._await_ready()
+        st.dispatched = True
+
+    def _assign_msg(self, s: int, r: int) -> Assign:
+        st, cfg, plan = self.st, self.cfg, self.st.plan
+        assert plan is not None
+        maddrs = {p: self.coord.adverts[p].maddrs for p in st.planned if p in self.coord.adverts}
+        keys = self.coord.keys_of(st.planned)
+        return Assign(
+            cfg.run_id,
+            s,
+            r,
+            cfg.job_fields(),
+            plan.cut.to_list(),
+            plan.stages,
+            maddrs,
+            cfg.schedule,
+            keys=keys,
+            specs=st.specs,
+            link_mbps=list(cfg.link_mbps),
+            epoch=st.epoch,
+            start_step=st.step,
+            restore=st.restore,
+            checkpoint_every=cfg.checkpoint_every,
+        )
+
+    async def _await_ready(self) -> None:
+        st, cfg = self.st, self.cfg
+        assert st.plan is not None
+        pending, measured = set(st.planned), {}
+        while pending:
+            inbound = await self._next((Ready,), pending)
+            pending.discard(inbound.sender)
+            measured[inbound.sender] = inbound.message.next_mbps
+        st.codecs, st.mbps = self.coord.choose_codecs(self.dag, st.plan, st.specs, measured)
+        self.coord.board.set_links([str(c) for c in st.codecs], st.mbps)
+        for p in st.planned:
+            await self._send(p, LinkPlan(cfg.run_id, [c.to_json() for c in st.codecs], st.epoch))
+
+    def _stage_states(self, cut: Cut) -> list[dict[str, torch.Tensor]]:
+        """Each stage's part of the last checkpoint (weights and optimizer state)."""
+        assert self.st.checkpoint is not None
+        merged = self.run_dir.load(self.st.checkpoint)
+        names = self._stage_names(cut)
+        return [{n: t for n, t in merged.items() if _owner(n) in own} for own in names]
+
+    def _stage_names(self, cut: Cut) -> list[set[str]]:
+        if cut.boundaries not in self._names:
+            _, modules = stage_modules(self.model, cut)
+            self._names[cut.boundaries] = [set(m.state_dict()) for m in modules]
+        return self._names[cut.boundaries]
+
+    # ------------------------------------------------------------------ step
+    def _batch(self, step: int) -> tuple[torch.Tensor, ...]:
+        """Batch ``step`` of the deterministic data stream (replayed after a rollback)."""
+        if self._data is None or self._data[0] != step:
+            self._data = (step, itertools.islice(self.job.batches(), step, None))
+        _, it = self._data
+        self._data = (step + 1, it)
+        return next(it)
+
+    async def _step(self) -> None:
+        from coordinator.swarm import StepReport, SwarmError
+
+        st, cfg = self.st, self.cfg
+        assert st.plan is not None
+        step, t0 = st.step, time.perf_counter()
+        batch = self._batch(step)
+        mbs = split_batch(batch, self.job.micro_batches)
+        for m, mb in enumerate(mbs):
+            try:
+                match_values(encode_values(list(mb))[0], st.specs[0], None)
+            except Rejected as exc:
+                raise SwarmError(f"step {step}, micro-batch {m} does not fit the plan: {exc.detail}") from None
+        first = st.plan.stages[0]
+        for m, mb in enumerate(mbs):
+            await self._send(first[m % len(first)], Activations(cfg.run_id, step, m, 0, st.epoch), list(mb))
+        losses = await self._await_done(step, len(mbs))
+        # the step counts from here: a peer lost now finds the survivors holding or applying it
+        st.step += 1
+        st.losses.append(losses)
+        self.run_dir.record_loss(step, losses)
+        for p in st.planned:
+            await self._send(p, Commit(cfg.run_id, step, st.epoch))
+        seconds = time.perf_counter() - t0
+        st.step_seconds.append(seconds)
+        st.tokens += batch[0].numel()
+        self.coord.board.step_done(step, losses, seconds, batch[0].numel(), self.coord.traffic(st))
+        if self.on_step:
+            self.on_step(StepReport(step, losses, seconds, batch[0].numel()))
+
+    async def _await_done(self, step: int, micro_batches: int) -> float:
+        from coordinator.swarm import SwarmError
+
+        st = self.st
+        assert st.plan is not None
+        pending, step_losses = set(st.planned), {}
+        while pending:
+            inbound = await self._next((StepDone,), pending)
+            msg: StepDone = inbound.message
+            if msg.step != step:
+                continue
+            pending.discard(inbound.sender)
+            if inbound.sender in st.plan.stages[-1]:  # only the last stage computes the loss
+                step_losses.update(msg.losses)
+            st.compute.setdefault(inbound.sender, []).append(msg.compute_s)
+            st.link_bytes[inbound.sender] = msg.bytes_sent
+            st.raw_bytes[inbound.sender] = msg.raw_sent
+        if len(step_losses) != micro_batches:
+            raise SwarmError(f"step {step}: got {len(step_losses)} losses for {micro_batches} micro-batches")
+        return sum(step_losses.values()) / micro_batches
+
+    # ------------------------------------------------------------------ checkpoint
+    def _take_part(self, inbound: Inbound) -> None:
+        """A stage's checkpoint state arrived; write the checkpoint once every stage's has."""
+        st, msg = self.st, inbound.message
+        assert st.plan is not None
+        if msg.epoch != st.epoch or inbound.sender != st.plan.stages[msg.stage][0]:
+            return
+        parts = st.parts.setdefault((msg.epoch, msg.step), {})
+        parts[msg.stage] = dict(zip(msg.names, inbound.frame.values(), strict=True))
+        if len(parts) == st.plan.cut.num_stages:
+            del st.parts[(msg.epoch, msg.step)]
+            stages = [parts[s] for s in range(len(parts))]
+            task = asyncio.create_task(self._write(msg.step, stages))
+            st.writes.append(task)
+            if msg.step >= self.job.steps:
+                self._final_write = task
+
+    async def _write(self, step: int, stages: list[dict[str, torch.Tensor]]) -> None:
+        st, plan = self.st, self.st.plan
+        assert plan is not None
+        info = {"cut": plan.cut.to_list(), "stages": plan.stages, "codecs": [str(c) for c in st.codecs]}
+        t0 = time.perf_counter()
+        saved = await asyncio.get_running_loop().run_in_executor(
+            None, self.run_dir.save_checkpoint, step, st.epoch, stages, info
+        )
+        seconds = time.perf_counter() - t0
+        st.checkpoint_s.append(seconds)
+        if st.checkpoint is None or saved.step >= st.checkpoint.step:
+            st.checkpoint = saved
+        self.coord.board.checkpoint(step, str(saved.path), seconds, saved.nbytes)
+        if step >= self.job.steps:
+            merged: dict[str, torch.Tensor] = {}
+            for part in stages:
+                merged.update({n: t for n, t in part.items() if not n.startswith(OPTIM_PREFIX)})
+            self.final = merged
+
+    async def _flush_writes(self) -> None:
+        writes, self.st.writes = self.st.writes, []
+        for t in writes:
+            try:
+                await t
+            except Exception as exc:  # a failed write leaves the previous checkpoint in place
+                logger.error("writing a checkpoint failed: %s", exc)
+                self.on_event(f"writing a checkpoint failed: {exc}")
+
+    async def _collect(self) -> None:
+        """Wait for the last step's checkpoint (every stage's replica 0 sends it) and
+        write it; its weights are the run's result."""
+        from coordinator.swarm import SwarmError
+
+        await self._next((), set(), until=lambda: self._final_write is not None)
+        assert self._final_write is not None
+        try:
+            await self._final_write
+        except Exception as exc:
+            raise SwarmError(f"writing the final checkpoint failed: {exc}") from None
+
+    async def _release(self) -> None:
+        st = self.st
+        for p in st.planned | set(self._standby()):
+            await self._send_quietly(p, Finish(self.cfg.run_id, False, st.epoch))
+        for p in st.planned:
+            await self._send_quietly(p, Release(self.cfg.run_id))
+
+    # ------------------------------------------------------------------ recover
+    async def _recover(self, lost: dict[str, str]) -> None:
+        from coordinator.swarm import SwarmError
+
+        st, board = self.st, self.coord.board
+        assert st.plan is not None
+        for p, why in lost.items():
+            where = self.coord.where(p, st.plan)
+            st.lost[p] = why
+            self._failed.pop(p, None)
+            board.failure(p, where, why)
+            self.on_event(f"peer {p} ({where}) failed: {why}")
+            self.coord.transport.forget(p)
+        self.coord.adverts = await self.coord.live_adverts()
+        rec = replan.recover(st.plan.stages, set(st.lost), self._standby())
+        if rec.kind == "replan":
+            survivors = [a for p, a in self.coord.adverts.items() if p not in st.lost]
+            if not survivors:
+                raise SwarmError(self._stop_line("no peers are left"))
+            try:
+                new_plan = self._plan(survivors)
+            except SwarmError as exc:
+                raise SwarmError(self._stop_line(str(exc))) from None
+            if new_plan.plan is not None and not new_plan.plan.fits_memory:
+                raise SwarmError(self._stop_line(f"no plan fits the memory of the {len(survivors)} peers left"))
+        else:
+            new_plan = Assignment(st.plan.cut, rec.stages or [], st.plan.plan)
+        for s, old, new in rec.taken:
+            board.replaced(s, old, new)
+            self.on_event(f"standby peer {new} takes stage {s} from {old}")
+        if rec.rollback:
+            await self._rollback(rec.kind)
+        else:
+            st.restore, st.reason = "keep", "lost replicas dropped; the survivors hold the state"
+            self.on_event(f"epoch {st.epoch + 1}: stages keep their surviving replicas, no rollback")
+        st.parts.clear()
+        st.plan, st.epoch, st.dispatched = new_plan, st.epoch + 1, False
+
+    async def _rollback(self, kind: str) -> None:
+        st = self.st
+        await self._flush_writes()
+        to = st.checkpoint.step if st.checkpoint else 0
+        redone = st.step - to
+        st.redone += redone
+        st.step, st.losses = to, st.losses[:to]
+        self.run_dir.truncate_losses(to)
+        st.restore = "state" if to else "init"
+        how = "standby peers replace the lost ones" if kind == "standby" else "re-planned the remaining peers"
+        st.reason = f"{how}; rolled back to step {to}"
+        self.coord.board.rollback(to, st.reason)
+        where = f"the checkpoint of step {to}" if to else "the initial weights"
+        self.on_event(f"epoch {st.epoch + 1}: {how}; rolling back to {where} ({redone} steps to redo)")
+
+    def _stop_line(self, why: str) -> str:
+        ckpt = self.st.checkpoint
+        left = f"the last checkpoint (step {ckpt.step}) is in {ckpt.path}" if ckpt else "no checkpoint was written"
+        return f"the run cannot go on: {why}; {left}"
+
+    # ------------------------------------------------------------------ messages
+    async def _send(self, peer: str, msg: Message, values: list[Any] | None = None) -> None:
+        """Send to a planned peer; a peer that cannot be reached is lost."""
+        assert self.coord.transport is not None
+        try:
+            await asyncio.wait_for(self.coord.transport.send(peer, msg, values), self.cfg.send_timeout_s)
+        except (PeerUnreachable, asyncio.TimeoutError) as exc:
+            raise PeerLost({peer: f"unreachable: {exc or 'send timed out'}"}) from None
+
+    async def _send_quietly(self, peer: str, msg: Message) -> None:
+        try:
+            await self._send(peer, msg)
+        except PeerLost as exc:
+            logger.info("%s", exc)
+
+    async def _next(
+        self, kinds: tuple[type[Message], ...], peers: set[str], until: Callable[[], bool] | None = None
+    ) -> Any:
+        """The next message of ``kinds`` of this epoch from one of ``peers``; meanwhile
+        take checkpoint parts, heartbeats and failure reports, and watch for dead and
+        stalled peers (raising PeerLost). Returns None once ``until()`` holds."""
+        assert self.coord.transport is not None
+        while True:
+            self._check_health()
+            if until is not None and until():
+                return None
+            try:
+                inbound = await asyncio.wait_for(self.coord.transport.inbox.get(), 0.25)
+            except asyncio.TimeoutError:
+                continue
+            found = await self._take(inbound)
+            if found and isinstance(inbound.message, kinds) and inbound.sender in peers:
+                return inbound
+
+    async def _take(self, inbound: Inbound) -> bool:
+        """Handle what any phase handles the same way; True if the caller may want it."""
+        st, msg, sender = self.st, inbound.message, inbound.sender
+        st.last_heard[sender] = time.monotonic()
+        self.coord.board.heard_from(sender)
+        if getattr(msg, "run_id", None) != self.cfg.run_id:
+            return False
+        if isinstance(msg, Hello):
+            if sender in st.lost:  # back after a stall, or restarted: a fresh standby peer
+                del st.lost[sender]
+                self._evicted.discard(sender)
+                self.coord.board.peer_state(sender, "standby")
+                self.on_event(f"peer {sender} is back; it waits as standby")
+            return False
+        if isinstance(msg, Beat):
+            return False
+        if sender not in st.planned:
+            logger.warning("ignoring a %s from %s, who is not in the plan", msg.KIND, sender)
+            return False
+        if isinstance(msg, PeerFailure):
+            raise PeerLost(await self._blame(sender, msg))
+        if isinstance(msg, State) and msg.checkpoint:
+            self._take_part(inbound)
+            return False
+        return getattr(msg, "epoch", st.epoch) == st.epoch
+
+    async def _blame(self, reporter: str, msg: PeerFailure) -> dict[str, str]:
+        """A peer reported a failure: the peer it could not reach, if the coordinator
+        cannot reach it either, else the reporter."""
+        if msg.suspect and msg.suspect in self.st.planned and not await self.coord.reachable(msg.suspect):
+            return {msg.suspect: f"unreachable (reported by {reporter}: {msg.reason})"}
+        return {reporter: msg.reason}
+
+    def _check_health(self) -> None:
+        st = self.st
+        failed = {p: why for p, why in self._failed.items() if p in st.planned}
+        if failed:
+            raise PeerLost(failed)
+        bound = replan.stall_seconds(st.step_seconds, self.cfg.stall_floor_s)
+        now = time.monotonic()
+        stalled = {
+            p: f"stalled: silent for {now - st.last_heard[p]:.0f} s (limit {bound:.0f} s)"
+            for p in st.planned
+            if now - st.last_heard.get(p, now) > bound
+        }
+        if stalled:
+            raise PeerLost(stalled)
+
+    async def _watch_links(self) -> None:
+        """Planned peers whose connection dropped and who cannot be reached again."""
+        while True:
+            await asyncio.sleep(0.5)
+            try:
+                connected = await self.coord.transport.connected()
+                for p in self.st.planned - connected - set(self._failed) - set(self.st.lost):
+                    if not await self.coord.reachable(p):
+                        self._failed[p] = "its connection dropped and it cannot be reached"
+            except Exception as exc:  # the daemon may hiccup; the next round retries
+                logger.debug("link watch failed: %s", exc)
+
+    def _on_reject(self, sender: str, code: str, detail: str) -> None:
+        """A dropped peer's frames of an older epoch: tell it to leave its stage."""
+        st = self.st
+        if code == "stale_epoch" and sender in st.lost and sender not in st.planned and sender not in self._evicted:
+            self._evicted.add(sender)
+            reason = f"dropped from the plan ({st.lost[sender]}); the run is at epoch {st.epoch}"
+            msg = Evict(self.cfg.run_id, reason, st.epoch)
+            asyncio.get_running_loop().create_task(self._send_quietly(sender, msg))
+
+
+def _owner(name: str) -> str:
+    """The weight a checkpoint tensor belongs to (``optim/<param>/<key>`` -> ``<param>``)."""
+    return name[len(OPTIM_PREFIX) :].rsplit("/", 1)[0] if name.startswith(OPTIM_PREFIX) else name

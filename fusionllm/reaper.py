@@ -1,0 +1,161 @@
+"""No orphans: every process a command starts dies with it, kill -9 included.
+
+hivemind forks a DHT child, which starts the ``p2pd`` daemon; neither notices when
+the command's process is killed with SIGKILL, and the daemon keeps listening (with
+SO_REUSEPORT, so a restarted coordinator silently shares its port).
+:func:`start_reaper` starts a small watchdog process (psutil only, no torch or
+hivemind) that remembers the command's descendants while the command lives, and
+terminates those still running once it is gone, however it went.
+:func:`check_listen_ports` refuses a listen address whose port is still taken.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+from multiaddr import Multiaddr
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.2  # how often the watchdog looks at the parent and its descendants
+GRACE_S = 2.0  # SIGTERM, then this long, then SIGKILL
+
+_started: dict[int, subprocess.Popen[bytes]] = {}  # pid of the watched process -> its watchdog
+
+
+class PortTaken(RuntimeError):
+    """A listen address's port is in use by another process."""
+
+
+def start_reaper() -> None:
+    """Start this process's watchdog, once per process (a forked child needs its own call)."""
+    me = os.getpid()
+    if me in _started:
+        return
+    root = str(Path(__file__).resolve().parent.parent)
+    path = [root, *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    # its own session: Ctrl-C, a terminal's hangup or a signal to our process group does not
+    # stop it before its job; no inherited fds: a pipe to our caller sees EOF when we die
+    _started[me] = subprocess.Popen(
+        [sys.executable, "-m", "fusionllm.reaper", str(me)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        close_fds=True,
+        start_new_session=True,
+        env=env,
+    )
+    logger.debug("reaper %d watches process %d", _started[me].pid, me)
+
+
+def check_listen_ports(maddrs: list[str]) -> None:
+    """Raise :class:`PortTaken` if a /ip4|ip6/A/tcp/N address (N != 0) cannot be bound now."""
+    for text in maddrs:
+        parts = list(Multiaddr(text).items())
+        if len(parts) < 2 or parts[0][0].name not in ("ip4", "ip6") or parts[1][0].name != "tcp":
+            continue
+        host, port = parts[0][1], int(parts[1][1])
+        if port == 0:
+            continue
+        family = socket.AF_INET if parts[0][0].name == "ip4" else socket.AF_INET6
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                # SO_REUSEADDR: a port in TIME_WAIT is free, a live listener is not (no SO_REUSEPORT)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # as the Go daemon binds
+                s.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise PortTaken(
+                    f"port {port} on {host} is taken (another coordinator, or a p2p daemon left by one that "
+                    f"was killed?); choose another --host-maddrs or stop that process"
+                ) from None
+            logger.debug("could not test %s (%s); the p2p daemon will tell", text, exc)
+
+
+def _parent_alive(parent: psutil.Process, ppid: int) -> bool:
+    if parent.pid == ppid and os.getppid() != ppid:
+        return False  # we were re-parented: our parent has exited
+    try:
+        return parent.is_running() and parent.status() != psutil.STATUS_ZOMBIE  # is_running checks create_time
+    except psutil.Error:
+        return False
+
+
+def _refresh(parent: psutil.Process, seen: dict[int, float], me: int) -> None:
+    """Record the parent's descendants; keep earlier ones that still run (a dead middle re-parents them)."""
+    try:
+        now = {}
+        for p in parent.children(recursive=True):
+            if p.pid != me:
+                now[p.pid] = p.create_time()
+    except psutil.Error:
+        return  # the parent or a child went away mid-scan; the next poll sees
+    for pid, born in seen.items():
+        if pid not in now and _same(pid, born) is not None:
+            now[pid] = born
+    seen.clear()
+    seen.update(now)
+
+
+def _same(pid: int, born: float) -> psutil.Process | None:
+    """The process ``pid`` if it is still the one born at ``born`` and not a zombie."""
+    try:
+        p = psutil.Process(pid)
+        if p.create_time() == born and p.status() != psutil.STATUS_ZOMBIE:
+            return p
+    except psutil.Error:
+        pass
+    return None
+
+
+def _reap(seen: dict[int, float], grace_s: float) -> None:
+    """SIGTERM every recorded process still running, then SIGKILL those left after ``grace_s``."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, grace_s)):
+        alive = [p for pid, born in seen.items() if (p := _same(pid, born)) is not None]
+        for p in alive:
+            try:
+                p.send_signal(sig)  # psutil checks the pid was not reused
+            except psutil.Error:
+                pass
+        deadline = time.monotonic() + wait_s
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+            alive = [p for p in alive if _same(p.pid, seen[p.pid]) is not None]
+        if not alive:
+            return
+
+
+def watch(parent_pid: int, poll_s: float = POLL_S, grace_s: float = GRACE_S) -> None:
+    """Watch ``parent_pid``; once it is gone, end every descendant it had."""
+    me, ppid = os.getpid(), os.getppid()
+    try:
+        parent = psutil.Process(parent_pid)
+    except psutil.Error:
+        return
+    seen: dict[int, float] = {}
+    while _parent_alive(parent, ppid):
+        _refresh(parent, seen, me)
+        time.sleep(poll_s)
+    _reap(seen, grace_s)
+
+
+def main() -> None:
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)  # the parent handles these itself; we outlive it
+    watch(int(sys.argv[1]))
+
+
+if __name__ == "__main__":
+    main()

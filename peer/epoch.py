@@ -1,0 +1,262 @@
+"""One plan epoch on a peer: set up the assigned stage (keep, restore or build
+it), measure the next stage's link, then train steps until the run's last one.
+
+A step is two-phase (see ``coordinator.run``): forward and backward, replica
+averaging, ``StepDone``, and only on the coordinator's ``Commit`` the optimizer
+update. Replica 0 of each stage sends its state (weights and optimizer) every
+``checkpoint_every`` steps and after the last step."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from peer.executor import StageExecutor
+from peer.mailbox import Mailbox
+from protocol import schedule as schedules
+from protocol.codecs import Codec, CodecError, ErrorFeedback
+from protocol.graph import Cut, build_stage, partition, trace
+from protocol.identity import IdentityError, public_key
+from protocol.job import JobSpec
+from protocol.messages import Activations, Assign, Gradients, Ready, ReplicaGrads, State, StepDone
+from protocol.wire import Link
+
+if TYPE_CHECKING:
+    from peer.node import PeerNode
+
+logger = logging.getLogger(__name__)
+
+
+class RunRefused(RuntimeError):
+    """The assignment cannot be served (e.g. a malformed key or codec in it)."""
+
+
+@dataclass
+class HeldStage:
+    """The stage a peer holds across epochs: its executor, which cut and stage it is,
+    and the step whose gradients are complete but not yet committed (if any)."""
+
+    key: tuple[tuple[int, ...], int]
+    ex: StageExecutor
+    pending: int | None = None
+
+
+class EpochRunner:
+    def __init__(self, node: PeerNode, a: Assign, mailbox: Mailbox) -> None:
+        self.node = node
+        self.a = a
+        self.mailbox = mailbox
+        self.job = JobSpec(**a.job)
+        self.cut = Cut(tuple(a.cut))
+        self.k, self.s, self.r = self.cut.num_stages, a.stage, a.replica
+        self.my_mbs = [m for m in range(self.job.micro_batches) if m % len(a.stages[a.stage]) == a.replica]
+        self.timeout = node.config.message_timeout
+        self.codecs: list[Codec] = []
+        self.feedback = ErrorFeedback()
+        self.uploads: list[asyncio.Task[int]] = []  # checkpoint states on their way
+
+    async def run(self) -> None:
+        """Serve the epoch through the run's last step (and its final state)."""
+        self._setup()
+        t0 = time.perf_counter()
+        held = await self._stage()
+        await self._ready(held, time.perf_counter() - t0)
+        await self._links()
+        if self.a.start_step >= self.job.steps and self.r == 0:
+            await self._upload(held, self.job.steps)
+        for step in range(self.a.start_step, self.job.steps):
+            await self._step(held, step)
+        for t in self.uploads:
+            await t
+
+    # ------------------------------------------------------------------ setup
+    def _setup(self) -> None:
+        tp, a = self.node.transport, self.a
+        assert tp is not None and self.node.checks is not None
+        for pid, addrs in a.maddrs.items():
+            tp.learn(pid, addrs)
+        try:
+            for pid, hex_key in a.keys.items():
+                if pid != tp.peer_id:
+                    tp.gate.admit(pid, public_key(hex_key))
+        except IdentityError as exc:
+            raise RunRefused(f"the assignment holds a bad key: {exc}") from None
+        self.node.checks.my_mbs = frozenset(self.my_mbs)
+        self.node.checks.step = a.start_step
+        rates = list(a.link_mbps)  # per boundary; a link is paced the same both ways
+        if self.s < min(self.k - 1, len(rates)):
+            for pid in a.stages[self.s + 1]:
+                tp.set_rate(pid, rates[self.s])
+        if 0 < self.s <= len(rates):
+            for pid in a.stages[self.s - 1]:
+                tp.set_rate(pid, rates[self.s - 1])
+
+    async def _stage(self) -> HeldStage:
+        """The stage's executor holding the state of ``start_step`` (messages.RESTORE_MODES)."""
+        a, node = self.a, self.node
+        key = (tuple(a.cut), a.stage)
+        held = node.held
+        if a.restore == "keep":
+            if held is None or held.key != key:
+                raise RunRefused(f"asked to keep stage {a.stage} of cut {a.cut}, which this peer does not hold")
+            await node.run_compute(self._reconcile, held)
+            return held
+        if a.restore not in ("init", "state"):
+            raise RunRefused(f"unknown restore mode '{a.restore}'")
+        node.held = None
+        ex = await node.run_compute(self._build)
+        if a.restore == "state":
+            inb = await self.mailbox.get("stagestate", self.timeout)
+            if inb.message.stage != a.stage or inb.message.step != a.start_step:
+                raise RunRefused(f"got the state of stage {inb.message.stage} step {inb.message.step}")
+            tensors = dict(zip(inb.message.names, inb.frame.values(node.device), strict=True))
+            try:
+                await node.run_compute(ex.load_state_tensors, tensors)
+            except ValueError as exc:
+                raise RunRefused(f"the stage state does not fit: {exc}") from None
+        elif a.start_step != 0:
+            raise RunRefused(f"initial weights asked for step {a.start_step}")
+        ex.steps_done = a.start_step
+        node.held = HeldStage(key, ex)
+        return node.held
+
+    def _build(self) -> StageExecutor:
+        model = self.job.build_model()
+        module = build_stage(partition(trace(model), self.cut), self.s).to(self.node.device)
+        return StageExecutor(module, self.job.lr, self.s == self.k - 1)
+
+    def _reconcile(self, held: HeldStage) -> None:
+        """Bring a kept stage to ``start_step``: drop a half-done step, or apply the
+        update of a step that was committed while the epoch ended."""
+        start, ex = self.a.start_step, held.ex
+        if ex.steps_done == start:
+            ex.discard_step()
+        elif ex.steps_done == start - 1 and held.pending == start - 1:
+            ex.step()
+        else:
+            raise RunRefused(f"this peer holds the state of step {ex.steps_done}; the plan starts at step {start}")
+        held.pending = None
+
+    async def _ready(self, held: HeldStage, build_s: float) -> None:
+        tp, a = self.node.transport, self.a
+        assert tp is not None and self.node.coordinator is not None
+        next_mbps = {}
+        for pid in a.stages[self.s + 1] if self.s < self.k - 1 else []:
+            next_mbps[pid], _ = await tp.measure_bandwidth(pid, self.node.config.link_probe_bytes, down=False)
+        ready = Ready(a.run_id, self.s, self.r, build_s, next_mbps, a.epoch)
+        await tp.send(self.node.coordinator.peer_id, ready)
+
+    async def _links(self) -> None:
+        plan_msg = (await self.mailbox.get("links", self.timeout)).message
+        try:
+            codecs = [Codec.from_json(c) for c in plan_msg.codecs]
+        except CodecError as exc:
+            raise RunRefused(f"the link plan names a bad codec: {exc}") from None
+        if len(codecs) != self.k - 1:
+            raise RunRefused(f"the link plan has {len(codecs)} codecs for {self.k - 1} boundaries")
+        self.codecs = self.node.checks.codecs = codecs
+
+    # ------------------------------------------------------------------ steps
+    async def _step(self, held: HeldStage, step: int) -> None:
+        node, a = self.node, self.a
+        tp = node.transport
+        assert tp is not None and node.coordinator is not None and node.checks is not None
+        node.checks.step = node.step = step
+        uniform = len({len(p) for p in a.stages}) == 1
+        order = schedules.make(a.schedule if uniform else "gpipe", self.k, len(self.my_mbs))[self.s]
+        sends: list[asyncio.Task[int]] = []
+        losses: dict[str, float] = {}
+        compute_s = 0.0
+        for kind, i in order:
+            t0 = time.perf_counter()
+            if kind == "F":
+                sent = await self._forward(held.ex, step, self.my_mbs[i], losses)
+            else:
+                sent = await self._backward(held.ex, step, self.my_mbs[i])
+            compute_s += time.perf_counter() - t0
+            if sent is not None:
+                sends.append(sent)
+        if len(a.stages[self.s]) > 1:
+            await self._average_replicas(held.ex, step)
+        for t in sends:
+            await t
+        held.pending = step
+        sent, raw = dict(tp.bytes_sent), dict(tp.raw_sent)
+        done = StepDone(a.run_id, step, self.s, self.r, losses, compute_s, sent, raw, a.epoch)
+        await tp.send(node.coordinator.peer_id, done)
+        await self.mailbox.get(("commit", step), self.timeout)
+        await node.run_compute(held.ex.step)
+        held.pending = None
+        every = a.checkpoint_every
+        if self.r == 0 and (step + 1 == self.job.steps or (every and (step + 1) % every == 0)):
+            await self._upload(held, step + 1)
+
+    async def _forward(self, ex: StageExecutor, step: int, mb: int, losses: dict[str, float]) -> Any:
+        node, a = self.node, self.a
+        tp = node.transport
+        assert tp is not None
+        inb = await self.mailbox.get(("act", step, mb), self.timeout)
+        out = await node.run_compute(ex.forward, mb, inb.frame.values(node.device))
+        if self.s == self.k - 1:
+            losses[str(mb)] = float(out)
+            return None
+        dest = a.stages[self.s + 1][mb % len(a.stages[self.s + 1])]
+        msg = Activations(a.run_id, step, mb, self.s + 1, a.epoch)
+        return asyncio.create_task(tp.send(dest, msg, list(out), Link(self.codecs[self.s].forward)))
+
+    async def _backward(self, ex: StageExecutor, step: int, mb: int) -> Any:
+        node, a = self.node, self.a
+        tp = node.transport
+        assert tp is not None
+        grad_out = None
+        if self.s < self.k - 1:
+            grad_out = (await self.mailbox.get(("grad", step, mb), self.timeout)).frame.values(node.device)
+        grads = await node.run_compute(ex.backward, mb, grad_out, self.job.micro_batches)
+        if self.s == 0:
+            return None
+        dest = a.stages[self.s - 1][mb % len(a.stages[self.s - 1])]
+        # stochastic rounding of gradients: seeded by run, stage, replica and step (reproducible, also
+        # when a step is redone in a later epoch)
+        rounding = torch.Generator().manual_seed(hash((self.job.seed, self.s, self.r, step)) & (2**62 - 1))
+        link = Link(self.codecs[self.s - 1].backward, self.feedback, dest, rounding)
+        return asyncio.create_task(tp.send(dest, Gradients(a.run_id, step, mb, self.s - 1, a.epoch), grads, link))
+
+    async def _average_replicas(self, ex: StageExecutor, step: int) -> None:
+        """Sum the replicas' gradients (each is already divided by the total micro-batch
+        count) in replica order, so every replica applies the same update."""
+        tp, a = self.node.transport, self.a
+        assert tp is not None
+        params = dict(ex.module.named_parameters())
+        names = sorted(n for n, p in params.items() if p.grad is not None)
+        mine = [params[n].grad for n in names]
+        for other, pid in enumerate(a.stages[self.s]):
+            if other != self.r:
+                await tp.send(pid, ReplicaGrads(a.run_id, step, self.s, self.r, names, a.epoch), mine)
+        total: dict[str, torch.Tensor] = {}
+        for other in range(len(a.stages[self.s])):
+            if other == self.r:
+                got = dict(zip(names, mine, strict=True))
+            else:
+                inb = await self.mailbox.get(("rgrad", step, other), self.timeout)
+                got = dict(zip(inb.message.names, inb.frame.values(self.node.device), strict=True))
+            for n, g in got.items():
+                total[n] = g.clone() if n not in total else total[n] + g
+        for n, g in total.items():
+            params[n].grad = g
+
+    async def _upload(self, held: HeldStage, step: int) -> None:
+        """Send the stage's state after ``step`` steps to the coordinator in the
+        background (the snapshot is a copy, so training goes on meanwhile)."""
+        node, a = self.node, self.a
+        assert node.transport is not None and node.coordinator is not None
+        state = await node.run_compute(held.ex.state_tensors)
+        names = sorted(state)
+        msg = State(a.run_id, self.s, names, a.epoch, step, True)
+        send = node.transport.send(node.coordinator.peer_id, msg, [state[n] for n in names])
+        self.uploads = [t for t in self.uploads if not t.done()]
+        self.uploads.append(asyncio.create_task(send))

@@ -1,0 +1,175 @@
+"""Real coordinator and peer processes for integration tests: their output read
+on a thread (so a pipe never fills), their descendants (DHT child, p2p daemon)
+recorded by PID, and everything killed at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+import psutil
+
+from tests.conftest import ROOT
+
+SMALL = ["--model-args", "n_layer=2,n_embd=64,n_head=4"]
+
+
+class Proc:
+    """One ``fusionllm`` process, its output lines, and every PID it ever started."""
+
+    def __init__(self, *args: str) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        self.args = args
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "fusionllm", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+            env=env,
+            start_new_session=True,
+        )
+        self.lines: list[str] = []
+        self.pids: set[int] = {self.popen.pid}
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    @property
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+    def note_children(self) -> None:
+        """Remember the process's descendants now (to check later that they died)."""
+        try:
+            self.pids |= {c.pid for c in psutil.Process(self.popen.pid).children(recursive=True)}
+        except psutil.NoSuchProcess:
+            pass
+
+    def wait_line(self, pattern: str, timeout: float = 90.0) -> re.Match[str]:
+        """Bounded wait for an output line matching ``pattern``."""
+        deadline = time.monotonic() + timeout
+        seen = 0
+        while time.monotonic() < deadline:
+            while seen < len(self.lines):
+                m = re.search(pattern, self.lines[seen])
+                seen += 1
+                if m:
+                    return m
+            if self.popen.poll() is not None and seen >= len(self.lines):
+                self._reader.join(2)
+                if seen >= len(self.lines):
+                    break
+            time.sleep(0.05)
+        raise AssertionError(f"no line matching {pattern!r} within {timeout:.0f} s:\n{self.output[-3000:]}")
+
+    def wait(self, timeout: float) -> int:
+        code = self.popen.wait(timeout)
+        self._reader.join(5)
+        return code
+
+    def signal(self, sig: int) -> None:
+        self.note_children()
+        os.kill(self.popen.pid, sig)
+
+    def kill_all(self) -> None:
+        self.note_children()
+        for pid in self.pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            self.popen.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def alive(pids: set[int]) -> set[int]:
+    out = set()
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.add(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def wait_gone(pids: set[int], timeout: float = 15.0) -> set[int]:
+    """Bounded wait for ``pids`` to exit; returns those still alive."""
+    deadline = time.monotonic() + timeout
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive(pids)
+
+
+def api(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url + "api/v1/state", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def wait_for(url: str, check: Callable[[dict[str, Any]], bool], timeout: float = 120.0) -> dict[str, Any]:
+    """Bounded wait until the coordinator's status API satisfies ``check``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = api(url)
+        if check(state):
+            return state
+        assert time.monotonic() < deadline, f"status never satisfied the check: {json.dumps(state)[:2000]}"
+        time.sleep(0.1)
+
+
+class Swarm:
+    """A coordinator and ``peers`` joined peers; ``close`` kills what is left."""
+
+    def __init__(self, tmp: Any, coordinator_args: list[str], peers: int) -> None:
+        self.tmp = tmp
+        self.coord_args = ["coordinator", *coordinator_args, "--identity", str(tmp / "c.key"), "--status-port", "0"]
+        self.procs: list[Proc] = []
+        self.coord = self.start_coordinator()
+        self.join_args = self.coord.wait_line(r"^\s+fusionllm join (.*)$").group(1).split()
+        self.url = self.coord.wait_line(r"^status page: (\S+)").group(1)
+        self.peers = {}
+        for i in range(peers):
+            self.add_peer(i)
+
+    def start_coordinator(self, *extra: str) -> Proc:
+        proc = Proc(*self.coord_args, *extra)
+        self.procs.append(proc)
+        return proc
+
+    def add_peer(self, i: int) -> str:
+        p = Proc("join", *self.join_args, "--threads", "1", "--identity", str(self.tmp / f"p{i}.key"))
+        self.procs.append(p)
+        pid = p.wait_line(r"joined run '.*' as (\w+)").group(1)
+        self.peers[pid] = p
+        return pid
+
+    def serving(self, state: dict[str, Any]) -> dict[str, tuple[int, int]]:
+        """Peer id -> (stage, replica) of the peers serving now."""
+        return {p["id"]: (p["stage"], p["replica"]) for p in state["peers"] if p.get("state") == "serving"}
+
+    def note_children(self) -> None:
+        for p in self.procs:
+            p.note_children()
+
+    def all_pids(self) -> set[int]:
+        return {pid for p in self.procs for pid in p.pids}
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.kill_all()

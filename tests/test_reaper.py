@@ -1,0 +1,203 @@
+"""No orphans: kill -9 of a command takes its DHT child, p2pd and every other descendant with it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from fusionllm.reaper import POLL_S, PortTaken, check_listen_ports
+from tests.conftest import ROOT, run_cli
+from tests.test_swarm import _join_command, _spawn
+
+SMALL = ["--model-args", "n_layer=2,n_embd=64,n_head=4"]
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    return psutil.Process(pid).children(recursive=True)
+
+
+def _running(p: psutil.Process) -> bool:
+    """Still the same process (psutil compares create_time) and not a zombie."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _all_gone(procs: list[psutil.Process], timeout: float = 10.0) -> list[psutil.Process]:
+    """Bounded wait for every process in ``procs`` to exit; returns those still running."""
+    deadline = time.monotonic() + timeout
+    alive = procs
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [p for p in alive if _running(p)]
+    return alive
+
+
+def _kill_all(procs: list[psutil.Process]) -> None:
+    """Cleanup by PID, whatever a test left (psutil checks the PID was not reused)."""
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
+def _kill9(proc: subprocess.Popen[str]) -> None:
+    """kill -9 this one process (not its group), as a crash or the OOM killer would."""
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+
+
+def _tree(proc: subprocess.Popen[str]) -> list[psutil.Process]:
+    """The command's descendants: hivemind's DHT child (a fork of the command), p2pd, the reaper."""
+    kids = _descendants(proc.pid)
+    names = [" ".join(p.cmdline()) for p in kids]
+    assert any(p.name() == "p2pd" for p in kids), names
+    assert any("fusionllm.reaper" in n for n in names), names
+    assert any(p.ppid() == proc.pid and p.name() != "p2pd" and "fusionllm.reaper" not in n for p, n in zip(kids, names))
+    # the watchdog snapshots every POLL_S: a process born within a poll of a kill -9 could escape it
+    time.sleep(3 * POLL_S)
+    return kids
+
+
+def _readline_until(proc: subprocess.Popen[str], prefix: str, timeout: float = 60.0) -> str:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith(prefix):
+            return line
+        assert line or proc.poll() is None, f"exited before printing '{prefix}'"
+    raise AssertionError(f"never printed '{prefix}'")
+
+
+def _coordinator(tmp_path: Path) -> subprocess.Popen[str]:
+    return _spawn(
+        "coordinator",
+        "--min-peers",
+        "5",
+        "--steps",
+        "10",
+        *SMALL,
+        "--identity",
+        str(tmp_path / "c.key"),
+        "--status-port",
+        "0",
+    )
+
+
+def test_kill9_coordinator_leaves_no_process(tmp_path: Path) -> None:
+    coord = _coordinator(tmp_path)
+    kids: list[psutil.Process] = []
+    try:
+        _join_command(coord)
+        kids = _tree(coord)
+        _kill9(coord)
+        left = _all_gone(kids)
+        assert not left, [" ".join(p.cmdline()) for p in left]
+    finally:
+        _kill_all(kids)
+        if coord.poll() is None:
+            _kill9(coord)
+
+
+def test_kill9_join_leaves_no_process_and_the_coordinator_runs_on(tmp_path: Path) -> None:
+    coord = _coordinator(tmp_path)
+    peer: subprocess.Popen[str] | None = None
+    coord_kids: list[psutil.Process] = []
+    kids: list[psutil.Process] = []
+    try:
+        join_args = _join_command(coord)
+        coord_kids = _descendants(coord.pid)
+        peer = _spawn("join", *join_args, "--threads", "1", "--identity", str(tmp_path / "p.key"))
+        _readline_until(peer, "joined run")
+        kids = _tree(peer)
+        _kill9(peer)
+        left = _all_gone(kids)
+        assert not left, [" ".join(p.cmdline()) for p in left]
+        assert coord.poll() is None and all(_running(p) for p in coord_kids), "the coordinator was hit too"
+        _kill9(coord)
+        assert not _all_gone(coord_kids)
+    finally:
+        _kill_all([*kids, *coord_kids])
+        for proc in (peer, coord):
+            if proc is not None and proc.poll() is None:
+                _kill9(proc)
+
+
+def test_coordinator_refuses_a_taken_port(tmp_path: Path) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        r = run_cli(
+            "coordinator",
+            "--host-maddrs",
+            f"/ip4/127.0.0.1/tcp/{port}",
+            "--identity",
+            str(tmp_path / "c.key"),
+            "--status-port",
+            "0",
+            timeout=60,
+        )
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"port {port} on 127.0.0.1 is taken" in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_check_listen_ports_lets_free_and_time_wait_ports_pass() -> None:
+    with socket.socket() as server:
+        # as Go's listeners (p2pd's) do; a TIME_WAIT socket lets a new bind through only if it had it too
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        with pytest.raises(PortTaken, match=f"port {port} "):
+            check_listen_ports(["/ip4/0.0.0.0/tcp/1", f"/ip4/127.0.0.1/tcp/{port}/p2p/" + "12D3KooW" + "A" * 44])
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            conn, _ = server.accept()
+            conn.close()  # the server's side closes first: its port lingers in TIME_WAIT
+            assert client.recv(1) == b""
+    # the listener is closed, the port only in TIME_WAIT; port 0 and other transports are not checked
+    waiting = [c for c in psutil.net_connections("tcp4") if c.laddr and c.laddr.port == port]
+    assert any(c.status == psutil.CONN_TIME_WAIT for c in waiting), waiting
+    check_listen_ports([f"/ip4/127.0.0.1/tcp/{port}", "/ip4/127.0.0.1/tcp/0", "/ip4/127.0.0.1/udp/9/quic"])
+
+
+def test_reaper_ends_the_children_of_a_killed_parent() -> None:
+    script = (
+        "import subprocess, sys, time\n"
+        "from fusionllm.reaper import start_reaper\n"
+        "start_reaper(); start_reaper()\n"  # once per process
+        "subprocess.Popen(['sleep', '1000'])\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(1000)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
+    kids: list[psutil.Process] = []
+    try:
+        _readline_until(parent, "ready", timeout=30)
+        kids = _descendants(parent.pid)
+        names = sorted(" ".join(p.cmdline()) for p in kids)
+        assert len(names) == 2 and "fusionllm.reaper" in names[0] and names[1] == "sleep 1000", names
+        time.sleep(3 * POLL_S)  # one snapshot of the watchdog at least
+        _kill9(parent)
+        assert not _all_gone(kids, timeout=5.0)
+        assert parent.stdout is not None and parent.stdout.read() == "", "the pipe saw EOF: nobody else holds it"
+    finally:
+        _kill_all(kids)
+        if parent.poll() is None:
+            _kill9(parent)
