@@ -17,6 +17,10 @@ uncompressed validation loss (20 held-out batches) for ``auto``, the codec the
 swarm picks for slow links; ``per_seed`` lists every run. ``slow_link_bytes_ratio``
 is the smallest over seeds of the slow link's tensor bytes over its bytes on the
 wire. Prints one JSON object.
+
+``--short`` runs the same three swarms for the test suite: one seed (unless
+``--seeds`` says otherwise), 6 steps, a 2-layer GPT of width 64 (``steps`` and
+the losses are then those of the short run).
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from protocol.job import JobSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 300
+SHORT_STEPS = 6
+SHORT_MODEL_ARGS = "n_layer=2,n_embd=64,n_head=4"
 SLOW_MBPS = 10.0
 #: pinned so the slow link carries at least 10x fewer bytes (left to themselves, at
 #: 10 Mbit/s AdaTopK keeps about 14% and auto picks a rank near 20: 7-9x fewer)
@@ -57,31 +63,49 @@ class Run:
     cut: list[int]
 
 
-def _demo(out: Path, seed: int, flags: tuple[str, ...]) -> Run:
-    """One demo run: its validation loss, the slow link's traffic, and its cut."""
+def _demo(out: Path, job: JobSpec, flags: tuple[str, ...]) -> Run:
+    """One demo run of ``job``: its validation loss, the slow link's traffic, and its cut."""
     ckpt = out / "model.safetensors"
-    cmd = [sys.executable, "-m", "fusionllm", "demo", "--peers", "3", "--steps", str(STEPS), "--seed", str(seed)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "fusionllm",
+        "demo",
+        "--peers",
+        "3",
+        "--steps",
+        str(job.steps),
+        "--seed",
+        str(job.seed),
+    ]
+    if job.model_args:
+        cmd += ["--model-args", job.model_args]
     proc = subprocess.run([*cmd, "--save", str(ckpt), *flags], capture_output=True, text=True, cwd=ROOT, timeout=1200)
     if proc.returncode != 0:
         raise SystemExit(f"demo {' '.join(flags)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     m = re.search(r"boundary 1 \(.*?\): (\S+), ([\d.]+) MB on the wire .*? ratio ([\d.]+)x", proc.stdout)
     cut = re.search(r"^cut (\[.*?\])", proc.stdout, re.M)
     assert m and cut, proc.stdout[-3000:]
-    loss = validation_loss(JobSpec(steps=STEPS, seed=seed), ckpt)
+    loss = validation_loss(job, ckpt)
     return Run(round(loss, 4), m.group(1), float(m.group(2)), float(m.group(3)), json.loads(cut.group(1)))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 (default 3)")
-    seeds = list(range(ap.parse_args().seeds))
+    ap.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (default 3, 1 with --short)")
+    ap.add_argument("--short", action="store_true", help="a quick run of the same paths (for the test suite)")
+    args = ap.parse_args()
+    seeds = list(range(args.seeds if args.seeds is not None else 1 if args.short else 3))
+    steps = SHORT_STEPS if args.short else STEPS
+    model_args = SHORT_MODEL_ARGS if args.short else ""
     runs: dict[str, list[Run]] = {name: [] for name in RUNS}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in seeds:
+            job = JobSpec(steps=steps, seed=seed, model_args=model_args)
             for name, flags in RUNS.items():
                 out = Path(tmp) / f"{name}-{seed}"
                 out.mkdir()
-                runs[name].append(_demo(out, seed, flags))
+                runs[name].append(_demo(out, job, flags))
 
     def ratios(name: str) -> list[float]:
         return [round(r.val_loss / p.val_loss, 4) for r, p in zip(runs[name], runs["plain"], strict=True)]
@@ -90,10 +114,11 @@ def main() -> None:
         return round(statistics.mean(r.val_loss for r in runs[name]), 4)
 
     auto, topk = ratios("auto"), ratios("adatopk")
+    short = {"short": True} if args.short else {}
     print(
         json.dumps(
             {
-                "steps": STEPS,
+                "steps": steps,
                 "seeds": len(seeds),
                 "uncompressed_val_loss": mean_loss("plain"),
                 "auto_val_loss": mean_loss("auto"),
@@ -120,6 +145,7 @@ def main() -> None:
                     }
                     for i, s in enumerate(seeds)
                 ],
+                **short,
             }
         )
     )

@@ -403,6 +403,7 @@ class Driver:
 
     async def _release(self) -> None:
         st = self.st
+        self.coord.adverts = await self.coord.live_adverts()  # standby peers that came (back) since
         for p in st.planned | set(self._standby()):
             await self._send_quietly(p, Finish(self.cfg.run_id, False, st.epoch))
         for p in st.planned:

@@ -46,10 +46,18 @@ class PlanChecks:
             if a.specs:
                 match_values(env.values, a.specs[s + 1], self._codec(s, "backward"), gradients=True)
         elif env.kind == "rgrad":
-            peers = [p for p in a.stages[s] if p != self.peer_id]
+            group = a.stages[s]
             # a faster replica may already be one step ahead
-            if sender not in peers or env.stage != s or env.step not in (self.step, self.step + 1):
-                raise Rejected(Reject.UNEXPECTED, f"replica gradients for stage {env.stage} step {env.step}")
+            if (
+                sender not in group
+                or sender == self.peer_id
+                or env.stage != s
+                or env.step not in (self.step, self.step + 1)
+                or env.mb % len(group) != group.index(sender)
+            ):
+                raise Rejected(
+                    Reject.UNEXPECTED, f"replica gradients for stage {env.stage} step {env.step} micro-batch {env.mb}"
+                )
         else:
             raise Rejected(Reject.UNEXPECTED, f"{env.kind} from {sender}")
 

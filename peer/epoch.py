@@ -59,6 +59,7 @@ class EpochRunner:
         self.codecs: list[Codec] = []
         self.feedback = ErrorFeedback()
         self.uploads: list[asyncio.Task[int]] = []  # checkpoint states on their way
+        self.mb_grads: dict[int, dict[str, torch.Tensor]] = {}  # replicated stages: own gradients per micro-batch
 
     async def run(self) -> None:
         """Serve the epoch through the run's last step (and its final state)."""
@@ -216,7 +217,15 @@ class EpochRunner:
         grad_out = None
         if self.s < self.k - 1:
             grad_out = (await self.mailbox.get(("grad", step, mb), self.timeout)).frame.values(node.device)
-        grads = await node.run_compute(ex.backward, mb, grad_out, self.job.micro_batches)
+        replicated = len(a.stages[self.s]) > 1
+        grads, own = await node.run_compute(_backward, ex, mb, grad_out, self.job.micro_batches, replicated)
+        if own is not None:
+            self.mb_grads[mb] = own
+            names = sorted(own)
+            for other, pid in enumerate(a.stages[self.s]):
+                if other != self.r:
+                    msg = ReplicaGrads(a.run_id, step, self.s, self.r, names, epoch=a.epoch, mb=mb)
+                    await tp.send(pid, msg, [own[n] for n in names])
         if self.s == 0:
             return None
         dest = a.stages[self.s - 1][mb % len(a.stages[self.s - 1])]
@@ -227,27 +236,23 @@ class EpochRunner:
         return asyncio.create_task(tp.send(dest, Gradients(a.run_id, step, mb, self.s - 1, a.epoch), grads, link))
 
     async def _average_replicas(self, ex: StageExecutor, step: int) -> None:
-        """Sum the replicas' gradients (each is already divided by the total micro-batch
-        count) in replica order, so every replica applies the same update."""
-        tp, a = self.node.transport, self.a
-        assert tp is not None
-        params = dict(ex.module.named_parameters())
-        names = sorted(n for n, p in params.items() if p.grad is not None)
-        mine = [params[n].grad for n in names]
-        for other, pid in enumerate(a.stages[self.s]):
-            if other != self.r:
-                await tp.send(pid, ReplicaGrads(a.run_id, step, self.s, self.r, names, a.epoch), mine)
-        total: dict[str, torch.Tensor] = {}
-        for other in range(len(a.stages[self.s])):
-            if other == self.r:
-                got = dict(zip(names, mine, strict=True))
+        """Sum every micro-batch's parameter gradients (each already divided by the
+        micro-batch count; this replica's and those its replicas sent) in
+        micro-batch order: the additions one process's autograd makes, so replicas
+        change nothing in the result, bit for bit."""
+        per_mb: list[dict[str, torch.Tensor]] = []
+        for mb in range(self.job.micro_batches):
+            if mb in self.mb_grads:
+                per_mb.append(self.mb_grads.pop(mb))
             else:
-                inb = await self.mailbox.get(("rgrad", step, other), self.timeout)
-                got = dict(zip(inb.message.names, inb.frame.values(self.node.device), strict=True))
-            for n, g in got.items():
-                total[n] = g.clone() if n not in total else total[n] + g
-        for n, g in total.items():
-            params[n].grad = g
+                inb = await self.mailbox.get(("rgrad", step, mb), self.timeout)
+                per_mb.append(dict(zip(inb.message.names, inb.frame.values(self.node.device), strict=True)))
+        params = dict(ex.module.named_parameters())
+        for grads in per_mb:
+            for name, g in grads.items():
+                if name not in params or g.shape != params[name].shape:
+                    raise RunRefused(f"a replica sent a gradient for '{name[:80]}' that this stage does not have")
+        await self.node.run_compute(_sum_in_order, ex, per_mb)
 
     async def _upload(self, held: HeldStage, step: int) -> None:
         """Send the stage's state after ``step`` steps to the coordinator in the
@@ -260,3 +265,32 @@ class EpochRunner:
         send = node.transport.send(node.coordinator.peer_id, msg, [state[n] for n in names])
         self.uploads = [t for t in self.uploads if not t.done()]
         self.uploads.append(asyncio.create_task(send))
+
+
+def _backward(
+    ex: StageExecutor, mb: int, grad_out: Any, divisor: int, split: bool
+) -> tuple[list[torch.Tensor | None], dict[str, torch.Tensor] | None]:
+    """Backward of one micro-batch; with ``split``, its parameter gradients are taken
+    out (and the parameters' ``.grad`` cleared) to be summed in order later."""
+    grads = ex.backward(mb, grad_out, divisor)
+    if not split:
+        return grads, None
+    own = {}
+    for name, p in ex.module.named_parameters():
+        if p.grad is not None:
+            own[name] = p.grad
+            p.grad = None
+    return grads, own
+
+
+def _sum_in_order(ex: StageExecutor, per_mb: list[dict[str, torch.Tensor]]) -> None:
+    params = dict(ex.module.named_parameters())
+    total: dict[str, torch.Tensor] = {}
+    for grads in per_mb:
+        for name, g in grads.items():
+            if name not in total:
+                total[name] = g.clone()
+            else:
+                total[name] += g
+    for name, g in total.items():
+        params[name].grad = g

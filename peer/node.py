@@ -216,7 +216,7 @@ class PeerNode:
             elif isinstance(msg, Gradients):
                 self.mailbox.put(("grad", msg.step, msg.mb), inbound)
             elif isinstance(msg, ReplicaGrads):
-                self.mailbox.put(("rgrad", msg.step, msg.replica), inbound)
+                self.mailbox.put(("rgrad", msg.step, msg.mb), inbound)
             else:
                 logger.warning("unexpected %s from %s", msg.KIND, inbound.sender)
 
@@ -293,6 +293,9 @@ class PeerNode:
             await self._report_failure(str(exc), exc.peer_id)
         except (RunRefused, asyncio.TimeoutError) as exc:
             await self._report_failure(str(exc) or "timed out waiting for a message")
+        except Exception as exc:  # anything else this peer cannot go on with: the coordinator re-plans
+            logger.exception("the epoch failed")
+            await self._report_failure(f"{type(exc).__name__}: {exc}")
 
     async def _stop_epoch(self) -> None:
         """Cancel the running epoch and wait for its compute to finish (the stage's

@@ -190,7 +190,9 @@ class Gradients(Message):
 
 @dataclass(frozen=True)
 class ReplicaGrads(Message):
-    """One replica's summed parameter gradients of a step, by parameter name."""
+    """One replica's parameter gradients of one micro-batch of a step, by parameter
+    name: replicas sum every micro-batch's gradients in micro-batch order, as
+    autograd does in one process, so a replicated stage stays bitwise exact."""
 
     KIND: ClassVar[str] = "rgrad"
     run_id: str
@@ -199,6 +201,7 @@ class ReplicaGrads(Message):
     replica: int
     names: list[str]
     epoch: int = 0
+    mb: int = 0
 
 
 @dataclass(frozen=True)

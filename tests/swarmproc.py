@@ -39,6 +39,8 @@ class Proc:
             start_new_session=True,
         )
         self.lines: list[str] = []
+        self.times: list[float] = []  # time.monotonic() when each line was read
+        self.last_time = 0.0
         self.pids: set[int] = {self.popen.pid}
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -46,6 +48,7 @@ class Proc:
     def _read(self) -> None:
         assert self.popen.stdout is not None
         for line in self.popen.stdout:
+            self.times.append(time.monotonic())
             self.lines.append(line.rstrip("\n"))
 
     @property
@@ -60,7 +63,7 @@ class Proc:
             pass
 
     def wait_line(self, pattern: str, timeout: float = 90.0) -> re.Match[str]:
-        """Bounded wait for an output line matching ``pattern``."""
+        """Bounded wait for an output line matching ``pattern``; ``last_time`` is when it was read."""
         deadline = time.monotonic() + timeout
         seen = 0
         while time.monotonic() < deadline:
@@ -68,6 +71,7 @@ class Proc:
                 m = re.search(pattern, self.lines[seen])
                 seen += 1
                 if m:
+                    self.last_time = self.times[seen - 1]
                     return m
             if self.popen.poll() is not None and seen >= len(self.lines):
                 self._reader.join(2)
@@ -122,7 +126,9 @@ def api(url: str) -> dict[str, Any]:
         return json.loads(r.read())
 
 
-def wait_for(url: str, check: Callable[[dict[str, Any]], bool], timeout: float = 120.0) -> dict[str, Any]:
+def wait_for(
+    url: str, check: Callable[[dict[str, Any]], bool], timeout: float = 120.0, poll: float = 0.1
+) -> dict[str, Any]:
     """Bounded wait until the coordinator's status API satisfies ``check``."""
     deadline = time.monotonic() + timeout
     while True:
@@ -130,7 +136,7 @@ def wait_for(url: str, check: Callable[[dict[str, Any]], bool], timeout: float =
         if check(state):
             return state
         assert time.monotonic() < deadline, f"status never satisfied the check: {json.dumps(state)[:2000]}"
-        time.sleep(0.1)
+        time.sleep(poll)
 
 
 class Swarm:
@@ -138,6 +144,7 @@ class Swarm:
 
     def __init__(self, tmp: Any, coordinator_args: list[str], peers: int) -> None:
         self.tmp = tmp
+        tmp.mkdir(parents=True, exist_ok=True)
         self.coord_args = ["coordinator", *coordinator_args, "--identity", str(tmp / "c.key"), "--status-port", "0"]
         self.procs: list[Proc] = []
         self.coord = self.start_coordinator()

@@ -1,54 +1,156 @@
-"""The coordinator's inbox discipline, without a network: only the peers it awaits
-may answer, and only the last stage's losses count."""
+"""The coordinator's driver without a network: only the peers it awaits may answer,
+a reported failure is pinned on the peer that failed, silent peers count as
+stalled, and a recovery picks replicas, standby peers or a re-plan (with a
+rollback to the last checkpoint) as the pure re-plan module says."""
 
 from __future__ import annotations
 
 import asyncio
+import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
+from coordinator import replan
 from coordinator.assign import Assignment
-from coordinator.swarm import Coordinator, CoordinatorConfig, SwarmError
+from coordinator.checkpoint import RunDir
+from coordinator.run import Driver, PeerLost
+from coordinator.swarm import Coordinator, CoordinatorConfig
 from protocol.graph import Cut
 from protocol.job import JobSpec
-from protocol.messages import PeerFailure, StepDone
+from protocol.messages import Advert, PeerFailure, StepDone
 from protocol.transport import Inbound
 from protocol.wire import Frame
 
+JOB = JobSpec(model_args="n_layer=2,n_embd=64,n_head=4", steps=50)
 
-def _coordinator() -> Coordinator:
-    coord = Coordinator(CoordinatorConfig(job=JobSpec(), run_id="r", status=False))
-    coord.transport = SimpleNamespace(inbox=asyncio.Queue())  # type: ignore[assignment]
-    coord._assignment = Assignment(Cut((5,)), [["p0"], ["p1"]])
-    return coord
+
+def _advert(pid: str, flops: float = 1e10) -> Advert:
+    return Advert(pid, [], "cpu", flops, 1 << 30, 100.0, 100.0, "2", 1, time.time() + 60)
+
+
+def _driver(tmp_path: Path, stages: list[list[str]], reachable: bool = False) -> Driver:
+    coord = Coordinator(CoordinatorConfig(job=JOB, run_id="r", status=False, checkpoint_every=10))
+    coord.transport = SimpleNamespace(inbox=asyncio.Queue(), forget=lambda p: None)  # type: ignore[assignment]
+    peers = {p for g in stages for p in g}
+
+    async def is_reachable(peer: str, timeout: float = 2.0) -> bool:
+        return reachable
+
+    async def live() -> dict[str, Advert]:
+        return dict(coord.adverts)
+
+    coord.reachable = is_reachable  # type: ignore[method-assign]
+    coord.live_adverts = live  # type: ignore[method-assign]
+    coord.adverts = {p: _advert(p) for p in peers}
+    run_dir = RunDir(tmp_path / "run").open()
+    driver = Driver(coord, JOB.build_model(), run_dir)
+    driver.st.plan = Assignment(Cut((40,) if len(stages) == 2 else (30, 60)), stages)
+    driver.st.dispatched = True
+    return driver
 
 
 def _inbound(sender: str, message: object) -> Inbound:
     return Inbound(sender, message, Frame({"values": []}, memoryview(b"")))  # type: ignore[arg-type]
 
 
-def test_only_awaited_peers_answer() -> None:
+def test_only_awaited_peers_answer(tmp_path: Path) -> None:
     async def go() -> None:
-        coord = _coordinator()
-        inbox = coord.transport.inbox  # type: ignore[union-attr]
-        forged = StepDone("r", 0, 1, 0, {"0": 0.001})
-        await inbox.put(_inbound("intruder", forged))  # admitted by a hello, but not in the plan
-        await inbox.put(_inbound("p0", StepDone("r", 0, 0, 0)))  # in the plan, already answered
+        driver = _driver(tmp_path, [["p0"], ["p1"]])
+        inbox = driver.coord.transport.inbox  # type: ignore[union-attr]
+        await inbox.put(_inbound("intruder", StepDone("r", 0, 1, 0, {"0": 0.001})))  # admitted, not planned
+        await inbox.put(_inbound("p0", StepDone("r", 0, 0, 0)))  # planned, already answered
+        await inbox.put(_inbound("p1", StepDone("r", 0, 1, 0, {"0": 9.9}, epoch=7)))  # another epoch
         await inbox.put(_inbound("p1", StepDone("r", 0, 1, 0, {"0": 2.5})))
-        got = await coord._next((StepDone,), 5, {"p1"})
+        got = await driver._next((StepDone,), {"p1"})
         assert got.sender == "p1" and got.message.losses == {"0": 2.5}
 
     asyncio.run(go())
 
 
-def test_failure_of_a_planned_peer_stops_the_run_and_strangers_are_ignored() -> None:
+@pytest.mark.parametrize(("reachable", "blamed"), [(False, "p1"), (True, "p0")])
+def test_a_reported_failure_names_the_peer_that_failed(tmp_path: Path, reachable: bool, blamed: str) -> None:
+    """p0 cannot reach p1: p1 is lost if the coordinator cannot reach it either, else p0."""
+
     async def go() -> None:
-        coord = _coordinator()
-        inbox = coord.transport.inbox  # type: ignore[union-attr]
-        await inbox.put(_inbound("intruder", PeerFailure("r", 0, "made up")))
-        await inbox.put(_inbound("p0", PeerFailure("r", 0, "next stage unreachable")))
-        with pytest.raises(SwarmError, match="p0 \\(stage 0, replica 0\\) failed: next stage unreachable"):
-            await coord._next((StepDone,), 5, {"p1"})
+        driver = _driver(tmp_path, [["p0"], ["p1"]], reachable)
+        inbox = driver.coord.transport.inbox  # type: ignore[union-attr]
+        await inbox.put(_inbound("intruder", PeerFailure("r", 0, "made up", 0, "p0")))
+        await inbox.put(_inbound("p0", PeerFailure("r", 0, "stream to peer p1 broke", 0, "p1")))
+        with pytest.raises(PeerLost) as info:
+            await driver._next((StepDone,), {"p1"})
+        assert list(info.value.lost) == [blamed]
+        assert "stream to peer p1 broke" in info.value.lost[blamed]
 
     asyncio.run(go())
+
+
+def test_a_silent_peer_counts_as_stalled(tmp_path: Path) -> None:
+    async def go() -> None:
+        driver = _driver(tmp_path, [["p0"], ["p1"]])
+        driver.cfg.stall_floor_s = 0.3
+        driver.st.last_heard = {"p0": time.monotonic() + 60, "p1": time.monotonic()}
+        with pytest.raises(PeerLost, match="p1: stalled: silent for"):
+            await driver._next((StepDone,), {"p0", "p1"})
+
+    asyncio.run(go())
+
+
+def test_stall_bound_follows_measured_step_times() -> None:
+    assert replan.stall_seconds([], 8.0) == 8.0
+    assert replan.stall_seconds([0.05] * 20, 8.0) == 8.0
+    assert replan.stall_seconds([2.0] * 20, 8.0) == 20.0
+
+
+def test_recovery_kinds() -> None:
+    stages = [["a", "b"], ["c"]]
+    assert replan.recover(stages, {"b"}, ["s"]) == replan.Recovery("replicas", [["a"], ["c"]], False, [])
+    assert replan.recover(stages, {"c"}, ["s", "t"]) == replan.Recovery(
+        "standby", [["a", "b"], ["s"]], True, [(1, "c", "s")]
+    )
+    assert replan.recover(stages, {"c"}, []).kind == "replan"
+    assert replan.recover(stages, {"a", "b", "c"}, ["s"]).kind == "replan"
+
+
+def _recover(driver: Driver, lost: dict[str, str]) -> None:
+    asyncio.run(driver._recover(lost))
+
+
+def test_recover_with_replicas_keeps_state(tmp_path: Path) -> None:
+    driver = _driver(tmp_path, [["p0", "p1"], ["p2"]])
+    driver.st.step = 17
+    _recover(driver, {"p1": "its connection dropped"})
+    st = driver.st
+    assert st.epoch == 1 and st.step == 17 and st.restore == "keep" and not st.dispatched
+    assert st.plan is not None and st.plan.stages == [["p0"], ["p2"]]
+
+
+def _with_checkpoint(driver: Driver, step: int) -> None:
+    stages = [{"w": torch.zeros(1)} for _ in range(2)]
+    driver.st.checkpoint = driver.run_dir.save_checkpoint(step, 0, stages, {"cut": [40]})
+
+
+def test_recover_with_standby_rolls_back(tmp_path: Path) -> None:
+    driver = _driver(tmp_path, [["p0"], ["p1"]])
+    driver.coord.adverts["s"] = _advert("s", 5e9)
+    _with_checkpoint(driver, 10)
+    driver.st.step, driver.st.losses = 17, [1.0] * 17
+    _recover(driver, {"p1": "stalled"})
+    st = driver.st
+    assert st.plan is not None and st.plan.stages == [["p0"], ["s"]]
+    assert (st.step, st.restore, st.redone, len(st.losses)) == (10, "state", 7, 10)
+
+
+def test_recover_without_standby_replans_or_stops(tmp_path: Path) -> None:
+    from coordinator.swarm import SwarmError
+
+    driver = _driver(tmp_path, [["p0"], ["p1"], ["p2"]])
+    driver.st.step = 5
+    _recover(driver, {"p1": "gone"})
+    st = driver.st
+    assert st.plan is not None and sorted(p for g in st.plan.stages for p in g) == ["p0", "p2"]
+    assert (st.step, st.restore) == (0, "init"), "no checkpoint yet: back to the initial weights"
+    with pytest.raises(SwarmError, match="the run cannot go on: no peers are left; no checkpoint was written"):
+        _recover(driver, {"p0": "gone", "p2": "gone"})

@@ -90,6 +90,8 @@ def _coordinator(tmp_path: Path) -> subprocess.Popen[str]:
         *SMALL,
         "--identity",
         str(tmp_path / "c.key"),
+        "--run-dir",
+        str(tmp_path / "run"),
         "--status-port",
         "0",
     )

@@ -1,0 +1,110 @@
+"""What losing a peer costs: a 4-peer loopback run (4 stages, no replicas, no
+standby) whose stage-2 peer is killed with SIGKILL mid-run. Measures the time from
+the kill to the coordinator naming the dead peer (detect_s) and to the next
+finished step (resume_s), the steps redone after the rollback, whether the final
+weights equal ``fusionllm train --reference`` (same seed, steps and threads), and
+what checkpoints cost: the median step time of runs with checkpoints at the
+default interval over runs without (only the final one), alternated in one
+process so the machine's noise hits both. Prints one JSON object."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from coordinator.swarm import DEFAULT_CHECKPOINT_EVERY  # noqa: E402
+from fusionllm.local import compare_checkpoints  # noqa: E402
+from tests.conftest import run_cli  # noqa: E402
+from tests.swarmproc import SMALL, Swarm, wait_for, wait_gone  # noqa: E402
+
+
+def _args(tmp: Path, steps: int, every: int) -> list[str]:
+    return ["--steps", str(steps), "--seed", "0", *SMALL, "--min-peers", "4", "--stages", "4",
+            "--checkpoint-every", str(every), "--save", str(tmp / "swarm.safetensors"),
+            "--run-dir", str(tmp / "run")]  # fmt: skip
+
+
+def _kill_run(tmp: Path, steps: int) -> dict[str, float | int | bool]:
+    swarm = Swarm(tmp, _args(tmp, steps, DEFAULT_CHECKPOINT_EVERY), peers=4)
+    try:
+        state = wait_for(swarm.url, lambda s: s["training"]["step"] >= steps // 2, 300)
+        victim = next(p["id"] for p in state["peers"] if p.get("state") == "serving" and p["stage"] == 2)
+        killed = time.monotonic()
+        swarm.peers[victim].signal(signal.SIGKILL)
+        swarm.coord.wait_line(rf"peer {victim} \(stage 2, replica 0\) failed", 60)
+        detect_s = swarm.coord.last_time - killed
+        m = swarm.coord.wait_line(
+            r"rolling back to (?:the checkpoint of step (\d+)|the initial weights) \((\d+) steps", 60
+        )
+        back_to, redone = int(m.group(1) or 0), int(m.group(2))
+        wait_for(swarm.url, lambda s: s["recovery"]["epoch"] >= 1 and s["training"]["step"] > back_to, 120, 0.02)
+        resume_s = time.monotonic() - killed
+        swarm.note_children()
+        code = swarm.coord.wait(600)
+        assert code == 0, swarm.coord.output[-3000:]
+        ref = tmp / "reference.safetensors"
+        r = run_cli("train", "--reference", "--threads", "1", "--steps", str(steps), "--seed", "0", *SMALL,
+                    "--save", str(ref))  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        equal = compare_checkpoints(tmp / "swarm.safetensors", ref) <= 1e-5
+        for p in swarm.procs:
+            if p.popen.poll() is None:
+                p.wait(60)
+        left = wait_gone(swarm.all_pids())
+    finally:
+        swarm.close()
+    return {"detect_s": round(detect_s, 2), "resume_s": round(resume_s, 2), "steps_redone": redone,
+            "equal_to_reference": equal, "processes_left": len(left)}  # fmt: skip
+
+
+def _step_seconds(tmp: Path, steps: int, every: int) -> float:
+    """Median seconds per step of a clean run (from the coordinator's summary)."""
+    swarm = Swarm(tmp, _args(tmp, steps, every), peers=4)
+    try:
+        wait_for(swarm.url, lambda s: s["training"]["step"] >= 1, 300)
+        code = swarm.coord.wait(600)
+        assert code == 0, swarm.coord.output[-3000:]
+        m = re.search(r"measured ([\d.]+) ms \(median\)", swarm.coord.output)
+        assert m, swarm.coord.output[-2000:]
+    finally:
+        swarm.close()
+    return float(m.group(1)) / 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--short", action="store_true", help="a shorter run (the test suite's)")
+    args = parser.parse_args()
+    steps, rounds = (60, 1) if args.short else (300, 3)
+    with tempfile.TemporaryDirectory(prefix="fusionllm-elastic-") as d:
+        tmp = Path(d)
+        result = _kill_run(tmp / "kill", steps)
+        with_ckpt, without = [], []
+        for i in range(rounds):  # alternated, so both see the same machine
+            with_ckpt.append(_step_seconds(tmp / f"w{i}", steps, DEFAULT_CHECKPOINT_EVERY))
+            without.append(_step_seconds(tmp / f"n{i}", steps, 0))
+    out = {
+        "steps": steps,
+        **result,
+        "checkpoint_every": DEFAULT_CHECKPOINT_EVERY,
+        "step_s_with_checkpoints": round(statistics.median(with_ckpt), 5),
+        "step_s_without": round(statistics.median(without), 5),
+        "checkpoint_overhead": round(statistics.median(with_ckpt) / statistics.median(without), 3),
+    }
+    if args.short:
+        out["short"] = True
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
