@@ -3,9 +3,9 @@ standby) whose stage-2 peer is killed with SIGKILL mid-run. Measures the time fr
 the kill to the coordinator naming the dead peer (detect_s) and to the next
 finished step (resume_s), the steps redone after the rollback, whether the final
 weights equal ``fusionllm train --reference`` (same seed, steps and threads), and
-what checkpoints cost: the median step time of runs with checkpoints at the
-default interval over runs without (only the final one), alternated in one
-process so the machine's noise hits both. Prints one JSON object."""
+what checkpoints cost: the mean step time (from tokens/s) of runs with checkpoints
+at the default (automatic) interval over runs without (only the final one),
+alternated in one process so the machine's noise hits both. Prints one JSON object."""
 
 from __future__ import annotations
 
@@ -22,22 +22,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from coordinator.swarm import DEFAULT_CHECKPOINT_EVERY  # noqa: E402
 from fusionllm.local import compare_checkpoints  # noqa: E402
 from tests.conftest import run_cli  # noqa: E402
 from tests.swarmproc import SMALL, Swarm, wait_for, wait_gone  # noqa: E402
 
 
-def _args(tmp: Path, steps: int, every: int) -> list[str]:
-    return ["--steps", str(steps), "--seed", "0", *SMALL, "--min-peers", "4", "--stages", "4",
-            "--checkpoint-every", str(every), "--save", str(tmp / "swarm.safetensors"),
-            "--run-dir", str(tmp / "run")]  # fmt: skip
+def _args(tmp: Path, steps: int, every: int | None) -> list[str]:
+    every_flag = [] if every is None else ["--checkpoint-every", str(every)]
+    return ["--steps", str(steps), "--seed", "0", *SMALL, "--min-peers", "4", "--stages", "4", *every_flag,
+            "--save", str(tmp / "swarm.safetensors"), "--run-dir", str(tmp / "run")]  # fmt: skip
 
 
 def _kill_run(tmp: Path, steps: int) -> dict[str, float | int | bool]:
-    swarm = Swarm(tmp, _args(tmp, steps, DEFAULT_CHECKPOINT_EVERY), peers=4)
+    swarm = Swarm(tmp, _args(tmp, steps, None), peers=4)
     try:
-        state = wait_for(swarm.url, lambda s: s["training"]["step"] >= steps // 2, 300)
+        state = wait_for(swarm.url, lambda s: s["training"]["step"] >= steps * 3 // 4, 300)
         victim = next(p["id"] for p in state["peers"] if p.get("state") == "serving" and p["stage"] == 2)
         killed = time.monotonic()
         swarm.peers[victim].signal(signal.SIGKILL)
@@ -67,39 +66,44 @@ def _kill_run(tmp: Path, steps: int) -> dict[str, float | int | bool]:
             "equal_to_reference": equal, "processes_left": len(left)}  # fmt: skip
 
 
-def _step_seconds(tmp: Path, steps: int, every: int) -> float:
-    """Median seconds per step of a clean run (from the coordinator's summary)."""
+def _tokens_per_s(tmp: Path, steps: int, every: int | None) -> tuple[float, int]:
+    """Tokens per second of a clean run (over all its steps, from the coordinator's
+    summary: the inverse of the mean step time), and how many checkpoints it wrote
+    before the final one."""
     swarm = Swarm(tmp, _args(tmp, steps, every), peers=4)
     try:
         wait_for(swarm.url, lambda s: s["training"]["step"] >= 1, 300)
         code = swarm.coord.wait(600)
         assert code == 0, swarm.coord.output[-3000:]
-        m = re.search(r"measured ([\d.]+) ms \(median\)", swarm.coord.output)
-        assert m, swarm.coord.output[-2000:]
+        m = re.search(r"over (\d+) steps in \d+ s, ([\d,]+) tokens/s", swarm.coord.output)
+        n = re.search(r"(\d+) checkpoints", swarm.coord.output)
+        assert m and n, swarm.coord.output[-2000:]
     finally:
         swarm.close()
-    return float(m.group(1)) / 1e3
+    return float(m.group(2).replace(",", "")), int(n.group(1)) - 1
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--short", action="store_true", help="a shorter run (the test suite's)")
     args = parser.parse_args()
-    steps, rounds = (60, 1) if args.short else (300, 3)
+    steps, rounds = (60, 1) if args.short else (600, 3)
     with tempfile.TemporaryDirectory(prefix="fusionllm-elastic-") as d:
         tmp = Path(d)
         result = _kill_run(tmp / "kill", steps)
-        with_ckpt, without = [], []
+        with_ckpt, without, written = [], [], []
         for i in range(rounds):  # alternated, so both see the same machine
-            with_ckpt.append(_step_seconds(tmp / f"w{i}", steps, DEFAULT_CHECKPOINT_EVERY))
-            without.append(_step_seconds(tmp / f"n{i}", steps, 0))
+            rate, n = _tokens_per_s(tmp / f"w{i}", steps, None)
+            with_ckpt.append(rate)
+            written.append(n)
+            without.append(_tokens_per_s(tmp / f"n{i}", steps, 0)[0])
     out = {
         "steps": steps,
         **result,
-        "checkpoint_every": DEFAULT_CHECKPOINT_EVERY,
-        "step_s_with_checkpoints": round(statistics.median(with_ckpt), 5),
-        "step_s_without": round(statistics.median(without), 5),
-        "checkpoint_overhead": round(statistics.median(with_ckpt) / statistics.median(without), 3),
+        "checkpoints_per_run": statistics.median(written),
+        "tokens_per_s_with_checkpoints": round(statistics.median(with_ckpt)),
+        "tokens_per_s_without": round(statistics.median(without)),
+        "checkpoint_overhead": round(statistics.median(without) / statistics.median(with_ckpt), 3),
     }
     if args.short:
         out["short"] = True

@@ -60,6 +60,24 @@ def recover(stages: list[list[str]], lost: set[str], standby: list[str]) -> Reco
     return Recovery("standby", left, True, taken)
 
 
+#: with automatic checkpoints, training time between two is this many times what one costs
+#: (so checkpoints take about 2% of the run, and a rollback redoes at most that much time)
+CHECKPOINT_COST_FACTOR = 50
+#: what a checkpoint is assumed to cost before one was measured
+CHECKPOINT_COST_GUESS_S = 0.2
+
+
+def checkpoint_due(step: int, last: int, every: int | None, trained_s: float, cost_s: float | None) -> bool:
+    """Whether to checkpoint after ``step`` steps, the last checkpoint being after
+    ``last``: every ``every`` steps when set (0: never before the end), else when
+    ``trained_s`` seconds of training since the last one reach ``CHECKPOINT_COST_FACTOR``
+    times the measured cost of one."""
+    if every is not None:
+        return every > 0 and step % every == 0
+    cost = CHECKPOINT_COST_GUESS_S if cost_s is None else cost_s
+    return step > last and trained_s >= CHECKPOINT_COST_FACTOR * cost
+
+
 def stall_seconds(step_seconds: list[float], floor: float, factor: float = 10.0) -> float:
     """How long a planned peer may stay silent before it counts as stalled: ``factor``
     times the median measured step time, never less than ``floor`` seconds."""

@@ -94,6 +94,10 @@ class RunState:
     parts: dict[tuple[int, int], dict[int, dict[str, torch.Tensor]]] = field(default_factory=dict)
     writes: list[asyncio.Task[None]] = field(default_factory=list)
     checkpoint_s: list[float] = field(default_factory=list)
+    trained_s: float = 0.0  # seconds of steps so far (redone ones too)
+    trained_at_checkpoint: float = 0.0  # trained_s when the last checkpoint was asked for
+    checkpoint_cost_s: float | None = None  # measured: asked for -> written
+    asked_at: dict[int, float] = field(default_factory=dict)  # step -> when its checkpoint was asked for
     tokens: int = 0
     redone: int = 0
 
@@ -255,7 +259,6 @@ class Driver:
             epoch=st.epoch,
             start_step=st.step,
             restore=st.restore,
-            checkpoint_every=cfg.checkpoint_every,
         )
 
     async def _await_ready(self) -> None:
@@ -314,10 +317,12 @@ class Driver:
         st.step += 1
         st.losses.append(losses)
         self.run_dir.record_loss(step, losses)
+        checkpoint = self._checkpoint_due()
         for p in st.planned:
-            await self._send(p, Commit(cfg.run_id, step, st.epoch))
+            await self._send(p, Commit(cfg.run_id, step, st.epoch, checkpoint))
         seconds = time.perf_counter() - t0
         st.step_seconds.append(seconds)
+        st.trained_s += seconds
         st.tokens += batch[0].numel()
         self.coord.board.step_done(step, losses, seconds, batch[0].numel(), self.coord.traffic(st))
         if self.on_step:
@@ -345,6 +350,20 @@ class Driver:
         return sum(step_losses.values()) / micro_batches
 
     # ------------------------------------------------------------------ checkpoint
+    def _checkpoint_due(self) -> bool:
+        """Whether the step just committed is checkpointed (``replan.checkpoint_due``);
+        the last step always is (peers send it unasked)."""
+        st = self.st
+        if st.step >= self.job.steps:
+            return False
+        last = st.checkpoint.step if st.checkpoint else 0
+        due = replan.checkpoint_due(
+            st.step, last, self.cfg.checkpoint_every, st.trained_s - st.trained_at_checkpoint, st.checkpoint_cost_s
+        )
+        if due:
+            st.trained_at_checkpoint, st.asked_at[st.step] = st.trained_s, time.perf_counter()
+        return due
+
     def _take_part(self, inbound: Inbound) -> None:
         """A stage's checkpoint state arrived; write the checkpoint once every stage's has."""
         st, msg = self.st, inbound.message
@@ -371,6 +390,9 @@ class Driver:
         )
         seconds = time.perf_counter() - t0
         st.checkpoint_s.append(seconds)
+        asked = st.asked_at.pop(step, None)
+        if asked is not None:  # what a checkpoint costs, from the commit that asked for it to written
+            st.checkpoint_cost_s = time.perf_counter() - asked
         if st.checkpoint is None or saved.step >= st.checkpoint.step:
             st.checkpoint = saved
         self.coord.board.checkpoint(step, str(saved.path), seconds, saved.nbytes)
@@ -445,6 +467,7 @@ class Driver:
             st.restore, st.reason = "keep", "lost replicas dropped; the survivors hold the state"
             self.on_event(f"epoch {st.epoch + 1}: stages keep their surviving replicas, no rollback")
         st.parts.clear()
+        st.asked_at.clear()
         st.plan, st.epoch, st.dispatched = new_plan, st.epoch + 1, False
 
     async def _rollback(self, kind: str) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -32,12 +33,11 @@ from protocol.job import JobSpec
 from protocol.messages import Abort, Advert, CoordinatorRecord, Message, dht_key
 from protocol.transport import PeerUnreachable, Transport
 
+#: the longest a DHT store or get may take. DHT calls are awaited as futures, never run on
+#: executor threads: a thread blocked on a DHT that shut down kept the event loop from closing
+DHT_TIMEOUT_S = 30.0
 #: what peers may send the coordinator
 _FROM_PEERS = ("hello", "ready", "done", "state", "failure", "beat")
-#: steps between checkpoints unless asked otherwise: at most this much work is redone
-#: after losing a stage that has no replica (see README: what a checkpoint costs)
-DEFAULT_CHECKPOINT_EVERY = 20
-
 logger = logging.getLogger(__name__)
 
 
@@ -65,9 +65,9 @@ class CoordinatorConfig:
     status: bool = True  # serve the status page, /api/v1/state and /metrics
     status_host: str = "127.0.0.1"
     status_port: int | None = None  # None: 8470, or any free port if that is taken
-    run_dir: str | None = None  # checkpoints and run metadata; None: checkpoint.default_run_dir(run_id)
+    run_dir: str | None = None  # checkpoints and run metadata; None: a new folder in checkpoint.default_run_dir(run_id)
     resume: bool = False  # continue the run in run_dir from its last checkpoint
-    checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY
+    checkpoint_every: int | None = None  # None: automatic (replan.checkpoint_due); 0: only the last step
     standby: int = 0  # the slowest N peers of the first plan wait as standby
     stall_floor_s: float = 8.0  # a planned peer silent this long (or 10 median steps, if longer) has stalled
     send_timeout_s: float = 30.0  # a send to a peer that takes longer counts as a lost peer
@@ -175,7 +175,9 @@ class Coordinator:
         """The run directory: new (refusing one that holds another run's checkpoints) or,
         with ``resume``, the one of the same run and job."""
         cfg = self.config
-        path = Path(cfg.run_dir).expanduser() if cfg.run_dir else default_run_dir(cfg.run_id)
+        # by default a new folder per start, so a new run never meets an old one's checkpoints
+        started = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
+        path = Path(cfg.run_dir).expanduser() if cfg.run_dir else default_run_dir(cfg.run_id) / started
         if cfg.resume and not (path / DB_NAME).is_file():
             raise SwarmError(f"--resume {path}: no run there (no {DB_NAME})")
         run_dir = RunDir(path)
@@ -234,7 +236,7 @@ class Coordinator:
         rec = CoordinatorRecord(self.transport.peer_id, self.visible_maddrs, self.config.run_id, expires)
         record = sign_record(self.identity, rec.header())
         key = dht_key(self.config.run_id, "coordinator")
-        await asyncio.get_running_loop().run_in_executor(None, lambda: self.dht.store(key, record, expires))
+        await asyncio.wait_for(self.dht.store(key, record, expires, return_future=True), DHT_TIMEOUT_S)
 
     async def _refresh_record(self) -> None:
         while True:
@@ -249,7 +251,7 @@ class Coordinator:
         peer bound to its libp2p id with its hello, by peer id."""
         assert self.dht is not None
         key = dht_key(self.config.run_id, "adverts")
-        found = await asyncio.get_running_loop().run_in_executor(None, lambda: self.dht.get(key, latest=True))
+        found = await asyncio.wait_for(self.dht.get(key, latest=True, return_future=True), DHT_TIMEOUT_S)
         out: dict[str, Advert] = {}
         if found is None or not isinstance(found.value, dict):
             return out

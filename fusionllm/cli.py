@@ -103,13 +103,15 @@ def _add_swarm_flags(p: argparse.ArgumentParser) -> None:
         type=_natural,
         default=None,
         metavar="N",
-        help="checkpoint every stage's weights and optimizer state every N steps (default: 20; 0: only at the end)",
+        help="checkpoint every stage's weights and optimizer state every N steps (0: only at the end; default: "
+        "automatic, so that checkpoints cost about 2%% of the training time)",
     )
     p.add_argument(
         "--run-dir",
         default=None,
         metavar="DIR",
-        help="where checkpoints and the run's metadata go (default: ~/.fusionllm/runs/RUN; demo: its log folder)",
+        help="where checkpoints and the run's metadata go (default: a new folder in ~/.fusionllm/runs/RUN/; demo: "
+        "in its log folder)",
     )
     p.add_argument("--standby", type=_natural, default=0, metavar="N", help="keep the N slowest peers as standby")
     p.add_argument(

@@ -53,6 +53,8 @@ def _summary(summary: Any, save: str | None) -> str:
         f"loss {first:.4f} -> {last:.4f} (mean of the first and last {k} steps) over {len(summary.losses)} steps "
         f"in {summary.seconds:.0f} s, {summary.tokens / max(summary.seconds, 1e-9):,.0f} tokens/s",
         f"cut {summary.assignment.cut.to_list()}",
+        f"{len(summary.checkpoint_s)} checkpoints, {summary.epochs} plan epochs, {summary.failures} peers lost, "
+        f"{summary.steps_redone} steps redone",
     ]
     for s, group in enumerate(summary.assignment.stages):
         for r, p in enumerate(group):
@@ -81,16 +83,13 @@ def _summary(summary: Any, save: str | None) -> str:
 
 def _recovery_options(args: argparse.Namespace) -> dict[str, Any]:
     """The coordinator's checkpoint, resume and failure-detection settings from the flags."""
-    from coordinator.swarm import DEFAULT_CHECKPOINT_EVERY
-
     resume = getattr(args, "resume", None)
     if resume and args.run_dir and Path(resume).expanduser() != Path(args.run_dir).expanduser():
         raise UsageError(f"--resume {resume} and --run-dir {args.run_dir} name different run directories")
-    every = DEFAULT_CHECKPOINT_EVERY if args.checkpoint_every is None else args.checkpoint_every
     return {
         "run_dir": resume or args.run_dir,
         "resume": bool(resume),
-        "checkpoint_every": every,
+        "checkpoint_every": args.checkpoint_every,
         "standby": args.standby,
         "stall_floor_s": args.stall_timeout,
     }
@@ -135,6 +134,8 @@ async def _coordinate(args: argparse.Namespace, on_ready: Any = None) -> int:
         print(f"coordinator is up; volunteers join with:\n  {coord.join_command()}", flush=True)
         if coord.status is not None:
             print(f"status page: {coord.status.url}", flush=True)
+        if coord.run_dir is not None:
+            print(f"run directory: {coord.run_dir.path} (after a crash: --resume {coord.run_dir.path})", flush=True)
         if on_ready is not None:
             await on_ready(coord)
 
@@ -172,8 +173,6 @@ async def _coordinate(args: argparse.Namespace, on_ready: Any = None) -> int:
             return 1
         if bar is not None:
             bar.close()
-        if coord.run_dir is not None:
-            print(f"checkpoints and run history: {coord.run_dir.path}", flush=True)
         if args.save:
             model.load_state_dict(summary.state, strict=False)
             state = {k: v.detach().cpu().clone().contiguous() for k, v in model.state_dict().items()}

@@ -3,8 +3,8 @@ it), measure the next stage's link, then train steps until the run's last one.
 
 A step is two-phase (see ``coordinator.run``): forward and backward, replica
 averaging, ``StepDone``, and only on the coordinator's ``Commit`` the optimizer
-update. Replica 0 of each stage sends its state (weights and optimizer) every
-``checkpoint_every`` steps and after the last step."""
+update. Replica 0 of each stage sends its state (weights and optimizer) after a
+commit that asks for a checkpoint, and after the last step."""
 
 from __future__ import annotations
 
@@ -190,11 +190,10 @@ class EpochRunner:
         sent, raw = dict(tp.bytes_sent), dict(tp.raw_sent)
         done = StepDone(a.run_id, step, self.s, self.r, losses, compute_s, sent, raw, a.epoch)
         await tp.send(node.coordinator.peer_id, done)
-        await self.mailbox.get(("commit", step), self.timeout)
+        commit = (await self.mailbox.get(("commit", step), self.timeout)).message
         await node.run_compute(held.ex.step)
         held.pending = None
-        every = a.checkpoint_every
-        if self.r == 0 and (step + 1 == self.job.steps or (every and (step + 1) % every == 0)):
+        if self.r == 0 and (commit.checkpoint or step + 1 == self.job.steps):
             await self._upload(held, step + 1)
 
     async def _forward(self, ex: StageExecutor, step: int, mb: int, losses: dict[str, float]) -> Any:

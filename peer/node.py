@@ -44,6 +44,9 @@ from protocol.messages import (
 )
 from protocol.transport import PeerUnreachable, Transport
 
+#: the longest a DHT store or get may take (awaited as futures: see coordinator.swarm)
+DHT_TIMEOUT_S = 30.0
+
 logger = logging.getLogger(__name__)
 
 #: seconds between a serving peer's heartbeats
@@ -155,9 +158,8 @@ class PeerNode:
         assert self.dht is not None
         key = dht_key(self.config.run_id, "coordinator")
         deadline = time.monotonic() + self.config.join_timeout
-        loop = asyncio.get_running_loop()
         while time.monotonic() < deadline:
-            found = await loop.run_in_executor(None, lambda: self.dht.get(key, latest=True))
+            found = await asyncio.wait_for(self.dht.get(key, latest=True, return_future=True), DHT_TIMEOUT_S)
             if found is not None:
                 try:
                     rec = CoordinatorRecord.from_header(found.value)
@@ -175,10 +177,9 @@ class PeerNode:
         expires = get_dht_time() + self.config.advert_ttl
         ad = Advert(**{**self.advert.__dict__, "expires_at": expires})
         record = sign_record(self.identity, ad.header())
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(
-            None,
-            lambda: self.dht.store(dht_key(self.config.run_id, "adverts"), record, expires, subkey=ad.peer_id),
+        key = dht_key(self.config.run_id, "adverts")
+        await asyncio.wait_for(
+            self.dht.store(key, record, expires, subkey=ad.peer_id, return_future=True), DHT_TIMEOUT_S
         )
 
     async def _refresh_adverts(self) -> None:
@@ -398,7 +399,7 @@ class PeerNode:
         """The run's coordinator record in the DHT, if signed by the pinned key and fresh."""
         assert self.dht is not None
         key = dht_key(self.config.run_id, "coordinator")
-        found = await asyncio.get_running_loop().run_in_executor(None, lambda: self.dht.get(key, latest=True))
+        found = await asyncio.wait_for(self.dht.get(key, latest=True, return_future=True), DHT_TIMEOUT_S)
         if found is None:
             return None
         try:

@@ -130,7 +130,6 @@ class Assign(Message):
     epoch: int = 0  # the plan epoch this assignment starts
     start_step: int = 0  # the first step of the epoch: the stage's state must hold the updates of steps before it
     restore: str = "init"  # where that state comes from: RESTORE_MODES
-    checkpoint_every: int = 0  # replica 0 of each stage sends its state after every N-th step (0: never)
 
 
 @dataclass(frozen=True)
@@ -304,6 +303,7 @@ class Commit(Message):
     run_id: str
     step: int
     epoch: int = 0
+    checkpoint: bool = False  # replica 0 of each stage then sends its state (weights and optimizer)
 
 
 @dataclass(frozen=True)

@@ -147,6 +147,8 @@ def test_coordinator_refuses_a_taken_port(tmp_path: Path) -> None:
             f"/ip4/127.0.0.1/tcp/{port}",
             "--identity",
             str(tmp_path / "c.key"),
+            "--run-dir",
+            str(tmp_path / "run"),
             "--status-port",
             "0",
             timeout=60,
