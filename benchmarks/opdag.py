@@ -1,7 +1,7 @@
 """Trace time of the OP-DAG and the cost of training through 4 in-process stages
 against the whole model, measured side by side. Prints one JSON object.
 
-``--short`` runs the same paths smaller, for the test suite: one trace of each
+``--short`` runs the same paths smaller, for the test suite: best of two traces of each
 model, 4 training steps instead of 40, two interleaved rounds instead of three."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class Sizes:
 
 
 FULL = Sizes(traces=3, steps=40, rounds=3, warmup=3)
-SHORT = Sizes(traces=1, steps=4, rounds=2, warmup=1)
+SHORT = Sizes(traces=2, steps=4, rounds=2, warmup=1)
 
 
 def _trace_seconds(job: JobSpec, repeats: int) -> float:

@@ -212,6 +212,7 @@ class Driver:
         self.coord.gate.epoch = st.epoch
         self.run_dir.set_meta("epoch", st.epoch)
         self.run_dir.set_meta("peers", {p: a.maddrs for p, a in self.coord.adverts.items()})
+        board.set_epoch(st.epoch, st.reason)
         board.set_plan(
             [op.flops for op in self.dag.ops],
             self.dag.stage_costs(plan.cut),
@@ -219,7 +220,6 @@ class Driver:
             self.dag.boundary_bytes(plan.cut),
             plan.stages,
         )
-        board.set_epoch(st.epoch, st.reason)
         for p in self._standby():
             board.peer_state(p, "standby")
         now = time.monotonic()
@@ -512,10 +512,16 @@ class Driver:
         take checkpoint parts, heartbeats and failure reports, and watch for dead and
         stalled peers (raising PeerLost). Returns None once ``until()`` holds."""
         assert self.coord.transport is not None
+        deadline = time.monotonic() + self.cfg.step_timeout_s
         while True:
-            self._check_health()
             if until is not None and until():
                 return None
+            self._check_health()
+            if time.monotonic() > deadline:
+                from coordinator.swarm import SwarmError
+
+                waiting = ", ".join(sorted(peers)) or "the last checkpoint"
+                raise SwarmError(f"no progress for {self.cfg.step_timeout_s:.0f} s (waiting for {waiting})")
             try:
                 inbound = await asyncio.wait_for(self.coord.transport.inbox.get(), 0.25)
             except asyncio.TimeoutError:

@@ -31,6 +31,7 @@ from protocol.envelope import Envelope, Gate, Reject, Rejected
 from protocol.identity import Identity, IdentityError, check_record, key_hex, sign_record
 from protocol.job import JobSpec
 from protocol.messages import Abort, Advert, CoordinatorRecord, Message, dht_key
+from protocol.ports import PortTaken, check_listen_ports
 from protocol.transport import PeerUnreachable, Transport
 
 #: the longest a DHT store or get may take. DHT calls are awaited as futures, never run on
@@ -207,8 +208,6 @@ class Coordinator:
         cfg = self.config
         if not cfg.resume or self.run_dir is None:
             return cfg.host_maddrs, cfg.initial_peers
-        from fusionllm.reaper import PortTaken, check_listen_ports
-
         ports = self.run_dir.get_meta("ports", [])
         host = list(cfg.host_maddrs)
         if len(ports) == 1:

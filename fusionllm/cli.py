@@ -307,6 +307,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if not args.verbose:  # hivemind logs its own INFO lines (identity files, bootstrap) through its own handler
+        logging.getLogger("hivemind").setLevel(logging.WARNING)
     from fusionllm import commands, plan_cmds, swarm_cmds
     from protocol.graph import CutError, TraceFailure
     from protocol.job import SpecError

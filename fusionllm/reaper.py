@@ -11,18 +11,15 @@ terminates those still running once it is gone, however it went.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import psutil
-from multiaddr import Multiaddr
 
 logger = logging.getLogger(__name__)
 
@@ -30,10 +27,6 @@ POLL_S = 0.2  # how often the watchdog looks at the parent and its descendants
 GRACE_S = 2.0  # SIGTERM, then this long, then SIGKILL
 
 _started: dict[int, subprocess.Popen[bytes]] = {}  # pid of the watched process -> its watchdog
-
-
-class PortTaken(RuntimeError):
-    """A listen address's port is in use by another process."""
 
 
 def start_reaper() -> None:
@@ -56,32 +49,6 @@ def start_reaper() -> None:
         env=env,
     )
     logger.debug("reaper %d watches process %d", _started[me].pid, me)
-
-
-def check_listen_ports(maddrs: list[str]) -> None:
-    """Raise :class:`PortTaken` if a /ip4|ip6/A/tcp/N address (N != 0) cannot be bound now."""
-    for text in maddrs:
-        parts = list(Multiaddr(text).items())
-        if len(parts) < 2 or parts[0][0].name not in ("ip4", "ip6") or parts[1][0].name != "tcp":
-            continue
-        host, port = parts[0][1], int(parts[1][1])
-        if port == 0:
-            continue
-        family = socket.AF_INET if parts[0][0].name == "ip4" else socket.AF_INET6
-        try:
-            with socket.socket(family, socket.SOCK_STREAM) as s:
-                # SO_REUSEADDR: a port in TIME_WAIT is free, a live listener is not (no SO_REUSEPORT)
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                if family == socket.AF_INET6:
-                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # as the Go daemon binds
-                s.bind((host, port))
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise PortTaken(
-                    f"port {port} on {host} is taken (another coordinator, or a p2p daemon left by one that "
-                    f"was killed?); choose another --host-maddrs or stop that process"
-                ) from None
-            logger.debug("could not test %s (%s); the p2p daemon will tell", text, exc)
 
 
 def _parent_alive(parent: psutil.Process, ppid: int) -> bool:

@@ -21,7 +21,8 @@ from tqdm import tqdm
 
 from fusionllm.cli import UsageError, job_from_args
 from fusionllm.commands import _clean as clean
-from fusionllm.reaper import PortTaken, check_listen_ports, start_reaper
+from fusionllm.reaper import start_reaper
+from protocol.ports import PortTaken, check_listen_ports
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,9 @@ class PlanChecks:
     def __call__(self, env: Envelope, message: Message, sender: str) -> None:
         a = self.assign
         if env.kind in _FROM_COORDINATOR and sender == self.coordinator:
-            if a is None and env.kind not in ("assign", "abort", "evict", "standby", "finish", "release"):
+            # a stage's state follows its assignment at once: the gate may check it before
+            # the dispatcher has taken the assignment in (the two are in order on one stream)
+            if a is None and env.kind not in ("assign", "stagestate", "abort", "evict", "standby", "finish", "release"):
                 raise Rejected(Reject.UNEXPECTED, f"{env.kind} before an assignment")
             return
         if a is None:

@@ -269,7 +269,7 @@ class PeerNode:
             self.held = None
             self._say(f"epoch {item.message.epoch}: the plan does not use this peer; waiting as standby")
         elif kind == "evict":
-            self.held = None
+            self.held = self.checks.assign = None
             self._say(f"dropped from the run: {item.message.reason}; joining again as a standby peer")
             await self._hello()
         elif kind == "finish":
@@ -333,11 +333,12 @@ class PeerNode:
         await asyncio.wait_for(self.transport.send(self.coordinator.peer_id, hello), 5)
 
     async def _beat(self) -> None:
-        """Heartbeats while serving an epoch: the coordinator's stall detector."""
-        assert self.transport is not None and self.coordinator is not None
+        """Heartbeats while this peer is in the plan (also after its last step, until
+        the run finishes): the coordinator's stall detector."""
+        assert self.transport is not None and self.coordinator is not None and self.checks is not None
         while True:
             await asyncio.sleep(BEAT_S)
-            if self._epoch_task is None:
+            if self.checks.assign is None or self._reattaching:
                 continue
             try:
                 beat = Beat(self.config.run_id, self.step, self.epoch)
@@ -361,11 +362,14 @@ class PeerNode:
                     await asyncio.wait_for(self.transport.connect(cid), 2)
                 down_since = None
             except Exception as exc:
+                logger.debug("the coordinator is unreachable: %s", exc)
                 now = time.monotonic()
                 down_since = down_since or now
                 if now - down_since >= LOST_AFTER_S:
                     self._reattaching = True
-                    self.control.put_nowait(("lost", f"its connection dropped and it cannot be reached: {exc}"))
+                    self.control.put_nowait(
+                        ("lost", f"its connection dropped and it cannot be reached for {now - down_since:.0f} s")
+                    )
 
     async def _reattach(self, reason: str) -> int | None:
         """Wait up to the grace period for the coordinator's record (signed by the
@@ -373,7 +377,7 @@ class PeerNode:
         assert self.transport is not None
         grace = self.config.coordinator_grace
         self._say(f"lost the coordinator ({reason}); waiting up to {grace:.0f} s for it to come back")
-        self.held = None
+        self.held = self.checks.assign = None
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
             try:

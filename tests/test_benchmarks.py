@@ -1,0 +1,156 @@
+"""Every benchmark runs end to end in its short mode and prints one sane JSON object.
+
+Each script runs in a fresh interpreter with ``--short``; its one JSON line must
+have the keys its full mode prints (plus ``"short": true``), every number in it
+finite and non-negative, and the figures that the script's claims rest on
+(rates, times, ratios) in plausible ranges. The values themselves are machine
+noise, never compared with fixed results. A new benchmark is one more line in
+``BENCHMARKS``; a check of its own goes in ``CHECKS``."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: (script in benchmarks/, the top-level keys of its JSON object besides "short")
+BENCHMARKS = [
+    ("codecs.py", {"adatopk_encode_gbps", "adatopk_decode_gbps", "global_topk_gbps", "adatopk_vs_global_topk",
+                   "adatopk_wire_vs_ideal", "fp16_encode_gbps", "int4sr_encode_gbps", "lowrank8_encode_gbps",
+                   "lowrank8_wire_ratio", "sign_verify_ms_4mib", "transfer_ms_4mib",
+                   "sign_verify_fraction_of_transfer", "sign_verify_fraction_of_unsigned_transfer"}),
+    ("convergence.py", {"steps", "seeds", "uncompressed_val_loss", "auto_val_loss", "loss_ratio", "loss_ratio_max",
+                        "slow_link_bytes_ratio", "slow_link_codec", "adatopk_val_loss", "adatopk_loss_ratio",
+                        "adatopk_bytes_ratio", "adatopk_codec", "slow_link_mbps", "per_seed"}),
+    ("opdag.py", {"trace_s_default", "trace_s_24layer", "stages4_vs_reference_steps_ratio"}),
+    ("pipeline.py", {"swarm_tokens_per_s", "reference_tokens_per_s", "swarm_vs_reference", "rad_64mib_mb_per_s",
+                     "tcp_64mib_mb_per_s", "rad_vs_tcp"}),
+    ("scheduler.py", {"testbeds", "plan_s_1000peers_1000ops", "sim_s_10000peers_100iters"}),
+]  # fmt: skip
+
+#: a benchmark run that takes longer than this is a regression of its short mode
+TIMEOUT_S = 240
+
+#: the byte vocabulary's loss of a uniform guess is ln 256 = 5.55; a few steps of
+#: training from random weights stay near it, never far above
+MAX_BYTE_LOSS = 8.0
+
+
+def _numbers(value: Any, where: str = "") -> Iterator[tuple[str, float]]:
+    """Every number in a JSON value, with its path."""
+    if isinstance(value, bool):
+        return
+    if isinstance(value, int | float):
+        yield where, value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _numbers(v, f"{where}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _numbers(v, f"{where}[{i}]")
+
+
+def _positive(out: dict[str, Any], *keys: str) -> None:
+    for key in keys:
+        assert out[key] > 0, (key, out[key])
+
+
+def _codecs(out: dict[str, Any]) -> None:
+    _positive(out, *(k for k in out if k.endswith("_gbps")), "adatopk_vs_global_topk")
+    _positive(out, "sign_verify_ms_4mib", "transfer_ms_4mib")
+    # k values and k indices, one byte each beyond the fp16 value, plus a small head
+    assert 0.9 < out["adatopk_wire_vs_ideal"] < 1.5, out
+    assert out["lowrank8_wire_ratio"] > 4, out  # rank 8 of 128 columns, in fp16
+    # the transfer includes sealing and checking: they are a share of it (with room for noise)
+    assert 0 < out["sign_verify_fraction_of_transfer"] < 1.5, out
+    assert out["sign_verify_fraction_of_unsigned_transfer"] >= out["sign_verify_fraction_of_transfer"], out
+
+
+def _convergence(out: dict[str, Any]) -> None:
+    assert out["steps"] >= 1 and out["seeds"] >= 1, out
+    assert len(out["per_seed"]) == out["seeds"], out
+    for key in ("uncompressed_val_loss", "auto_val_loss", "adatopk_val_loss"):
+        assert 0 < out[key] < MAX_BYTE_LOSS, (key, out)
+    # a few steps compressed or not: nearly the same loss
+    for key in ("loss_ratio", "loss_ratio_max", "adatopk_loss_ratio"):
+        assert 0.5 < out[key] < 2, (key, out)
+    assert out["loss_ratio_max"] >= out["loss_ratio"], out
+    # the slow link is compressed, the fast one left alone
+    assert out["slow_link_codec"] != "none" and out["adatopk_codec"].startswith("adatopk"), out
+    assert out["slow_link_bytes_ratio"] > 1.5 and out["adatopk_bytes_ratio"] > 1.5, out
+    assert out["slow_link_mbps"] > 0, out
+    for row in out["per_seed"]:
+        assert 0 < row["auto_slow_link_mb"] < row["uncompressed_slow_link_mb"], row
+        assert len(row["auto_cut"]) == 2 and row["auto_cut"] == sorted(row["auto_cut"]), row
+
+
+def _opdag(out: dict[str, Any]) -> None:
+    _positive(out, "trace_s_default", "trace_s_24layer")
+    # the same math through 4 in-process stages: within a factor of the whole model
+    assert 0.05 < out["stages4_vs_reference_steps_ratio"] < 20, out
+
+
+def _pipeline(out: dict[str, Any]) -> None:
+    _positive(out, "swarm_tokens_per_s", "reference_tokens_per_s", "rad_64mib_mb_per_s", "tcp_64mib_mb_per_s")
+    assert 0.01 < out["swarm_vs_reference"] < 100, out
+    assert 0 < out["rad_vs_tcp"] < 5, out
+
+
+def _scheduler(out: dict[str, Any]) -> None:
+    _positive(out, "plan_s_1000peers_1000ops", "sim_s_10000peers_100iters")
+    assert set(out["testbeds"]) == {"testbed1", "testbed2", "testbed3"}, out
+    for name, row in out["testbeds"].items():
+        times = {k: v for k, v in row.items() if k.endswith("_s")}
+        assert set(times) == {"opfence_s", "even_s", "compute_s", "random_s"}, row
+        _positive(times, *times)
+        best_baseline = min(v for k, v in times.items() if k != "opfence_s")
+        assert row["speedup_vs_best_baseline"] == pytest.approx(best_baseline / times["opfence_s"], rel=0.01)
+        # the mixed-bandwidth testbeds are where OP-Fence must win
+        assert row["speedup_vs_best_baseline"] >= 1, (name, row)
+
+
+#: checks of one benchmark's figures, by script
+CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "codecs.py": _codecs,
+    "convergence.py": _convergence,
+    "opdag.py": _opdag,
+    "pipeline.py": _pipeline,
+    "scheduler.py": _scheduler,
+}
+
+
+def run_short(script: str) -> dict[str, Any]:
+    """Run ``benchmarks/<script> --short``; its one JSON object."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), "--short"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, f"{script} printed {len(lines)} lines, not one JSON object:\n{proc.stdout[-2000:]}"
+    out = json.loads(lines[0])
+    assert isinstance(out, dict), lines[0]
+    return out
+
+
+@pytest.mark.parametrize(("script", "keys"), BENCHMARKS, ids=[s.removesuffix(".py") for s, _ in BENCHMARKS])
+def test_short_mode(script: str, keys: set[str]) -> None:
+    out = run_short(script)
+    assert set(out) == keys | {"short"}, f"{script}: keys {sorted(set(out) ^ (keys | {'short'}))} differ"
+    assert out["short"] is True
+    for where, x in _numbers(out):
+        assert math.isfinite(x) and x >= 0, f"{script}: {where} = {x}"
+    CHECKS.get(script, lambda _: None)(out)
