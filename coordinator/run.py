@@ -24,7 +24,7 @@ import torch
 
 from coordinator import replan
 from coordinator.assign import Assignment, assign
-from coordinator.checkpoint import CheckpointInfo, RunDir
+from coordinator.checkpoint import CheckpointError, CheckpointInfo, RunDir
 from coordinator.links import boundary_specs
 from coordinator.opdag import build_opdag
 from protocol.codecs import Codec
@@ -60,6 +60,8 @@ logger = logging.getLogger(__name__)
 
 #: the prefix of optimizer-state tensors in a stage's state (``optim/<param>/<key>``)
 OPTIM_PREFIX = "optim/"
+#: the optimizer state AdamW keeps per parameter
+OPTIM_KEYS = ("exp_avg", "exp_avg_sq", "step")
 
 
 class PeerLost(Exception):
@@ -133,6 +135,7 @@ class Driver:
         self.final: dict[str, torch.Tensor] | None = None
         self._final_write: asyncio.Task[None] | None = None
         self._evicted: set[str] = set()
+        self._rejoined: set[str] = set()  # planned peers that said hello again (their stage is gone)
 
     # ------------------------------------------------------------------ the run
     async def run(self, resume: bool, on_peers: Callable[[int], None] | None = None) -> RunState:
@@ -222,11 +225,11 @@ class Driver:
         )
         for p in self._standby():
             board.peer_state(p, "standby")
-        now = time.monotonic()
         for p in st.planned:
-            st.last_heard[p] = now
             tp.learn(p, self.coord.adverts[p].maddrs if p in self.coord.adverts else [])
-        states = self._stage_states(plan.cut) if st.restore == "state" else None
+        states = None
+        if st.restore == "state":
+            states = await asyncio.get_running_loop().run_in_executor(None, self._stage_states, plan.cut)
         for s, group in enumerate(plan.stages):
             for r, p in enumerate(group):
                 await self._send(p, self._assign_msg(s, r))
@@ -235,7 +238,9 @@ class Driver:
                     msg = StageState(cfg.run_id, s, names, st.epoch, st.step)
                     await self._send(p, msg, [states[s][n] for n in names])
         for p in self._standby():
-            await self._send_quietly(p, Standby(cfg.run_id, st.epoch))
+            self._background(self._send_quietly(p, Standby(cfg.run_id, st.epoch)))
+        now = time.monotonic()
+        st.last_heard.update(dict.fromkeys(st.planned, now))
         await self._await_ready()
         st.dispatched = True
 
@@ -276,8 +281,13 @@ class Driver:
 
     def _stage_states(self, cut: Cut) -> list[dict[str, torch.Tensor]]:
         """Each stage's part of the last checkpoint (weights and optimizer state)."""
+        from coordinator.swarm import SwarmError
+
         assert self.st.checkpoint is not None
-        merged = self.run_dir.load(self.st.checkpoint)
+        try:
+            merged = self.run_dir.load(self.st.checkpoint)
+        except CheckpointError as exc:
+            raise SwarmError(f"cannot read the checkpoint of step {self.st.checkpoint.step}: {exc}") from None
         names = self._stage_names(cut)
         return [{n: t for n, t in merged.items() if _owner(n) in own} for own in names]
 
@@ -317,9 +327,6 @@ class Driver:
         st.step += 1
         st.losses.append(losses)
         self.run_dir.record_loss(step, losses)
-        checkpoint = self._checkpoint_due()
-        for p in st.planned:
-            await self._send(p, Commit(cfg.run_id, step, st.epoch, checkpoint))
         seconds = time.perf_counter() - t0
         st.step_seconds.append(seconds)
         st.trained_s += seconds
@@ -327,6 +334,9 @@ class Driver:
         self.coord.board.step_done(step, losses, seconds, batch[0].numel(), self.coord.traffic(st))
         if self.on_step:
             self.on_step(StepReport(step, losses, seconds, batch[0].numel()))
+        checkpoint = self._checkpoint_due()
+        for p in st.planned:
+            await self._send(p, Commit(cfg.run_id, step, st.epoch, checkpoint))
 
     async def _await_done(self, step: int, micro_batches: int) -> float:
         from coordinator.swarm import SwarmError
@@ -368,17 +378,45 @@ class Driver:
         """A stage's checkpoint state arrived; write the checkpoint once every stage's has."""
         st, msg = self.st, inbound.message
         assert st.plan is not None
-        if msg.epoch != st.epoch or inbound.sender != st.plan.stages[msg.stage][0]:
+        k = st.plan.cut.num_stages
+        if msg.epoch != st.epoch or not 0 <= msg.stage < k or inbound.sender != st.plan.stages[msg.stage][0]:
+            return
+        values = inbound.frame.values()
+        problem = self._check_part(msg.stage, msg.names, values)
+        if problem:
+            logger.warning("ignoring the checkpoint state of stage %d from %s: %s", msg.stage, inbound.sender, problem)
             return
         parts = st.parts.setdefault((msg.epoch, msg.step), {})
-        parts[msg.stage] = dict(zip(msg.names, inbound.frame.values(), strict=True))
-        if len(parts) == st.plan.cut.num_stages:
-            del st.parts[(msg.epoch, msg.step)]
-            stages = [parts[s] for s in range(len(parts))]
+        parts[msg.stage] = dict(zip(msg.names, values, strict=True))
+        if len(parts) == k:
+            for key in [key for key in st.parts if key[1] <= msg.step]:  # older incomplete ones too
+                del st.parts[key]
+            stages = [parts[s] for s in range(k)]
             task = asyncio.create_task(self._write(msg.step, stages))
+            task.add_done_callback(_log_failure)
             st.writes.append(task)
             if msg.step >= self.job.steps:
                 self._final_write = task
+
+    def _check_part(self, stage: int, names: list[str], values: list[Any]) -> str:
+        """Why a stage's checkpoint state does not fit the plan ('' if it does): its
+        weights and optimizer entries, by name and shape, and nothing else."""
+        assert self.st.plan is not None
+        own = self._stage_names(self.st.plan.cut)[stage]
+        shapes = {n: t.shape for n, t in self.model.state_dict().items()}
+        if len(names) != len(values) or not all(isinstance(v, torch.Tensor) for v in values):
+            return "names and tensors do not pair up"
+        got = dict(zip(names, values, strict=True))
+        if not own <= set(got):
+            return f"missing {sorted(own - set(got))[:3]}"
+        for name, t in got.items():
+            owner, key = _owner(name), name.rsplit("/", 1)[-1]
+            if owner not in own or (name != owner and key not in OPTIM_KEYS):
+                return f"'{name[:80]}' is not this stage's"
+            want = shapes[owner] if name == owner or key in ("exp_avg", "exp_avg_sq") else torch.Size([])
+            if t.shape != want:
+                return f"'{name[:80]}' has shape {list(t.shape)}, expected {list(want)}"
+        return ""
 
     async def _write(self, step: int, stages: list[dict[str, torch.Tensor]]) -> None:
         st, plan = self.st, self.st.plan
@@ -444,8 +482,14 @@ class Driver:
             board.failure(p, where, why)
             self.on_event(f"peer {p} ({where}) failed: {why}")
             self.coord.transport.forget(p)
-        self.coord.adverts = await self.coord.live_adverts()
+        self.coord.gate.epoch = st.epoch + 1  # frames of the ending epoch are stale from now on
+        live = await self.coord.live_adverts()
+        # planned survivors keep their last advert through a DHT hiccup
+        self.coord.adverts = {**{p: a for p, a in self.coord.adverts.items() if p in st.planned}, **live}
         rec = replan.recover(st.plan.stages, set(st.lost), self._standby())
+        for p in self._rejoined & set(st.lost):
+            self._back(p)
+        self._rejoined.clear()
         if rec.kind == "replan":
             survivors = [a for p, a in self.coord.adverts.items() if p not in st.lost]
             if not survivors:
@@ -463,6 +507,10 @@ class Driver:
             self.on_event(f"standby peer {new} takes stage {s} from {old}")
         if rec.rollback:
             await self._rollback(rec.kind)
+        elif not st.dispatched and st.restore != "keep":
+            # the epoch that was setting up restores state: the next one restores the same
+            st.reason = "lost replicas dropped while the stages were being set up"
+            self.on_event(f"epoch {st.epoch + 1}: stages drop their lost replicas and restore their state again")
         else:
             st.restore, st.reason = "keep", "lost replicas dropped; the survivors hold the state"
             self.on_event(f"epoch {st.epoch + 1}: stages keep their surviving replicas, no rollback")
@@ -516,14 +564,14 @@ class Driver:
         while True:
             if until is not None and until():
                 return None
-            self._check_health()
-            if time.monotonic() > deadline:
-                from coordinator.swarm import SwarmError
-
-                waiting = ", ".join(sorted(peers)) or "the last checkpoint"
-                raise SwarmError(f"no progress for {self.cfg.step_timeout_s:.0f} s (waiting for {waiting})")
+            inbox = self.coord.transport.inbox
+            if inbox.empty():  # health only once what arrived is read: queued beats count
+                self._check_health()
+                if time.monotonic() > deadline:  # alive (beating) but stuck: drop who we wait for
+                    why = f"no progress for {self.cfg.step_timeout_s:.0f} s"
+                    raise PeerLost(dict.fromkeys(peers or self.st.planned, why))
             try:
-                inbound = await asyncio.wait_for(self.coord.transport.inbox.get(), 0.25)
+                inbound = await asyncio.wait_for(inbox.get(), 0.25)
             except asyncio.TimeoutError:
                 continue
             found = await self._take(inbound)
@@ -538,11 +586,11 @@ class Driver:
         if getattr(msg, "run_id", None) != self.cfg.run_id:
             return False
         if isinstance(msg, Hello):
+            if msg.again and sender in st.planned:  # it lost its session with us, and with it its stage
+                self._rejoined.add(sender)
+                raise PeerLost({sender: "it dropped its stage (it lost the coordinator and said hello again)"})
             if sender in st.lost:  # back after a stall, or restarted: a fresh standby peer
-                del st.lost[sender]
-                self._evicted.discard(sender)
-                self.coord.board.peer_state(sender, "standby")
-                self.on_event(f"peer {sender} is back; it waits as standby")
+                self._back(sender)
             return False
         if isinstance(msg, Beat):
             return False
@@ -550,11 +598,25 @@ class Driver:
             logger.warning("ignoring a %s from %s, who is not in the plan", msg.KIND, sender)
             return False
         if isinstance(msg, PeerFailure):
+            if msg.epoch != st.epoch or msg.suspect in st.lost:
+                return False  # about an epoch that already ended, or a peer already dropped
             raise PeerLost(await self._blame(sender, msg))
         if isinstance(msg, State) and msg.checkpoint:
             self._take_part(inbound)
             return False
         return getattr(msg, "epoch", st.epoch) == st.epoch
+
+    def _back(self, peer: str) -> None:
+        """A dropped peer said hello again: it waits as a fresh standby peer."""
+        self.st.lost.pop(peer, None)
+        self._evicted.discard(peer)
+        self.coord.board.peer_state(peer, "standby")
+        self.on_event(f"peer {peer} is back; it waits as standby")
+
+    def _background(self, coro: Any) -> None:
+        """Run ``coro`` on the side; its failure is logged, never lost."""
+        task = asyncio.get_running_loop().create_task(coro)
+        task.add_done_callback(_log_failure)
 
     async def _blame(self, reporter: str, msg: PeerFailure) -> dict[str, str]:
         """A peer reported a failure: the peer it could not reach, if the coordinator
@@ -570,10 +632,12 @@ class Driver:
             raise PeerLost(failed)
         bound = replan.stall_seconds(st.step_seconds, self.cfg.stall_floor_s)
         now = time.monotonic()
+        activity = self.coord.transport.last_activity
+        heard = {p: max(st.last_heard.get(p, now), activity.get(p, 0.0)) for p in st.planned}
         stalled = {
-            p: f"stalled: silent for {now - st.last_heard[p]:.0f} s (limit {bound:.0f} s)"
+            p: f"stalled: silent for {now - heard[p]:.0f} s (limit {bound:.0f} s)"
             for p in st.planned
-            if now - st.last_heard.get(p, now) > bound
+            if now - heard[p] > bound
         }
         if stalled:
             raise PeerLost(stalled)
@@ -603,3 +667,8 @@ class Driver:
 def _owner(name: str) -> str:
     """The weight a checkpoint tensor belongs to (``optim/<param>/<key>`` -> ``<param>``)."""
     return name[len(OPTIM_PREFIX) :].rsplit("/", 1)[0] if name.startswith(OPTIM_PREFIX) else name
+
+
+def _log_failure(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("a background task failed: %s", task.exception())

@@ -35,6 +35,9 @@ class PlanChecks:
         if a is None:
             raise Rejected(Reject.UNEXPECTED, f"{env.kind} from {sender} before an assignment")
         s, k = a.stage, len(a.stages)
+        if env.epoch != a.epoch:
+            code = Reject.STALE_EPOCH if env.epoch < a.epoch else Reject.UNEXPECTED
+            raise Rejected(code, f"{env.kind} of epoch {env.epoch}; this peer serves epoch {a.epoch}")
         if env.kind == "act":
             upstream = [self.coordinator] if s == 0 else a.stages[s - 1]
             self._route(env, sender, upstream, (self.step, self.step + 1))

@@ -96,6 +96,7 @@ class PeerNode:
         self.held: HeldStage | None = None
         self.on_event: Callable[[str], None] | None = None
         self._epoch_task: asyncio.Task[None] | None = None
+        self._task_epoch = -1  # the epoch the running epoch task serves
         self._reattaching = False
 
     # ---------------------------------------------------------------- joining
@@ -208,6 +209,8 @@ class PeerNode:
                 self.control.put_nowait((msg.KIND, inbound))
             elif isinstance(msg, Release):
                 continue
+            elif getattr(msg, "epoch", self.epoch) != self.epoch:
+                logger.info("dropping a %s of epoch %d (this peer is at %d)", msg.KIND, msg.epoch, self.epoch)
             elif isinstance(msg, (LinkPlan, StageState)):
                 self.mailbox.put(msg.KIND, inbound)
             elif isinstance(msg, Commit):
@@ -265,13 +268,17 @@ class PeerNode:
                 f"from step {a.start_step}"
             )
             self._epoch_task = asyncio.create_task(EpochRunner(self, a, self.mailbox).run())
+            self._task_epoch = a.epoch
         elif kind == "standby":
             self.held = None
             self._say(f"epoch {item.message.epoch}: the plan does not use this peer; waiting as standby")
         elif kind == "evict":
             self.held = self.checks.assign = None
             self._say(f"dropped from the run: {item.message.reason}; joining again as a standby peer")
-            await self._hello()
+            try:
+                await self._hello()
+            except (PeerUnreachable, asyncio.TimeoutError) as exc:  # the coordinator watch will tell
+                logger.warning("could not say hello again: %s", exc)
         elif kind == "finish":
             self._say("the run is finished")
             return 0
@@ -291,12 +298,12 @@ class PeerNode:
         try:
             task.result()
         except PeerUnreachable as exc:
-            await self._report_failure(str(exc), exc.peer_id)
+            await self._report_failure(str(exc), exc.peer_id, self._task_epoch)
         except (RunRefused, asyncio.TimeoutError) as exc:
-            await self._report_failure(str(exc) or "timed out waiting for a message")
+            await self._report_failure(str(exc) or "timed out waiting for a message", epoch=self._task_epoch)
         except Exception as exc:  # anything else this peer cannot go on with: the coordinator re-plans
             logger.exception("the epoch failed")
-            await self._report_failure(f"{type(exc).__name__}: {exc}")
+            await self._report_failure(f"{type(exc).__name__}: {exc}", epoch=self._task_epoch)
 
     async def _stop_epoch(self) -> None:
         """Cancel the running epoch and wait for its compute to finish (the stage's
@@ -311,12 +318,12 @@ class PeerNode:
                     raise
             await self.run_compute(lambda: None)
 
-    async def _report_failure(self, reason: str, suspect: str = "") -> None:
+    async def _report_failure(self, reason: str, suspect: str = "", epoch: int = -1) -> None:
         assert self.transport is not None and self.coordinator is not None
         logger.error("%s", reason)
         stage = self.checks.assign.stage if self.checks and self.checks.assign else -1
         try:
-            msg = PeerFailure(self.config.run_id, stage, reason, self.epoch, suspect)
+            msg = PeerFailure(self.config.run_id, stage, reason, epoch, suspect)
             await asyncio.wait_for(self.transport.send(self.coordinator.peer_id, msg), 10)
         except (PeerUnreachable, asyncio.TimeoutError):
             pass
@@ -328,8 +335,9 @@ class PeerNode:
 
     # ---------------------------------------------------------------- the coordinator
     async def _hello(self) -> None:
+        """Say hello again (after an eviction or a lost coordinator): no stage held."""
         assert self.transport is not None and self.coordinator is not None and self.identity is not None
-        hello = Hello(self.config.run_id, self.identity.public_hex)
+        hello = Hello(self.config.run_id, self.identity.public_hex, again=True)
         await asyncio.wait_for(self.transport.send(self.coordinator.peer_id, hello), 5)
 
     async def _beat(self) -> None:
@@ -389,6 +397,8 @@ class PeerNode:
                     self.transport.gate.admit(rec.peer_id, self.coordinator_key)
                     self.transport.learn(rec.peer_id, rec.maddrs)
                     self.transport.forget(rec.peer_id)
+                    # a resumed coordinator continues the epochs, a fresh one starts again at 0
+                    self.epoch = self.transport.gate.epoch = -1
                     await self._hello()
                     self._reattaching = False
                     self._say("the coordinator is back; waiting for a stage")

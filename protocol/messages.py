@@ -151,6 +151,7 @@ class Hello(Message):
     KIND: ClassVar[str] = "hello"
     run_id: str
     pubkey: str
+    again: bool = False  # sent after losing the coordinator or being evicted: the peer holds no stage
 
 
 @dataclass(frozen=True)

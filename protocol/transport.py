@@ -14,6 +14,7 @@ import logging
 import struct
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,6 +113,10 @@ class Transport:
         self._rates: dict[str, float] = {}  # peer id -> bytes/s
         self._pace_locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._free_at: dict[str, float] = defaultdict(float)
+        #: when bytes last arrived from each sender (time.monotonic()): a peer busy sending a
+        #: large frame is not silent, though no whole message of it has arrived yet
+        self.last_activity: dict[str, float] = {}
+        self._laned: set[asyncio.Task[None]] = set()  # frames whose payload is still on the lanes
 
     @property
     def peer_id(self) -> str:
@@ -243,7 +248,7 @@ class Transport:
                 frame_id, lane, size = _LANE_HEAD.unpack(head)
                 if size > self.max_payload or lane >= LANES:
                     raise Rejected(Reject.OVERSIZED, f"lane part of {size} bytes (lane {lane}) is over the limits")
-                data = await reader.readexactly(size)
+                data = await _read_payload(reader, size, lambda: self._active(sender))
                 if (sender, frame_id) in self._dropped:
                     continue  # the frame's signed head was rejected
                 fut = self._lane_future((sender, frame_id, lane))
@@ -260,10 +265,12 @@ class Transport:
         lanes = env.lanes or {}
         sizes = lanes["bytes"]
         keys = [(sender, lanes["id"], i) for i in range(len(sizes))]
+        # two minutes, plus the time the payload takes at 1 Mbit/s
+        limit = 120 + sum(sizes) / 125_000
         try:
-            parts = await asyncio.wait_for(asyncio.gather(*(self._lane_future(k) for k in keys)), 120)
+            parts = await asyncio.wait_for(asyncio.gather(*(self._lane_future(k) for k in keys)), limit)
         except asyncio.TimeoutError:
-            raise Rejected(Reject.TRUNCATED, "lane parts did not arrive within 120 s") from None
+            raise Rejected(Reject.TRUNCATED, f"lane parts did not arrive within {limit:.0f} s") from None
         finally:
             for k in keys:
                 self._lane_parts.pop(k, None)
@@ -287,6 +294,7 @@ class Transport:
                 if hlen > MAX_HEADER_BYTES:
                     raise Rejected(Reject.OVERSIZED, f"header of {hlen} bytes is over {MAX_HEADER_BYTES}")
                 head = first + await reader.readexactly(hlen + SIGNATURE_BYTES)
+                self._active(sender)
                 try:
                     env, message = self.gate.check_head(head, sender)
                 except Rejected as exc:
@@ -299,11 +307,13 @@ class Transport:
                         self._drop_lanes(sender, dropped)
                     await _discard(reader, skip)  # the sender's later frames still count
                     continue
+                if env.lanes is not None:  # joined on the side: later frames need not wait for it
+                    task = asyncio.create_task(self._laned_frame(sender, env, message))
+                    self._laned.add(task)
+                    task.add_done_callback(self._laned.discard)
+                    continue
                 try:
-                    if env.lanes is not None:
-                        payload = await self._join_lanes(sender, env)
-                    else:
-                        payload = await _read_payload(reader, env.payload_bytes)
+                    payload = await _read_payload(reader, env.payload_bytes, lambda: self._active(sender))
                     self.gate.check_payload(env, payload, sender)
                 except Rejected as exc:
                     if exc.code is Reject.TRUNCATED:
@@ -317,6 +327,19 @@ class Transport:
             pass
         finally:
             writer.close()
+
+    def _active(self, sender: str) -> None:
+        self.last_activity[sender] = time.monotonic()
+
+    async def _laned_frame(self, sender: str, env: Envelope, message: Message) -> None:
+        """Wait for a frame's payload on the lane streams, check it, deliver it."""
+        try:
+            payload = await self._join_lanes(sender, env)
+            self.gate.check_payload(env, payload, sender)
+        except Rejected as exc:
+            self.gate.reject(sender, exc)
+            return
+        await self.inbox.put(Inbound(sender, message, Frame({"values": env.values}, payload), env))
 
     async def _handle_bandwidth(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Bandwidth probe: read the upload, acknowledge, then send the requested bytes."""
@@ -371,12 +394,16 @@ class Transport:
         return {info.peer_id.to_base58() for info in await self.p2p.list_peers()}
 
     async def aclose(self) -> None:
+        for task in list(self._laned):
+            task.cancel()
         for _, writer in self._streams.values():  # main and lane streams
             writer.close()
         self._streams.clear()
 
 
-async def _read_payload(reader: asyncio.StreamReader, size: int) -> memoryview:
+async def _read_payload(
+    reader: asyncio.StreamReader, size: int, on_chunk: Callable[[], None] | None = None
+) -> memoryview:
     payload = bytearray(size)
     view = memoryview(payload)
     got = 0
@@ -386,6 +413,8 @@ async def _read_payload(reader: asyncio.StreamReader, size: int) -> memoryview:
             raise Rejected(Reject.TRUNCATED, "stream ended inside a payload")
         view[got : got + len(chunk)] = chunk
         got += len(chunk)
+        if on_chunk is not None:
+            on_chunk()
     return view
 
 

@@ -159,8 +159,8 @@ class Swarm:
         self.procs.append(proc)
         return proc
 
-    def add_peer(self, i: int) -> str:
-        p = Proc("join", *self.join_args, "--threads", "1", "--identity", str(self.tmp / f"p{i}.key"))
+    def add_peer(self, i: int, *extra: str) -> str:
+        p = Proc("join", *self.join_args, "--threads", "1", "--identity", str(self.tmp / f"p{i}.key"), *extra)
         self.procs.append(p)
         pid = p.wait_line(r"joined run '.*' as (\w+)").group(1)
         self.peers[pid] = p

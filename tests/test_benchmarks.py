@@ -35,6 +35,9 @@ BENCHMARKS = [
     ("pipeline.py", {"swarm_tokens_per_s", "reference_tokens_per_s", "swarm_vs_reference", "rad_64mib_mb_per_s",
                      "tcp_64mib_mb_per_s", "rad_vs_tcp"}),
     ("scheduler.py", {"testbeds", "plan_s_1000peers_1000ops", "sim_s_10000peers_100iters"}),
+    ("elastic.py", {"steps", "detect_s", "resume_s", "steps_redone", "equal_to_reference", "processes_left",
+                    "checkpoints_per_run", "tokens_per_s_with_checkpoints", "tokens_per_s_without",
+                    "checkpoint_overhead"}),
 ]  # fmt: skip
 
 #: a benchmark run that takes longer than this is a regression of its short mode
@@ -119,7 +122,17 @@ def _scheduler(out: dict[str, Any]) -> None:
 
 
 #: checks of one benchmark's figures, by script
+def _elastic(out: dict[str, Any]) -> None:
+    assert out["equal_to_reference"] is True and out["processes_left"] == 0, out
+    # the kill is found through the dropped connection, not a timeout; the goals are 3 s and 15 s
+    assert 0 < out["detect_s"] < 10 and out["detect_s"] <= out["resume_s"] < 60, out
+    assert 0 <= out["steps_redone"] <= out["steps"], out
+    _positive(out, "tokens_per_s_with_checkpoints", "tokens_per_s_without")
+    assert 0.5 < out["checkpoint_overhead"] < 2.0, out
+
+
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "elastic.py": _elastic,
     "codecs.py": _codecs,
     "convergence.py": _convergence,
     "opdag.py": _opdag,

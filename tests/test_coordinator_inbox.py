@@ -20,7 +20,7 @@ from coordinator.run import Driver, PeerLost
 from coordinator.swarm import Coordinator, CoordinatorConfig
 from protocol.graph import Cut
 from protocol.job import JobSpec
-from protocol.messages import Advert, PeerFailure, StepDone
+from protocol.messages import Advert, Beat, Hello, PeerFailure, State, StepDone
 from protocol.transport import Inbound
 from protocol.wire import Frame
 
@@ -33,7 +33,9 @@ def _advert(pid: str, flops: float = 1e10) -> Advert:
 
 def _driver(tmp_path: Path, stages: list[list[str]], reachable: bool = False) -> Driver:
     coord = Coordinator(CoordinatorConfig(job=JOB, run_id="r", status=False, checkpoint_every=10))
-    coord.transport = SimpleNamespace(inbox=asyncio.Queue(), forget=lambda p: None)  # type: ignore[assignment]
+    coord.transport = SimpleNamespace(  # type: ignore[assignment]
+        inbox=asyncio.Queue(), forget=lambda p: None, last_activity={}
+    )
     peers = {p for g in stages for p in g}
 
     async def is_reachable(peer: str, timeout: float = 2.0) -> bool:
@@ -154,3 +156,72 @@ def test_recover_without_standby_replans_or_stops(tmp_path: Path) -> None:
     assert (st.step, st.restore) == (0, "init"), "no checkpoint yet: back to the initial weights"
     with pytest.raises(SwarmError, match="the run cannot go on: no peers are left; no checkpoint was written"):
         _recover(driver, {"p0": "gone", "p2": "gone"})
+
+
+def test_queued_heartbeats_count_before_the_stall_check(tmp_path: Path) -> None:
+    """Beats already in the inbox are read before anyone is called stalled (a long
+    pause of the coordinator's own loop must not drop every peer)."""
+
+    async def go() -> None:
+        driver = _driver(tmp_path, [["p0"], ["p1"]])
+        driver.cfg.stall_floor_s = 0.5
+        driver.st.last_heard = {"p0": time.monotonic() - 60, "p1": time.monotonic() - 60}
+        inbox = driver.coord.transport.inbox  # type: ignore[union-attr]
+        await inbox.put(_inbound("p0", Beat("r", 0)))
+        await inbox.put(_inbound("p1", Beat("r", 0)))
+        await inbox.put(_inbound("p1", StepDone("r", 0, 1, 0, {"0": 2.5})))
+        got = await driver._next((StepDone,), {"p1"})
+        assert got.sender == "p1"
+
+    asyncio.run(go())
+
+
+def test_failure_reports_of_an_ended_epoch_are_ignored(tmp_path: Path) -> None:
+    async def go() -> None:
+        driver = _driver(tmp_path, [["p0"], ["p1"]])
+        driver.st.epoch = 3
+        driver.st.lost["gone"] = "dead"
+        inbox = driver.coord.transport.inbox  # type: ignore[union-attr]
+        await inbox.put(_inbound("p0", PeerFailure("r", 0, "old news", 2, "p1")))
+        await inbox.put(_inbound("p0", PeerFailure("r", 0, "already handled", 3, "gone")))
+        await inbox.put(_inbound("p1", StepDone("r", 0, 1, 0, {"0": 2.5}, epoch=3)))
+        assert (await driver._next((StepDone,), {"p1"})).sender == "p1"
+
+    asyncio.run(go())
+
+
+def test_a_planned_peer_saying_hello_again_has_lost_its_stage(tmp_path: Path) -> None:
+    async def go() -> None:
+        driver = _driver(tmp_path, [["p0"], ["p1"]])
+        inbox = driver.coord.transport.inbox  # type: ignore[union-attr]
+        await inbox.put(_inbound("p1", Hello("r", "00" * 32)))  # its first hello, still queued: nothing lost
+        await inbox.put(_inbound("p1", Hello("r", "00" * 32, again=True)))
+        with pytest.raises(PeerLost, match="p1: it dropped its stage"):
+            await driver._next((StepDone,), {"p1"})
+        driver.coord.adverts["s"] = _advert("s")
+        await driver._recover({"p1": "it dropped its stage"})
+        assert "p1" not in driver.st.lost, "it waits as standby"
+
+    asyncio.run(go())
+
+
+def test_a_checkpoint_part_that_does_not_fit_the_stage_is_refused(tmp_path: Path) -> None:
+    driver = _driver(tmp_path, [["p0"], ["p1"]])
+    own = sorted(driver._stage_names(driver.st.plan.cut)[0])  # type: ignore[union-attr]
+    state = driver.model.state_dict()
+    good = [state[n] for n in own]
+    assert driver._check_part(0, own, good) == ""
+    assert "missing" in driver._check_part(0, own[1:], good[1:])
+    assert "shape" in driver._check_part(0, own, [torch.zeros(3), *good[1:]])
+    assert "is not this stage's" in driver._check_part(0, [*own, "optim/x/evil"], [*good, torch.zeros(())])
+    assert "pair up" in driver._check_part(0, own, good[:-1])
+    inbound = Inbound("p0", State("r", 0, own[1:], 0, 5, True), SimpleNamespace(values=lambda: good[1:]))  # type: ignore[arg-type]
+    driver._take_part(inbound)
+    assert not driver.st.parts, "a bad part is not kept"
+
+
+def test_recovering_during_a_restoring_setup_keeps_restoring(tmp_path: Path) -> None:
+    driver = _driver(tmp_path, [["p0", "p1"], ["p2"]])
+    driver.st.dispatched, driver.st.restore, driver.st.step = False, "state", 10
+    _recover(driver, {"p1": "gone"})
+    assert (driver.st.restore, driver.st.step) == ("state", 10)

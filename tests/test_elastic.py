@@ -159,3 +159,22 @@ def test_coordinator_killed_and_resumed(tmp_path: Path) -> None:
     finally:
         swarm.close()
     assert "Traceback" not in out
+
+
+def test_peer_waits_out_a_lost_coordinator_then_leaves(tmp_path: Path) -> None:
+    """The coordinator dies before assigning anything: the peer says so, waits its
+    grace period, and exits with one line (no traceback, nothing left behind)."""
+    swarm = Swarm(tmp_path, ["--steps", "5", *SMALL, "--min-peers", "3", "--run-dir", str(tmp_path / "run")], peers=0)
+    try:
+        peer = swarm.peers[swarm.add_peer(0, "--coordinator-grace", "3")]
+        swarm.coord.signal(signal.SIGKILL)
+        start = time.monotonic()
+        peer.wait_line(r"lost the coordinator \(.*\); waiting up to 3 s for it to come back", 30)
+        peer.wait_line(r"the coordinator did not come back within 3 s; leaving", 30)
+        assert peer.wait(30) == 1
+        assert time.monotonic() - start < 30
+        assert "Traceback" not in peer.output
+        swarm.note_children()
+        assert not wait_gone(swarm.all_pids()), "processes left behind"
+    finally:
+        swarm.close()
