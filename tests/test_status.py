@@ -349,7 +349,7 @@ def test_api_state_during_a_run(live: str) -> None:
     tr = st["training"]
     assert tr["steps"] == 100000 and tr["loss"] > 0 and tr["tokens_per_s"] > 0 and len(tr["losses"]) == tr["step"]
     assert [link["boundary"] for link in st["links"]] == [0, 1] and st["links"][0]["wire_bytes"] > 0
-    assert [e["kind"] for e in st["events"]][:4] == ["join", "join", "join", "plan"]
+    assert [e["kind"] for e in st["events"]][:5] == ["join", "join", "join", "epoch", "plan"]
     _wait(lambda: _state(live)["training"]["step"] > tr["step"], 30, "the next step")
 
 
