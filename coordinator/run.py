@@ -17,40 +17,33 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from coordinator import replan
 from coordinator.assign import Assignment, assign
-from coordinator.checkpoint import CheckpointError, CheckpointInfo, RunDir
+from coordinator.checkpoint import RunDir
+from coordinator.checkpointing import Checkpointing
 from coordinator.links import boundary_specs
+from coordinator.messaging import Messaging
 from coordinator.opdag import build_opdag
-from protocol.codecs import Codec
+from coordinator.runstate import PeerLost, RunState
 from protocol.envelope import Rejected, match_values
-from protocol.graph import Cut, stage_modules
 from protocol.job import split_batch
 from protocol.messages import (
     Activations,
     Advert,
     Assign,
-    Beat,
     Commit,
-    Evict,
     Finish,
-    Hello,
     LinkPlan,
-    Message,
-    PeerFailure,
     Ready,
     Release,
     StageState,
     Standby,
-    State,
     StepDone,
 )
-from protocol.transport import Inbound, PeerUnreachable
 from protocol.wire import encode_values
 
 if TYPE_CHECKING:
@@ -58,57 +51,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: the prefix of optimizer-state tensors in a stage's state (``optim/<param>/<key>``)
-OPTIM_PREFIX = "optim/"
-#: the optimizer state AdamW keeps per parameter
-OPTIM_KEYS = ("exp_avg", "exp_avg_sq", "step")
 
-
-class PeerLost(Exception):
-    """Planned peers failed; ``lost`` maps each to why, in one line."""
-
-    def __init__(self, lost: dict[str, str]) -> None:
-        super().__init__("; ".join(f"{p}: {why}" for p, why in lost.items()))
-        self.lost = lost
-
-
-@dataclass
-class RunState:
-    """Everything the phases share. ``step`` counts committed steps."""
-
-    epoch: int = 0
-    step: int = 0
-    plan: Assignment | None = None
-    restore: str = "init"  # how the next dispatch sets the stages' state (messages.RESTORE_MODES)
-    dispatched: bool = False  # the current epoch's assignments went out and every peer is ready
-    reason: str = "first plan"  # why the current epoch started
-    specs: list[list[Any]] = field(default_factory=list)
-    codecs: list[Codec] = field(default_factory=list)
-    mbps: list[float] = field(default_factory=list)
-    losses: list[float] = field(default_factory=list)  # per committed step
-    step_seconds: list[float] = field(default_factory=list)
-    compute: dict[str, list[float]] = field(default_factory=dict)
-    link_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
-    raw_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
-    lost: dict[str, str] = field(default_factory=dict)  # peer -> why it was dropped
-    last_heard: dict[str, float] = field(default_factory=dict)  # monotonic seconds
-    checkpoint: CheckpointInfo | None = None
-    parts: dict[tuple[int, int], dict[int, dict[str, torch.Tensor]]] = field(default_factory=dict)
-    writes: list[asyncio.Task[None]] = field(default_factory=list)
-    checkpoint_s: list[float] = field(default_factory=list)
-    trained_s: float = 0.0  # seconds of steps so far (redone ones too)
-    trained_at_checkpoint: float = 0.0  # trained_s when the last checkpoint was asked for
-    checkpoint_cost_s: float | None = None  # measured: asked for -> written
-    asked_at: dict[int, float] = field(default_factory=dict)  # step -> when its checkpoint was asked for
-    tokens: int = 0
-    redone: int = 0
-
-    @property
-    def planned(self) -> set[str]:
-        return {p for group in self.plan.stages for p in group} if self.plan else set()
-
-
-class Driver:
+class Driver(Messaging, Checkpointing):
     """Runs one job on a started :class:`Coordinator` through plan epochs."""
 
     def __init__(
@@ -279,24 +223,6 @@ class Driver:
         for p in st.planned:
             await self._send(p, LinkPlan(cfg.run_id, [c.to_json() for c in st.codecs], st.epoch))
 
-    def _stage_states(self, cut: Cut) -> list[dict[str, torch.Tensor]]:
-        """Each stage's part of the last checkpoint (weights and optimizer state)."""
-        from coordinator.swarm import SwarmError
-
-        assert self.st.checkpoint is not None
-        try:
-            merged = self.run_dir.load(self.st.checkpoint)
-        except CheckpointError as exc:
-            raise SwarmError(f"cannot read the checkpoint of step {self.st.checkpoint.step}: {exc}") from None
-        names = self._stage_names(cut)
-        return [{n: t for n, t in merged.items() if _owner(n) in own} for own in names]
-
-    def _stage_names(self, cut: Cut) -> list[set[str]]:
-        if cut.boundaries not in self._names:
-            _, modules = stage_modules(self.model, cut)
-            self._names[cut.boundaries] = [set(m.state_dict()) for m in modules]
-        return self._names[cut.boundaries]
-
     # ------------------------------------------------------------------ step
     def _batch(self, step: int) -> tuple[torch.Tensor, ...]:
         """Batch ``step`` of the deterministic data stream (replayed after a rollback)."""
@@ -360,94 +286,6 @@ class Driver:
         return sum(step_losses.values()) / micro_batches
 
     # ------------------------------------------------------------------ checkpoint
-    def _checkpoint_due(self) -> bool:
-        """Whether the step just committed is checkpointed (``replan.checkpoint_due``);
-        the last step always is (peers send it unasked)."""
-        st = self.st
-        if st.step >= self.job.steps:
-            return False
-        last = st.checkpoint.step if st.checkpoint else 0
-        due = replan.checkpoint_due(
-            st.step, last, self.cfg.checkpoint_every, st.trained_s - st.trained_at_checkpoint, st.checkpoint_cost_s
-        )
-        if due:
-            st.trained_at_checkpoint, st.asked_at[st.step] = st.trained_s, time.perf_counter()
-        return due
-
-    def _take_part(self, inbound: Inbound) -> None:
-        """A stage's checkpoint state arrived; write the checkpoint once every stage's has."""
-        st, msg = self.st, inbound.message
-        assert st.plan is not None
-        k = st.plan.cut.num_stages
-        if msg.epoch != st.epoch or not 0 <= msg.stage < k or inbound.sender != st.plan.stages[msg.stage][0]:
-            return
-        values = inbound.frame.values()
-        problem = self._check_part(msg.stage, msg.names, values)
-        if problem:
-            logger.warning("ignoring the checkpoint state of stage %d from %s: %s", msg.stage, inbound.sender, problem)
-            return
-        parts = st.parts.setdefault((msg.epoch, msg.step), {})
-        parts[msg.stage] = dict(zip(msg.names, values, strict=True))
-        if len(parts) == k:
-            for key in [key for key in st.parts if key[1] <= msg.step]:  # older incomplete ones too
-                del st.parts[key]
-            stages = [parts[s] for s in range(k)]
-            task = asyncio.create_task(self._write(msg.step, stages))
-            task.add_done_callback(_log_failure)
-            st.writes.append(task)
-            if msg.step >= self.job.steps:
-                self._final_write = task
-
-    def _check_part(self, stage: int, names: list[str], values: list[Any]) -> str:
-        """Why a stage's checkpoint state does not fit the plan ('' if it does): its
-        weights and optimizer entries, by name and shape, and nothing else."""
-        assert self.st.plan is not None
-        own = self._stage_names(self.st.plan.cut)[stage]
-        shapes = {n: t.shape for n, t in self.model.state_dict().items()}
-        if len(names) != len(values) or not all(isinstance(v, torch.Tensor) for v in values):
-            return "names and tensors do not pair up"
-        got = dict(zip(names, values, strict=True))
-        if not own <= set(got):
-            return f"missing {sorted(own - set(got))[:3]}"
-        for name, t in got.items():
-            owner, key = _owner(name), name.rsplit("/", 1)[-1]
-            if owner not in own or (name != owner and key not in OPTIM_KEYS):
-                return f"'{name[:80]}' is not this stage's"
-            want = shapes[owner] if name == owner or key in ("exp_avg", "exp_avg_sq") else torch.Size([])
-            if t.shape != want:
-                return f"'{name[:80]}' has shape {list(t.shape)}, expected {list(want)}"
-        return ""
-
-    async def _write(self, step: int, stages: list[dict[str, torch.Tensor]]) -> None:
-        st, plan = self.st, self.st.plan
-        assert plan is not None
-        info = {"cut": plan.cut.to_list(), "stages": plan.stages, "codecs": [str(c) for c in st.codecs]}
-        t0 = time.perf_counter()
-        saved = await asyncio.get_running_loop().run_in_executor(
-            None, self.run_dir.save_checkpoint, step, st.epoch, stages, info
-        )
-        seconds = time.perf_counter() - t0
-        st.checkpoint_s.append(seconds)
-        asked = st.asked_at.pop(step, None)
-        if asked is not None:  # what a checkpoint costs, from the commit that asked for it to written
-            st.checkpoint_cost_s = time.perf_counter() - asked
-        if st.checkpoint is None or saved.step >= st.checkpoint.step:
-            st.checkpoint = saved
-        self.coord.board.checkpoint(step, str(saved.path), seconds, saved.nbytes)
-        if step >= self.job.steps:
-            merged: dict[str, torch.Tensor] = {}
-            for part in stages:
-                merged.update({n: t for n, t in part.items() if not n.startswith(OPTIM_PREFIX)})
-            self.final = merged
-
-    async def _flush_writes(self) -> None:
-        writes, self.st.writes = self.st.writes, []
-        for t in writes:
-            try:
-                await t
-            except Exception as exc:  # a failed write leaves the previous checkpoint in place
-                logger.error("writing a checkpoint failed: %s", exc)
-                self.on_event(f"writing a checkpoint failed: {exc}")
 
     async def _collect(self) -> None:
         """Wait for the last step's checkpoint (every stage's replica 0 sends it) and
@@ -537,138 +375,3 @@ class Driver:
         ckpt = self.st.checkpoint
         left = f"the last checkpoint (step {ckpt.step}) is in {ckpt.path}" if ckpt else "no checkpoint was written"
         return f"the run cannot go on: {why}; {left}"
-
-    # ------------------------------------------------------------------ messages
-    async def _send(self, peer: str, msg: Message, values: list[Any] | None = None) -> None:
-        """Send to a planned peer; a peer that cannot be reached is lost."""
-        assert self.coord.transport is not None
-        try:
-            await asyncio.wait_for(self.coord.transport.send(peer, msg, values), self.cfg.send_timeout_s)
-        except (PeerUnreachable, asyncio.TimeoutError) as exc:
-            raise PeerLost({peer: f"unreachable: {exc or 'send timed out'}"}) from None
-
-    async def _send_quietly(self, peer: str, msg: Message) -> None:
-        try:
-            await self._send(peer, msg)
-        except PeerLost as exc:
-            logger.info("%s", exc)
-
-    async def _next(
-        self, kinds: tuple[type[Message], ...], peers: set[str], until: Callable[[], bool] | None = None
-    ) -> Any:
-        """The next message of ``kinds`` of this epoch from one of ``peers``; meanwhile
-        take checkpoint parts, heartbeats and failure reports, and watch for dead and
-        stalled peers (raising PeerLost). Returns None once ``until()`` holds."""
-        assert self.coord.transport is not None
-        deadline = time.monotonic() + self.cfg.step_timeout_s
-        while True:
-            if until is not None and until():
-                return None
-            inbox = self.coord.transport.inbox
-            if inbox.empty():  # health only once what arrived is read: queued beats count
-                self._check_health()
-                if time.monotonic() > deadline:  # alive (beating) but stuck: drop who we wait for
-                    why = f"no progress for {self.cfg.step_timeout_s:.0f} s"
-                    raise PeerLost(dict.fromkeys(peers or self.st.planned, why))
-            try:
-                inbound = await asyncio.wait_for(inbox.get(), 0.25)
-            except asyncio.TimeoutError:
-                continue
-            found = await self._take(inbound)
-            if found and isinstance(inbound.message, kinds) and inbound.sender in peers:
-                return inbound
-
-    async def _take(self, inbound: Inbound) -> bool:
-        """Handle what any phase handles the same way; True if the caller may want it."""
-        st, msg, sender = self.st, inbound.message, inbound.sender
-        st.last_heard[sender] = time.monotonic()
-        self.coord.board.heard_from(sender)
-        if getattr(msg, "run_id", None) != self.cfg.run_id:
-            return False
-        if isinstance(msg, Hello):
-            if msg.again and sender in st.planned:  # it lost its session with us, and with it its stage
-                self._rejoined.add(sender)
-                raise PeerLost({sender: "it dropped its stage (it lost the coordinator and said hello again)"})
-            if sender in st.lost:  # back after a stall, or restarted: a fresh standby peer
-                self._back(sender)
-            return False
-        if isinstance(msg, Beat):
-            return False
-        if sender not in st.planned:
-            logger.warning("ignoring a %s from %s, who is not in the plan", msg.KIND, sender)
-            return False
-        if isinstance(msg, PeerFailure):
-            if msg.epoch != st.epoch or msg.suspect in st.lost:
-                return False  # about an epoch that already ended, or a peer already dropped
-            raise PeerLost(await self._blame(sender, msg))
-        if isinstance(msg, State) and msg.checkpoint:
-            self._take_part(inbound)
-            return False
-        return getattr(msg, "epoch", st.epoch) == st.epoch
-
-    def _back(self, peer: str) -> None:
-        """A dropped peer said hello again: it waits as a fresh standby peer."""
-        self.st.lost.pop(peer, None)
-        self._evicted.discard(peer)
-        self.coord.board.peer_state(peer, "standby")
-        self.on_event(f"peer {peer} is back; it waits as standby")
-
-    def _background(self, coro: Any) -> None:
-        """Run ``coro`` on the side; its failure is logged, never lost."""
-        task = asyncio.get_running_loop().create_task(coro)
-        task.add_done_callback(_log_failure)
-
-    async def _blame(self, reporter: str, msg: PeerFailure) -> dict[str, str]:
-        """A peer reported a failure: the peer it could not reach, if the coordinator
-        cannot reach it either, else the reporter."""
-        if msg.suspect and msg.suspect in self.st.planned and not await self.coord.reachable(msg.suspect):
-            return {msg.suspect: f"unreachable (reported by {reporter}: {msg.reason})"}
-        return {reporter: msg.reason}
-
-    def _check_health(self) -> None:
-        st = self.st
-        failed = {p: why for p, why in self._failed.items() if p in st.planned}
-        if failed:
-            raise PeerLost(failed)
-        bound = replan.stall_seconds(st.step_seconds, self.cfg.stall_floor_s)
-        now = time.monotonic()
-        activity = self.coord.transport.last_activity
-        heard = {p: max(st.last_heard.get(p, now), activity.get(p, 0.0)) for p in st.planned}
-        stalled = {
-            p: f"stalled: silent for {now - heard[p]:.0f} s (limit {bound:.0f} s)"
-            for p in st.planned
-            if now - heard[p] > bound
-        }
-        if stalled:
-            raise PeerLost(stalled)
-
-    async def _watch_links(self) -> None:
-        """Planned peers whose connection dropped and who cannot be reached again."""
-        while True:
-            await asyncio.sleep(0.5)
-            try:
-                connected = await self.coord.transport.connected()
-                for p in self.st.planned - connected - set(self._failed) - set(self.st.lost):
-                    if not await self.coord.reachable(p):
-                        self._failed[p] = "its connection dropped and it cannot be reached"
-            except Exception as exc:  # the daemon may hiccup; the next round retries
-                logger.debug("link watch failed: %s", exc)
-
-    def _on_reject(self, sender: str, code: str, detail: str) -> None:
-        """A dropped peer's frames of an older epoch: tell it to leave its stage."""
-        st = self.st
-        if code == "stale_epoch" and sender in st.lost and sender not in st.planned and sender not in self._evicted:
-            self._evicted.add(sender)
-            reason = f"dropped from the plan ({st.lost[sender]}); the run is at epoch {st.epoch}"
-            msg = Evict(self.cfg.run_id, reason, st.epoch)
-            asyncio.get_running_loop().create_task(self._send_quietly(sender, msg))
-
-
-def _owner(name: str) -> str:
-    """The weight a checkpoint tensor belongs to (``optim/<param>/<key>`` -> ``<param>``)."""
-    return name[len(OPTIM_PREFIX) :].rsplit("/", 1)[0] if name.startswith(OPTIM_PREFIX) else name
-
-
-def _log_failure(task: asyncio.Task[Any]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        logger.error("a background task failed: %s", task.exception())

@@ -23,7 +23,8 @@ from hivemind.utils import get_dht_time
 from coordinator.assign import Assignment
 from coordinator.checkpoint import DB_NAME, CheckpointError, RunDir, default_run_dir
 from coordinator.links import choose_codecs, float_bytes
-from coordinator.run import Driver, RunState
+from coordinator.run import Driver
+from coordinator.runstate import RunState
 from coordinator.status import StatusBoard
 from coordinator.web import StatusServer
 from protocol.codecs import Codec

@@ -16,7 +16,8 @@ import torch
 from coordinator import replan
 from coordinator.assign import Assignment
 from coordinator.checkpoint import RunDir
-from coordinator.run import Driver, PeerLost
+from coordinator.run import Driver
+from coordinator.runstate import PeerLost
 from coordinator.swarm import Coordinator, CoordinatorConfig
 from protocol.graph import Cut
 from protocol.job import JobSpec

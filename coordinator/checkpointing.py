@@ -1,0 +1,148 @@
+"""The coordinator driver's checkpoints: when to ask for one, taking each stage's
+state as it arrives (checked against the plan), writing it to the run directory,
+and each stage's part of it for a restore."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from coordinator import replan
+from coordinator.checkpoint import CheckpointError
+from coordinator.runstate import OPTIM_KEYS, OPTIM_PREFIX, RunState, log_failure, owner
+from protocol.graph import Cut, stage_modules
+from protocol.transport import Inbound
+
+if TYPE_CHECKING:
+    from coordinator.checkpoint import RunDir
+    from coordinator.swarm import Coordinator, CoordinatorConfig
+    from protocol.job import JobSpec
+
+logger = logging.getLogger(__name__)
+
+
+class Checkpointing:
+    """Mixed into :class:`coordinator.run.Driver`."""
+
+    coord: Coordinator
+    cfg: CoordinatorConfig
+    job: JobSpec
+    model: torch.nn.Module
+    run_dir: RunDir
+    st: RunState
+    on_event: Callable[[str], None]
+    _names: dict[tuple[int, ...], list[set[str]]]
+    _final_write: asyncio.Task[None] | None
+    final: dict[str, torch.Tensor] | None
+
+    def _checkpoint_due(self) -> bool:
+        """Whether the step just committed is checkpointed (``replan.checkpoint_due``);
+        the last step always is (peers send it unasked)."""
+        st = self.st
+        if st.step >= self.job.steps:
+            return False
+        last = st.checkpoint.step if st.checkpoint else 0
+        due = replan.checkpoint_due(
+            st.step, last, self.cfg.checkpoint_every, st.trained_s - st.trained_at_checkpoint, st.checkpoint_cost_s
+        )
+        if due:
+            st.trained_at_checkpoint, st.asked_at[st.step] = st.trained_s, time.perf_counter()
+        return due
+
+    def _take_part(self, inbound: Inbound) -> None:
+        """A stage's checkpoint state arrived; write the checkpoint once every stage's has."""
+        st, msg = self.st, inbound.message
+        assert st.plan is not None
+        k = st.plan.cut.num_stages
+        if msg.epoch != st.epoch or not 0 <= msg.stage < k or inbound.sender != st.plan.stages[msg.stage][0]:
+            return
+        values = inbound.frame.values()
+        problem = self._check_part(msg.stage, msg.names, values)
+        if problem:
+            logger.warning("ignoring the checkpoint state of stage %d from %s: %s", msg.stage, inbound.sender, problem)
+            return
+        parts = st.parts.setdefault((msg.epoch, msg.step), {})
+        parts[msg.stage] = dict(zip(msg.names, values, strict=True))
+        if len(parts) == k:
+            for key in [key for key in st.parts if key[1] <= msg.step]:  # older incomplete ones too
+                del st.parts[key]
+            stages = [parts[s] for s in range(k)]
+            task = asyncio.create_task(self._write(msg.step, stages))
+            task.add_done_callback(log_failure)
+            st.writes.append(task)
+            if msg.step >= self.job.steps:
+                self._final_write = task
+
+    def _check_part(self, stage: int, names: list[str], values: list[Any]) -> str:
+        """Why a stage's checkpoint state does not fit the plan ('' if it does): its
+        weights and optimizer entries, by name and shape, and nothing else."""
+        assert self.st.plan is not None
+        own = self._stage_names(self.st.plan.cut)[stage]
+        shapes = {n: t.shape for n, t in self.model.state_dict().items()}
+        if len(names) != len(values) or not all(isinstance(v, torch.Tensor) for v in values):
+            return "names and tensors do not pair up"
+        got = dict(zip(names, values, strict=True))
+        if not own <= set(got):
+            return f"missing {sorted(own - set(got))[:3]}"
+        for name, t in got.items():
+            weight, key = owner(name), name.rsplit("/", 1)[-1]
+            if weight not in own or (name != weight and key not in OPTIM_KEYS):
+                return f"'{name[:80]}' is not this stage's"
+            want = shapes[weight] if name == weight or key in ("exp_avg", "exp_avg_sq") else torch.Size([])
+            if t.shape != want:
+                return f"'{name[:80]}' has shape {list(t.shape)}, expected {list(want)}"
+        return ""
+
+    async def _write(self, step: int, stages: list[dict[str, torch.Tensor]]) -> None:
+        st, plan = self.st, self.st.plan
+        assert plan is not None
+        info = {"cut": plan.cut.to_list(), "stages": plan.stages, "codecs": [str(c) for c in st.codecs]}
+        t0 = time.perf_counter()
+        saved = await asyncio.get_running_loop().run_in_executor(
+            None, self.run_dir.save_checkpoint, step, st.epoch, stages, info
+        )
+        seconds = time.perf_counter() - t0
+        st.checkpoint_s.append(seconds)
+        asked = st.asked_at.pop(step, None)
+        if asked is not None:  # what a checkpoint costs, from the commit that asked for it to written
+            st.checkpoint_cost_s = time.perf_counter() - asked
+        if st.checkpoint is None or saved.step >= st.checkpoint.step:
+            st.checkpoint = saved
+        self.coord.board.checkpoint(step, str(saved.path), seconds, saved.nbytes)
+        if step >= self.job.steps:
+            merged: dict[str, torch.Tensor] = {}
+            for part in stages:
+                merged.update({n: t for n, t in part.items() if not n.startswith(OPTIM_PREFIX)})
+            self.final = merged
+
+    async def _flush_writes(self) -> None:
+        writes, self.st.writes = self.st.writes, []
+        for t in writes:
+            try:
+                await t
+            except Exception as exc:  # a failed write leaves the previous checkpoint in place
+                logger.error("writing a checkpoint failed: %s", exc)
+                self.on_event(f"writing a checkpoint failed: {exc}")
+
+    def _stage_states(self, cut: Cut) -> list[dict[str, torch.Tensor]]:
+        """Each stage's part of the last checkpoint (weights and optimizer state)."""
+        from coordinator.swarm import SwarmError
+
+        assert self.st.checkpoint is not None
+        try:
+            merged = self.run_dir.load(self.st.checkpoint)
+        except CheckpointError as exc:
+            raise SwarmError(f"cannot read the checkpoint of step {self.st.checkpoint.step}: {exc}") from None
+        names = self._stage_names(cut)
+        return [{n: t for n, t in merged.items() if owner(n) in own} for own in names]
+
+    def _stage_names(self, cut: Cut) -> list[set[str]]:
+        if cut.boundaries not in self._names:
+            _, modules = stage_modules(self.model, cut)
+            self._names[cut.boundaries] = [set(m.state_dict()) for m in modules]
+        return self._names[cut.boundaries]

@@ -1,0 +1,76 @@
+"""The state a swarm run's phases share (:class:`RunState`), the failure they raise
+(:class:`PeerLost`), and the names of optimizer state in checkpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from coordinator.assign import Assignment
+from coordinator.checkpoint import CheckpointInfo
+from protocol.codecs import Codec
+
+logger = logging.getLogger(__name__)
+
+#: the prefix of optimizer-state tensors in a stage's state (``optim/<param>/<key>``)
+OPTIM_PREFIX = "optim/"
+#: the optimizer state AdamW keeps per parameter
+OPTIM_KEYS = ("exp_avg", "exp_avg_sq", "step")
+
+
+class PeerLost(Exception):
+    """Planned peers failed; ``lost`` maps each to why, in one line."""
+
+    def __init__(self, lost: dict[str, str]) -> None:
+        super().__init__("; ".join(f"{p}: {why}" for p, why in lost.items()))
+        self.lost = lost
+
+
+@dataclass
+class RunState:
+    """Everything the phases share. ``step`` counts committed steps."""
+
+    epoch: int = 0
+    step: int = 0
+    plan: Assignment | None = None
+    restore: str = "init"  # how the next dispatch sets the stages' state (messages.RESTORE_MODES)
+    dispatched: bool = False  # the current epoch's assignments went out and every peer is ready
+    reason: str = "first plan"  # why the current epoch started
+    specs: list[list[Any]] = field(default_factory=list)
+    codecs: list[Codec] = field(default_factory=list)
+    mbps: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)  # per committed step
+    step_seconds: list[float] = field(default_factory=list)
+    compute: dict[str, list[float]] = field(default_factory=dict)
+    link_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
+    raw_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
+    lost: dict[str, str] = field(default_factory=dict)  # peer -> why it was dropped
+    last_heard: dict[str, float] = field(default_factory=dict)  # monotonic seconds
+    checkpoint: CheckpointInfo | None = None
+    parts: dict[tuple[int, int], dict[int, dict[str, torch.Tensor]]] = field(default_factory=dict)
+    writes: list[asyncio.Task[None]] = field(default_factory=list)
+    checkpoint_s: list[float] = field(default_factory=list)
+    trained_s: float = 0.0  # seconds of steps so far (redone ones too)
+    trained_at_checkpoint: float = 0.0  # trained_s when the last checkpoint was asked for
+    checkpoint_cost_s: float | None = None  # measured: asked for -> written
+    asked_at: dict[int, float] = field(default_factory=dict)  # step -> when its checkpoint was asked for
+    tokens: int = 0
+    redone: int = 0
+
+    @property
+    def planned(self) -> set[str]:
+        return {p for group in self.plan.stages for p in group} if self.plan else set()
+
+
+def owner(name: str) -> str:
+    """The weight a checkpoint tensor belongs to (``optim/<param>/<key>`` -> ``<param>``)."""
+    return name[len(OPTIM_PREFIX) :].rsplit("/", 1)[0] if name.startswith(OPTIM_PREFIX) else name
+
+
+def log_failure(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("a background task failed: %s", task.exception())
