@@ -7,35 +7,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from coordinator import replan
 from coordinator.checkpoint import CheckpointError
-from coordinator.runstate import OPTIM_KEYS, OPTIM_PREFIX, RunState, log_failure, owner
+from coordinator.runstate import OPTIM_KEYS, OPTIM_PREFIX, DriverParts, log_failure, owner
 from protocol.graph import Cut, stage_modules
 from protocol.transport import Inbound
 
 if TYPE_CHECKING:
-    from coordinator.checkpoint import RunDir
-    from coordinator.swarm import Coordinator, CoordinatorConfig
-    from protocol.job import JobSpec
+    pass
 
 logger = logging.getLogger(__name__)
 
 
-class Checkpointing:
+class Checkpointing(DriverParts):
     """Mixed into :class:`coordinator.run.Driver`."""
 
-    coord: Coordinator
-    cfg: CoordinatorConfig
-    job: JobSpec
-    model: torch.nn.Module
-    run_dir: RunDir
-    st: RunState
-    on_event: Callable[[str], None]
     _names: dict[tuple[int, ...], list[set[str]]]
     _final_write: asyncio.Task[None] | None
     final: dict[str, torch.Tensor] | None

@@ -10,31 +10,20 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from coordinator import replan
-from coordinator.runstate import PeerLost, RunState, log_failure
+from coordinator.runstate import DriverParts, PeerLost, log_failure
 from protocol.messages import Beat, Evict, Hello, Message, PeerFailure, State
 from protocol.transport import Inbound, PeerUnreachable
 
 if TYPE_CHECKING:
-    from coordinator.checkpoint import RunDir
-    from coordinator.swarm import Coordinator, CoordinatorConfig
-    from protocol.job import JobSpec
+    pass
 
 logger = logging.getLogger(__name__)
 
 
-class Messaging:
+class Messaging(DriverParts):
     """Mixed into :class:`coordinator.run.Driver`."""
 
-    coord: Coordinator
-    cfg: CoordinatorConfig
-    job: JobSpec
-    model: torch.nn.Module
-    run_dir: RunDir
-    st: RunState
-    on_event: Callable[[str], None]
     _failed: dict[str, str]
     _evicted: set[str]
     _rejoined: set[str]

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -14,12 +15,30 @@ from coordinator.assign import Assignment
 from coordinator.checkpoint import CheckpointInfo
 from protocol.codecs import Codec
 
+if TYPE_CHECKING:
+    from coordinator.checkpoint import RunDir
+    from coordinator.swarm import Coordinator, CoordinatorConfig
+    from protocol.job import JobSpec
+
 logger = logging.getLogger(__name__)
 
 #: the prefix of optimizer-state tensors in a stage's state (``optim/<param>/<key>``)
 OPTIM_PREFIX = "optim/"
 #: the optimizer state AdamW keeps per parameter
 OPTIM_KEYS = ("exp_avg", "exp_avg_sq", "step")
+
+
+class DriverParts:
+    """What the driver's parts (``coordinator.messaging``, ``coordinator.checkpointing``)
+    find on the driver they are mixed into."""
+
+    coord: Coordinator
+    cfg: CoordinatorConfig
+    job: JobSpec
+    model: torch.nn.Module
+    run_dir: RunDir
+    st: RunState
+    on_event: Callable[[str], None]
 
 
 class PeerLost(Exception):
