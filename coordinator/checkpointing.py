@@ -30,14 +30,15 @@ class Checkpointing(DriverParts):
     _final_write: asyncio.Task[None] | None
     final: dict[str, torch.Tensor] | None
 
-    def _checkpoint_due(self) -> bool:
-        """Whether the step just committed is checkpointed (``replan.checkpoint_due``);
-        the last step always is (peers send it unasked)."""
+    def _checkpoint_due(self, force: bool = False) -> bool:
+        """Whether the step just committed is checkpointed (``replan.checkpoint_due``,
+        or ``force``: a rebalance moves state through it); the last step always is
+        (peers send it unasked)."""
         st = self.st
         if st.step >= self.job.steps:
             return False
         last = st.checkpoint.step if st.checkpoint else 0
-        due = replan.checkpoint_due(
+        due = force or replan.checkpoint_due(
             st.step, last, self.cfg.checkpoint_every, st.trained_s - st.trained_at_checkpoint, st.checkpoint_cost_s
         )
         if due:

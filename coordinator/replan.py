@@ -85,3 +85,53 @@ def stall_seconds(step_seconds: list[float], floor: float, factor: float = 10.0)
         return floor
     ordered = sorted(step_seconds[-50:])
     return max(floor, factor * ordered[len(ordered) // 2])
+
+
+#: a rebalance must pay back its move this many times over the remaining steps
+REBALANCE_PAYBACK = 2.0
+#: after a rebalance, the next one is considered only this many checks later (no flapping)
+REBALANCE_COOLDOWN_CHECKS = 2
+#: measurements of a peer's speed kept (the estimate is their median)
+SPEED_SAMPLES = 9
+
+
+@dataclass(frozen=True)
+class Rebalance:
+    """Whether a candidate plan replaces the current one, and the figures why."""
+
+    go: bool
+    current_s: float  # predicted step seconds of the current plan, on measured speeds
+    candidate_s: float
+    gain_s: float  # seconds saved over the remaining steps
+    move_s: float  # what the move costs: a checkpoint, the new stages' set-up
+    why: str
+
+
+def effective_flops(stage_flops: float, micro_batches: int, compute_s: float) -> float:
+    """A peer's measured speed in the estimator's terms: the FLOP/s at which its stage's
+    forward and backward (3x the forward FLOPs per micro-batch) took ``compute_s``."""
+    return 3 * stage_flops * micro_batches / max(compute_s, 1e-9)
+
+
+def robust_speed(samples: list[float]) -> float:
+    """The median of the last ``SPEED_SAMPLES`` measurements."""
+    recent = sorted(samples[-SPEED_SAMPLES:])
+    return recent[len(recent) // 2]
+
+
+def rebalance(current_s: float, candidate_s: float, remaining_steps: int, move_s: float) -> Rebalance:
+    """Move to the candidate only when it is faster by ``REPLAN_GAIN`` and what it saves
+    over the remaining steps pays ``REBALANCE_PAYBACK`` times for the move."""
+    gain = (current_s - candidate_s) * remaining_steps
+    faster = accept_plan(candidate_s, current_s, False)
+    go = faster and gain >= REBALANCE_PAYBACK * move_s
+    if not faster:
+        why = f"the best plan ({candidate_s * 1e3:.1f} ms) is not {REPLAN_GAIN:.0%} faster than the current one"
+    elif not go:
+        why = f"saving {gain:.1f} s over {remaining_steps} steps does not pay for a {move_s:.1f} s move"
+    else:
+        why = (
+            f"{current_s * 1e3:.1f} -> {candidate_s * 1e3:.1f} ms per step saves {gain:.1f} s over "
+            f"{remaining_steps} steps for a {move_s:.1f} s move"
+        )
+    return Rebalance(go, current_s, candidate_s, gain, move_s, why)

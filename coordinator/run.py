@@ -28,6 +28,7 @@ from coordinator.checkpointing import Checkpointing
 from coordinator.links import boundary_specs
 from coordinator.messaging import Messaging
 from coordinator.opdag import build_opdag
+from coordinator.rebalancing import Rebalancing
 from coordinator.runstate import PeerLost, RunState
 from protocol.envelope import Rejected, match_values
 from protocol.job import split_batch
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class Driver(Messaging, Checkpointing):
+class Driver(Messaging, Checkpointing, Rebalancing):
     """Runs one job on a started :class:`Coordinator` through plan epochs."""
 
     def __init__(
@@ -150,7 +151,8 @@ class Driver(Messaging, Checkpointing):
         st, cfg, tp, board = self.st, self.cfg, self.coord.transport, self.coord.board
         assert st.plan is not None and tp is not None
         plan, k = st.plan, st.plan.cut.num_stages
-        self.coord.adverts = await self.coord.live_adverts()
+        t0 = time.monotonic()
+        await self._refresh_adverts()
         if cfg.link_mbps and len(cfg.link_mbps) != k - 1:
             from coordinator.swarm import SwarmError
 
@@ -187,6 +189,12 @@ class Driver(Messaging, Checkpointing):
         st.last_heard.update(dict.fromkeys(st.planned, now))
         await self._await_ready()
         st.dispatched = True
+        st.dispatch_s, st.epoch_start = time.monotonic() - t0, st.step
+
+    async def _refresh_adverts(self) -> None:
+        """The live adverts; planned peers keep their last one through a DHT hiccup."""
+        live = await self.coord.live_adverts()
+        self.coord.adverts = {**{p: a for p, a in self.coord.adverts.items() if p in self.st.planned}, **live}
 
     def _assign_msg(self, s: int, r: int) -> Assign:
         st, cfg, plan = self.st, self.cfg, self.st.plan
@@ -257,12 +265,16 @@ class Driver(Messaging, Checkpointing):
         st.step_seconds.append(seconds)
         st.trained_s += seconds
         st.tokens += batch[0].numel()
+        st.tokens_per_step = batch[0].numel()
         self.coord.board.step_done(step, losses, seconds, batch[0].numel(), self.coord.traffic(st))
         if self.on_step:
             self.on_step(StepReport(step, losses, seconds, batch[0].numel()))
-        checkpoint = self._checkpoint_due()
+        candidate = self._rebalance_check()
+        checkpoint = self._checkpoint_due(force=candidate is not None)
         for p in st.planned:
             await self._send(p, Commit(cfg.run_id, step, st.epoch, checkpoint))
+        if candidate is not None:
+            await self._rebalance_to(candidate)
 
     async def _await_done(self, step: int, micro_batches: int) -> float:
         from coordinator.swarm import SwarmError
@@ -279,6 +291,7 @@ class Driver(Messaging, Checkpointing):
             if inbound.sender in st.plan.stages[-1]:  # only the last stage computes the loss
                 step_losses.update(msg.losses)
             st.compute.setdefault(inbound.sender, []).append(msg.compute_s)
+            self._measure(inbound.sender, msg)
             st.link_bytes[inbound.sender] = msg.bytes_sent
             st.raw_bytes[inbound.sender] = msg.raw_sent
         if len(step_losses) != micro_batches:
@@ -301,7 +314,7 @@ class Driver(Messaging, Checkpointing):
 
     async def _release(self) -> None:
         st = self.st
-        self.coord.adverts = await self.coord.live_adverts()  # standby peers that came (back) since
+        await self._refresh_adverts()  # standby peers that came (back) since
         for p in st.planned | set(self._standby()):
             await self._send_quietly(p, Finish(self.cfg.run_id, False, st.epoch))
         for p in st.planned:
@@ -321,9 +334,7 @@ class Driver(Messaging, Checkpointing):
             self.on_event(f"peer {p} ({where}) failed: {why}")
             self.coord.transport.forget(p)
         self.coord.gate.epoch = st.epoch + 1  # frames of the ending epoch are stale from now on
-        live = await self.coord.live_adverts()
-        # planned survivors keep their last advert through a DHT hiccup
-        self.coord.adverts = {**{p: a for p, a in self.coord.adverts.items() if p in st.planned}, **live}
+        await self._refresh_adverts()
         rec = replan.recover(st.plan.stages, set(st.lost), self._standby())
         for p in self._rejoined & set(st.lost):
             self._back(p)

@@ -78,7 +78,14 @@ class RunState:
     checkpoint_cost_s: float | None = None  # measured: asked for -> written
     asked_at: dict[int, float] = field(default_factory=dict)  # step -> when its checkpoint was asked for
     tokens: int = 0
+    tokens_per_step: int = 0
     redone: int = 0
+    speeds: dict[str, list[float]] = field(default_factory=dict)  # peer -> measured effective FLOP/s
+    epoch_start: int = 0  # the step the current epoch started at
+    dispatch_s: float = 0.0  # how long the last dispatch took (stages set up, links measured)
+    last_rebalance: int = -(10**9)  # the step of the last rebalance
+    rebalance_why: str = ""
+    rebalances: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def planned(self) -> set[str]:

@@ -35,6 +35,8 @@ from protocol.messages import Abort, Advert, CoordinatorRecord, Message, dht_key
 from protocol.ports import PortTaken, check_listen_ports
 from protocol.transport import PeerUnreachable, Transport
 
+#: steps between two checks whether a plan on the measured speeds pays for moving to it
+DEFAULT_REBALANCE_EVERY = 25
 #: the longest a DHT store or get may take. DHT calls are awaited as futures, never run on
 #: executor threads: a thread blocked on a DHT that shut down kept the event loop from closing
 DHT_TIMEOUT_S = 30.0
@@ -71,6 +73,7 @@ class CoordinatorConfig:
     resume: bool = False  # continue the run in run_dir from its last checkpoint
     checkpoint_every: int | None = None  # None: automatic (replan.checkpoint_due); 0: only the last step
     standby: int = 0  # the slowest N peers of the first plan wait as standby
+    rebalance_every: int = DEFAULT_REBALANCE_EVERY  # steps between rebalance checks (0: never)
     stall_floor_s: float = 8.0  # a planned peer silent this long (or 10 median steps, if longer) has stalled
     send_timeout_s: float = 30.0  # a send to a peer that takes longer counts as a lost peer
 
@@ -102,6 +105,7 @@ class RunSummary:
     steps_redone: int = 0
     checkpoint_s: list[float] = field(default_factory=list)  # seconds each checkpoint write took
     step_seconds: list[float] = field(default_factory=list)
+    rebalances: list[dict[str, Any]] = field(default_factory=list)  # step, why, what moved, tokens/s before
 
 
 @dataclass
@@ -368,6 +372,7 @@ class Coordinator:
             steps_redone=st.redone,
             checkpoint_s=list(st.checkpoint_s),
             step_seconds=list(st.step_seconds),
+            rebalances=list(st.rebalances),
         )
 
     def choose_codecs(

@@ -115,6 +115,13 @@ def _add_swarm_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--standby", type=_natural, default=0, metavar="N", help="keep the N slowest peers as standby")
     p.add_argument(
+        "--rebalance-every",
+        type=_natural,
+        default=None,
+        metavar="N",
+        help="every N steps, re-plan on the peers' measured speeds and move when it pays off (default: 25; 0: never)",
+    )
+    p.add_argument(
         "--stall-timeout",
         type=_seconds,
         default=8.0,
@@ -174,6 +181,15 @@ def _fraction(text: str) -> float:
     if not 0.0 < value <= 1.0:
         raise argparse.ArgumentTypeError(f"{value} is not in (0, 1]")
     return value
+
+
+def _throttle(text: str) -> float:
+    from peer.throttle import ThrottleError, parse_throttle
+
+    try:
+        return parse_throttle(text)
+    except ThrottleError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _rank(text: str) -> int:
@@ -247,6 +263,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=120.0,
         metavar="S",
         help="seconds to wait for a lost coordinator to come back before leaving (default: 120)",
+    )
+    p.add_argument(
+        "--throttle",
+        type=_throttle,
+        default=1.0,
+        metavar="F",
+        help="compute at the fraction F of this machine's speed (0 < F <= 1): idle after each compute call for "
+        "1/F - 1 times its duration, and advertise F times the measured FLOP/s; to try out rebalancing (default: 1)",
+    )
+    p.add_argument(
+        "--throttle-file",
+        default=None,
+        metavar="PATH",
+        help="while running, read the throttle F from this file about once a second (absent or bad: the last "
+        "value stays)",
     )
     _add_identity_flag(p, "~/.fusionllm/peer.key")
 

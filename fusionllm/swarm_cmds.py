@@ -55,7 +55,7 @@ def _summary(summary: Any, save: str | None) -> str:
         f"in {summary.seconds:.0f} s, {summary.tokens / max(summary.seconds, 1e-9):,.0f} tokens/s",
         f"cut {summary.assignment.cut.to_list()}",
         f"{len(summary.checkpoint_s)} checkpoints, {summary.epochs} plan epochs, {summary.failures} peers lost, "
-        f"{summary.steps_redone} steps redone",
+        f"{summary.steps_redone} steps redone, {len(summary.rebalances)} rebalances",
     ]
     for s, group in enumerate(summary.assignment.stages):
         for r, p in enumerate(group):
@@ -92,6 +92,7 @@ def _recovery_options(args: argparse.Namespace) -> dict[str, Any]:
         "resume": bool(resume),
         "checkpoint_every": args.checkpoint_every,
         "standby": args.standby,
+        **({} if args.rebalance_every is None else {"rebalance_every": args.rebalance_every}),
         "stall_floor_s": args.stall_timeout,
     }
 
@@ -206,14 +207,18 @@ async def _join(args: argparse.Namespace) -> int:
             join_timeout=args.join_timeout,
             identity=os.path.expanduser(args.identity),
             coordinator_grace=args.coordinator_grace,
+            throttle=args.throttle,
+            throttle_file=os.path.expanduser(args.throttle_file) if args.throttle_file else None,
         )
     )
     node.on_event = lambda text: print(f"{time.strftime('%H:%M:%S')} {clean(text)}", flush=True)
     try:
         await node.start()
+        f = node.throttle.value
+        throttled = f" (throttled to {f:g} of its speed)" if f < 1 else ""
         print(
             f"joined run '{args.run}' as {node.advert.peer_id}: {node.advert.device}, "
-            f"{node.advert.flops / 1e9:.1f} GFLOP/s; waiting for a stage",
+            f"{node.advert.flops / 1e9:.1f} GFLOP/s{throttled}; waiting for a stage",
             flush=True,
         )
         return await node.serve()

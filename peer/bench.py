@@ -14,8 +14,11 @@ def pick_device(requested: str | None = None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def measure_flops(device: torch.device, dtype: torch.dtype = torch.float32, seconds: float = 0.3) -> float:
-    """Sustained FLOP/s of square matmuls on ``device``."""
+def measure_flops(
+    device: torch.device, dtype: torch.dtype = torch.float32, seconds: float = 0.3, throttle: float = 1.0
+) -> float:
+    """Sustained FLOP/s of square matmuls on ``device``; a peer throttled to a fraction
+    ``throttle`` of its speed (see peer.throttle) reports that fraction of it."""
     n = 1024 if device.type == "cuda" else 256
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
@@ -28,7 +31,7 @@ def measure_flops(device: torch.device, dtype: torch.dtype = torch.float32, seco
         if device.type == "cuda":
             torch.cuda.synchronize()
     del c
-    return 2 * n**3 * iters / (time.perf_counter() - start)
+    return throttle * 2 * n**3 * iters / (time.perf_counter() - start)
 
 
 def free_memory(device: torch.device) -> int:

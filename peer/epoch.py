@@ -60,6 +60,7 @@ class EpochRunner:
         self.feedback = ErrorFeedback()
         self.uploads: list[asyncio.Task[int]] = []  # checkpoint states on their way
         self.mb_grads: dict[int, dict[str, torch.Tensor]] = {}  # replicated stages: own gradients per micro-batch
+        self.busy_s = 0.0  # compute and throttle pauses (not waits for messages) since the step began
 
     async def run(self) -> None:
         """Serve the epoch through the run's last step (and its final state)."""
@@ -172,14 +173,12 @@ class EpochRunner:
         order = schedules.make(a.schedule if uniform else "gpipe", self.k, len(self.my_mbs))[self.s]
         sends: list[asyncio.Task[int]] = []
         losses: dict[str, float] = {}
-        compute_s = 0.0
+        self.busy_s = 0.0
         for kind, i in order:
-            t0 = time.perf_counter()
             if kind == "F":
                 sent = await self._forward(held.ex, step, self.my_mbs[i], losses)
             else:
                 sent = await self._backward(held.ex, step, self.my_mbs[i])
-            compute_s += time.perf_counter() - t0
             if sent is not None:
                 sends.append(sent)
         if len(a.stages[self.s]) > 1:
@@ -188,10 +187,10 @@ class EpochRunner:
             await t
         held.pending = step
         sent, raw = dict(tp.bytes_sent), dict(tp.raw_sent)
-        done = StepDone(a.run_id, step, self.s, self.r, losses, compute_s, sent, raw, a.epoch)
+        done = StepDone(a.run_id, step, self.s, self.r, losses, self.busy_s, sent, raw, a.epoch)
         await tp.send(node.coordinator.peer_id, done)
         commit = (await self.mailbox.get(("commit", step), self.timeout)).message
-        await node.run_compute(held.ex.step)
+        await self._compute(held.ex.step)
         held.pending = None
         if self.r == 0 and (commit.checkpoint or step + 1 == self.job.steps):
             await self._upload(held, step + 1)
@@ -201,7 +200,7 @@ class EpochRunner:
         tp = node.transport
         assert tp is not None
         inb = await self.mailbox.get(("act", step, mb), self.timeout)
-        out = await node.run_compute(ex.forward, mb, inb.frame.values(node.device))
+        out = await self._compute(ex.forward, mb, inb.frame.values(node.device))
         if self.s == self.k - 1:
             losses[str(mb)] = float(out)
             return None
@@ -217,7 +216,7 @@ class EpochRunner:
         if self.s < self.k - 1:
             grad_out = (await self.mailbox.get(("grad", step, mb), self.timeout)).frame.values(node.device)
         replicated = len(a.stages[self.s]) > 1
-        grads, own = await node.run_compute(_backward, ex, mb, grad_out, self.job.micro_batches, replicated)
+        grads, own = await self._compute(_backward, ex, mb, grad_out, self.job.micro_batches, replicated)
         if own is not None:
             self.mb_grads[mb] = own
             names = sorted(own)
@@ -233,6 +232,13 @@ class EpochRunner:
         rounding = torch.Generator().manual_seed(hash((self.job.seed, self.s, self.r, step)) & (2**62 - 1))
         link = Link(self.codecs[self.s - 1].backward, self.feedback, dest, rounding)
         return asyncio.create_task(tp.send(dest, Gradients(a.run_id, step, mb, self.s - 1, a.epoch), grads, link))
+
+    async def _compute(self, fn: Any, *args: Any) -> Any:
+        """``fn`` on the compute thread, then the idle time the throttle asks for (on the
+        event loop: messages and heartbeats go on); both count as busy time."""
+        out, seconds = await self.node.run_compute(_timed, self.node.device, fn, *args)
+        self.busy_s += seconds + await self.node.throttle.idle(seconds)
+        return out
 
     async def _average_replicas(self, ex: StageExecutor, step: int) -> None:
         """Sum every micro-batch's parameter gradients (each already divided by the
@@ -264,6 +270,15 @@ class EpochRunner:
         send = node.transport.send(node.coordinator.peer_id, msg, [state[n] for n in names])
         self.uploads = [t for t in self.uploads if not t.done()]
         self.uploads.append(asyncio.create_task(send))
+
+
+def _timed(device: torch.device, fn: Any, *args: Any) -> tuple[Any, float]:
+    """``fn(*args)`` and the seconds it took, its GPU work included."""
+    t0 = time.perf_counter()
+    out = fn(*args)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return out, time.perf_counter() - t0
 
 
 def _backward(

@@ -19,6 +19,7 @@ from peer.bench import free_memory, measure_flops, pick_device
 from peer.checks import PlanChecks
 from peer.epoch import EpochRunner, HeldStage, RunRefused
 from peer.mailbox import Mailbox
+from peer.throttle import Throttle
 from protocol.envelope import Gate
 from protocol.identity import Identity, IdentityError, check_record, key_hex, sign_record
 from protocol.messages import (
@@ -74,6 +75,8 @@ class PeerConfig:
     message_timeout: float = 600.0
     identity: str | None = None  # key file; None: a fresh key for this process only
     coordinator_grace: float = 120.0  # how long to wait for a lost coordinator to come back
+    throttle: float = 1.0  # compute at this fraction of the peer's speed (peer.throttle); in (0, 1]
+    throttle_file: str | None = None  # read the throttle from this file about once a second while running
 
 
 class PeerNode:
@@ -98,11 +101,15 @@ class PeerNode:
         self._epoch_task: asyncio.Task[None] | None = None
         self._task_epoch = -1  # the epoch the running epoch task serves
         self._reattaching = False
+        self.throttle = Throttle(config.throttle, on_change=self._event)  # ThrottleError if out of (0, 1]
 
     # ---------------------------------------------------------------- joining
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         cfg = self.config
+        if cfg.throttle_file:
+            self.throttle.poll(cfg.throttle_file)  # the file's value, if any, counts from the benchmark on
+            self._tasks.append(asyncio.create_task(self.throttle.watch(cfg.throttle_file)))
         try:
             self.identity = Identity.from_option(cfg.identity)
         except IdentityError as exc:
@@ -131,7 +138,8 @@ class PeerNode:
         gate.admit(self.coordinator.peer_id, key)
         self.checks = gate.expect = PlanChecks(self.coordinator.peer_id)
         self.transport.learn(self.coordinator.peer_id, self.coordinator.maddrs)
-        flops = await loop.run_in_executor(self._compute, measure_flops, self.device)
+        throttle = self.throttle.value
+        flops = await loop.run_in_executor(self._compute, lambda: measure_flops(self.device, throttle=throttle))
         try:
             up, down = await self.transport.measure_bandwidth(self.coordinator.peer_id, cfg.bandwidth_probe_bytes)
             await self.transport.send(self.coordinator.peer_id, Hello(cfg.run_id, self.identity.public_hex))
@@ -330,6 +338,9 @@ class PeerNode:
 
     def _say(self, text: str) -> None:
         logger.info("%s", text)
+        self._event(text)
+
+    def _event(self, text: str) -> None:
         if self.on_event is not None:
             self.on_event(text)
 

@@ -226,3 +226,33 @@ def test_recovering_during_a_restoring_setup_keeps_restoring(tmp_path: Path) -> 
     driver.st.dispatched, driver.st.restore, driver.st.step = False, "state", 10
     _recover(driver, {"p1": "gone"})
     assert (driver.st.restore, driver.st.step) == ("state", 10)
+
+
+def test_rebalance_rule_pays_for_the_move_and_needs_a_real_gain() -> None:
+    go = replan.rebalance(0.10, 0.05, 100, 1.0)  # saves 5 s, costs 1 s
+    assert go.go and go.gain_s == pytest.approx(5.0) and "saves 5.0 s" in go.why
+    assert not replan.rebalance(0.10, 0.095, 10_000, 0.1).go, "5% faster is noise, whatever it saves"
+    assert not replan.rebalance(0.10, 0.05, 30, 1.0).go, "1.5 s saved does not pay twice for a 1 s move"
+
+
+def test_measured_speed_is_the_estimators_and_robust() -> None:
+    # a stage of 1 GFLOP forward per micro-batch, 2 micro-batches in 0.6 s: 3 * 1e9 * 2 / 0.6
+    assert replan.effective_flops(1e9, 2, 0.6) == pytest.approx(1e10)
+    assert replan.robust_speed([1.0, 100.0, 2.0, 3.0, 2.5]) == 2.5
+
+
+def test_a_lying_advert_is_corrected_by_measurement(tmp_path: Path) -> None:
+    """p1 claims 1000x its speed: the plan on measured speeds gives it little work."""
+    driver = _driver(tmp_path, [["p0"], ["p1"]])
+    driver.coord.adverts["p1"] = _advert("p1", 1e13)
+    driver.cfg.rebalance_every = 5
+    st = driver.st
+    costs = driver.dag.stage_costs(st.plan.cut)  # type: ignore[union-attr]
+    for _ in range(5):  # both stages' compute took 0.1 s: p1 is as fast as p0, not 1000x
+        for s, p in enumerate(["p0", "p1"]):
+            driver._measure(p, StepDone("r", 0, s, 0, compute_s=0.1 * costs[s]["flops"] / costs[0]["flops"]))
+    st.step = st.epoch_start + 5
+    speeds = {p: replan.robust_speed(v) for p, v in st.speeds.items()}
+    assert speeds["p1"] == pytest.approx(speeds["p0"], rel=1e-6)
+    measured = {a.peer_id: a.flops for a in driver._measured(list(driver.coord.adverts.values()))}
+    assert measured["p1"] == pytest.approx(speeds["p1"]) and measured["p1"] < 1e12

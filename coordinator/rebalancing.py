@@ -1,0 +1,129 @@
+"""The coordinator driver's rebalancing: each peer's speed measured from its step
+reports (not its advert), and, every ``rebalance_every`` steps, OP-Fence re-run
+on the measured speeds (standby peers included, so peers that joined mid-run
+are taken in). When the pure rule (``replan.rebalance``) says the new plan pays
+for its move, the step just committed is checkpointed and a new plan epoch
+starts from that checkpoint: no rollback, and the run stays exact."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from coordinator import replan
+from coordinator.assign import Assignment, network_from_adverts
+from coordinator.estimator import DagCosts, PeerProfile, Plan, predict
+from coordinator.opdag import OpDag
+from coordinator.runstate import DriverParts
+from protocol.codecs import Codec
+from protocol.messages import Advert, StepDone
+
+logger = logging.getLogger(__name__)
+
+
+class Rebalancing(DriverParts):
+    """Mixed into :class:`coordinator.run.Driver`."""
+
+    dag: OpDag
+    _costs: DagCosts | None = None
+
+    def _measure(self, sender: str, msg: StepDone) -> None:
+        """A peer's effective speed from its report of one step's compute."""
+        st = self.st
+        assert st.plan is not None
+        s, r = st.plan.stage_of(sender)
+        n = len(range(r, self.job.micro_batches, len(st.plan.stages[s])))
+        flops = self.dag.stage_costs(st.plan.cut)[s]["flops"]
+        if msg.compute_s > 0 and n and flops > 0:
+            samples = st.speeds.setdefault(sender, [])
+            samples.append(replan.effective_flops(flops, n, msg.compute_s))
+            del samples[: -replan.SPEED_SAMPLES]
+
+    def _measured(self, adverts: list[Advert]) -> list[Advert]:
+        """The adverts with each measured peer's FLOP/s replaced by its measured speed."""
+        speeds = self.st.speeds
+        return [dataclasses.replace(a, flops=replan.robust_speed(speeds[a.peer_id])) if a.peer_id in speeds else a
+                for a in adverts]  # fmt: skip
+
+    def _rebalance_check(self) -> Assignment | None:
+        """Every ``rebalance_every`` steps (a full period into the epoch, and not within
+        the cool-down after the last rebalance): the plan to move to, if any."""
+        st, every = self.st, self.cfg.rebalance_every
+        assert st.plan is not None
+        if not every or st.step % every or st.step >= self.job.steps or st.step - st.epoch_start < every:
+            return None
+        if st.step - st.last_rebalance < every * (replan.REBALANCE_COOLDOWN_CHECKS + 1):
+            return None
+        pool = [a for p, a in self.coord.adverts.items() if p in st.planned or p in self._standby()]
+        ads = self._measured(pool)
+        try:
+            candidate = self._plan(ads)
+        except Exception as exc:  # no plan for these peers now: keep the current one
+            logger.info("no rebalancing plan: %s", exc)
+            return None
+        if candidate.cut == st.plan.cut and candidate.stages == st.plan.stages or candidate.plan is None:
+            return None
+        decision = replan.rebalance(
+            self._predicted(ads), candidate.plan.iteration_s, self.job.steps - st.step, self._move_seconds()
+        )
+        logger.info("rebalance check at step %d: %s", st.step, decision.why)
+        if not decision.go:
+            return None
+        st.rebalance_why = decision.why
+        return candidate
+
+    def _predicted(self, ads: list[Advert]) -> float:
+        """The current plan's predicted step time on the measured speeds."""
+        st = self.st
+        assert st.plan is not None
+        if self._costs is None:
+            self._costs = DagCosts.from_opdag(self.dag)
+        by_id = {a.peer_id: PeerProfile(a.peer_id, a.flops, a.memory_bytes, "swarm") for a in ads}
+        bounds = tuple(st.plan.cut.boundaries)
+        plan = Plan(bounds, st.plan.stages, [Codec()] * len(bounds))
+        return predict(self._costs, plan, by_id, network_from_adverts(ads), self.job.micro_batches).iteration_s
+
+    def _move_seconds(self) -> float:
+        """What moving costs: a checkpoint (measured, or guessed before the first) and
+        setting the new stages up (the last dispatch, measured)."""
+        st = self.st
+        cost = st.checkpoint_cost_s if st.checkpoint_cost_s is not None else replan.CHECKPOINT_COST_GUESS_S
+        return cost + st.dispatch_s
+
+    async def _rebalance_to(self, candidate: Assignment) -> None:
+        """The step just committed was checkpointed: wait for it, then start the new plan
+        epoch from it (every stage restores its part; nothing is redone)."""
+        st = self.st
+        assert st.plan is not None
+        await self._next((), set(), until=lambda: st.checkpoint is not None and st.checkpoint.step == st.step)
+        before = self._tokens_per_s()
+        moved = _moves(st.plan, candidate)
+        text = f"rebalanced at step {st.step}: {st.rebalance_why}; {moved}; {before:,.0f} tokens/s before"
+        self.coord.board.event("rebalance", text)
+        self.on_event(f"epoch {st.epoch + 1}: {text}")
+        st.rebalances.append({"step": st.step, "why": st.rebalance_why, "moved": moved, "tokens_per_s_before": before})
+        st.plan, st.epoch, st.dispatched = candidate, st.epoch + 1, False
+        st.restore, st.reason = "state", f"rebalanced: {st.rebalance_why}"
+        st.last_rebalance = st.step
+        self.coord.gate.epoch = st.epoch
+
+    def _tokens_per_s(self, last: int = 10) -> float:
+        seconds = sum(self.st.step_seconds[-last:])
+        tokens = self.st.tokens_per_step * min(last, len(self.st.step_seconds))
+        return tokens / seconds if seconds > 0 else 0.0
+
+
+def _moves(old: Assignment, new: Assignment) -> str:
+    """What a new plan changes, in words: the cut and the peers of each stage."""
+    parts = []
+    if old.cut != new.cut:
+        parts.append(f"cut {old.cut.to_list()} -> {new.cut.to_list()}")
+    old_peers = {p for g in old.stages for p in g}
+    new_peers = {p for g in new.stages for p in g}
+    if old_peers - new_peers:
+        parts.append("to standby: " + ", ".join(sorted(old_peers - new_peers)))
+    if new_peers - old_peers:
+        parts.append("taken in: " + ", ".join(sorted(new_peers - old_peers)))
+    if old.stages != new.stages and not parts[1:]:
+        parts.append(f"peers per stage {[len(g) for g in old.stages]} -> {[len(g) for g in new.stages]}")
+    return "; ".join(parts) or "peers regrouped"

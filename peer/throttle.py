@@ -1,0 +1,123 @@
+"""Throttling a peer's compute to a fraction F of its speed (``join --throttle``):
+after each compute call the peer idles on its event loop for (1/F - 1) times the
+call's time, so its stage takes about 1/F as long while heartbeats and messages
+keep flowing. F may change while the peer runs, read from a file
+(``join --throttle-file``), to try the rebalancer on a peer that slows down."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+#: seconds between reads of the throttle file
+POLL_S = 1.0
+#: a throttle file holds one number; longer contents are refused unread
+MAX_FILE_BYTES = 64
+
+
+class ThrottleError(ValueError):
+    """A throttle out of (0, 1] or not a number; ``str()`` says why in one line."""
+
+
+def check_throttle(value: float) -> float:
+    """``value`` if it is a fraction in (0, 1]; else ThrottleError."""
+    if not 0.0 < value <= 1.0:  # also refuses nan
+        raise ThrottleError(f"{value!r} is not a number in (0, 1]")
+    return float(value)
+
+
+def parse_throttle(text: str) -> float:
+    """A throttle written as text (a command-line flag, a throttle file)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ThrottleError(f"'{_printable(text)}' is not a number in (0, 1]") from None
+    if not 0.0 < value <= 1.0:
+        raise ThrottleError(f"'{_printable(text)}' is not a number in (0, 1]")
+    return value
+
+
+def _printable(text: str, limit: int = 40) -> str:
+    """Local file text as it may be logged: control characters replaced, shortened."""
+    short = "".join(c if c.isprintable() else "?" for c in text[:limit])
+    return short + ("..." if len(text) > limit else "")
+
+
+class Throttle:
+    """The fraction of its speed a peer computes at. ``on_change`` is told each change
+    (one line, e.g. ``throttle: 0.25 (from PATH)``), which is also logged at INFO."""
+
+    def __init__(self, value: float = 1.0, on_change: Callable[[str], None] | None = None) -> None:
+        self._value = check_throttle(value)
+        self.on_change = on_change
+        self._refused: str | None = None  # the last bad file content warned about
+
+    @property
+    def value(self) -> float:
+        return self._value
+
+    def set(self, value: float, source: str = "") -> bool:
+        """Take a new value; True if it changed (then logged and told to ``on_change``)."""
+        value = check_throttle(value)
+        if value == self._value:
+            return False
+        self._value = value
+        text = f"throttle: {value:g}" + (f" (from {source})" if source else "")
+        logger.info("%s", text)
+        if self.on_change is not None:
+            self.on_change(text)
+        return True
+
+    def pause_for(self, compute_s: float) -> float:
+        """Seconds to idle after a compute call that took ``compute_s``: (1/F - 1) times it."""
+        if self._value >= 1.0 or not compute_s > 0.0 or math.isinf(compute_s):
+            return 0.0
+        return compute_s * (1.0 / self._value - 1.0)
+
+    async def idle(self, compute_s: float) -> float:
+        """Idle on the event loop (the compute thread stays free) for ``pause_for(compute_s)``;
+        returns the pause."""
+        pause = self.pause_for(compute_s)
+        if pause > 0.0:
+            await asyncio.sleep(pause)
+        return pause
+
+    def poll(self, path: str) -> bool:
+        """Read the throttle file once; True if the value changed. An absent or empty
+        file keeps the value silently; an unreadable one or a bad number keeps it with
+        a warning, once per distinct content."""
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(MAX_FILE_BYTES + 1)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            self._refuse(f"<{exc.strerror or type(exc).__name__}>", f"throttle file {path} is unreadable: {exc}")
+            return False
+        text = raw.decode("utf-8", errors="replace").strip()
+        if not text:  # being written, or cleared: wait for a number
+            return False
+        try:
+            if len(raw) > MAX_FILE_BYTES:
+                raise ThrottleError(f"it holds more than {MAX_FILE_BYTES} bytes, not one number in (0, 1]")
+            value = parse_throttle(text)
+        except ThrottleError as exc:
+            self._refuse(text, f"throttle file {path}: {exc}; keeping {self._value:g}")
+            return False
+        self._refused = None
+        return self.set(value, path)
+
+    def _refuse(self, content: str, warning: str) -> None:
+        if content != self._refused:
+            self._refused = content
+            logger.warning("%s", warning)
+
+    async def watch(self, path: str, interval: float = POLL_S) -> None:
+        """Read the throttle file about every ``interval`` seconds, forever (cancel to stop)."""
+        while True:
+            self.poll(path)
+            await asyncio.sleep(interval)
