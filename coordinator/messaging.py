@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: how long a peer reported unreachable has to show a sign of life (peers beat every second)
+BLAME_WAIT_S = 2.5
+
 
 class Messaging(DriverParts):
     """Mixed into :class:`coordinator.run.Driver`."""
@@ -108,11 +111,23 @@ class Messaging(DriverParts):
         task.add_done_callback(log_failure)
 
     async def _blame(self, reporter: str, msg: PeerFailure) -> dict[str, str]:
-        """A peer reported a failure: the peer it could not reach, if the coordinator
-        cannot reach it either, else the reporter."""
-        if msg.suspect and msg.suspect in self.st.planned and not await self.coord.reachable(msg.suspect):
-            return {msg.suspect: f"unreachable (reported by {reporter}: {msg.reason})"}
-        return {reporter: msg.reason}
+        """A peer reported that it cannot reach ``suspect``: the suspect is lost if the
+        coordinator cannot reach it either, or if it shows no sign of life (a
+        heartbeat, any bytes) within ``BLAME_WAIT_S``; a suspect that does is alive,
+        and the reporter is the one that failed. (A process killed a moment ago may
+        still have its connection for a fraction of a second: its silence decides.)"""
+        suspect = msg.suspect
+        if not suspect or suspect not in self.st.planned:
+            return {reporter: msg.reason}
+        reported = time.monotonic()
+        lost = {suspect: f"unreachable (reported by {reporter}: {msg.reason})"}
+        while time.monotonic() - reported < BLAME_WAIT_S:
+            if not await self.coord.reachable(suspect):
+                return lost
+            if self.coord.transport.last_activity.get(suspect, 0.0) > reported:
+                return {reporter: msg.reason}
+            await asyncio.sleep(0.1)
+        return lost
 
     def _check_health(self) -> None:
         st = self.st

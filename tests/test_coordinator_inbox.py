@@ -73,12 +73,20 @@ def test_only_awaited_peers_answer(tmp_path: Path) -> None:
     asyncio.run(go())
 
 
-@pytest.mark.parametrize(("reachable", "blamed"), [(False, "p1"), (True, "p0")])
-def test_a_reported_failure_names_the_peer_that_failed(tmp_path: Path, reachable: bool, blamed: str) -> None:
-    """p0 cannot reach p1: p1 is lost if the coordinator cannot reach it either, else p0."""
+@pytest.mark.parametrize(
+    ("reachable", "alive", "blamed"), [(False, False, "p1"), (True, True, "p0"), (True, False, "p1")]
+)
+def test_a_reported_failure_names_the_peer_that_failed(
+    tmp_path: Path, reachable: bool, alive: bool, blamed: str
+) -> None:
+    """p0 cannot reach p1: p1 is lost if the coordinator cannot reach it either, or if
+    it shows no sign of life (a process killed a moment ago may keep its connection
+    for a fraction of a second); a p1 that is heard from is alive, and p0 failed."""
 
     async def go() -> None:
         driver = _driver(tmp_path, [["p0"], ["p1"]], reachable)
+        if alive:
+            driver.coord.transport.last_activity["p1"] = time.monotonic() + 60  # type: ignore[union-attr]
         inbox = driver.coord.transport.inbox  # type: ignore[union-attr]
         await inbox.put(_inbound("intruder", PeerFailure("r", 0, "made up", 0, "p0")))
         await inbox.put(_inbound("p0", PeerFailure("r", 0, "stream to peer p1 broke", 0, "p1")))
