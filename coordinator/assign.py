@@ -43,16 +43,20 @@ def network_from_adverts(adverts: list[Advert]) -> Network:
     return Network({i: "swarm" for i in ids}, {("swarm", "swarm"): (typical, 0.001)}, overrides)
 
 
-def assign(dag: OpDag, adverts: list[Advert], num_stages: int | None = None, micro_batches: int = 4) -> Assignment:
-    """Every advertised peer gets a stage; ``num_stages`` defaults to one per peer."""
+def assign(
+    dag: OpDag, adverts: list[Advert], num_stages: int | None = None, micro_batches: int = 4, standby: bool = False
+) -> Assignment:
+    """Every advertised peer gets a stage (``num_stages`` defaults to one per peer), or,
+    with ``standby``, OP-Fence may leave peers out and choose the stage count itself
+    when ``num_stages`` is None."""
     if not adverts:
         raise ValueError("no peers to assign")
-    k = num_stages or len(adverts)
-    if k > len(adverts):
+    k = num_stages or (None if standby else len(adverts))
+    if k is not None and k > len(adverts):
         raise ValueError(f"{k} stages need at least {k} peers, {len(adverts)} joined")
     costs = DagCosts.from_opdag(dag)
     peers = [PeerProfile(a.peer_id, a.flops, a.memory_bytes, "swarm") for a in adverts]
-    options = Options(micro_batches=micro_batches, stages=k, standby=False, compression=False)
+    options = Options(micro_batches=micro_batches, stages=k, standby=standby, compression=False)
     try:
         plan = opfence(costs, peers, network_from_adverts(adverts), options)
     except ScheduleError as exc:

@@ -56,12 +56,14 @@ class Rebalancing(DriverParts):
             return None
         pool = [a for p, a in self.coord.adverts.items() if p in st.planned or p in self._standby()]
         ads = self._measured(pool)
+        logger.debug("measured speeds (GFLOP/s): %s", {a.peer_id[-6:]: round(a.flops / 1e9, 2) for a in ads})
         try:
-            candidate = self._plan(ads)
+            candidate = self._plan(ads, leave_out=True)
         except Exception as exc:  # no plan for these peers now: keep the current one
             logger.info("no rebalancing plan: %s", exc)
             return None
         if candidate.cut == st.plan.cut and candidate.stages == st.plan.stages or candidate.plan is None:
+            logger.info("rebalance check at step %d: the plan on measured speeds is the current one", st.step)
             return None
         decision = replan.rebalance(
             self._predicted(ads), candidate.plan.iteration_s, self.job.steps - st.step, self._move_seconds()

@@ -126,15 +126,16 @@ class Driver(Messaging, Checkpointing, Rebalancing):
         adverts = await self.coord.wait_for_peers(on_peers)
         st.plan = self._plan(list(adverts.values()), keep_out=self.cfg.standby)
 
-    def _plan(self, adverts: list[Advert], keep_out: int = 0) -> Assignment:
-        """OP-Fence over ``adverts``; the ``keep_out`` slowest wait as standby."""
+    def _plan(self, adverts: list[Advert], keep_out: int = 0, leave_out: bool = False) -> Assignment:
+        """OP-Fence over ``adverts``; the ``keep_out`` slowest wait as standby, and with
+        ``leave_out`` OP-Fence may leave more out where that is faster."""
         from coordinator.swarm import SwarmError
 
         ranked = sorted(adverts, key=lambda a: -a.flops)
         use = ranked[: max(len(ranked) - keep_out, 1)]
-        k = min(self.cfg.num_stages or len(use), len(use))
+        k = min(self.cfg.num_stages, len(use)) if self.cfg.num_stages else None if leave_out else len(use)
         try:
-            plan = assign(self.dag, use, k, self.job.micro_batches)
+            plan = assign(self.dag, use, k, self.job.micro_batches, standby=leave_out)
         except ValueError as exc:
             raise SwarmError(f"cannot plan the run: {exc}") from None
         return plan

@@ -400,6 +400,8 @@ def opfence(costs: DagCosts, peers: list[PeerProfile], network: Network, options
     best: Plan | None = None
     for pool_order, pool in _pools(ordered, clusters, options):
         pool_peers = [p for c in pool_order for p in pool[c]]
+        if options.stages is not None and len(pool_peers) < options.stages and len(pool_peers) < len(peers):
+            continue  # a standby pool too small for the stages asked for
         for k in _candidate_stages(costs, pool_peers, options):
             for groups in _groupings(pool_order, pool, k):
                 ids = [[p.id for p in g] for g in groups]

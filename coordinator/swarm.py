@@ -283,9 +283,19 @@ class Coordinator:
         while True:
             await asyncio.sleep(2.0)
             try:
-                await self.live_adverts()
+                live = await self.live_adverts()
             except Exception as exc:  # the DHT may hiccup; the next poll retries
                 logger.debug("advert poll failed: %s", exc)
+                continue
+            st = self.driver.st if self.driver is not None else None
+            planned = st.planned if st is not None else set()
+            # peers that joined since are candidates at the next rebalance; planned peers keep
+            # their last advert through a DHT hiccup
+            self.adverts = {**{p: a for p, a in self.adverts.items() if p in planned}, **live}
+            if st is not None and st.plan is not None:  # joined mid-run: standby until a re-plan takes it in
+                for p in set(live) - st.planned - set(st.lost):
+                    if self.board.peers.get(p, {}).get("state") == "joined":
+                        self.board.peer_state(p, "standby")
 
     async def wait_for_peers(self, on_change: Callable[[int], None] | None = None) -> dict[str, Advert]:
         cfg = self.config

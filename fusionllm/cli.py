@@ -148,6 +148,16 @@ def _whole(text: str, low: int, high: int, what: str, bounds: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+    if not 0.0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} is not a positive, finite number")
+    return value
+
+
 def _natural(text: str) -> int:
     return _whole(text, 0, 1 << 40, "a whole number", "at least 0")
 
@@ -278,6 +288,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="while running, read the throttle F from this file about once a second (absent or bad: the last "
         "value stays)",
+    )
+    p.add_argument(
+        "--advertise-flops",
+        type=_positive_float,
+        default=None,
+        metavar="X",
+        help="advertise X FLOP/s instead of what this machine measured (the coordinator goes by the measured "
+        "speed of each step after the first; to try out that it does)",
     )
     _add_identity_flag(p, "~/.fusionllm/peer.key")
 

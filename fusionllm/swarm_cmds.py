@@ -208,6 +208,7 @@ async def _join(args: argparse.Namespace) -> int:
             identity=os.path.expanduser(args.identity),
             coordinator_grace=args.coordinator_grace,
             throttle=args.throttle,
+            advertise_flops=args.advertise_flops,
             throttle_file=os.path.expanduser(args.throttle_file) if args.throttle_file else None,
         )
     )

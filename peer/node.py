@@ -77,6 +77,7 @@ class PeerConfig:
     coordinator_grace: float = 120.0  # how long to wait for a lost coordinator to come back
     throttle: float = 1.0  # compute at this fraction of the peer's speed (peer.throttle); in (0, 1]
     throttle_file: str | None = None  # read the throttle from this file about once a second while running
+    advertise_flops: float | None = None  # advertise this instead of the measured FLOP/s (a lying peer, for tests)
 
 
 class PeerNode:
@@ -140,6 +141,7 @@ class PeerNode:
         self.transport.learn(self.coordinator.peer_id, self.coordinator.maddrs)
         throttle = self.throttle.value
         flops = await loop.run_in_executor(self._compute, lambda: measure_flops(self.device, throttle=throttle))
+        flops = cfg.advertise_flops or flops
         try:
             up, down = await self.transport.measure_bandwidth(self.coordinator.peer_id, cfg.bandwidth_probe_bytes)
             await self.transport.send(self.coordinator.peer_id, Hello(cfg.run_id, self.identity.public_hex))

@@ -62,10 +62,11 @@ class Proc:
         except psutil.NoSuchProcess:
             pass
 
-    def wait_line(self, pattern: str, timeout: float = 90.0) -> re.Match[str]:
-        """Bounded wait for an output line matching ``pattern``; ``last_time`` is when it was read."""
+    def wait_line(self, pattern: str, timeout: float = 90.0, after: int = 0) -> re.Match[str]:
+        """Bounded wait for an output line matching ``pattern`` (among lines from index
+        ``after`` on); ``last_time`` is when it was read."""
         deadline = time.monotonic() + timeout
-        seen = 0
+        seen = after
         while time.monotonic() < deadline:
             while seen < len(self.lines):
                 m = re.search(pattern, self.lines[seen])

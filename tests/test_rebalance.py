@@ -1,0 +1,132 @@
+"""Slow peers are rebalanced on measured speeds, and the run stays exact: real
+processes on loopback, compression off, the final weights compared with
+``fusionllm train --reference``."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from fusionllm.local import compare_checkpoints
+from tests.conftest import run_cli
+from tests.swarmproc import SMALL, Swarm, wait_for, wait_gone
+
+pytestmark = pytest.mark.timeout(420)
+EVERY = 20
+
+
+def _equal_to_reference(tmp_path: Path, steps: int) -> bool:
+    ref = tmp_path / "reference.safetensors"
+    r = run_cli("train", "--reference", "--threads", "1", "--steps", str(steps), "--seed", "0", *SMALL,
+                "--save", str(ref))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return compare_checkpoints(tmp_path / "swarm.safetensors", ref) <= 1e-5
+
+
+def _ops(state: dict, peer: str) -> int:
+    """Operators of the stage ``peer`` serves (0 on standby)."""
+    for stage in state["plan"]["stages"]:
+        if peer in stage["peers"]:
+            return stage["last_op"] - stage["first_op"] + 1
+    return 0
+
+
+def test_a_peer_slowed_down_gets_less_work(tmp_path: Path) -> None:
+    """(a) 4 peers; after some steps the busiest one is throttled to 0.25: within two
+    rebalance periods the coordinator moves work off it, and the run still equals
+    the reference."""
+    steps = 400
+    # four pipeline stages: the planner's replicas model (a share of each micro-batch by
+    # FLOP/s) does not see a slow replica as the straggler it is
+    args = [*_args(tmp_path, steps, 4), "--stages", "4"]
+    swarm = Swarm(tmp_path, args, peers=0)
+    try:
+        files = {}
+        for i in range(4):
+            f = tmp_path / f"throttle{i}"
+            files[swarm.add_peer(i, "--throttle-file", str(f))] = f
+        state = wait_for(swarm.url, lambda s: s["training"]["step"] >= 2 * EVERY + 5 and s["phase"] == "training", 300)
+        slow = max(files, key=lambda p: _ops(state, p))
+        before = _ops(state, slow)
+        files[slow].write_text("0.25\n")
+        swarm.peers[slow].wait_line(r"throttle: 0\.25", 10)
+        at, seen = state["training"]["step"], len(swarm.coord.lines)
+        line = swarm.coord.wait_line(r"rebalanced at step (\d+): ", 300, after=seen)
+        assert int(line.group(1)) <= at + 3 * EVERY, "re-planned within two periods (after one of measurements)"
+        epoch = state["training"]["epoch"] + 1
+        after = wait_for(swarm.url, lambda s: s["training"]["epoch"] > epoch - 1 and s["phase"] == "training", 60)
+        assert _ops(after, slow) < before, f"the slowed peer still has {_ops(after, slow)} of {before} ops"
+        swarm.note_children()
+        assert swarm.coord.wait(400) == 0, swarm.coord.output[-3000:]
+        out = swarm.coord.output
+        for p in swarm.procs:
+            if p.popen.poll() is None:
+                p.wait(60)
+        left = wait_gone(swarm.all_pids())
+    finally:
+        swarm.close()
+    assert "Traceback" not in out and not left
+    assert re.search(r"\d+ rebalances", out)
+    assert _equal_to_reference(tmp_path, steps)
+
+
+def _finish(swarm: Swarm, tmp_path: Path, steps: int) -> str:
+    swarm.note_children()
+    assert swarm.coord.wait(400) == 0, swarm.coord.output[-3000:]
+    for p in swarm.procs:
+        if p.popen.poll() is None:
+            p.wait(60)
+    assert not wait_gone(swarm.all_pids()), "processes left behind"
+    assert "Traceback" not in swarm.coord.output
+    assert _equal_to_reference(tmp_path, steps)
+    return swarm.coord.output
+
+
+def _args(tmp_path: Path, steps: int, peers: int) -> list[str]:
+    return ["--steps", str(steps), "--seed", "0", *SMALL, "--min-peers", str(peers),
+            "--rebalance-every", str(EVERY), "--save", str(tmp_path / "swarm.safetensors"),
+            "--run-dir", str(tmp_path / "run")]  # fmt: skip
+
+
+def test_a_lying_peer_is_corrected_at_the_first_check(tmp_path: Path) -> None:
+    """(b) a peer advertising 1000x its speed gets most of the model at first; the
+    first rebalance check, on measured speeds, takes that work off it. (The run is
+    long enough that the better plan pays for the move: on this small model it
+    saves a few ms per step against about a second of checkpoint and set-up.)"""
+    steps = 1000
+    swarm = Swarm(tmp_path, _args(tmp_path, steps, 3), peers=0)
+    try:
+        honest = [swarm.add_peer(i) for i in range(2)]
+        liar = swarm.add_peer(2, "--advertise-flops", "1e15")
+        state = wait_for(swarm.url, lambda s: s["training"]["step"] >= 1, 300)
+        before = _ops(state, liar)
+        assert before > max(_ops(state, p) for p in honest), "the claim won it the most work"
+        line = swarm.coord.wait_line(r"rebalanced at step (\d+): ", 300)
+        assert int(line.group(1)) == EVERY, "corrected at the first check"
+        after = wait_for(swarm.url, lambda s: s["training"]["epoch"] >= 1 and s["phase"] == "training", 60)
+        assert _ops(after, liar) < before
+        _finish(swarm, tmp_path, steps)
+    finally:
+        swarm.close()
+
+
+def test_a_peer_joining_mid_run_is_put_to_work(tmp_path: Path) -> None:
+    """(c) two peers; one slows down to a tenth, and a third joins mid-run: it waits
+    as standby and is taken in at a rebalance."""
+    steps = 400
+    swarm = Swarm(tmp_path, _args(tmp_path, steps, 2), peers=0)
+    try:
+        swarm.add_peer(0)
+        slow_file = tmp_path / "throttle1"
+        swarm.add_peer(1, "--throttle-file", str(slow_file))
+        wait_for(swarm.url, lambda s: s["training"]["step"] >= 10, 300)
+        slow_file.write_text("0.1")
+        late = swarm.add_peer(2)
+        wait_for(swarm.url, lambda s: any(p["id"] == late and p.get("state") == "standby" for p in s["peers"]), 60)
+        swarm.coord.wait_line(rf"rebalanced at step \d+: .*taken in: .*{late}", 300)
+        out = _finish(swarm, tmp_path, steps)
+    finally:
+        swarm.close()
+    assert re.search(r"[1-9]\d* rebalances", out)
