@@ -38,6 +38,7 @@ class Rebalancing(DriverParts):
             samples = st.speeds.setdefault(sender, [])
             samples.append(replan.effective_flops(flops, n, msg.compute_s))
             del samples[: -replan.SPEED_SAMPLES]
+            self.coord.board.measured(sender, replan.robust_speed(samples))
 
     def _measured(self, adverts: list[Advert]) -> list[Advert]:
         """The adverts with each measured peer's FLOP/s replaced by its measured speed."""

@@ -47,6 +47,7 @@ from __future__ import annotations
 import collections
 import heapq
 import itertools
+import math
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -121,6 +122,12 @@ class StatusBoard:
     def heard_from(self, peer_id: str) -> None:
         if peer_id in self.peers:
             self.peers[peer_id]["last_seen"] = self.clock()
+
+    def measured(self, peer_id: str, flops: float) -> None:
+        """A peer's speed as measured from its steps (``measured_flops``; its advert's
+        claim stays in ``flops``)."""
+        if peer_id in self.peers and math.isfinite(flops):
+            self.peers[peer_id]["measured_flops"] = flops
 
     def set_plan(
         self,

@@ -35,8 +35,10 @@ from protocol.messages import Abort, Advert, CoordinatorRecord, Message, dht_key
 from protocol.ports import PortTaken, check_listen_ports
 from protocol.transport import PeerUnreachable, Transport
 
-#: steps between two checks whether a plan on the measured speeds pays for moving to it
-DEFAULT_REBALANCE_EVERY = 25
+#: steps between two checks whether a plan on the measured speeds pays for moving to it;
+#: off by default until the estimator sees stragglers among replicas and per-operator
+#: overheads (on identical peers it moved work for gains the peers did not show)
+DEFAULT_REBALANCE_EVERY = 0
 #: the longest a DHT store or get may take. DHT calls are awaited as futures, never run on
 #: executor threads: a thread blocked on a DHT that shut down kept the event loop from closing
 DHT_TIMEOUT_S = 30.0

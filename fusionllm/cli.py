@@ -119,7 +119,8 @@ def _add_swarm_flags(p: argparse.ArgumentParser) -> None:
         type=_natural,
         default=None,
         metavar="N",
-        help="every N steps, re-plan on the peers' measured speeds and move when it pays off (default: 25; 0: never)",
+        help="every N steps, re-plan on the peers' measured speeds and move when it pays off (e.g. 25; default: 0, "
+        "never)",
     )
     p.add_argument(
         "--stall-timeout",

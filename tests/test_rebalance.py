@@ -106,7 +106,10 @@ def test_a_lying_peer_is_corrected_at_the_first_check(tmp_path: Path) -> None:
         line = swarm.coord.wait_line(r"rebalanced at step (\d+): ", 300)
         assert int(line.group(1)) == EVERY, "corrected at the first check"
         after = wait_for(swarm.url, lambda s: s["training"]["epoch"] >= 1 and s["phase"] == "training", 60)
-        assert _ops(after, liar) < before
+        speeds = {p["id"]: (p["flops"], p.get("measured_flops")) for p in after["peers"]}
+        claimed, measured = speeds[liar]
+        assert measured is not None and measured < claimed / 100, "its measured speed replaced its claim"
+        assert after["plan"] != state["plan"], "the plan moved off the claim"
         _finish(swarm, tmp_path, steps)
     finally:
         swarm.close()

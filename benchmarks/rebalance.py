@@ -1,0 +1,111 @@
+"""What rebalancing recovers: 4 loopback peers (4 stages) train; the busiest peer is
+throttled to 0.25 mid-run; the coordinator rebalances on measured speeds. Reports
+tokens/s before the slow-down, while slowed, and after the rebalance, next to
+``ideal_after``: a fresh run of the same swarm with that peer slow from the start
+(its advert says so, so the first plan knows), measured in the same process.
+``replan_s`` is the pause a rebalance costs: from the step it decided on to the
+next finished step. The simulator's goodput comparison is not built yet
+(``sim_1000_peers`` is null). Prints one JSON object."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.swarmproc import SMALL, Swarm, wait_for  # noqa: E402
+
+EVERY = 20
+MODEL: list[str] = []
+
+
+def _args(tmp: Path, steps: int) -> list[str]:
+    return ["--steps", str(steps), "--seed", "0", *MODEL, "--min-peers", "4", "--stages", "4",
+            "--rebalance-every", str(EVERY), "--run-dir", str(tmp / "run")]  # fmt: skip
+
+
+def _rate(url: str) -> float:
+    """Tokens/s over the coordinator's last 20 steps."""
+    return float(wait_for(url, lambda s: s["training"]["tokens_per_s"] is not None)["training"]["tokens_per_s"])
+
+
+def _ops(state: dict[str, Any], peer: str) -> int:
+    return next((s["last_op"] - s["first_op"] + 1 for s in state["plan"]["stages"] if peer in s["peers"]), 0)
+
+
+def _slowed_run(tmp: Path, steps: int) -> dict[str, Any]:
+    swarm = Swarm(tmp, _args(tmp, steps), peers=0)
+    try:
+        files = {}
+        for i in range(4):
+            files[swarm.add_peer(i, "--throttle-file", str(tmp / f"t{i}"))] = tmp / f"t{i}"
+        state = wait_for(swarm.url, lambda s: s["training"]["step"] >= 2 * EVERY and s["phase"] == "training", 300)
+        before = _rate(swarm.url)
+        slow = max(files, key=lambda p: _ops(state, p))
+        files[slow].write_text("0.25")
+        seen = len(swarm.coord.lines)
+        m = swarm.coord.wait_line(r"rebalanced at step (\d+): .*; ([\d,]+) tokens/s before", 600, after=seen)
+        decided, slowed = time.monotonic(), float(m.group(2).replace(",", ""))
+        step = int(m.group(1))
+        wait_for(swarm.url, lambda s: s["training"]["step"] > step, 120, 0.02)
+        replan_s = time.monotonic() - decided
+        wait_for(swarm.url, lambda s: s["training"]["step"] >= step + 25, 600)
+        after = _rate(swarm.url)
+        assert swarm.coord.wait(600) == 0, swarm.coord.output[-3000:]
+    finally:
+        swarm.close()
+    return {
+        "before": before,
+        "slowed": slowed,
+        "after": after,
+        "replan_s": replan_s,
+        "slow_index": list(files).index(slow),
+    }
+
+
+def _ideal(tmp: Path, steps: int, slow_index: int) -> float:
+    """A fresh run whose peer ``slow_index`` is slow from its start (and says so)."""
+    swarm = Swarm(tmp, _args(tmp, steps), peers=0)
+    try:
+        for i in range(4):
+            swarm.add_peer(i, *(["--throttle", "0.25"] if i == slow_index else []))
+        wait_for(swarm.url, lambda s: s["training"]["step"] >= 2 * EVERY + 25, 600)
+        rate = _rate(swarm.url)
+        assert swarm.coord.wait(600) == 0, swarm.coord.output[-3000:]
+    finally:
+        swarm.close()
+    return rate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--short", action="store_true", help="a shorter run (the test suite's)")
+    args = parser.parse_args()
+    steps = 300 if args.short else 600
+    MODEL[:] = SMALL if args.short else []
+    with tempfile.TemporaryDirectory(prefix="fusionllm-rebalance-") as d:
+        run = _slowed_run(Path(d) / "slowed", steps)
+        ideal = _ideal(Path(d) / "ideal", 2 * EVERY + 40, int(run["slow_index"]))
+    out: dict[str, Any] = {
+        "tokens_per_s_before": round(run["before"]),
+        "tokens_per_s_slowed": round(run["slowed"]),
+        "tokens_per_s_after": round(run["after"]),
+        "ideal_after": round(ideal),
+        "recovery_vs_ideal": round(run["after"] / ideal, 3),
+        "replan_s": round(run["replan_s"], 2),
+        "sim_1000_peers": None,
+    }
+    if args.short:
+        out["short"] = True
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
