@@ -38,6 +38,8 @@ BENCHMARKS = [
     ("elastic.py", {"steps", "detect_s", "resume_s", "steps_redone", "equal_to_reference", "processes_left",
                     "checkpoints_per_run", "tokens_per_s_with_checkpoints", "tokens_per_s_without",
                     "checkpoint_overhead"}),
+    ("rebalance.py", {"tokens_per_s_before", "tokens_per_s_slowed", "tokens_per_s_after", "ideal_after",
+                      "recovery_vs_ideal", "replan_s", "sim_1000_peers"}),
 ]  # fmt: skip
 
 #: a benchmark run that takes longer than this is a regression of its short mode
@@ -131,7 +133,15 @@ def _elastic(out: dict[str, Any]) -> None:
     assert 0.5 < out["checkpoint_overhead"] < 2.0, out
 
 
+def _rebalance(out: dict[str, Any]) -> None:
+    _positive(out, "tokens_per_s_before", "tokens_per_s_slowed", "tokens_per_s_after", "ideal_after")
+    # a quarter-speed peer slows the pipeline; the rebalance wins some of it back
+    assert out["tokens_per_s_slowed"] < out["tokens_per_s_before"], out
+    assert 0 < out["recovery_vs_ideal"] < 2 and out["replan_s"] >= 0, out
+
+
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "rebalance.py": _rebalance,
     "elastic.py": _elastic,
     "codecs.py": _codecs,
     "convergence.py": _convergence,
