@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from fusionllm.local import compare_checkpoints  # noqa: E402
 from tests.conftest import run_cli  # noqa: E402
-from tests.swarmproc import SMALL, Swarm, wait_for, wait_gone  # noqa: E402
+from tests.swarmproc import SMALL, Swarm, wait_for  # noqa: E402
 
 #: the model: the demo's GPT, or a smaller one in the short mode
 MODEL: list[str] = []
@@ -60,10 +60,7 @@ def _kill_run(tmp: Path, steps: int) -> dict[str, float | int | bool]:
                     "--save", str(ref))  # fmt: skip
         assert r.returncode == 0, r.stderr
         equal = compare_checkpoints(tmp / "swarm.safetensors", ref) <= 1e-5
-        for p in swarm.procs:
-            if p.popen.poll() is None:
-                p.wait(60)
-        left = wait_gone(swarm.all_pids())
+        left = swarm.reap()
     finally:
         swarm.close()
     return {"detect_s": round(detect_s, 2), "resume_s": round(resume_s, 2), "steps_redone": redone,

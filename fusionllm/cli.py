@@ -149,13 +149,13 @@ def _whole(text: str, low: int, high: int, what: str, bounds: str) -> int:
     return value
 
 
-def _positive_float(text: str) -> float:
+def _positive_float(text: str, what: str = "a number", bounds: str = "a positive, finite number") -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+        raise argparse.ArgumentTypeError(f"'{text}' is not {what}") from None
     if not 0.0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{value} is not a positive, finite number")
+        raise argparse.ArgumentTypeError(f"{value} is not {bounds}")
     return value
 
 
@@ -164,13 +164,7 @@ def _natural(text: str) -> int:
 
 
 def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a number of seconds") from None
-    if not 0.0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{value} is not a positive number of seconds")
-    return value
+    return _positive_float(text, "a number of seconds", "a positive number of seconds")
 
 
 def _port(text: str) -> int:

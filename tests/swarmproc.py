@@ -178,6 +178,15 @@ class Swarm:
     def all_pids(self) -> set[int]:
         return {pid for p in self.procs for pid in p.pids}
 
+    def reap(self) -> set[int]:
+        """After the run: wait for every process still running to exit (60 s each),
+        then return the PIDs any of them started that are still alive."""
+        self.note_children()
+        for p in self.procs:
+            if p.popen.poll() is None:
+                p.wait(60)
+        return wait_gone(self.all_pids())
+
     def close(self) -> None:
         for p in self.procs:
             p.kill_all()

@@ -37,11 +37,7 @@ def _finish(swarm: Swarm, tmp_path: Path, steps: int, timeout: float = 300) -> s
     assert code == 0, out[-4000:]
     assert "Traceback" not in out
     assert compare_checkpoints(tmp_path / "swarm.safetensors", _reference(tmp_path, steps)) <= 1e-5
-    for p in swarm.procs:
-        if p.args[0] == "join" and p.popen.poll() is None:
-            p.wait(60)
-    swarm.note_children()
-    left = wait_gone(swarm.all_pids())
+    left = swarm.reap()
     assert not left, f"processes left behind: {sorted(left)}"
     return out
 

@@ -11,7 +11,7 @@ import pytest
 
 from fusionllm.local import compare_checkpoints
 from tests.conftest import run_cli
-from tests.swarmproc import SMALL, Swarm, wait_for, wait_gone
+from tests.swarmproc import SMALL, Swarm, wait_for
 
 pytestmark = pytest.mark.timeout(420)
 EVERY = 20
@@ -62,10 +62,7 @@ def test_a_peer_slowed_down_gets_less_work(tmp_path: Path) -> None:
         swarm.note_children()
         assert swarm.coord.wait(400) == 0, swarm.coord.output[-3000:]
         out = swarm.coord.output
-        for p in swarm.procs:
-            if p.popen.poll() is None:
-                p.wait(60)
-        left = wait_gone(swarm.all_pids())
+        left = swarm.reap()
     finally:
         swarm.close()
     assert "Traceback" not in out and not left
@@ -76,10 +73,7 @@ def test_a_peer_slowed_down_gets_less_work(tmp_path: Path) -> None:
 def _finish(swarm: Swarm, tmp_path: Path, steps: int) -> str:
     swarm.note_children()
     assert swarm.coord.wait(400) == 0, swarm.coord.output[-3000:]
-    for p in swarm.procs:
-        if p.popen.poll() is None:
-            p.wait(60)
-    assert not wait_gone(swarm.all_pids()), "processes left behind"
+    assert not swarm.reap(), "processes left behind"
     assert "Traceback" not in swarm.coord.output
     assert _equal_to_reference(tmp_path, steps)
     return swarm.coord.output
