@@ -25,6 +25,21 @@ def _descendants(pid: int) -> list[psutil.Process]:
     return psutil.Process(pid).children(recursive=True)
 
 
+def _settled_names(pid: int, count: int, timeout: float = 10.0) -> tuple[list[psutil.Process], list[str]]:
+    """The descendants of ``pid`` and their sorted command lines, once ``count`` of them have finished exec.
+
+    Popen returns when the child's exec has begun; until the kernel has laid out the new
+    program's arguments, /proc/PID/cmdline reads empty (CI once caught exactly that window).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        kids = _descendants(pid)
+        names = sorted(" ".join(p.cmdline()) for p in kids)
+        if (len(names) == count and all(names)) or time.monotonic() > deadline:
+            return kids, names
+        time.sleep(0.05)
+
+
 def _running(p: psutil.Process) -> bool:
     """Still the same process (psutil compares create_time) and not a zombie."""
     try:
@@ -195,8 +210,7 @@ def test_reaper_ends_the_children_of_a_killed_parent() -> None:
     kids: list[psutil.Process] = []
     try:
         _readline_until(parent, "ready", timeout=30)
-        kids = _descendants(parent.pid)
-        names = sorted(" ".join(p.cmdline()) for p in kids)
+        kids, names = _settled_names(parent.pid, count=2)
         assert len(names) == 2 and "fusionllm.reaper" in names[0] and names[1] == "sleep 1000", names
         time.sleep(3 * POLL_S)  # one snapshot of the watchdog at least
         _kill9(parent)
