@@ -213,6 +213,13 @@ class Network:
             self._remember((sample, ()), got)
         return got
 
+    def learn(self, a: str, b: str, link: LinkInfo) -> None:
+        """Record a measured link between peers ``a`` and ``b`` (it overrides what was inferred)."""
+        self.overrides[(a, b)] = (link.mbps, link.latency_s)
+        self.overrides.pop((b, a), None)
+        self.measured.add((a, b))
+        self._memo.clear()
+
     def _remember(self, key: tuple[tuple[str, ...], tuple[str, ...]], value: LinkInfo) -> None:
         if len(self._memo) > 100_000:
             self._memo.clear()

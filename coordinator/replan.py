@@ -6,6 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+#: what a swarm does about a change (the simulator compares them): ``rebalance`` (these
+#: rules: recover from losses, move when the move pays), ``none`` (recover from losses
+#: only: slow peers stay, joiners wait) and ``restart`` (every change stops the run, which
+#: restarts from the last checkpoint on a fresh plan)
+POLICIES = ("rebalance", "none", "restart")
 #: a re-plan that nothing forces must beat the current plan's iteration time by this fraction
 REPLAN_GAIN = 0.1
 #: joins alone trigger an optional re-plan at most this often (iterations)

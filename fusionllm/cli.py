@@ -8,6 +8,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from coordinator.replan import POLICIES
+
 EXIT_USAGE = 2
 
 
@@ -311,7 +313,14 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             p.add_argument("--schedulers", default="opfence,even,compute,random", help="comma-separated")
             p.add_argument("--iterations", type=_positive, default=20)
-            p.add_argument("--churn", type=int, default=0, metavar="N", help="N seeded join/leave/slow-down events")
+            p.add_argument("--churn", type=_natural, default=0, metavar="N", help="N seeded joins, leaves, slow-downs")
+            p.add_argument(
+                "--policy",
+                choices=POLICIES,
+                default="rebalance",
+                help="what the swarm does about churn: rebalance (the live coordinator's rules), none (recover from "
+                "losses only) or restart (restart from the last checkpoint on every change)",
+            )
             p.add_argument("--plot", default=None, metavar="OUT.png", help="plot iteration times")
 
     p = sub.add_parser("status", help="print a coordinator's status page in the terminal")

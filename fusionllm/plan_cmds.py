@@ -84,7 +84,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _churn(topo: Any, iterations: int, events: int, seed: int) -> tuple[list[Any], set[str]]:
+def churn_events(topo: Any, iterations: int, events: int, seed: int) -> tuple[list[Any], set[str]]:
     from sim.engine import Churn
 
     rng = random.Random(seed)
@@ -96,8 +96,9 @@ def _churn(topo: Any, iterations: int, events: int, seed: int) -> tuple[list[Any
         kind = rng.choice(["leave", "slow", "join"])
         if kind == "join":
             out.append(Churn(it, "join", rng.choice(sorted(held))))
-        else:
-            out.append(Churn(it, kind, rng.choice(ids), rng.choice([0.25, 0.5])))
+        else:  # half of them hit a peer the plan uses at that moment
+            peer = rng.choice(ids) if rng.random() < 0.5 else f"@{rng.randrange(1 << 30)}"
+            out.append(Churn(it, kind, peer, rng.choice([0.25, 0.5])))
     return out, held
 
 
@@ -113,12 +114,12 @@ def cmd_sim(args: argparse.Namespace) -> int:
         raise UsageError(f"--plot {args.plot}: the plot is a .png file")
     topo = _topology(args.topology)
     costs = _costs(args)
-    churn, held = _churn(topo, args.iterations, args.churn, args.seed)
+    churn, held = churn_events(topo, args.iterations, args.churn, args.seed)
     results = {}
     for name in names:
         start = time.perf_counter()
         try:
-            r = simulate(costs, topo, name, _options(args), args.iterations, churn, held_out=held)
+            r = simulate(costs, topo, name, _options(args), args.iterations, churn, held_out=held, policy=args.policy)
         except ScheduleError as exc:
             raise UsageError(f"{name}: {exc}") from None
         results[name] = (r, time.perf_counter() - start)
@@ -126,12 +127,15 @@ def cmd_sim(args: argparse.Namespace) -> int:
         out = {
             "topology": topo.name,
             "iterations": args.iterations,
+            "policy": args.policy,
             "schedulers": {
                 n: {
                     "iteration_s": r.mean_s,
                     "lower_bound_s": r.lower_bound_s,
                     "predicted_s": r.predicted_s,
                     "replans": len(r.replans),
+                    "redone": r.redone,
+                    "goodput": r.goodput,
                     "wall_s": round(w, 3),
                 }
                 for n, (r, w) in results.items()
@@ -143,7 +147,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
         for n, (r, w) in results.items():
             print(
                 f"  {n:<8} {r.mean_s:.4g} s per iteration (predicted {r.predicted_s:.4g} s, lower bound "
-                f"{r.lower_bound_s:.4g} s, {len(r.replans)} re-plans; simulated in {w:.1f} s)"
+                f"{r.lower_bound_s:.4g} s, {len(r.replans)} re-plans, {r.redone} iterations redone, goodput "
+                f"{r.goodput:.4g} iterations/s; simulated in {w:.1f} s)"
             )
     if args.plot:
         _plot(args.plot, {n: r for n, (r, _) in results.items()}, topo.name)

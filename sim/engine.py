@@ -8,8 +8,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from coordinator.estimator import STATE_PER_PARAM_BYTE, DagCosts, Network, PeerProfile, Plan, link_seconds, wire_bytes
-from coordinator.replan import REPLAN_GAIN, accept_plan, wants_replan
+from coordinator.estimator import (
+    STATE_PER_PARAM_BYTE,
+    DagCosts,
+    Network,
+    PeerProfile,
+    Plan,
+    link_seconds,
+    predict,
+    wire_bytes,
+)
+from coordinator.replan import JOIN_REPLAN_EVERY, POLICIES, checkpoint_due, rebalance, recover, wants_replan
 from coordinator.scheduler import Options, ScheduleError, plan
 from protocol import schedule as schedules
 from sim.topology import Topology
@@ -18,7 +27,8 @@ from sim.topology import Topology
 @dataclass(frozen=True)
 class Churn:
     """At ``iteration``: ``leave``, ``join`` (a peer of the topology kept out so far)
-    or ``slow`` (its FLOP/s times ``factor``)."""
+    or ``slow`` (its FLOP/s times ``factor``). ``peer`` ``@K`` names the plan's
+    peer number K (modulo their count, in sorted order) at that iteration."""
 
     iteration: int
     kind: str
@@ -33,10 +43,17 @@ class SimResult:
     predicted_s: float
     lower_bound_s: float
     replans: list[tuple[int, str]] = field(default_factory=list)
+    policy: str = "rebalance"
+    redone: int = 0  # iterations rolled back and done again
 
     @property
     def mean_s(self) -> float:
         return sum(self.iteration_s) / len(self.iteration_s)
+
+    @property
+    def goodput(self) -> float:
+        """Iterations kept per simulated second, every pause, move and redone iteration counted."""
+        return len(self.iteration_s) / max(sum(self.iteration_s), 1e-12)
 
 
 def iteration_seconds(costs: DagCosts, p: Plan, peers: dict[str, PeerProfile], network: Network, m: int,
@@ -95,18 +112,112 @@ def iteration_seconds(costs: DagCosts, p: Plan, peers: dict[str, PeerProfile], n
     return max(f + a for f, a in zip(free, allreduce))
 
 
-def _move_seconds(costs: DagCosts, old: Plan | None, new: Plan, network: Network) -> float:
-    """Re-planning moves each changed stage's weights and optimizer state to its new peers."""
-    if old is None:
-        return 0.0
-    worst = 0.0
-    for s, ((lo, hi), g) in enumerate(zip(new.ranges(costs.num_ops), new.groups)):
-        if s < len(old.groups) and old.groups[s] == g and old.ranges(costs.num_ops)[s] == (lo, hi):
-            continue
-        src = old.groups[min(s, len(old.groups) - 1)]
-        link = network.group_link(src, g)
-        worst = max(worst, link_seconds(STATE_PER_PARAM_BYTE * costs.stage_params(lo, hi), link))
-    return worst
+def checkpoint_seconds(costs: DagCosts, p: Plan, network: Network, home: str) -> float:
+    """Saving a checkpoint, or loading one: every stage's weights and optimizer state
+    between its first peer and the coordinator's machine ``home``, all stages at once."""
+    return max(
+        link_seconds(STATE_PER_PARAM_BYTE * costs.stage_params(lo, hi), network.link(g[0], home))
+        for (lo, hi), g in zip(p.ranges(costs.num_ops), p.groups)
+    )
+
+
+@dataclass
+class _Change:
+    forced: bool = False  # a planned peer left
+    left: set[str] = field(default_factory=set)
+    slowed: bool = False  # a planned peer was measured slower
+    joined: bool = False
+
+    @property
+    def any(self) -> bool:
+        return self.forced or self.slowed or self.joined
+
+
+class _Swarm:
+    """One simulated run's state: the true peers, what the coordinator sees, the plan."""
+
+    def __init__(self, costs: DagCosts, topology: Topology, scheduler: str, options: Options,
+                 held_out: set[str], probes_per_peer: int) -> None:  # fmt: skip
+        self.costs, self.topology, self.scheduler, self.options = costs, topology, scheduler, options
+        self.true = {p.id: p for p in topology.peers if p.id not in held_out}
+        self.reserve = {p.id: p for p in topology.peers if p.id in held_out}
+        self.view = dict(self.true)
+        self.network = Network.infer(list(topology.peers), topology.probes(probes_per_peer, options.seed))
+        self.current = self.replan()
+        self.home = _next_door(topology, self.current.groups[0][0])
+        self.learned: set[str] = set()  # peers measured slower in the last iteration
+        self._last: tuple[Plan, tuple[tuple[str, float], ...], float] | None = None
+
+    def replan(self) -> Plan:
+        return plan(self.scheduler, self.costs, list(self.view.values()), self.network, self.options)
+
+    def planned(self) -> set[str]:
+        return {pid for g in self.current.groups for pid in g}
+
+    def apply(self, events: list[Churn]) -> _Change:
+        change = _Change(slowed=bool(self.learned & self.planned()))
+        for ev in events:
+            if ev.peer.startswith("@"):
+                planned = sorted(self.planned())
+                ev = Churn(ev.iteration, ev.kind, planned[int(ev.peer[1:]) % len(planned)], ev.factor)
+            if ev.kind == "leave" and ev.peer in self.true:
+                del self.true[ev.peer], self.view[ev.peer]
+                change.left.add(ev.peer)
+                change.forced |= ev.peer in self.planned()
+            elif ev.kind == "join" and ev.peer in self.reserve:
+                self.true[ev.peer] = self.view[ev.peer] = self.reserve.pop(ev.peer)
+                change.joined = True
+            elif ev.kind == "slow" and ev.peer in self.true:
+                p = self.true[ev.peer]
+                self.true[ev.peer] = PeerProfile(p.id, p.flops * ev.factor, p.memory_bytes, p.cluster)
+        return change
+
+    def measure(self) -> None:
+        """What the stages measured: the view learns slowed-down peers after one iteration."""
+        self.learned = {pid for pid, p in self.true.items() if self.view[pid].flops != p.flops}
+        self.view.update({pid: self.true[pid] for pid in self.learned})
+
+    def probe(self, p: Plan) -> None:
+        """Measure the links ``p`` sends over (its cuts and its replicas' all-reduce): the
+        view learns their true bandwidth and latency, as running or probing them would."""
+        truth, pairs = self.topology.network, set()
+        for a, b in zip(p.groups, p.groups[1:]):
+            pairs |= {(x, y) for x in a for y in b}
+        for g in p.groups:
+            pairs |= {(x, y) for i, x in enumerate(g) for y in g[i + 1 :]}
+        for x, y in pairs - self.network.measured:
+            self.network.learn(x, y, truth.link(x, y))
+
+    def predicted(self, p: Plan) -> float:
+        """``p``'s step time on what the coordinator sees now."""
+        again = Plan(p.cut, p.groups, p.codecs)
+        return predict(self.costs, again, self.view, self.network, self.options.micro_batches).iteration_s
+
+    def checkpoint_s(self, p: Plan, network: Network) -> float:
+        return checkpoint_seconds(self.costs, p, network, self.home)
+
+    def step_seconds(self) -> float:
+        """One iteration on the true peers; the simulation is deterministic, so the same
+        plan on the same peers takes the same time (computed once)."""
+        speeds = tuple(sorted((pid, self.true[pid].flops) for pid in self.planned()))
+        if self._last is None or self._last[0] is not self.current or self._last[1] != speeds:
+            m = self.options.micro_batches
+            self._last = (
+                self.current,
+                speeds,
+                iteration_seconds(self.costs, self.current, self.true, self.topology.network, m),
+            )
+        return self._last[2]
+
+
+def _next_door(topology: Topology, peer: str) -> str:
+    """Where the coordinator runs: a machine in the first planned peer's cluster (another
+    peer's address stands for it; the coordinator computes nothing), so checkpoints cross
+    at least the cluster's own links; the peer itself in a cluster of one."""
+    cluster = topology.network.cluster_of.get(peer)
+    return next(
+        (p.id for p in topology.peers if p.id != peer and topology.network.cluster_of.get(p.id) == cluster), peer
+    )
 
 
 def simulate(
@@ -117,55 +228,84 @@ def simulate(
     iterations: int,
     churn: list[Churn] | None = None,
     probes_per_peer: int = 3,
-    replan_gain: float = REPLAN_GAIN,
     held_out: set[str] | None = None,
+    policy: str = "rebalance",
 ) -> SimResult:
     """Plan with ``scheduler`` on what peers measure (a few probes each, the rest
-    inferred), run ``iterations`` on the true topology, re-plan on churn."""
-    true_peers = {p.id: p for p in topology.peers if p.id not in (held_out or set())}
-    reserve = {p.id: p for p in topology.peers if p.id in (held_out or set())}
-    view_peers = dict(true_peers)
-    probes = topology.probes(probes_per_peer, options.seed)
-    view = Network.infer(list(topology.peers), probes)
-
-    def replan() -> Plan:
-        return plan(scheduler, costs, list(view_peers.values()), view, options)
-
-    current = replan()
-    result = SimResult(scheduler, [], current.iteration_s, current.lower_bound_s)
+    inferred), run ``iterations`` on the true topology and answer churn by ``policy``.
+    Checkpoints are taken when the live coordinator would take them (``replan.checkpoint_due``),
+    and their cost, moves and redone iterations are counted in the iteration times."""
+    if policy not in POLICIES:
+        raise ValueError(f"policy {policy!r}: choose from {', '.join(POLICIES)}")
+    swarm = _Swarm(costs, topology, scheduler, options, held_out or set(), probes_per_peer)
+    result = SimResult(scheduler, [], swarm.current.iteration_s, swarm.current.lower_bound_s, policy=policy)
     events = sorted(churn or [], key=lambda c: c.iteration)
-    last_optional = -10
+    since: list[float] = []  # iteration times since the last checkpoint (what a rollback redoes)
+    last_optional = -JOIN_REPLAN_EVERY
     for it in range(iterations):
-        forced = False
-        for ev in [e for e in events if e.iteration == it]:
-            if ev.kind == "leave" and ev.peer in true_peers:
-                del true_peers[ev.peer], view_peers[ev.peer]
-                forced |= any(ev.peer in g for g in current.groups)
-            elif ev.kind == "join" and ev.peer in reserve:
-                true_peers[ev.peer] = view_peers[ev.peer] = reserve.pop(ev.peer)
-            elif ev.kind == "slow" and ev.peer in true_peers:
-                p = true_peers[ev.peer]
-                true_peers[ev.peer] = PeerProfile(p.id, p.flops * ev.factor, p.memory_bytes, p.cluster)
+        change = swarm.apply([e for e in events if e.iteration == it])
         penalty = 0.0
-        slowed = any(
-            e.iteration == it and e.kind == "slow" and any(e.peer in g for g in current.groups) for e in events
-        )
-        joined = any(e.iteration == it and e.kind == "join" for e in events)
-        # the live coordinator's rule (coordinator.replan)
-        if wants_replan(forced, slowed, joined, it, last_optional):
-            last_optional = it if not forced else last_optional
-            try:
-                candidate = replan()
-            except ScheduleError:
-                candidate = current
-            if accept_plan(candidate.iteration_s, current.iteration_s, forced, replan_gain):
-                penalty = _move_seconds(costs, current, candidate, topology.network)
-                result.replans.append((it, "a planned peer left" if forced else "a faster plan"))
-                current = candidate
-        t = iteration_seconds(costs, current, true_peers, topology.network, options.micro_batches)
-        # what the stages measured: the view learns slowed-down peers after one iteration
-        for pid, p in true_peers.items():
-            if view_peers[pid].flops != p.flops:
-                view_peers[pid] = p
+        if policy == "restart" and change.any:
+            penalty = _restart(swarm, result, it, since)
+        elif change.forced:
+            penalty = _recover(swarm, result, it, change.left, since)
+        elif policy == "rebalance" and wants_replan(False, change.slowed, change.joined, it, last_optional):
+            last_optional = it
+            penalty = _rebalance(swarm, result, it, iterations - it, since)
+        t = swarm.step_seconds()
+        since.append(t)
+        cost = swarm.checkpoint_s(swarm.current, topology.network)
+        if checkpoint_due(it + 1, it + 1 - len(since), None, sum(since), cost):
+            penalty += cost
+            since.clear()
+        swarm.measure()
         result.iteration_s.append(t + penalty)
     return result
+
+
+def _restart(swarm: _Swarm, result: SimResult, it: int, since: list[float]) -> float:
+    """Back to the last checkpoint on a fresh plan: its state is loaded, the iterations since are redone."""
+    try:
+        swarm.current = swarm.replan()
+    except ScheduleError:
+        raise ScheduleError(f"iteration {it}: no plan for the peers left") from None
+    result.replans.append((it, "restarted from the last checkpoint"))
+    result.redone += len(since)
+    penalty = sum(since) + swarm.checkpoint_s(swarm.current, swarm.topology.network)
+    since.clear()
+    return penalty
+
+
+def _recover(swarm: _Swarm, result: SimResult, it: int, left: set[str], since: list[float]) -> float:
+    """A planned peer left: the live recovery (``replan.recover``), no standby peers kept."""
+    rec = recover(swarm.current.groups, left, [])
+    if rec.kind == "replicas":
+        assert rec.stages is not None
+        swarm.current = Plan(swarm.current.cut, rec.stages, swarm.current.codecs)
+        result.replans.append((it, "a planned peer left: its replicas go on"))
+        return 0.0
+    return _restart(swarm, result, it, since)
+
+
+def _rebalance(swarm: _Swarm, result: SimResult, it: int, remaining: int, since: list[float]) -> float:
+    """The live rebalancing rule: move when the gain over the remaining iterations pays
+    for checkpointing the current plan's state and restoring it onto the new plan."""
+    try:
+        candidate = swarm.replan()
+    except ScheduleError:
+        return 0.0
+    swarm.probe(swarm.current)  # what running it measured
+    swarm.probe(candidate)  # links nobody measured yet are probed before a move is decided
+
+    def move(network: Network) -> float:  # as live: the current step is checkpointed, the new plan restores it
+        return swarm.checkpoint_s(swarm.current, network) + swarm.checkpoint_s(candidate, network)
+
+    current_s, candidate_s = swarm.predicted(swarm.current), swarm.predicted(candidate)
+    decision = rebalance(current_s, candidate_s, remaining, move(swarm.network))
+    if not decision.go:
+        return 0.0
+    result.replans.append((it, decision.why))
+    penalty = move(swarm.topology.network)
+    swarm.current = candidate
+    since.clear()  # the move checkpointed the current iteration
+    return penalty

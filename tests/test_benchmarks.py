@@ -139,6 +139,11 @@ def _rebalance(out: dict[str, Any]) -> None:
     assert out["tokens_per_s_slowed"] < out["tokens_per_s_before"] * 1.1, out
     # on a loaded machine the move may not pay for itself in the short run: replan_s is null then
     assert 0 < out["recovery_vs_ideal"] < 2 and (out["replan_s"] is None or out["replan_s"] >= 0), out
+    sim = out["sim_1000_peers"]
+    assert sim["seeds"] >= 1 and sim["churn_events"] >= 1, sim
+    _positive(sim, "goodput_policy", "goodput_no_rebalance", "goodput_restart_only")
+    # the simulation is seeded: restarting on every change loses to the live rules on any seed
+    assert sim["goodput_restart_only"] < sim["goodput_policy"], sim
 
 
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {

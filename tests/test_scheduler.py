@@ -11,6 +11,7 @@ import pytest
 
 from coordinator.baselines import exhaustive
 from coordinator.estimator import DagCosts, Network, PeerProfile, Plan, predict
+from coordinator.replan import POLICIES
 from coordinator.scheduler import SCHEDULERS, Options, ScheduleError, opfence, plan
 from protocol.codecs import Codec
 from sim.engine import Churn, iteration_seconds, simulate
@@ -252,3 +253,30 @@ def test_plan_and_sim_commands(tmp_path: Path) -> None:
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "peers[0]: missing 'memory_gb'" in r.stderr
     r = run_cli("sim", "--topology", "testbed9", "--model", "gpt")
     assert r.returncode == 2 and "not a preset" in r.stderr
+    churned = run_cli("sim", "--topology", "testbed3", "--model", "gpt", "--iterations", "50", "--churn", "6",
+                      "--policy", "restart", "--schedulers", "opfence", "--json")  # fmt: skip
+    assert churned.returncode == 0, churned.stderr
+    got = json.loads(churned.stdout)
+    assert got["policy"] == "restart" and got["schedulers"]["opfence"]["goodput"] > 0, got
+    for bad_args in (["--churn", "-1"], ["--policy", "sometimes"]):
+        r = run_cli("sim", "--topology", "testbed3", "--model", "gpt", *bad_args)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+
+
+def test_simulated_policies_rebalance_beats_waiting_and_restarting() -> None:
+    """testbed1's plan keeps one A100 per stage; one of them drops to a quarter of its
+    speed, and spare peers join later. The live rules move once (the move pays for
+    itself); no rebalancing keeps the slow peer; restart-only also restarts for every join."""
+    topo = preset("testbed1")
+    costs = DagCosts.synthetic(80, seed=5)
+    opts = Options(micro_batches=8)
+    churn = [Churn(100, "slow", "@0", 0.25), Churn(1500, "join", "a6"), Churn(2500, "join", "a7")]
+    runs = {p: simulate(costs, topo, "opfence", opts, 5000, churn, held_out={"a6", "a7"}, policy=p) for p in POLICIES}
+    assert [it for it, _ in runs["none"].replans] == []
+    assert [it for it, _ in runs["restart"].replans] == [101, 1500, 2500]
+    assert [it for it, _ in runs["rebalance"].replans] == [101], "joins that do not pay are not taken in"
+    assert runs["rebalance"].redone == 0 and runs["restart"].redone > 0
+    assert runs["rebalance"].goodput > 1.1 * runs["none"].goodput
+    assert runs["rebalance"].goodput > runs["restart"].goodput
+    with pytest.raises(ValueError, match="policy 'sometimes'"):
+        simulate(costs, topo, "opfence", opts, 5, policy="sometimes")
