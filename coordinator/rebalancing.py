@@ -53,7 +53,8 @@ class Rebalancing(DriverParts):
         assert st.plan is not None
         if not every or st.step % every or st.step >= self.job.steps or st.step - st.epoch_start < every:
             return None
-        if st.step - st.last_rebalance < every * (replan.REBALANCE_COOLDOWN_CHECKS + 1):
+        self._judge_last_rebalance()
+        if st.step - st.last_rebalance < replan.cooldown_steps(every, st.rebalance_backoff):
             return None
         pool = [a for p, a in self.coord.adverts.items() if p in st.planned or p in self._standby()]
         ads = self._measured(pool)
@@ -72,8 +73,27 @@ class Rebalancing(DriverParts):
         logger.info("rebalance check at step %d: %s", st.step, decision.why)
         if not decision.go:
             return None
-        st.rebalance_why = decision.why
+        st.rebalance_why, st.rebalance_gain = decision.why, decision.current_s / decision.candidate_s
         return candidate
+
+    def _judge_last_rebalance(self) -> None:
+        """One period after a rebalance (its new stages settled), its measured effect sets
+        the back-off of the next (``replan.next_backoff``)."""
+        st, every = self.st, self.cfg.rebalance_every
+        last = st.rebalances[-1] if st.rebalances else None
+        if last is None or "tokens_per_s_after" in last or st.step - st.last_rebalance < every:
+            return
+        after = self._tokens_per_s(last=min(every, st.step - st.last_rebalance))
+        last["tokens_per_s_after"] = after
+        st.rebalance_backoff = replan.next_backoff(st.rebalance_backoff, st.rebalance_gain,
+                                                   last["tokens_per_s_before"], after)  # fmt: skip
+        text = (
+            f"rebalance at step {last['step']}: {last['tokens_per_s_before']:,.0f} -> {after:,.0f} tokens/s "
+            f"(predicted x{st.rebalance_gain:.2f}); next check in {replan.cooldown_steps(every, st.rebalance_backoff)}"
+            " steps at the earliest"
+        )
+        self.coord.board.event("rebalance", text)
+        self.on_event(text)
 
     def _predicted(self, ads: list[Advert]) -> float:
         """The current plan's predicted step time on the measured speeds."""

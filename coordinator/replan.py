@@ -100,6 +100,26 @@ REBALANCE_COOLDOWN_CHECKS = 2
 SPEED_SAMPLES = 9
 
 
+#: a rebalance delivered when the measured speed-up reached this share of the predicted one
+#: (else the cool-down before the next one doubles, up to ``MAX_BACKOFF`` times)
+DELIVERED_SHARE = 0.5
+MAX_BACKOFF = 8
+
+
+def cooldown_steps(every: int, backoff: int) -> int:
+    """Steps after a rebalance before the next may be decided."""
+    return every * (REBALANCE_COOLDOWN_CHECKS + 1) * backoff
+
+
+def next_backoff(backoff: int, predicted_gain: float, before: float, after: float) -> int:
+    """The cool-down's multiplier once a rebalance's result is measured: back to 1 when the
+    tokens/s went from ``before`` to ``after`` by at least ``DELIVERED_SHARE`` of the
+    ``predicted_gain`` (a speed-up factor), doubled otherwise. Noisy speeds that make
+    rebalances chase nothing thus space them further and further apart."""
+    delivered = before > 0 and after / before - 1 >= DELIVERED_SHARE * (predicted_gain - 1)
+    return 1 if delivered else min(2 * backoff, MAX_BACKOFF)
+
+
 @dataclass(frozen=True)
 class Rebalance:
     """Whether a candidate plan replaces the current one, and the figures why."""

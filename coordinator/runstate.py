@@ -85,6 +85,8 @@ class RunState:
     dispatch_s: float = 0.0  # how long the last dispatch took (stages set up, links measured)
     last_rebalance: int = -(10**9)  # the step of the last rebalance
     rebalance_why: str = ""
+    rebalance_gain: float = 1.0  # the speed-up the decided rebalance predicts (current / candidate step time)
+    rebalance_backoff: int = 1  # the cool-down's multiplier: doubles after a rebalance that did not deliver
     rebalances: list[dict[str, Any]] = field(default_factory=list)
 
     @property

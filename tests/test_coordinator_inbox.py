@@ -264,3 +264,33 @@ def test_a_lying_advert_is_corrected_by_measurement(tmp_path: Path) -> None:
     assert speeds["p1"] == pytest.approx(speeds["p0"], rel=1e-6)
     measured = {a.peer_id: a.flops for a in driver._measured(list(driver.coord.adverts.values()))}
     assert measured["p1"] == pytest.approx(speeds["p1"]) and measured["p1"] < 1e12
+
+
+def test_rebalances_that_do_not_deliver_space_the_next_ones_out() -> None:
+    assert replan.next_backoff(1, 2.0, 1000, 1600) == 1, "60% faster for a predicted 100%: delivered"
+    assert replan.next_backoff(4, 2.0, 1000, 1600) == 1, "a delivered rebalance resets the back-off"
+    assert replan.next_backoff(1, 2.0, 1000, 1200) == 2, "20% of a predicted 100%: not delivered"
+    assert replan.next_backoff(2, 1.5, 1000, 900) == 4
+    assert replan.next_backoff(replan.MAX_BACKOFF, 1.5, 1000, 900) == replan.MAX_BACKOFF
+    assert replan.next_backoff(1, 1.5, 0, 900) == 2, "nothing measured before: nothing proven"
+    assert replan.cooldown_steps(20, 1) == 20 * (replan.REBALANCE_COOLDOWN_CHECKS + 1)
+    assert replan.cooldown_steps(20, 4) == 4 * replan.cooldown_steps(20, 1)
+
+
+def test_a_rebalance_is_judged_one_period_later(tmp_path: Path) -> None:
+    """The measured tokens/s after a rebalance set the next cool-down, once."""
+    driver = _driver(tmp_path, [["p0"], ["p1"]])
+    driver.cfg.rebalance_every = 5
+    st = driver.st
+    st.last_rebalance, st.rebalance_gain = 10, 2.0
+    st.rebalances.append({"step": 10, "why": "test", "moved": "", "tokens_per_s_before": 1000.0})
+    st.tokens_per_step = 550
+    st.step_seconds = [0.5] * 5  # 1,100 tokens/s after: 10% of a predicted 100%
+    st.step = 12
+    driver._judge_last_rebalance()
+    assert "tokens_per_s_after" not in st.rebalances[-1], "not before a period has passed"
+    st.step = 15
+    driver._judge_last_rebalance()
+    assert st.rebalances[-1]["tokens_per_s_after"] == pytest.approx(1100.0) and st.rebalance_backoff == 2
+    driver._judge_last_rebalance()
+    assert st.rebalance_backoff == 2, "judged once"

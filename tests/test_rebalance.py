@@ -4,14 +4,16 @@ processes on loopback, compression off, the final weights compared with
 
 from __future__ import annotations
 
+import random
 import re
+import time
 from pathlib import Path
 
 import pytest
 
 from fusionllm.local import compare_checkpoints
 from tests.conftest import run_cli
-from tests.swarmproc import SMALL, Swarm, wait_for
+from tests.swarmproc import SMALL, Swarm, api, wait_for
 
 pytestmark = pytest.mark.timeout(420)
 EVERY = 20
@@ -128,3 +130,34 @@ def test_a_peer_joining_mid_run_is_put_to_work(tmp_path: Path) -> None:
     finally:
         swarm.close()
     assert re.search(r"[1-9]\d* rebalances", out)
+
+
+def test_random_speed_changes_do_not_make_the_plan_flap(tmp_path: Path) -> None:
+    """(d) every second one of 3 peers gets a random speed (1, 0.6 or 0.35 of its own),
+    for a minute. Speeds that change faster than a rebalance could pay off are noise:
+    the measured speeds are medians, a move must pay for itself twice, the next check
+    waits a cool-down of 3 periods, doubled after every move that did not deliver.
+    Bound chosen: at most 2 rebalances in that minute (the cool-down alone would allow
+    one every 3 periods, about 8 here)."""
+    steps = 1500
+    swarm = Swarm(tmp_path, _args(tmp_path, steps, 3), peers=0)
+    rng = random.Random(7)
+    try:
+        files = [tmp_path / f"throttle{i}" for i in range(3)]
+        for i, f in enumerate(files):
+            swarm.add_peer(i, "--throttle-file", str(f))
+        wait_for(swarm.url, lambda s: s["training"]["step"] >= EVERY, 300)
+        seen, start, changes = len(swarm.coord.lines), time.monotonic(), 0
+        while time.monotonic() - start < 60 and api(swarm.url)["training"]["step"] < steps - 2 * EVERY:
+            rng.choice(files).write_text(f"{rng.choice([1.0, 0.6, 0.35])}\n")
+            changes += 1
+            time.sleep(1.0)
+        for f in files:
+            f.write_text("1\n")
+        moves = [line for line in swarm.coord.lines[seen:] if re.search(r"rebalanced at step \d+", line)]
+        out = _finish(swarm, tmp_path, steps)
+    finally:
+        swarm.close()
+    assert changes >= 30, f"only {changes} speed changes before the run neared its end"
+    assert len(moves) <= 2, moves
+    assert "Traceback" not in out
