@@ -76,6 +76,13 @@ class Rebalancing(DriverParts):
         st.rebalance_why, st.rebalance_gain = decision.why, decision.current_s / decision.candidate_s
         return candidate
 
+    def _supersede_rebalance(self) -> None:
+        """Peers were lost before the last rebalance was judged: what follows measures the
+        recovery, not the rebalance, so it is not judged (the back-off stays)."""
+        last = self.st.rebalances[-1] if self.st.rebalances else None
+        if last is not None and "tokens_per_s_after" not in last:
+            last["tokens_per_s_after"] = None
+
     def _judge_last_rebalance(self) -> None:
         """One period after a rebalance (its new stages settled), its measured effect sets
         the back-off of the next (``replan.next_backoff``)."""
@@ -83,14 +90,14 @@ class Rebalancing(DriverParts):
         last = st.rebalances[-1] if st.rebalances else None
         if last is None or "tokens_per_s_after" in last or st.step - st.last_rebalance < every:
             return
-        after = self._tokens_per_s(last=min(every, st.step - st.last_rebalance))
+        after = self._tokens_per_s(last=max(1, min(every, st.step - st.last_rebalance) - 1))  # not the set-up step
         last["tokens_per_s_after"] = after
         st.rebalance_backoff = replan.next_backoff(st.rebalance_backoff, st.rebalance_gain,
                                                    last["tokens_per_s_before"], after)  # fmt: skip
         text = (
             f"rebalance at step {last['step']}: {last['tokens_per_s_before']:,.0f} -> {after:,.0f} tokens/s "
-            f"(predicted x{st.rebalance_gain:.2f}); next check in {replan.cooldown_steps(every, st.rebalance_backoff)}"
-            " steps at the earliest"
+            f"(predicted x{st.rebalance_gain:.2f}); the next rebalance at step "
+            f"{st.last_rebalance + replan.cooldown_steps(every, st.rebalance_backoff)} at the earliest"
         )
         self.coord.board.event("rebalance", text)
         self.on_event(text)

@@ -335,6 +335,7 @@ class Driver(Messaging, Checkpointing, Rebalancing):
             self.on_event(f"peer {p} ({where}) failed: {why}")
             self.coord.transport.forget(p)
         self.coord.gate.epoch = st.epoch + 1  # frames of the ending epoch are stale from now on
+        self._supersede_rebalance()
         await self._refresh_adverts()
         rec = replan.recover(st.plan.stages, set(st.lost), self._standby())
         for p in self._rejoined & set(st.lost):

@@ -146,6 +146,7 @@ class _Swarm:
         self.current = self.replan()
         self.home = _next_door(topology, self.current.groups[0][0])
         self.learned: set[str] = set()  # peers measured slower in the last iteration
+        self._probed: Plan | None = None
         self._last: tuple[Plan, tuple[tuple[str, float], ...], float] | None = None
 
     def replan(self) -> Plan:
@@ -158,7 +159,9 @@ class _Swarm:
         change = _Change(slowed=bool(self.learned & self.planned()))
         for ev in events:
             if ev.peer.startswith("@"):
-                planned = sorted(self.planned())
+                planned = sorted(self.planned() & self.true.keys())
+                if not planned:
+                    continue
                 ev = Churn(ev.iteration, ev.kind, planned[int(ev.peer[1:]) % len(planned)], ev.factor)
             if ev.kind == "leave" and ev.peer in self.true:
                 del self.true[ev.peer], self.view[ev.peer]
@@ -180,6 +183,9 @@ class _Swarm:
     def probe(self, p: Plan) -> None:
         """Measure the links ``p`` sends over (its cuts and its replicas' all-reduce): the
         view learns their true bandwidth and latency, as running or probing them would."""
+        if p is self._probed:
+            return
+        self._probed = p
         truth, pairs = self.topology.network, set()
         for a, b in zip(p.groups, p.groups[1:]):
             pairs |= {(x, y) for x in a for y in b}
@@ -242,16 +248,20 @@ def simulate(
     events = sorted(churn or [], key=lambda c: c.iteration)
     since: list[float] = []  # iteration times since the last checkpoint (what a rollback redoes)
     last_optional = -JOIN_REPLAN_EVERY
+    pending = _Change()  # slow-downs and joins not yet considered
     for it in range(iterations):
         change = swarm.apply([e for e in events if e.iteration == it])
+        pending.slowed |= change.slowed
+        pending.joined |= change.joined
         penalty = 0.0
         if policy == "restart" and change.any:
             penalty = _restart(swarm, result, it, since)
         elif change.forced:
             penalty = _recover(swarm, result, it, change.left, since)
-        elif policy == "rebalance" and wants_replan(False, change.slowed, change.joined, it, last_optional):
-            last_optional = it
+        elif policy == "rebalance" and wants_replan(False, pending.slowed, pending.joined, it, last_optional):
+            last_optional, pending = it, _Change()
             penalty = _rebalance(swarm, result, it, iterations - it, since)
+        swarm.probe(swarm.current)  # running a plan measures its links (every policy)
         t = swarm.step_seconds()
         since.append(t)
         cost = swarm.checkpoint_s(swarm.current, topology.network)
@@ -271,9 +281,9 @@ def _restart(swarm: _Swarm, result: SimResult, it: int, since: list[float]) -> f
         raise ScheduleError(f"iteration {it}: no plan for the peers left") from None
     result.replans.append((it, "restarted from the last checkpoint"))
     result.redone += len(since)
-    penalty = sum(since) + swarm.checkpoint_s(swarm.current, swarm.topology.network)
-    since.clear()
-    return penalty
+    # the iterations since the checkpoint are done again on the new plan, and stay after it
+    since[:] = [swarm.step_seconds()] * len(since)
+    return sum(since) + swarm.checkpoint_s(swarm.current, swarm.topology.network)
 
 
 def _recover(swarm: _Swarm, result: SimResult, it: int, left: set[str], since: list[float]) -> float:
@@ -294,7 +304,6 @@ def _rebalance(swarm: _Swarm, result: SimResult, it: int, remaining: int, since:
         candidate = swarm.replan()
     except ScheduleError:
         return 0.0
-    swarm.probe(swarm.current)  # what running it measured
     swarm.probe(candidate)  # links nobody measured yet are probed before a move is decided
 
     def move(network: Network) -> float:  # as live: the current step is checkpointed, the new plan restores it
