@@ -30,8 +30,10 @@ class Assignment:
         raise KeyError(peer_id)
 
 
-def network_from_adverts(adverts: list[Advert]) -> Network:
-    """Pairwise bandwidth guessed from each peer's measured up/down to the coordinator."""
+def network_from_adverts(adverts: list[Advert], measured: dict[tuple[str, str], float] | None = None) -> Network:
+    """Pairwise bandwidth guessed from each peer's measured up/down to the coordinator,
+    except for the pairs in ``measured`` (Mbit/s from one peer to the other, probed when
+    a plan epoch set its stages up)."""
     ids = [a.peer_id for a in adverts]
     overrides = {
         (a.peer_id, b.peer_id): (max(min(a.up_mbps, b.down_mbps), 1e-3), 0.001)
@@ -39,16 +41,26 @@ def network_from_adverts(adverts: list[Advert]) -> Network:
         for b in adverts
         if a.peer_id != b.peer_id
     }
+    probed = {pair: mbps for pair, mbps in (measured or {}).items() if pair in overrides}
+    for (a, b), mbps in probed.items():  # a probe of one direction stands for both, unless both were probed
+        overrides[(a, b)] = (mbps, 0.001)
+        if (b, a) not in probed:
+            overrides[(b, a)] = (mbps, 0.001)
     typical = statistics.median(v[0] for v in overrides.values()) if overrides else 1000.0
-    return Network({i: "swarm" for i in ids}, {("swarm", "swarm"): (typical, 0.001)}, overrides)
+    return Network({i: "swarm" for i in ids}, {("swarm", "swarm"): (typical, 0.001)}, overrides, set(probed))
 
 
 def assign(
-    dag: OpDag, adverts: list[Advert], num_stages: int | None = None, micro_batches: int = 4, standby: bool = False
+    dag: OpDag,
+    adverts: list[Advert],
+    num_stages: int | None = None,
+    micro_batches: int = 4,
+    standby: bool = False,
+    measured: dict[tuple[str, str], float] | None = None,
 ) -> Assignment:
     """Every advertised peer gets a stage (``num_stages`` defaults to one per peer), or,
     with ``standby``, OP-Fence may leave peers out and choose the stage count itself
-    when ``num_stages`` is None."""
+    when ``num_stages`` is None. ``measured``: links probed so far (``network_from_adverts``)."""
     if not adverts:
         raise ValueError("no peers to assign")
     k = num_stages or (None if standby else len(adverts))
@@ -58,7 +70,7 @@ def assign(
     peers = [PeerProfile(a.peer_id, a.flops, a.memory_bytes, "swarm") for a in adverts]
     options = Options(micro_batches=micro_batches, stages=k, standby=standby, compression=False)
     try:
-        plan = opfence(costs, peers, network_from_adverts(adverts), options)
+        plan = opfence(costs, peers, network_from_adverts(adverts, measured), options)
     except ScheduleError as exc:
         raise ValueError(str(exc)) from None
     if not plan.fits_memory:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Any
 
 from coordinator import replan
 from coordinator.assign import Assignment, network_from_adverts
@@ -37,24 +38,43 @@ class Rebalancing(DriverParts):
         if msg.compute_s > 0 and n and flops > 0:
             samples = st.speeds.setdefault(sender, [])
             samples.append(replan.effective_flops(flops, n, msg.compute_s))
-            del samples[: -replan.SPEED_SAMPLES]
+            del samples[: -replan.LONG_SAMPLES]
             self.coord.board.measured(sender, replan.robust_speed(samples))
 
     def _measured(self, adverts: list[Advert]) -> list[Advert]:
-        """The adverts with each measured peer's FLOP/s replaced by its measured speed."""
-        speeds = self.st.speeds
-        return [dataclasses.replace(a, flops=replan.robust_speed(speeds[a.peer_id])) if a.peer_id in speeds else a
-                for a in adverts]  # fmt: skip
+        """The adverts with each measured peer's FLOP/s replaced by its planning speed."""
+        speeds, levels = self.st.speeds, self.st.levels
+
+        def speed(a: Advert) -> float:
+            return replan.planning_speed(speeds[a.peer_id], levels.get(a.peer_id, []))
+
+        return [dataclasses.replace(a, flops=speed(a)) if a.peer_id in speeds else a for a in adverts]
+
+    def _record_levels(self) -> None:
+        """Each measured peer's recent speed as seen at this check (``replan.level_changes``)."""
+        st = self.st
+        for p, samples in st.speeds.items():
+            levels = st.levels.setdefault(p, [])
+            levels.append(replan.robust_speed(samples))
+            del levels[: -replan.LEVEL_CHECKS]
+            if p in st.planned and replan.new_level(levels) and st.rebalance_doubt:
+                logger.info("peer %s changed speed for good: the doubt of earlier moves is cleared", p)
+                st.rebalance_doubt = 0.0
 
     def _rebalance_check(self) -> Assignment | None:
         """Every ``rebalance_every`` steps (a full period into the epoch, and not within
         the cool-down after the last rebalance): the plan to move to, if any."""
         st, every = self.st, self.cfg.rebalance_every
         assert st.plan is not None
-        if not every or st.step % every or st.step >= self.job.steps or st.step - st.epoch_start < every:
+        if not every or st.step % every:
             return None
-        self._judge_last_rebalance()
-        if st.step - st.last_rebalance < replan.cooldown_steps(every, st.rebalance_backoff):
+        self._record_levels()
+        if st.step >= self.job.steps or st.step - st.epoch_start < every:
+            return None
+        revert = self._judge_last_rebalance()
+        if revert is not None:
+            return revert
+        if st.step - st.last_rebalance < replan.cooldown_steps(every):
             return None
         pool = [a for p, a in self.coord.adverts.items() if p in st.planned or p in self._standby()]
         ads = self._measured(pool)
@@ -67,8 +87,12 @@ class Rebalancing(DriverParts):
         if candidate.cut == st.plan.cut and candidate.stages == st.plan.stages or candidate.plan is None:
             logger.info("rebalance check at step %d: the plan on measured speeds is the current one", st.step)
             return None
+        if _signature(candidate) in st.reverted:
+            logger.info("rebalance check at step %d: the plan on measured speeds was tried and undone", st.step)
+            return None
+        remaining, move = self.job.steps - st.step, self._move_seconds()
         decision = replan.rebalance(
-            self._predicted(ads), candidate.plan.iteration_s, self.job.steps - st.step, self._move_seconds()
+            self._predicted(ads), candidate.plan.iteration_s, remaining, move, st.rebalance_doubt
         )
         logger.info("rebalance check at step %d: %s", st.step, decision.why)
         if not decision.go:
@@ -83,24 +107,41 @@ class Rebalancing(DriverParts):
         if last is not None and "tokens_per_s_after" not in last:
             last["tokens_per_s_after"] = None
 
-    def _judge_last_rebalance(self) -> None:
+    def _judge_last_rebalance(self) -> Assignment | None:
         """One period after a rebalance (its new stages settled), its measured effect sets
-        the back-off of the next (``replan.next_backoff``)."""
+        the bar for the next (``replan.next_doubt``); the plan to go back to when
+        it made things measurably worse (``replan.should_revert``; a revert is never undone)."""
         st, every = self.st, self.cfg.rebalance_every
         last = st.rebalances[-1] if st.rebalances else None
         if last is None or "tokens_per_s_after" in last or st.step - st.last_rebalance < every:
-            return
+            return None
         after = self._tokens_per_s(last=max(1, min(every, st.step - st.last_rebalance) - 1))  # not the set-up step
         last["tokens_per_s_after"] = after
-        st.rebalance_backoff = replan.next_backoff(st.rebalance_backoff, st.rebalance_gain,
-                                                   last["tokens_per_s_before"], after)  # fmt: skip
+        if not last.get("revert"):  # a revert that delivered does not make the move it undid a success
+            st.rebalance_doubt = replan.next_doubt(st.rebalance_gain, last["tokens_per_s_before"], after)
         text = (
             f"rebalance at step {last['step']}: {last['tokens_per_s_before']:,.0f} -> {after:,.0f} tokens/s "
-            f"(predicted x{st.rebalance_gain:.2f}); the next rebalance at step "
-            f"{st.last_rebalance + replan.cooldown_steps(every, st.rebalance_backoff)} at the earliest"
+            f"(predicted x{st.rebalance_gain:.2f}); the next must be predicted "
+            f"{replan.REPLAN_GAIN + st.rebalance_doubt:.0%} faster"
         )
         self.coord.board.event("rebalance", text)
         self.on_event(text)
+        return self._revert_to(last, after)
+
+    def _revert_to(self, last: dict[str, Any], after: float) -> Assignment | None:
+        st, previous = self.st, self.st.before_rebalance
+        before = last["tokens_per_s_before"]
+        if last.get("revert") or previous is None or not replan.should_revert(before, after):
+            return None
+        if any(p in st.lost or p not in self.coord.adverts for g in previous.stages for p in g):
+            return None  # a peer of the old plan is gone: nothing to go back to
+        assert st.plan is not None
+        st.reverted.add(_signature(st.plan))
+        st.rebalance_why = (
+            f"undoing the move of step {last['step']}: {after:,.0f} tokens/s after it, {before:,.0f} before"
+        )
+        st.rebalance_gain = before / max(after, 1e-9)
+        return previous
 
     def _predicted(self, ads: list[Advert]) -> float:
         """The current plan's predicted step time on the measured speeds."""
@@ -111,7 +152,8 @@ class Rebalancing(DriverParts):
         by_id = {a.peer_id: PeerProfile(a.peer_id, a.flops, a.memory_bytes, "swarm") for a in ads}
         bounds = tuple(st.plan.cut.boundaries)
         plan = Plan(bounds, st.plan.stages, [Codec()] * len(bounds))
-        return predict(self._costs, plan, by_id, network_from_adverts(ads), self.job.micro_batches).iteration_s
+        network = network_from_adverts(ads, st.link_mbps)
+        return predict(self._costs, plan, by_id, network, self.job.micro_batches).iteration_s
 
     def _move_seconds(self) -> float:
         """What moving costs: a checkpoint (measured, or guessed before the first) and
@@ -128,10 +170,14 @@ class Rebalancing(DriverParts):
         await self._next((), set(), until=lambda: st.checkpoint is not None and st.checkpoint.step == st.step)
         before = self._tokens_per_s()
         moved = _moves(st.plan, candidate)
+        revert = candidate is st.before_rebalance
         text = f"rebalanced at step {st.step}: {st.rebalance_why}; {moved}; {before:,.0f} tokens/s before"
         self.coord.board.event("rebalance", text)
         self.on_event(f"epoch {st.epoch + 1}: {text}")
-        st.rebalances.append({"step": st.step, "why": st.rebalance_why, "moved": moved, "tokens_per_s_before": before})
+        st.rebalances.append(
+            {"step": st.step, "why": st.rebalance_why, "moved": moved, "tokens_per_s_before": before, "revert": revert}
+        )
+        st.before_rebalance = None if revert else st.plan
         st.plan, st.epoch, st.dispatched = candidate, st.epoch + 1, False
         st.restore, st.reason = "state", f"rebalanced: {st.rebalance_why}"
         st.last_rebalance = st.step
@@ -141,6 +187,10 @@ class Rebalancing(DriverParts):
         seconds = sum(self.st.step_seconds[-last:])
         tokens = self.st.tokens_per_step * min(last, len(self.st.step_seconds))
         return tokens / seconds if seconds > 0 else 0.0
+
+
+def _signature(plan: Assignment) -> str:
+    return f"{plan.cut.to_list()} {plan.stages}"
 
 
 def _moves(old: Assignment, new: Assignment) -> str:

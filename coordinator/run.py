@@ -135,7 +135,7 @@ class Driver(Messaging, Checkpointing, Rebalancing):
         use = ranked[: max(len(ranked) - keep_out, 1)]
         k = min(self.cfg.num_stages, len(use)) if self.cfg.num_stages else None if leave_out else len(use)
         try:
-            plan = assign(self.dag, use, k, self.job.micro_batches, standby=leave_out)
+            plan = assign(self.dag, use, k, self.job.micro_batches, standby=leave_out, measured=self.st.link_mbps)
         except ValueError as exc:
             raise SwarmError(f"cannot plan the run: {exc}") from None
         return plan
@@ -227,6 +227,7 @@ class Driver(Messaging, Checkpointing, Rebalancing):
             inbound = await self._next((Ready,), pending)
             pending.discard(inbound.sender)
             measured[inbound.sender] = inbound.message.next_mbps
+            st.learn_links(inbound.sender, {p: v for p, v in inbound.message.next_mbps.items() if p in st.planned})
         st.codecs, st.mbps = self.coord.choose_codecs(self.dag, st.plan, st.specs, measured)
         self.coord.board.set_links([str(c) for c in st.codecs], st.mbps)
         for p in st.planned:

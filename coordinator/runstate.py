@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -81,17 +82,28 @@ class RunState:
     tokens_per_step: int = 0
     redone: int = 0
     speeds: dict[str, list[float]] = field(default_factory=dict)  # peer -> measured effective FLOP/s
+    levels: dict[str, list[float]] = field(default_factory=dict)  # peer -> its recent speed at each check
     epoch_start: int = 0  # the step the current epoch started at
     dispatch_s: float = 0.0  # how long the last dispatch took (stages set up, links measured)
     last_rebalance: int = -(10**9)  # the step of the last rebalance
     rebalance_why: str = ""
+    link_mbps: dict[tuple[str, str], float] = field(default_factory=dict)  # (from, to) -> Mbit/s, last probe
     rebalance_gain: float = 1.0  # the speed-up the decided rebalance predicts (current / candidate step time)
-    rebalance_backoff: int = 1  # the cool-down's multiplier: doubles after a rebalance that did not deliver
+    rebalance_doubt: float = 0.0  # what the next rebalance must gain on top of REPLAN_GAIN (replan.next_doubt)
     rebalances: list[dict[str, Any]] = field(default_factory=list)
+    before_rebalance: Assignment | None = None  # the plan the last rebalance left (a revert goes back to it)
+    reverted: set[str] = field(default_factory=set)  # plans a revert undid: not proposed again
 
     @property
     def planned(self) -> set[str]:
         return {p for group in self.plan.stages for p in group} if self.plan else set()
+
+    def learn_links(self, sender: str, mbps: dict[str, float]) -> None:
+        """Record ``sender``'s probes of its links to the next stage (a peer's own claim
+        about a link it uses: finite and positive, else ignored)."""
+        for to, rate in mbps.items():
+            if to != sender and math.isfinite(rate) and rate > 0:
+                self.link_mbps[(sender, to)] = rate
 
 
 def owner(name: str) -> str:

@@ -57,10 +57,11 @@ def test_a_peer_slowed_down_gets_less_work(tmp_path: Path) -> None:
         swarm.peers[slow].wait_line(r"throttle: 0\.25", 10)
         at, seen = state["training"]["step"], len(swarm.coord.lines)
         line = swarm.coord.wait_line(r"rebalanced at step (\d+): ", 300, after=seen)
-        assert int(line.group(1)) <= at + 3 * EVERY, "re-planned within two periods (after one of measurements)"
+        told = [x for x in swarm.coord.lines if "rebalance" in x]
+        assert int(line.group(1)) <= at + 3 * EVERY, f"re-planned within two periods (one to measure): {told}"
         epoch = state["training"]["epoch"] + 1
         after = wait_for(swarm.url, lambda s: s["training"]["epoch"] > epoch - 1 and s["phase"] == "training", 60)
-        assert _ops(after, slow) < before, f"the slowed peer still has {_ops(after, slow)} of {before} ops"
+        assert _ops(after, slow) < before, f"the slowed peer still has {_ops(after, slow)} of {before} ops: {told}"
         swarm.note_children()
         assert swarm.coord.wait(400) == 0, swarm.coord.output[-3000:]
         out = swarm.coord.output
@@ -134,11 +135,12 @@ def test_a_peer_joining_mid_run_is_put_to_work(tmp_path: Path) -> None:
 
 def test_random_speed_changes_do_not_make_the_plan_flap(tmp_path: Path) -> None:
     """(d) every second one of 3 peers gets a random speed (1, 0.6 or 0.35 of its own),
-    for a minute. Speeds that change faster than a rebalance could pay off are noise:
-    the measured speeds are medians, a move must pay for itself twice, the next check
-    waits a cool-down of 3 periods, doubled after every move that did not deliver.
-    Bound chosen: at most 2 rebalances in that minute (the cool-down alone would allow
-    one every 3 periods, about 8 here)."""
+    for a minute. A peer whose speed changed level twice in the last 10 checks is planned
+    at its long-run throughput, not at its latest speed; a move must be predicted 20%
+    faster (more after a move that did not deliver) and pay for itself twice; a move that
+    made things slower is undone once. Bound chosen: at most 3 plan changes in that
+    minute, at most one of them an undo (we saw 2: the first check's correction of the
+    advertised speeds, and one standby swap; the cool-down alone would allow about 15)."""
     steps = 1500
     swarm = Swarm(tmp_path, _args(tmp_path, steps, 3), peers=0)
     rng = random.Random(7)
@@ -159,5 +161,6 @@ def test_random_speed_changes_do_not_make_the_plan_flap(tmp_path: Path) -> None:
     finally:
         swarm.close()
     assert changes >= 30, f"only {changes} speed changes before the run neared its end"
-    assert len(moves) <= 2, moves
+    assert len(moves) <= 3, moves
+    assert sum("undoing the move" in m for m in moves) <= 1, moves
     assert "Traceback" not in out
