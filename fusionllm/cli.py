@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from coordinator.replan import POLICIES
+from protocol.recipe import SCHEDULES, RecipeError, parse_betas
 
 EXIT_USAGE = 2
 
@@ -42,7 +43,15 @@ def _add_job_flags(p: argparse.ArgumentParser, steps: int) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--steps", type=_positive, default=steps)
     g.add_argument("--micro-batches", type=_positive, default=4)
-    g.add_argument("--lr", type=float, default=3e-3)
+    g.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate (default: 3e-3)")
+    g.add_argument("--lr-schedule", choices=SCHEDULES, default="constant",
+                   help="after the warm-up: hold the rate, or bring it to --min-lr by the last step")  # fmt: skip
+    g.add_argument("--warmup", type=_natural, default=0, metavar="STEPS", help="linear warm-up steps (default: 0)")
+    g.add_argument("--min-lr", type=_non_negative_float, default=0.0, help="the rate at the last step (default: 0)")
+    g.add_argument("--weight-decay", type=_non_negative_float, default=0.0,
+                   help="decoupled (AdamW) weight decay, not on biases and norms (default: 0)")  # fmt: skip
+    g.add_argument("--weight-decay-all", action="store_true", help="decay biases and norms too")
+    g.add_argument("--betas", type=_betas, default=(0.9, 0.999), metavar="B1,B2", help="AdamW's (default: 0.9,0.999)")
     g.add_argument("--save", default=None, metavar="PATH.safetensors", help="write the trained model here")
 
 
@@ -54,7 +63,7 @@ def job_from_args(args: argparse.Namespace) -> Any:
         data = "branchy" if args.model == "branchy" else "stdlib"
     if args.save is not None and not args.save.endswith(".safetensors"):
         raise UsageError(f"--save {args.save}: the checkpoint file must end in .safetensors")
-    return JobSpec(
+    job = JobSpec(
         model=args.model,
         model_args=args.model_args,
         data=data,
@@ -63,7 +72,15 @@ def job_from_args(args: argparse.Namespace) -> Any:
         steps=args.steps,
         micro_batches=args.micro_batches,
         lr=args.lr,
+        lr_schedule=args.lr_schedule,
+        warmup=args.warmup,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        betas=args.betas,
+        decay_all=args.weight_decay_all,
     )
+    job.recipe()  # a recipe that cannot train is refused before anything starts
+    return job
 
 
 def parse_cut(text: str) -> Any:
@@ -163,6 +180,23 @@ def _positive_float(text: str, what: str = "a number", bounds: str = "a positive
 
 def _natural(text: str) -> int:
     return _whole(text, 0, 1 << 40, "a whole number", "at least 0")
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+    if not 0.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{value} is not a non-negative, finite number")
+    return value
+
+
+def _betas(text: str) -> tuple[float, float]:
+    try:
+        return parse_betas(text)
+    except RecipeError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _seconds(text: str) -> float:

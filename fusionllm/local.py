@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from coordinator.opdag import balanced_cut, build_opdag
-from peer.executor import StageExecutor, make_optimizer
+from peer.executor import StageExecutor, make_optimizer, set_lr
 from protocol.graph import Cut, build_stage, partition, trace
 from protocol.job import JobSpec, split_batch
 
@@ -38,7 +38,8 @@ def _batch_items(batch: tuple[torch.Tensor, ...]) -> int:
 def train_reference(job: JobSpec, progress: Progress | None = None) -> TrainResult:
     """Train the whole model, accumulating gradients over the micro-batches."""
     model = job.build_model()
-    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], job.lr)
+    recipe = job.recipe()
+    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], recipe)
     result = TrainResult(model)
     start = time.perf_counter()
     for step, batch in enumerate(itertools.islice(job.batches(), job.steps)):
@@ -47,6 +48,7 @@ def train_reference(job: JobSpec, progress: Progress | None = None) -> TrainResu
             loss = model(*mb)
             (loss / job.micro_batches).backward()
             total += float(loss.detach())
+        set_lr(opt, recipe, step)
         opt.step()
         opt.zero_grad(set_to_none=True)
         result.losses.append(total / job.micro_batches)
@@ -62,10 +64,11 @@ def pick_cut(job: JobSpec, model: nn.Module, stages: int) -> Cut:
     return balanced_cut(dag, stages)
 
 
-def _executors(model: nn.Module, cut: Cut, lr: float) -> list[StageExecutor]:
+def _executors(model: nn.Module, cut: Cut, job: JobSpec) -> list[StageExecutor]:
     part = partition(trace(model), cut)
     k = cut.num_stages
-    return [StageExecutor(build_stage(part, s), lr, s == k - 1) for s in range(k)]
+    recipe = job.recipe()
+    return [StageExecutor(build_stage(part, s), recipe, s == k - 1) for s in range(k)]
 
 
 def _forward(execs: list[StageExecutor], mb_index: int, mb: tuple[torch.Tensor, ...]) -> float:
@@ -85,7 +88,7 @@ def train_staged(job: JobSpec, stages: int | Cut, progress: Progress | None = No
     """Train through the rebuilt stages of a cut, run one after another (GPipe order)."""
     model = job.build_model()
     cut = stages if isinstance(stages, Cut) else pick_cut(job, model, stages)
-    execs = _executors(model, cut, job.lr)
+    execs = _executors(model, cut, job)
     result = TrainResult(model, cut=cut)
     start = time.perf_counter()
     for step, batch in enumerate(itertools.islice(job.batches(), job.steps)):
@@ -121,7 +124,7 @@ def check_stages(job: JobSpec, cut: Cut) -> dict[str, float]:
         (loss / len(mbs)).backward()
         ref_loss += float(loss.detach()) / len(mbs)
     staged = job.build_model()
-    execs = _executors(staged, cut, job.lr)
+    execs = _executors(staged, cut, job)
     st_loss = 0.0
     for i, mb in enumerate(mbs):
         st_loss += _forward(execs, i, mb) / len(mbs)

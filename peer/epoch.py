@@ -130,7 +130,7 @@ class EpochRunner:
     def _build(self) -> StageExecutor:
         model = self.job.build_model()
         module = build_stage(partition(trace(model), self.cut), self.s).to(self.node.device)
-        return StageExecutor(module, self.job.lr, self.s == self.k - 1)
+        return StageExecutor(module, self.job.recipe(), self.s == self.k - 1)
 
     def _reconcile(self, held: HeldStage) -> None:
         """Bring a kept stage to ``start_step``: drop a half-done step, or apply the

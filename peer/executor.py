@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from protocol.recipe import Recipe
+
 #: Prefix of optimizer-state entries in a state snapshot: ``optim/<param name>/<state key>``.
 OPTIM_PREFIX = "optim/"
 #: The per-parameter state AdamW keeps once it has taken a step.
@@ -18,13 +20,23 @@ ADAMW_STATE_KEYS = frozenset({"step", "exp_avg", "exp_avg_sq"})
 _MAX_NAMES = 3
 
 
-def make_optimizer(params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    """The optimizer every stage and the reference use: AdamW, no weight decay.
+def make_optimizer(params: list[nn.Parameter], recipe: Recipe) -> torch.optim.Optimizer:
+    """The optimizer every stage and the reference use: AdamW with the recipe's betas
+    and decoupled weight decay (on the parameters ``recipe.decays``).
 
     Per-parameter (``foreach=False``) so that a stage's optimizer does exactly what
     the whole model's would do to the same parameters.
     """
-    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, foreach=False)
+    decay = [p for p in params if recipe.decays(p.ndim)]
+    rest = [p for p in params if not recipe.decays(p.ndim)]
+    groups = [{"params": decay, "weight_decay": recipe.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=recipe.lr_at(0), betas=recipe.betas, foreach=False)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, recipe: Recipe, step: int) -> None:
+    """The scheduled learning rate for the update that ends step ``step``."""
+    for group in optimizer.param_groups:
+        group["lr"] = recipe.lr_at(step)
 
 
 def _as_leaf(x: Any) -> Any:
@@ -71,11 +83,12 @@ class StageExecutor:
     """Runs one stage. ``forward`` keeps what backward needs per micro-batch;
     ``backward`` frees it and returns the gradients of the stage's inputs."""
 
-    def __init__(self, module: nn.Module, lr: float, is_last: bool) -> None:
+    def __init__(self, module: nn.Module, recipe: Recipe, is_last: bool) -> None:
         self.module = module
         self.is_last = is_last
+        self.recipe = recipe
         params = [p for p in module.parameters() if p.requires_grad]
-        self.optimizer = make_optimizer(params, lr) if params else None
+        self.optimizer = make_optimizer(params, recipe) if params else None
         self._saved: dict[int, tuple[list[Any], Any]] = {}
         self.steps_done = 0
 
@@ -119,6 +132,7 @@ class StageExecutor:
     def step(self) -> None:
         """Apply the optimizer to the accumulated gradients and clear them."""
         if self.optimizer is not None:
+            set_lr(self.optimizer, self.recipe, self.steps_done)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.steps_done += 1

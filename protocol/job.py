@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from protocol.recipe import Recipe, RecipeError, RecipeFields, recipe_of
+
 BUILTIN_MODELS = {"gpt": "fusionllm.zoo:gpt", "gpt2": "fusionllm.zoo:gpt2", "branchy": "fusionllm.zoo:branchy"}
 BUILTIN_DATA = {"stdlib": "fusionllm.zoo:stdlib_text", "branchy": "fusionllm.zoo:branchy_data"}
 
@@ -78,7 +80,7 @@ def parse_kwargs(text: str | None) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class JobSpec:
+class JobSpec(RecipeFields):
     """What every process of a run needs to rebuild the same model and data."""
 
     model: str = "gpt"
@@ -88,7 +90,13 @@ class JobSpec:
     seed: int = 0
     steps: int = 10
     micro_batches: int = 4
-    lr: float = 3e-3
+
+    def recipe(self) -> Recipe:
+        """The optimizer recipe (``SpecError``, one line, when it cannot train)."""
+        try:
+            return recipe_of(self, self.steps)
+        except (RecipeError, TypeError) as exc:
+            raise SpecError(f"optimizer recipe: {exc}") from None
 
     def model_factory(self) -> Callable[..., Any]:
         return resolve(self.model, BUILTIN_MODELS)

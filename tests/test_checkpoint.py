@@ -46,7 +46,7 @@ def cuts() -> dict[int, Cut]:
 def reference(batches: list[Batch], cuts: dict[int, Cut]) -> dict[str, torch.Tensor]:
     """Parameters after 7 uninterrupted steps of the 3-stage cut."""
     model = JOB.build_model()
-    _train(_executors(model, cuts[3], JOB.lr), batches)
+    _train(_executors(model, cuts[3], JOB), batches)
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
@@ -62,7 +62,7 @@ def _train(execs: list[StageExecutor], batches: list[Batch]) -> None:
 
 
 def _saved_after_four(tmp_path: Path, batches: list[Batch], cut: Cut) -> tuple[RunDir, CheckpointInfo]:
-    execs = _executors(JOB.build_model(), cut, JOB.lr)
+    execs = _executors(JOB.build_model(), cut, JOB)
     _train(execs, batches[:4])
     snaps = [ex.state_tensors() for ex in execs]
     params = dict(execs[1].module.named_parameters())
@@ -92,7 +92,7 @@ def test_restore_continues_bitwise(tmp_path: Path, batches: list[Batch], cuts: d
     whole = JOB.build_model()
     whole.load_state_dict({k: v for k, v in merged.items() if not k.startswith("optim/")}, strict=True)
     model = JOB.build_model()
-    execs = _executors(model, cuts[3], JOB.lr)
+    execs = _executors(model, cuts[3], JOB)
     for ex in execs:
         ex.load_state_tensors(merged, strict_extra=False, steps_done=latest.step)
     _train(execs, batches[4:])
@@ -100,7 +100,7 @@ def test_restore_continues_bitwise(tmp_path: Path, batches: list[Batch], cuts: d
     _assert_params(model, reference)
     # the optimizer state matters: weights alone do not continue the same run
     weights_only = JOB.build_model()
-    execs = _executors(weights_only, cuts[3], JOB.lr)
+    execs = _executors(weights_only, cuts[3], JOB)
     for ex in execs:
         ex.module.load_state_dict(ex.select({k: v for k, v in merged.items() if not k.startswith("optim/")}))
     _train(execs, batches[4:])
@@ -111,7 +111,7 @@ def test_restore_into_another_cut(tmp_path: Path, batches: list[Batch], cuts: di
     rd, info = _saved_after_four(tmp_path, batches, cuts[3])
     merged = rd.load(info)
     model = JOB.build_model()
-    execs = _executors(model, cuts[2], JOB.lr)
+    execs = _executors(model, cuts[2], JOB)
     for ex in execs:
         ex.load_state_tensors(ex.select(merged))
     _train(execs, batches[4:])
@@ -233,7 +233,7 @@ def test_default_run_dir_is_safe() -> None:
 
 
 def test_load_errors_are_one_line_and_change_nothing(batches: list[Batch], cuts: dict[int, Cut]) -> None:
-    execs = _executors(JOB.build_model(), cuts[3], JOB.lr)
+    execs = _executors(JOB.build_model(), cuts[3], JOB)
     _train(execs, batches[:1])
     ex = execs[1]
     good = ex.state_tensors()
@@ -257,9 +257,9 @@ def test_load_errors_are_one_line_and_change_nothing(batches: list[Batch], cuts:
 
 def test_discard_step_then_redo_equals_clean_step(batches: list[Batch], cuts: dict[int, Cut]) -> None:
     clean = JOB.build_model()
-    _train(_executors(clean, cuts[3], JOB.lr), batches[:2])
+    _train(_executors(clean, cuts[3], JOB), batches[:2])
     model = JOB.build_model()
-    execs = _executors(model, cuts[3], JOB.lr)
+    execs = _executors(model, cuts[3], JOB)
     _train(execs, batches[:1])
     mbs = split_batch(batches[1], JOB.micro_batches)
     _forward(execs, 0, mbs[0])

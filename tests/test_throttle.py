@@ -24,6 +24,7 @@ from peer.epoch import EpochRunner
 from peer.executor import StageExecutor
 from peer.node import PeerConfig, PeerNode
 from peer.throttle import Throttle, ThrottleError, check_throttle, parse_throttle
+from protocol.recipe import Recipe
 from tests.conftest import run_cli
 
 # ------------------------------------------------------------------ the pause
@@ -196,7 +197,7 @@ def _stub_runner(throttle: Throttle, pool: ThreadPoolExecutor) -> EpochRunner:
 
 def test_a_throttled_compute_call_idles_on_the_loop_with_the_thread_free() -> None:
     torch.manual_seed(0)
-    ex = StageExecutor(_Stage(), 1e-3, False)
+    ex = StageExecutor(_Stage(), Recipe(lr=1e-3), False)
     x = torch.randn(2048, 256)
     f = 0.25
 
