@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 from tests.swarmproc import SMALL, Swarm, api, wait_for  # noqa: E402
 
 EVERY = 20
+SETTLED = 4 * EVERY  # steps after which the plan has settled
 SIM_MODEL = "n_layer=24,n_embd=1024,n_head=16"
 SIM_ITERATIONS = 20_000
 SIM_CHURN = 40
@@ -58,7 +59,8 @@ def _slowed_run(tmp: Path, steps: int) -> dict[str, Any]:
         files = {}
         for i in range(4):
             files[swarm.add_peer(i, "--throttle-file", str(tmp / f"t{i}"))] = tmp / f"t{i}"
-        state = wait_for(swarm.url, lambda s: s["training"]["step"] >= 2 * EVERY and s["phase"] == "training", 300)
+        # settled: the first checks may correct the advertised speeds, and undo that move
+        state = wait_for(swarm.url, lambda s: s["training"]["step"] >= SETTLED and s["phase"] == "training", 300)
         before = _rate(swarm.url)
         slow = max(files, key=lambda p: _ops(state, p))
         files[slow].write_text("0.25")
@@ -76,6 +78,7 @@ def _slowed_run(tmp: Path, steps: int) -> dict[str, Any]:
         assert swarm.coord.wait(600) == 0, swarm.coord.output[-3000:]
     finally:
         swarm.close()
+    print("\n".join(line for line in swarm.coord.lines if "rebalance" in line), file=sys.stderr)  # what it did
     return {
         "before": before,
         "slowed": slowed,
@@ -89,7 +92,7 @@ def _rebalanced_or_near_the_end(swarm: Swarm, steps: int) -> re.Match[str] | Non
     """The coordinator's line about a rebalance, or None when the run is about to
     end without one (no move paid for itself)."""
     seen = len(swarm.coord.lines)
-    pattern = re.compile(r"rebalanced at step (\d+): .*; ([\d,]+) tokens/s before")
+    pattern = re.compile(r"rebalanced at step (\d+): (?!undoing).*; ([\d,]+) tokens/s before")
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         for line in swarm.coord.lines[seen:]:
@@ -107,7 +110,7 @@ def _ideal(tmp: Path, steps: int, slow_index: int) -> float:
     try:
         for i in range(4):
             swarm.add_peer(i, *(["--throttle", "0.25"] if i == slow_index else []))
-        wait_for(swarm.url, lambda s: s["training"]["step"] >= 2 * EVERY + 25, 600)
+        wait_for(swarm.url, lambda s: s["training"]["step"] >= SETTLED + 25, 600)
         rate = _rate(swarm.url)
         assert swarm.coord.wait(600) == 0, swarm.coord.output[-3000:]
     finally:
@@ -151,7 +154,7 @@ def main() -> None:
     MODEL[:] = SMALL if args.short else []
     with tempfile.TemporaryDirectory(prefix="fusionllm-rebalance-") as d:
         run = _slowed_run(Path(d) / "slowed", steps)
-        ideal = _ideal(Path(d) / "ideal", 2 * EVERY + 40, int(run["slow_index"]))
+        ideal = _ideal(Path(d) / "ideal", SETTLED + 40, int(run["slow_index"]))
     out: dict[str, Any] = {
         "tokens_per_s_before": round(run["before"]),
         "tokens_per_s_slowed": round(run["slowed"]),
