@@ -102,7 +102,7 @@ class Rebalancing(DriverParts):
 
     def _supersede_rebalance(self) -> None:
         """Peers were lost before the last rebalance was judged: what follows measures the
-        recovery, not the rebalance, so it is not judged (the back-off stays)."""
+        recovery, not the rebalance, so it is not judged (the bar for the next stays)."""
         last = self.st.rebalances[-1] if self.st.rebalances else None
         if last is not None and "tokens_per_s_after" not in last:
             last["tokens_per_s_after"] = None
