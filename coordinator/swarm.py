@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import statistics
@@ -80,7 +81,8 @@ class CoordinatorConfig:
     send_timeout_s: float = 30.0  # a send to a peer that takes longer counts as a lost peer
 
     def job_fields(self) -> dict[str, Any]:
-        return dataclasses.asdict(self.job)
+        """The job as it travels and is stored: JSON (a tuple of betas comes back a list)."""
+        return json.loads(json.dumps(dataclasses.asdict(self.job)))
 
 
 @dataclass

@@ -272,3 +272,15 @@ def test_discard_step_then_redo_equals_clean_step(batches: list[Batch], cuts: di
     _train(execs, batches[1:2])
     _assert_params(model, {k: v.detach() for k, v in clean.named_parameters()})
     assert [ex.steps_done for ex in execs] == [2, 2, 2]
+
+
+def test_a_stored_job_equals_the_same_job_on_resume(tmp_path: Path) -> None:
+    """--resume compares the job the run directory stored (JSON) with the flags given
+    again: tuples (the recipe's betas) must compare equal after the round trip."""
+    from coordinator.swarm import CoordinatorConfig
+
+    cfg = CoordinatorConfig(job=JobSpec(betas=(0.9, 0.95), lr_schedule="cosine"), run_id="r")
+    run_dir = RunDir(tmp_path / "run").open()
+    run_dir.set_meta("job", cfg.job_fields())
+    assert run_dir.get_meta("job") == cfg.job_fields()
+    assert JobSpec(**cfg.job_fields()).recipe() == cfg.job.recipe(), "what travels rebuilds the same recipe"
