@@ -18,16 +18,10 @@ REPLAN_GAIN = 0.2
 JOIN_REPLAN_EVERY = 10
 
 
-def wants_replan(forced: bool, slowed: bool, joined: bool, iteration: int, last_optional: int) -> bool:
-    """Whether to consider a new plan at ``iteration``: a planned peer left (forced) or
-    slowed down, or peers joined (at most every ``JOIN_REPLAN_EVERY`` iterations)."""
-    return forced or slowed or (joined and iteration - last_optional >= JOIN_REPLAN_EVERY)
-
-
-def accept_plan(candidate_s: float, current_s: float, forced: bool, gain: float = REPLAN_GAIN) -> bool:
-    """A forced re-plan always takes the candidate; an optional one only when it is
-    faster by ``gain``."""
-    return forced or candidate_s < (1 - gain) * current_s
+def wants_replan(slowed: bool, joined: bool, iteration: int, last_optional: int) -> bool:
+    """Whether to consider a move at ``iteration`` (the simulator's event-triggered form):
+    a planned peer slowed down, or peers joined (at most every ``JOIN_REPLAN_EVERY`` iterations)."""
+    return slowed or (joined and iteration - last_optional >= JOIN_REPLAN_EVERY)
 
 
 @dataclass(frozen=True)
@@ -201,7 +195,7 @@ def rebalance(
     see ``next_doubt``) and what it saves over the remaining steps pays
     ``REBALANCE_PAYBACK`` times for the move."""
     gain = (current_s - candidate_s) * remaining_steps
-    faster = accept_plan(candidate_s, current_s, False, REPLAN_GAIN + doubt)
+    faster = candidate_s < (1 - REPLAN_GAIN - doubt) * current_s
     go = faster and gain >= REBALANCE_PAYBACK * move_s
     if not faster:
         why = f"the best plan ({candidate_s * 1e3:.1f} ms) is not {REPLAN_GAIN + doubt:.0%} faster than the current one"

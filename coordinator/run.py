@@ -193,9 +193,7 @@ class Driver(Messaging, Checkpointing, Rebalancing):
         st.dispatch_s, st.epoch_start = time.monotonic() - t0, st.step
 
     async def _refresh_adverts(self) -> None:
-        """The live adverts; planned peers keep their last one through a DHT hiccup."""
-        live = await self.coord.live_adverts()
-        self.coord.adverts = {**{p: a for p, a in self.coord.adverts.items() if p in self.st.planned}, **live}
+        self.coord.keep_adverts(await self.coord.live_adverts(), self.st.planned)
 
     def _assign_msg(self, s: int, r: int) -> Assign:
         st, cfg, plan = self.st, self.cfg, self.st.plan

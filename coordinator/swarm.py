@@ -282,6 +282,10 @@ class Coordinator:
         self.board.saw_adverts(out)
         return out
 
+    def keep_adverts(self, live: dict[str, Advert], planned: set[str]) -> None:
+        """Take the ``live`` adverts; ``planned`` peers keep their last one through a DHT hiccup."""
+        self.adverts = {**{p: a for p, a in self.adverts.items() if p in planned}, **live}
+
     async def _watch_adverts(self) -> None:
         """Keep the status board's peers fresh while training (joins, leaves, health)."""
         while True:
@@ -292,10 +296,7 @@ class Coordinator:
                 logger.debug("advert poll failed: %s", exc)
                 continue
             st = self.driver.st if self.driver is not None else None
-            planned = st.planned if st is not None else set()
-            # peers that joined since are candidates at the next rebalance; planned peers keep
-            # their last advert through a DHT hiccup
-            self.adverts = {**{p: a for p, a in self.adverts.items() if p in planned}, **live}
+            self.keep_adverts(live, st.planned if st is not None else set())  # joiners: rebalance candidates
             if st is not None and st.plan is not None:  # joined mid-run: standby until a re-plan takes it in
                 for p in set(live) - st.planned - set(st.lost):
                     if self.board.peers.get(p, {}).get("state") == "joined":

@@ -168,12 +168,15 @@ def _whole(text: str, low: int, high: int, what: str, bounds: str) -> int:
     return value
 
 
-def _positive_float(text: str, what: str = "a number", bounds: str = "a positive, finite number") -> float:
+def _positive_float(
+    text: str, what: str = "a number", bounds: str = "a positive, finite number", zero: bool = False
+) -> float:
+    """A finite number above 0 (or ``zero``: at least 0)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"'{text}' is not {what}") from None
-    if not 0.0 < value < float("inf"):
+    if not (0.0 <= value if zero else 0.0 < value) or value == float("inf"):
         raise argparse.ArgumentTypeError(f"{value} is not {bounds}")
     return value
 
@@ -183,13 +186,7 @@ def _natural(text: str) -> int:
 
 
 def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
-    if not 0.0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{value} is not a non-negative, finite number")
-    return value
+    return _positive_float(text, bounds="a non-negative, finite number", zero=True)
 
 
 def _betas(text: str) -> tuple[float, float]:

@@ -33,12 +33,9 @@ def check_throttle(value: float) -> float:
 def parse_throttle(text: str) -> float:
     """A throttle written as text (a command-line flag, a throttle file)."""
     try:
-        value = float(text)
-    except ValueError:
+        return check_throttle(float(text))
+    except ValueError:  # not a number, or ThrottleError: out of range
         raise ThrottleError(f"'{_printable(text)}' is not a number in (0, 1]") from None
-    if not 0.0 < value <= 1.0:
-        raise ThrottleError(f"'{_printable(text)}' is not a number in (0, 1]")
-    return value
 
 
 def _printable(text: str, limit: int = 40) -> str:

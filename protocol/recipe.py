@@ -47,7 +47,7 @@ class Recipe(RecipeFields):
             raise RecipeError(f"min lr {self.min_lr} is not between 0 and the learning rate {self.lr}")
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             raise RecipeError(f"weight decay {self.weight_decay} is not a non-negative, finite number")
-        if len(self.betas) != 2 or not all(isinstance(b, float) and 0 <= b < 1 for b in self.betas):
+        if not _betas_ok(self.betas):
             raise RecipeError(f"betas {self.betas} are not two numbers in [0, 1)")
         if self.warmup < 0 or self.steps < 1:
             raise RecipeError(f"warmup {self.warmup} and steps {self.steps} must be at least 0 and 1")
@@ -75,9 +75,13 @@ def parse_betas(text: str) -> tuple[float, float]:
         betas = tuple(float(p) for p in parts)
     except ValueError:
         raise RecipeError(f"betas '{text}' are not two comma-separated numbers") from None
-    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+    if not _betas_ok(betas):
         raise RecipeError(f"betas '{text}' are not two numbers in [0, 1)")
     return betas  # type: ignore[return-value]
+
+
+def _betas_ok(betas: tuple[float, ...]) -> bool:
+    return len(betas) == 2 and all(isinstance(b, float) and 0 <= b < 1 for b in betas)
 
 
 def recipe_of(spec: RecipeFields, steps: int) -> Recipe:

@@ -43,7 +43,6 @@ class SimResult:
     predicted_s: float
     lower_bound_s: float
     replans: list[tuple[int, str]] = field(default_factory=list)
-    policy: str = "rebalance"
     redone: int = 0  # iterations rolled back and done again
 
     @property
@@ -244,7 +243,7 @@ def simulate(
     if policy not in POLICIES:
         raise ValueError(f"policy {policy!r}: choose from {', '.join(POLICIES)}")
     swarm = _Swarm(costs, topology, scheduler, options, held_out or set(), probes_per_peer)
-    result = SimResult(scheduler, [], swarm.current.iteration_s, swarm.current.lower_bound_s, policy=policy)
+    result = SimResult(scheduler, [], swarm.current.iteration_s, swarm.current.lower_bound_s)
     events = sorted(churn or [], key=lambda c: c.iteration)
     since: list[float] = []  # iteration times since the last checkpoint (what a rollback redoes)
     last_optional = -JOIN_REPLAN_EVERY
@@ -258,7 +257,7 @@ def simulate(
             penalty = _restart(swarm, result, it, since)
         elif change.forced:
             penalty = _recover(swarm, result, it, change.left, since)
-        elif policy == "rebalance" and wants_replan(False, pending.slowed, pending.joined, it, last_optional):
+        elif policy == "rebalance" and wants_replan(pending.slowed, pending.joined, it, last_optional):
             last_optional, pending = it, _Change()
             penalty = _rebalance(swarm, result, it, iterations - it, since)
         swarm.probe(swarm.current)  # running a plan measures its links (every policy)
