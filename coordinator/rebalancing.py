@@ -53,9 +53,11 @@ class Rebalancing(DriverParts):
     def _record_levels(self) -> None:
         """Each measured peer's recent speed as seen at this check (``replan.level_changes``)."""
         st = self.st
+        epoch_began = st.levels_epoch != st.epoch  # a new plan since: speeds are of other operators now
+        st.levels_epoch = st.epoch
         for p, samples in st.speeds.items():
             levels = st.levels.setdefault(p, [])
-            levels.append(replan.robust_speed(samples))
+            levels.extend([None, replan.robust_speed(samples)] if epoch_began else [replan.robust_speed(samples)])
             del levels[: -replan.LEVEL_CHECKS]
             if p in st.planned and replan.new_level(levels) and st.rebalance_doubt:
                 logger.info("peer %s changed speed for good: the doubt of earlier moves is cleared", p)

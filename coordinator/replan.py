@@ -162,22 +162,25 @@ LEVEL_CHECKS = 10
 VOLATILE_CHANGES = 2
 
 
-def level_changes(levels: list[float]) -> int:
-    """How often the speeds seen at consecutive checks changed level."""
-    return sum(1 for a, b in zip(levels, levels[1:]) if max(a, b) > LEVEL_CHANGE * min(a, b))
+def level_changes(levels: list[float | None]) -> int:
+    """How often the speeds seen at consecutive checks changed level. ``None`` marks the
+    start of a new plan epoch: a peer's measured speed is relative to the operators it
+    runs, so a jump across a move is the move's, not the peer's, and is not counted."""
+    pairs = zip(levels, levels[1:])
+    return sum(1 for a, b in pairs if a is not None and b is not None and max(a, b) > LEVEL_CHANGE * min(a, b))
 
 
-def volatile(levels: list[float]) -> bool:
+def volatile(levels: list[float | None]) -> bool:
     return level_changes(levels[-LEVEL_CHECKS:]) >= VOLATILE_CHANGES
 
 
-def new_level(levels: list[float]) -> bool:
+def new_level(levels: list[float | None]) -> bool:
     """Whether the last check saw a lasting change: a new level of a peer that is not volatile
     (it clears the doubt that earlier moves left: ``next_doubt`` speaks of other conditions)."""
     return level_changes(levels[-2:]) == 1 and not volatile(levels)
 
 
-def planning_speed(samples: list[float], levels: list[float]) -> float:
+def planning_speed(samples: list[float], levels: list[float | None]) -> float:
     """The speed to plan a peer with: its recent median while its speed holds a level
     (a slow-down that lasts is acted on within two checks), else, once it changed level
     ``VOLATILE_CHANGES`` times in the last ``LEVEL_CHECKS`` checks, its long-run

@@ -82,7 +82,8 @@ class RunState:
     tokens_per_step: int = 0
     redone: int = 0
     speeds: dict[str, list[float]] = field(default_factory=dict)  # peer -> measured effective FLOP/s
-    levels: dict[str, list[float]] = field(default_factory=dict)  # peer -> its recent speed at each check
+    levels: dict[str, list[float | None]] = field(default_factory=dict)  # peer -> its speed at each check
+    levels_epoch: int = -1  # the plan epoch of the last check that recorded levels
     epoch_start: int = 0  # the step the current epoch started at
     dispatch_s: float = 0.0  # how long the last dispatch took (stages set up, links measured)
     last_rebalance: int = -(10**9)  # the step of the last rebalance

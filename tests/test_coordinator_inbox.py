@@ -351,3 +351,21 @@ def test_a_peer_whose_speed_keeps_changing_is_planned_at_its_average() -> None:
     assert replan.new_level(steady[:3]) and not replan.new_level(steady) and not replan.new_level(volatile)
     long_ago = [1.0, 0.35, 1.0] + [1.0] * replan.LEVEL_CHECKS
     assert replan.planning_speed(mixed, long_ago) == replan.robust_speed(mixed), "old changes are forgotten"
+
+
+def test_a_move_is_not_a_level_change_of_the_peers(tmp_path: Path) -> None:
+    """A peer's measured speed is relative to the operators it runs: the jump a move
+    makes does not count towards volatility, so a real slow-down after it is still a
+    lasting change that clears the doubt (CI once saw a throttled peer waited out for
+    5 periods: the move before the slow-down had made it look volatile)."""
+    assert replan.level_changes([1.0, None, 2.0, 2.0]) == 0
+    driver = _driver(tmp_path, [["p0"], ["p1"]])
+    st = driver.st
+    st.speeds = {"p0": [1.0] * 9}
+    driver._record_levels()
+    st.epoch, st.speeds["p0"] = 1, [2.0] * 9  # a move: the same peer measures 2x on its new operators
+    driver._record_levels()
+    st.rebalance_doubt, st.speeds["p0"] = 0.4, [0.5] * 9  # then it is throttled
+    driver._record_levels()
+    assert st.levels["p0"] == [None, 1.0, None, 2.0, 0.5]
+    assert not replan.volatile(st.levels["p0"]) and st.rebalance_doubt == 0.0
