@@ -29,6 +29,7 @@ class Checkpointing(DriverParts):
     _names: dict[tuple[int, ...], list[set[str]]]
     _final_write: asyncio.Task[None] | None
     final: dict[str, torch.Tensor] | None
+    init_state: dict[str, torch.Tensor] | None
 
     def _checkpoint_due(self, force: bool = False) -> bool:
         """Whether the step just committed is checkpointed (``replan.checkpoint_due``,
@@ -121,15 +122,18 @@ class Checkpointing(DriverParts):
                 self.on_event(f"writing a checkpoint failed: {exc}")
 
     def _stage_states(self, cut: Cut) -> list[dict[str, torch.Tensor]]:
-        """Each stage's part of the last checkpoint (weights and optimizer state)."""
+        """Each stage's part of the last checkpoint (weights and optimizer state), or of
+        the starting weights before the first."""
         from coordinator.swarm import SwarmError
 
-        assert self.st.checkpoint is not None
+        names = self._stage_names(cut)
+        if self.st.checkpoint is None:
+            assert self.init_state is not None
+            return [{n: t for n, t in self.init_state.items() if n in own} for own in names]
         try:
             merged = self.run_dir.load(self.st.checkpoint)
         except CheckpointError as exc:
             raise SwarmError(f"cannot read the checkpoint of step {self.st.checkpoint.step}: {exc}") from None
-        names = self._stage_names(cut)
         return [{n: t for n, t in merged.items() if owner(n) in own} for own in names]
 
     def _stage_names(self, cut: Cut) -> list[set[str]]:

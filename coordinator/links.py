@@ -13,6 +13,7 @@ from torch import nn
 from protocol.codecs import Codec, matrix_shape
 from protocol.envelope import describe
 from protocol.graph import Cut, build_stage, partition, trace
+from protocol.recipe import Recipe, autocast
 from protocol.wire import encode_values
 
 #: AdaTopK never keeps less than this fraction, however slow the link (accuracy first;
@@ -24,13 +25,17 @@ MIN_RANK = 8  # rank 8 of 128 kept the demo GPT within 1% of its uncompressed lo
 _AUTO_STEPS = ((2.0, "fp16"), (3.9, "int8"))
 
 
-def boundary_specs(model: nn.Module, cut: Cut, example: tuple[torch.Tensor, ...]) -> list[list[Any]]:
+def boundary_specs(
+    model: nn.Module, cut: Cut, example: tuple[torch.Tensor, ...], recipe: Recipe | None = None
+) -> list[list[Any]]:
     """Per stage, the descriptions (dtype, shape) of its input values for the example
-    micro-batch: stage 0 gets the batch, stage s the values crossing boundary s - 1."""
+    micro-batch: stage 0 gets the batch, stage s the values crossing boundary s - 1
+    (in the recipe's compute precision: under bf16 a linear layer's output crosses
+    as bf16)."""
     part = partition(trace(model), cut)
     values: Any = list(example)
     specs = [describe(encode_values(values)[0])]
-    with torch.no_grad():
+    with torch.no_grad(), autocast(recipe or Recipe()):
         for s in range(cut.num_stages - 1):
             values = list(build_stage(part, s)(*values))
             specs.append(describe(encode_values(values)[0]))

@@ -30,13 +30,16 @@ from coordinator.messaging import Messaging
 from coordinator.opdag import build_opdag
 from coordinator.rebalancing import Rebalancing
 from coordinator.runstate import PeerLost, RunState
+from coordinator.weights import InitError, read_init
 from protocol.envelope import Rejected, match_values
-from protocol.job import split_batch
+from protocol.job import mean_loss, split_batch
 from protocol.messages import (
     Activations,
     Advert,
     Assign,
     Commit,
+    EvalActivations,
+    EvalDone,
     Finish,
     LinkPlan,
     Ready,
@@ -45,6 +48,7 @@ from protocol.messages import (
     Standby,
     StepDone,
 )
+from protocol.recipe import LossScale, Update, decide_update, in_model_order, initial_scale
 from protocol.wire import encode_values
 
 if TYPE_CHECKING:
@@ -81,6 +85,11 @@ class Driver(Messaging, Checkpointing, Rebalancing):
         self._final_write: asyncio.Task[None] | None = None
         self._evicted: set[str] = set()
         self._rejoined: set[str] = set()  # planned peers that said hello again (their stage is gone)
+        self.recipe = self.job.recipe()
+        self.st.scale = initial_scale(self.recipe)
+        self._param_order = [n for n, _ in model.named_parameters()]
+        self.init_state = self._read_init()
+        self._eval_set: list[tuple[torch.Tensor, ...]] | None = None
 
     # ------------------------------------------------------------------ the run
     async def run(self, resume: bool, on_peers: Callable[[int], None] | None = None) -> RunState:
@@ -109,7 +118,7 @@ class Driver(Messaging, Checkpointing, Rebalancing):
     async def _begin(self, on_peers: Callable[[int], None] | None) -> None:
         adverts = await self.coord.wait_for_peers(on_peers)
         self.st.plan = self._plan(list(adverts.values()), keep_out=self.cfg.standby)
-        self.st.restore = "init"
+        self.st.restore = self._restore_at(0)
         self.run_dir.set_meta("job", self.cfg.job_fields())
 
     async def _resume(self, on_peers: Callable[[int], None] | None) -> None:
@@ -119,7 +128,8 @@ class Driver(Messaging, Checkpointing, Rebalancing):
         st.step = info.step if info else 0
         st.losses = self.run_dir.losses()[: st.step]
         st.epoch = int(self.run_dir.get_meta("epoch", -1)) + 1
-        st.restore, st.reason = ("state" if st.step else "init"), "the coordinator restarted"
+        st.restore, st.reason = self._restore_at(st.step), "the coordinator restarted"
+        st.scale = self._saved_scale(st.step)
         self.coord.board.resumed(st.step, str(self.run_dir.path))
         self.coord.board.restore_losses(st.losses)
         self.on_event(f"resuming run '{self.cfg.run_id}' from the checkpoint of step {st.step} in {self.run_dir.path}")
@@ -158,7 +168,7 @@ class Driver(Messaging, Checkpointing, Rebalancing):
             from coordinator.swarm import SwarmError
 
             raise SwarmError(f"--link-mbps gives {len(cfg.link_mbps)} rates; the plan has {k - 1} stage boundaries")
-        st.specs = boundary_specs(self.model, plan.cut, self.example)
+        st.specs = boundary_specs(self.model, plan.cut, self.example, self.recipe)
         self.coord.gate.epoch = st.epoch
         self.run_dir.set_meta("epoch", st.epoch)
         self.run_dir.set_meta("peers", {p: a.maddrs for p, a in self.coord.adverts.items()})
@@ -215,6 +225,9 @@ class Driver(Messaging, Checkpointing, Rebalancing):
             epoch=st.epoch,
             start_step=st.step,
             restore=st.restore,
+            loss_scale=st.scale.scale,
+            pending_factor=st.last_update.factor,
+            pending_skip=st.last_update.skip,
         )
 
     async def _await_ready(self) -> None:
@@ -256,9 +269,12 @@ class Driver(Messaging, Checkpointing, Rebalancing):
         first = st.plan.stages[0]
         for m, mb in enumerate(mbs):
             await self._send(first[m % len(first)], Activations(cfg.run_id, step, m, 0, st.epoch), list(mb))
-        losses = await self._await_done(step, len(mbs))
+        losses, norms = await self._await_done(step, len(mbs))
+        update = self._decide(step, norms)
         # the step counts from here: a peer lost now finds the survivors holding or applying it
         st.step += 1
+        st.scale, st.last_update = update.scale, update
+        st.scale_at[st.step] = update.scale
         st.losses.append(losses)
         self.run_dir.record_loss(step, losses)
         seconds = time.perf_counter() - t0
@@ -271,17 +287,24 @@ class Driver(Messaging, Checkpointing, Rebalancing):
             self.on_step(StepReport(step, losses, seconds, batch[0].numel()))
         candidate = self._rebalance_check()
         checkpoint = self._checkpoint_due(force=candidate is not None)
+        if checkpoint and self.recipe.scales_loss:
+            self.run_dir.set_meta(f"loss_scale@{st.step}", [st.scale.scale, st.scale.good])
+        evaluate = len(self._eval_micro_batches()) if self.job.eval_due(st.step) else 0
         for p in st.planned:
-            await self._send(p, Commit(cfg.run_id, step, st.epoch, checkpoint))
+            msg = Commit(cfg.run_id, step, st.epoch, checkpoint, update.factor, update.skip, st.scale.scale, evaluate)
+            await self._send(p, msg)
+        if evaluate:
+            await self._evaluate(step)
         if candidate is not None:
             await self._rebalance_to(candidate)
 
-    async def _await_done(self, step: int, micro_batches: int) -> float:
+    async def _await_done(self, step: int, micro_batches: int) -> tuple[float, dict[str, float]]:
+        """The step's mean loss, and the gradient norms of every stage's replica 0."""
         from coordinator.swarm import SwarmError
 
         st = self.st
         assert st.plan is not None
-        pending, step_losses = set(st.planned), {}
+        pending, step_losses, norms = set(st.planned), {}, {}
         while pending:
             inbound = await self._next((StepDone,), pending)
             msg: StepDone = inbound.message
@@ -290,13 +313,98 @@ class Driver(Messaging, Checkpointing, Rebalancing):
             pending.discard(inbound.sender)
             if inbound.sender in st.plan.stages[-1]:  # only the last stage computes the loss
                 step_losses.update(msg.losses)
+            if self.recipe.needs_norm and inbound.sender in (g[0] for g in st.plan.stages):
+                norms.update(self._checked_norms(inbound.sender, msg))
             st.compute.setdefault(inbound.sender, []).append(msg.compute_s)
             self._measure(inbound.sender, msg)
             st.link_bytes[inbound.sender] = msg.bytes_sent
             st.raw_bytes[inbound.sender] = msg.raw_sent
         if len(step_losses) != micro_batches:
             raise SwarmError(f"step {step}: got {len(step_losses)} losses for {micro_batches} micro-batches")
-        return sum(step_losses.values()) / micro_batches
+        return sum(step_losses.values()) / micro_batches, norms
+
+    # ------------------------------------------------------------------ recipe
+    def _read_init(self) -> dict[str, torch.Tensor] | None:
+        """The starting weights of ``--init`` (checked against the model), if any."""
+        from coordinator.swarm import SwarmError
+
+        if not self.job.init:
+            return None
+        try:
+            return read_init(self.job.init, self.model)
+        except InitError as exc:
+            raise SwarmError(str(exc)) from None
+
+    def _restore_at(self, step: int) -> str:
+        """How stages get the state of ``step``: the seeded initialisation at step 0, or
+        a state the coordinator sends (a checkpoint's, or ``--init``'s)."""
+        return "state" if step or self.init_state is not None else "init"
+
+    def _saved_scale(self, step: int) -> LossScale:
+        saved = self.run_dir.get_meta(f"loss_scale@{step}", None) if step else None
+        if isinstance(saved, list) and len(saved) == 2:
+            return LossScale(float(saved[0]), int(saved[1]))
+        return initial_scale(self.recipe)
+
+    def _checked_norms(self, sender: str, msg: StepDone) -> dict[str, float]:
+        """A stage's gradient norms: only its own parameters, none negative."""
+        assert self.st.plan is not None
+        stage = next(s for s, group in enumerate(self.st.plan.stages) if sender in group)
+        own = self._stage_names(self.st.plan.cut)[stage]
+        bad = [n[:80] for n, v in msg.grad_norms.items() if n not in own or not _norm_value(v)]
+        if bad:
+            raise PeerLost({sender: f"it reported gradient norms that are not its stage's ({bad[0]})"})
+        return {n: float(v) for n, v in msg.grad_norms.items()}
+
+    def _decide(self, step: int, norms: dict[str, float]) -> Update:
+        """The step's update (the global clip, fp16's skip and loss scale)."""
+        st = self.st
+        if not self.recipe.needs_norm:
+            return Update(scale=st.scale)
+        update = decide_update(self.recipe, in_model_order(self._param_order, norms), st.scale)
+        if update.skip:
+            scale = update.scale.scale
+            self.on_event(f"step {step}: the gradients are not finite; update skipped, loss scale now {scale:g}")
+        return update
+
+    def _eval_micro_batches(self) -> list[tuple[torch.Tensor, ...]]:
+        """The validation set (held-out split), checked once against the plan's inputs."""
+        from coordinator.swarm import SwarmError
+
+        if self._eval_set is None:
+            mbs = self.job.eval_micro_batches()
+            for m, mb in enumerate(mbs):
+                try:
+                    match_values(encode_values(list(mb))[0], self.st.specs[0], None)
+                except Rejected as exc:
+                    raise SwarmError(f"validation micro-batch {m} does not fit the plan: {exc.detail}") from None
+            self._eval_set = mbs
+        return self._eval_set
+
+    async def _evaluate(self, step: int) -> None:
+        """Run the validation set forward through the stages after step ``step``'s
+        update; record the validation loss."""
+        st, cfg = self.st, self.cfg
+        assert st.plan is not None
+        mbs = self._eval_micro_batches()
+        first, last = st.plan.stages[0], st.plan.stages[-1]
+        for m, mb in enumerate(mbs):
+            await self._send(first[m % len(first)], EvalActivations(cfg.run_id, step, m, 0, st.epoch), list(mb))
+        pending, losses = set(last), {}
+        while pending:
+            inbound = await self._next((EvalDone,), pending)
+            if inbound.message.step != step:
+                continue
+            pending.discard(inbound.sender)
+            losses.update({k: v for k, v in inbound.message.losses.items() if isinstance(v, float)})
+        wanted = [str(m) for m in range(len(mbs))]
+        if any(k not in losses for k in wanted):
+            self.on_event(f"step {step}: the evaluation came back incomplete; no validation loss recorded")
+            return
+        val = mean_loss([losses[k] for k in wanted])
+        st.val_losses.append((step + 1, val))
+        self.coord.board.evaluated(step + 1, val)
+        self.on_event(f"validation loss after step {step + 1}: {val:.4f}")
 
     # ------------------------------------------------------------------ checkpoint
 
@@ -375,8 +483,10 @@ class Driver(Messaging, Checkpointing, Rebalancing):
         redone = st.step - to
         st.redone += redone
         st.step, st.losses = to, st.losses[:to]
+        st.val_losses = [v for v in st.val_losses if v[0] <= to]
+        st.scale, st.last_update = st.scale_at.get(to, initial_scale(self.recipe)), Update()
         self.run_dir.truncate_losses(to)
-        st.restore = "state" if to else "init"
+        st.restore = self._restore_at(to)
         how = "standby peers replace the lost ones" if kind == "standby" else "re-planned the remaining peers"
         st.reason = f"{how}; rolled back to step {to}"
         self.coord.board.rollback(to, st.reason)
@@ -387,3 +497,9 @@ class Driver(Messaging, Checkpointing, Rebalancing):
         ckpt = self.st.checkpoint
         left = f"the last checkpoint (step {ckpt.step}) is in {ckpt.path}" if ckpt else "no checkpoint was written"
         return f"the run cannot go on: {why}; {left}"
+
+
+def _norm_value(v: object) -> bool:
+    """A gradient norm as a peer may report it: a number, not negative (inf and nan
+    say the gradients were not finite)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and not v < 0

@@ -15,6 +15,7 @@ import torch
 from coordinator.assign import Assignment
 from coordinator.checkpoint import CheckpointInfo
 from protocol.codecs import Codec
+from protocol.recipe import NO_SCALE, LossScale, Update
 
 if TYPE_CHECKING:
     from coordinator.checkpoint import RunDir
@@ -94,6 +95,10 @@ class RunState:
     rebalances: list[dict[str, Any]] = field(default_factory=list)
     before_rebalance: Assignment | None = None  # the plan the last rebalance left (a revert goes back to it)
     reverted: set[str] = field(default_factory=set)  # plans a revert undid: not proposed again
+    scale: LossScale = NO_SCALE  # the loss scale of step ``step`` (fp16)
+    scale_at: dict[int, LossScale] = field(default_factory=dict)  # step -> its loss scale (for a rollback)
+    last_update: Update = field(default_factory=Update)  # how step ``step - 1`` was committed
+    val_losses: list[tuple[int, float]] = field(default_factory=list)  # (steps done, validation loss)
 
     @property
     def planned(self) -> set[str]:

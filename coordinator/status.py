@@ -23,6 +23,8 @@ none changed meaning):
   ``epoch`` (the plan epoch, 0 before the first), ``loss`` (the last loss; after
   a rollback, the last one still on the chart), ``losses`` (``[step, loss]``
   pairs, at most 2,000, thinned evenly; a rollback drops the points it undoes),
+  ``val_loss`` (the last validation loss, or null) and ``val_losses``
+  (``[steps done, validation loss]`` pairs of ``--eval-every``),
   ``tokens_per_s`` (over the last 20 steps), ``elapsed_s``, ``eta_s``.
   *(revision 2: ``epoch``)*
 - ``recovery``: ``epoch`` (as in ``training``), ``failures`` (peer failures
@@ -74,6 +76,7 @@ class StatusBoard:
         self.plan: dict[str, Any] | None = None
         self.links: list[dict[str, Any]] = []
         self.losses: list[list[float]] = []
+        self.val_losses: list[list[float]] = []  # [steps done, validation loss]
         self._stride = 1  # keep every stride-th step once the chart is full
         self.step = 0
         self.last_loss: float | None = None
@@ -183,6 +186,12 @@ class StatusBoard:
         for link, (wire, raw) in zip(self.links, traffic, strict=False):
             link.update(wire_bytes=wire, raw_bytes=raw, ratio=round(raw / max(wire, 1), 2))
 
+    def evaluated(self, steps_done: int, loss: float) -> None:
+        """A validation loss of the model after ``steps_done`` steps."""
+        self.val_losses.append([steps_done, round(loss, 5)])
+        if len(self.val_losses) > MAX_POINTS:
+            self.val_losses = self.val_losses[::2]
+
     def _chart(self, step: int, loss: float) -> None:
         if step % self._stride == 0:
             self.losses.append([step, round(loss, 5)])
@@ -244,6 +253,7 @@ class StatusBoard:
         self.steps_redone += redone
         self.step = to_step
         self.losses = [p for p in self.losses if p[0] < to_step]
+        self.val_losses = [p for p in self.val_losses if p[0] <= to_step]
         self.last_loss = self.losses[-1][1] if self.losses else None
         self.event("rollback", f"back to step {to_step}, {redone} steps to redo: {reason}")
 
@@ -303,6 +313,8 @@ class StatusBoard:
                 "epoch": self.epoch,
                 "loss": self.last_loss,
                 "losses": list(self.losses),
+                "val_loss": self.val_losses[-1][1] if self.val_losses else None,
+                "val_losses": list(self.val_losses),
                 "tokens_per_s": round(toks / secs, 1) if secs > 0 else None,
                 "elapsed_s": round(now - self.train_started, 1) if self.train_started else 0.0,
                 "eta_s": round(per_step * (self.steps - self.step), 1) if per_step is not None else None,

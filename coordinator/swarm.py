@@ -44,7 +44,7 @@ DEFAULT_REBALANCE_EVERY = 0
 #: executor threads: a thread blocked on a DHT that shut down kept the event loop from closing
 DHT_TIMEOUT_S = 30.0
 #: what peers may send the coordinator
-_FROM_PEERS = ("hello", "ready", "done", "state", "failure", "beat")
+_FROM_PEERS = ("hello", "ready", "done", "state", "failure", "beat", "evaldone")
 logger = logging.getLogger(__name__)
 
 
@@ -110,6 +110,7 @@ class RunSummary:
     checkpoint_s: list[float] = field(default_factory=list)  # seconds each checkpoint write took
     step_seconds: list[float] = field(default_factory=list)
     rebalances: list[dict[str, Any]] = field(default_factory=list)  # step, why, what moved, tokens/s before
+    val_losses: list[tuple[int, float]] = field(default_factory=list)  # (steps done, validation loss)
 
 
 @dataclass
@@ -388,6 +389,7 @@ class Coordinator:
             checkpoint_s=list(st.checkpoint_s),
             step_seconds=list(st.step_seconds),
             rebalances=list(st.rebalances),
+            val_losses=list(st.val_losses),
         )
 
     def choose_codecs(

@@ -35,6 +35,7 @@ class _BoardCollector:
             "fusionllm_step": ("Training steps done", tr["step"]),
             "fusionllm_steps_total": ("Steps the run will train", tr["steps"]),
             "fusionllm_loss": ("Loss of the last step", tr["loss"]),
+            "fusionllm_validation_loss": ("Loss on the validation set at the last evaluation", tr["val_loss"]),
             "fusionllm_tokens_per_second": ("Tokens per second over the last 20 steps", tr["tokens_per_s"]),
             "fusionllm_eta_seconds": ("Estimated seconds to the end of the run", tr["eta_s"]),
         }

@@ -6,10 +6,11 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from coordinator.replan import POLICIES
-from protocol.recipe import SCHEDULES, RecipeError, parse_betas
+from protocol.recipe import PRECISIONS, SCHEDULES, RecipeError, parse_betas
 
 EXIT_USAGE = 2
 
@@ -52,6 +53,16 @@ def _add_job_flags(p: argparse.ArgumentParser, steps: int) -> None:
                    help="decoupled (AdamW) weight decay, not on biases and norms (default: 0)")  # fmt: skip
     g.add_argument("--weight-decay-all", action="store_true", help="decay biases and norms too")
     g.add_argument("--betas", type=_betas, default=(0.9, 0.999), metavar="B1,B2", help="AdamW's (default: 0.9,0.999)")
+    g.add_argument("--clip-grad-norm", type=_non_negative_float, default=0.0, metavar="X",
+                   help="clip the gradient norm over every stage's parameters to X (default: 0, off)")  # fmt: skip
+    g.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="autocast precision; weights and optimizer state stay fp32; fp16 scales the loss")  # fmt: skip
+    g.add_argument("--init", default=None, metavar="PATH.safetensors",
+                   help="start from these weights (the model's names, or GPT-2's layout for gpt2)")  # fmt: skip
+    g.add_argument("--eval-every", type=_natural, default=0, metavar="N",
+                   help="validation loss every N steps and after the last (default: 0, never)")  # fmt: skip
+    g.add_argument("--eval-batches", type=_positive, default=4, metavar="N",
+                   help="validation batches per evaluation (default: 4)")  # fmt: skip
     g.add_argument("--save", default=None, metavar="PATH.safetensors", help="write the trained model here")
 
 
@@ -63,6 +74,8 @@ def job_from_args(args: argparse.Namespace) -> Any:
         data = "branchy" if args.model == "branchy" else "stdlib"
     if args.save is not None and not args.save.endswith(".safetensors"):
         raise UsageError(f"--save {args.save}: the checkpoint file must end in .safetensors")
+    if args.init is not None and not Path(args.init).is_file():
+        raise UsageError(f"--init {args.init}: no such file")
     job = JobSpec(
         model=args.model,
         model_args=args.model_args,
@@ -78,6 +91,11 @@ def job_from_args(args: argparse.Namespace) -> Any:
         weight_decay=args.weight_decay,
         betas=args.betas,
         decay_all=args.weight_decay_all,
+        clip_grad_norm=args.clip_grad_norm,
+        precision=args.precision,
+        init=str(Path(args.init).resolve()) if args.init else "",
+        eval_every=args.eval_every,
+        eval_batches=args.eval_batches,
     )
     job.recipe()  # a recipe that cannot train is refused before anything starts
     return job

@@ -15,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from coordinator.opdag import OpDag, balanced_cut, build_opdag
+from coordinator.weights import read_init
 from fusionllm.cli import UsageError, job_from_args, parse_cut
 from fusionllm.local import (
     TrainResult,
@@ -59,7 +60,11 @@ def _bar(total: int, desc: str) -> tqdm:
 def _train(args: argparse.Namespace, stages: int | None, desc: str) -> TrainResult:
     job = job_from_args(args)
     cut: Cut | None = None
-    model = job.build_model()  # fail on a bad model or data before the progress bar shows
+    model = job.build_model()  # fail on a bad model, data or starting weights before the progress bar shows
+    if job.init:
+        read_init(job.init, model)
+    if job.eval_every:
+        job.eval_micro_batches()
     example = job.first_micro_batch()
     if stages is not None:
         cut = _cut_for(args, build_opdag(model, example), stages)
@@ -83,6 +88,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     result = _train(args, None if args.reference else args.stages, "reference" if args.reference else "stages")
     what = "whole model" if args.reference else f"{result.cut.num_stages} stages (cut {result.cut.to_list()})"
+    for steps_done, loss in result.val_losses:
+        print(f"validation loss after step {steps_done}: {loss:.6f}")
     print(
         f"trained {what}: {len(result.losses)} steps, loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}, "
         f"{result.tokens / result.seconds:,.0f} items/s" + (f", saved {args.save}" if args.save else "")

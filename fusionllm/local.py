@@ -9,15 +9,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from coordinator.opdag import balanced_cut, build_opdag
-from peer.executor import StageExecutor, make_optimizer, set_lr
+from coordinator.weights import load_init
+from peer.executor import StageExecutor, make_optimizer, scale_loss, set_lr, unscale_and_norms
 from protocol.graph import Cut, build_stage, partition, trace
-from protocol.job import JobSpec, split_batch
+from protocol.job import JobSpec, mean_loss, split_batch
+from protocol.recipe import LossScale, Recipe, autocast, decide_update, in_model_order, initial_scale
 
 Progress = Callable[[int, float], None]
 
@@ -26,6 +29,7 @@ Progress = Callable[[int, float], None]
 class TrainResult:
     model: nn.Module
     losses: list[float] = field(default_factory=list)
+    val_losses: list[tuple[int, float]] = field(default_factory=list)  # (steps done, validation loss)
     seconds: float = 0.0
     tokens: int = 0
     cut: Cut | None = None
@@ -35,28 +39,69 @@ def _batch_items(batch: tuple[torch.Tensor, ...]) -> int:
     return batch[0].numel()
 
 
+def job_model(job: JobSpec) -> nn.Module:
+    """The model with the run's starting weights: seeded, or ``--init``'s."""
+    model = job.build_model()
+    if job.init:
+        load_init(job.init, model)
+    return model
+
+
 def train_reference(job: JobSpec, progress: Progress | None = None) -> TrainResult:
     """Train the whole model, accumulating gradients over the micro-batches."""
-    model = job.build_model()
+    model = job_model(job)
     recipe = job.recipe()
-    opt = make_optimizer([p for p in model.parameters() if p.requires_grad], recipe)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(params, recipe)
+    scale = initial_scale(recipe)
     result = TrainResult(model)
     start = time.perf_counter()
     for step, batch in enumerate(itertools.islice(job.batches(), job.steps)):
         total = 0.0
         for mb in split_batch(batch, job.micro_batches):
-            loss = model(*mb)
-            (loss / job.micro_batches).backward()
+            with autocast(recipe):
+                loss = model(*mb)
+            scale_loss(loss, scale, job.micro_batches).backward()
             total += float(loss.detach())
-        set_lr(opt, recipe, step)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        result.losses.append(total / job.micro_batches)
-        result.tokens += _batch_items(batch)
-        if progress:
-            progress(step, result.losses[-1])
+        scale = _reference_update(params, opt, recipe, scale, step)
+        _record(result, job, step, total, _batch_items(batch), progress)
+        if job.eval_due(step + 1):
+            result.val_losses.append((step + 1, _evaluate_model(model, job)))
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _reference_update(
+    params: list[nn.Parameter], opt: torch.optim.Optimizer, recipe: Recipe, scale: LossScale, step: int
+) -> LossScale:
+    """The whole model's update, with torch's own global clip: what the stages must match."""
+    norms = unscale_and_norms([(str(i), p) for i, p in enumerate(params)], scale)
+    update = decide_update(recipe, list(norms.values()), scale)  # the skip and the next loss scale
+    if not update.skip:
+        if recipe.clip_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(params, recipe.clip_grad_norm)
+        set_lr(opt, recipe, step)
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    return update.scale
+
+
+def _record(result: TrainResult, job: JobSpec, step: int, total: float, items: int, progress: Progress | None) -> None:
+    result.losses.append(total / job.micro_batches)
+    result.tokens += items
+    if progress:
+        progress(step, result.losses[-1])
+
+
+def _evaluate_model(model: nn.Module, job: JobSpec) -> float:
+    recipe = job.recipe()
+    model.eval()
+    try:
+        with torch.no_grad(), autocast(recipe):
+            losses = [float(model(*mb)) for mb in job.eval_micro_batches()]
+    finally:
+        model.train()
+    return mean_loss(losses)
 
 
 def pick_cut(job: JobSpec, model: nn.Module, stages: int) -> Cut:
@@ -86,9 +131,10 @@ def _backward(execs: list[StageExecutor], mb_index: int, divisor: int) -> None:
 
 def train_staged(job: JobSpec, stages: int | Cut, progress: Progress | None = None) -> TrainResult:
     """Train through the rebuilt stages of a cut, run one after another (GPipe order)."""
-    model = job.build_model()
+    model = job_model(job)
     cut = stages if isinstance(stages, Cut) else pick_cut(job, model, stages)
     execs = _executors(model, cut, job)
+    recipe = job.recipe()
     result = TrainResult(model, cut=cut)
     start = time.perf_counter()
     for step, batch in enumerate(itertools.islice(job.batches(), job.steps)):
@@ -96,14 +142,28 @@ def train_staged(job: JobSpec, stages: int | Cut, progress: Progress | None = No
         total = sum(_forward(execs, i, mb) for i, mb in enumerate(mbs))
         for i in range(len(mbs)):
             _backward(execs, i, job.micro_batches)
+        update = None
+        if recipe.needs_norm:
+            norms = {n: v for ex in execs for n, v in ex.grad_norms().items()}
+            order = [n for n, _ in model.named_parameters()]
+            update = decide_update(recipe, in_model_order(order, norms), execs[0].loss_scale)
         for ex in execs:
-            ex.step()
-        result.losses.append(total / len(mbs))
-        result.tokens += _batch_items(batch)
-        if progress:
-            progress(step, result.losses[-1])
+            ex.step(update)
+        _record(result, job, step, total, _batch_items(batch), progress)
+        if job.eval_due(step + 1):
+            result.val_losses.append((step + 1, _evaluate_stages(execs, job)))
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _evaluate_stages(execs: list[StageExecutor], job: JobSpec) -> float:
+    losses = []
+    for mb in job.eval_micro_batches():
+        values: Any = mb
+        for ex in execs:
+            values = ex.evaluate(values)
+        losses.append(float(values))
+    return mean_loss(losses)
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -118,10 +178,12 @@ def check_stages(job: JobSpec, cut: Cut) -> dict[str, float]:
     batch = next(iter(job.batches()))
     mbs = split_batch(batch, job.micro_batches)
     ref = job.build_model()
+    recipe = job.recipe()
     ref_loss = 0.0
     for mb in mbs:
-        loss = ref(*mb)
-        (loss / len(mbs)).backward()
+        with autocast(recipe):
+            loss = ref(*mb)
+        scale_loss(loss, initial_scale(recipe), len(mbs)).backward()
         ref_loss += float(loss.detach()) / len(mbs)
     staged = job.build_model()
     execs = _executors(staged, cut, job)

@@ -57,6 +57,7 @@ def _summary(summary: Any, save: str | None) -> str:
         f"{len(summary.checkpoint_s)} checkpoints, {summary.epochs} plan epochs, {summary.failures} peers lost, "
         f"{summary.steps_redone} steps redone, {len(summary.rebalances)} rebalances",
     ]
+    lines += [f"validation loss after step {steps}: {loss:.6f}" for steps, loss in summary.val_losses]
     for s, group in enumerate(summary.assignment.stages):
         for r, p in enumerate(group):
             ad = summary.adverts[p]

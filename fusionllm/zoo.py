@@ -13,13 +13,15 @@ import torch.nn.functional as F
 from torch import nn
 
 Batch = tuple[torch.Tensor, ...]
+#: the validation split of generated data draws from this seed offset
+VAL_SEED_OFFSET = 1_000_003
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, n_embd: int, n_head: int) -> None:
+    def __init__(self, n_embd: int, n_head: int, qkv_bias: bool = False) -> None:
         super().__init__()
         self.n_head = n_head
-        self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=False)  # a key bias has zero true gradient
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd, bias=qkv_bias)  # a key bias has zero true gradient
         self.c_proj = nn.Linear(n_embd, n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -34,17 +36,18 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, n_embd: int, n_head: int) -> None:
+    def __init__(self, n_embd: int, n_head: int, qkv_bias: bool = False, gelu: str = "none") -> None:
         super().__init__()
+        self.gelu = gelu
         self.ln_1 = nn.LayerNorm(n_embd)
-        self.attn = CausalSelfAttention(n_embd, n_head)
+        self.attn = CausalSelfAttention(n_embd, n_head, qkv_bias)
         self.ln_2 = nn.LayerNorm(n_embd)
         self.fc = nn.Linear(n_embd, 4 * n_embd)
         self.proj = nn.Linear(4 * n_embd, n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
-        return x + self.proj(F.gelu(self.fc(self.ln_2(x))))
+        return x + self.proj(F.gelu(self.fc(self.ln_2(x)), approximate=self.gelu))
 
 
 class GPT(nn.Module):
@@ -58,11 +61,14 @@ class GPT(nn.Module):
         block_size: int = 128,
         vocab_size: int = 256,
         tie_weights: bool = False,
+        qkv_bias: bool = False,
+        gelu: str = "none",
     ) -> None:
         super().__init__()
+        self.n_layer, self.n_head = n_layer, n_head
         self.wte = nn.Embedding(vocab_size, n_embd)
         self.wpe = nn.Embedding(block_size, n_embd)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, qkv_bias, gelu) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(n_embd)
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         if tie_weights:
@@ -89,8 +95,10 @@ def gpt(**kwargs: object) -> GPT:
 
 
 def gpt2(**kwargs: object) -> GPT:
-    """GPT-2 small's shape (124M parameters with GPT-2's 50257 vocabulary; bytes here)."""
-    cfg: dict[str, object] = dict(n_layer=12, n_embd=768, n_head=12, block_size=1024)
+    """GPT-2 small's shape (124M parameters with GPT-2's 50257 vocabulary; bytes here),
+    with its query/key/value bias and tanh GELU, so GPT-2's published weights fit
+    (``--init``, see ``coordinator.weights``)."""
+    cfg: dict[str, object] = dict(n_layer=12, n_embd=768, n_head=12, block_size=1024, qkv_bias=True, gelu="tanh")
     cfg.update(kwargs)
     return GPT(**cfg)  # type: ignore[arg-type]
 
@@ -162,10 +170,13 @@ def branchy(**kwargs: object) -> Branchy:
     return Branchy(**kwargs)  # type: ignore[arg-type]
 
 
-def branchy_data(seed: int, batch_size: int = 16, dim: int = 32) -> Iterator[Batch]:
-    """Endless regression batches ``(x, y)`` with ``y = sin(x . w)``."""
+def branchy_data(seed: int, batch_size: int = 16, dim: int = 32, split: str = "train") -> Iterator[Batch]:
+    """Endless regression batches ``(x, y)`` with ``y = sin(x . w)``; the ``val`` split
+    draws other inputs for the same ``w``."""
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(dim, generator=gen)
+    if split != "train":
+        gen = torch.Generator().manual_seed(seed + VAL_SEED_OFFSET)
     while True:
         x = torch.randn(batch_size, dim, generator=gen)
         yield x, torch.sin(x @ w / dim**0.5)

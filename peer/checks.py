@@ -3,6 +3,7 @@ half of the envelope checks (the rest is in ``protocol.envelope.Gate``)."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,7 @@ class PlanChecks:
     codecs: list[Codec] = field(default_factory=list)  # the link plan's, per boundary
     step: int = 0
     my_mbs: frozenset[int] = frozenset()
+    eval_mbs: range = range(0)  # this replica's validation micro-batches
 
     def __call__(self, env: Envelope, message: Message, sender: str) -> None:
         a = self.assign
@@ -41,6 +43,12 @@ class PlanChecks:
         if env.kind == "act":
             upstream = [self.coordinator] if s == 0 else a.stages[s - 1]
             self._route(env, sender, upstream, (self.step, self.step + 1))
+            codec = None if s == 0 else self._codec(s - 1, "forward")
+            if a.specs:
+                match_values(env.values, a.specs[s], codec)
+        elif env.kind == "evalact":
+            upstream = [self.coordinator] if s == 0 else a.stages[s - 1]
+            self._route(env, sender, upstream, (self.step,), self.eval_mbs)
             codec = None if s == 0 else self._codec(s - 1, "forward")
             if a.specs:
                 match_values(env.values, a.specs[s], codec)
@@ -78,7 +86,9 @@ class PlanChecks:
             return None
         return getattr(self.codecs[boundary], direction).to_json()
 
-    def _route(self, env: Envelope, sender: str, senders: list[str], steps: tuple[int, ...]) -> None:
+    def _route(
+        self, env: Envelope, sender: str, senders: list[str], steps: tuple[int, ...], mbs: Collection[int] | None = None
+    ) -> None:
         assert self.assign is not None
         if sender not in senders:
             raise Rejected(Reject.UNEXPECTED, f"{env.kind} from {sender}, who does not feed stage {self.assign.stage}")
@@ -86,5 +96,5 @@ class PlanChecks:
             raise Rejected(Reject.UNEXPECTED, f"{env.kind} for stage {env.stage}; this peer serves {self.assign.stage}")
         if env.step not in steps:
             raise Rejected(Reject.UNEXPECTED, f"{env.kind} for step {env.step}; this peer is at step {self.step}")
-        if env.mb not in self.my_mbs:
+        if env.mb not in (self.my_mbs if mbs is None else mbs):
             raise Rejected(Reject.UNEXPECTED, f"{env.kind} for micro-batch {env.mb}, not one of this replica's")

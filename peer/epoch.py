@@ -22,8 +22,20 @@ from protocol import schedule as schedules
 from protocol.codecs import Codec, CodecError, ErrorFeedback
 from protocol.graph import Cut, build_stage, partition, trace
 from protocol.identity import IdentityError, public_key
-from protocol.job import JobSpec
-from protocol.messages import Activations, Assign, Gradients, Ready, ReplicaGrads, State, StepDone
+from protocol.job import JobSpec, SpecError
+from protocol.messages import (
+    Activations,
+    Assign,
+    Commit,
+    EvalActivations,
+    EvalDone,
+    Gradients,
+    Ready,
+    ReplicaGrads,
+    State,
+    StepDone,
+)
+from protocol.recipe import LossScale, Recipe, Update
 from protocol.wire import Link
 
 if TYPE_CHECKING:
@@ -52,6 +64,7 @@ class EpochRunner:
         self.a = a
         self.mailbox = mailbox
         self.job = JobSpec(**a.job)
+        self.recipe = Recipe()  # the job's, checked in _setup
         self.cut = Cut(tuple(a.cut))
         self.k, self.s, self.r = self.cut.num_stages, a.stage, a.replica
         self.my_mbs = [m for m in range(self.job.micro_batches) if m % len(a.stages[a.stage]) == a.replica]
@@ -80,6 +93,10 @@ class EpochRunner:
     def _setup(self) -> None:
         tp, a = self.node.transport, self.a
         assert tp is not None and self.node.checks is not None
+        try:
+            self.recipe = self.job.recipe()
+        except SpecError as exc:
+            raise RunRefused(str(exc)) from None
         for pid, addrs in a.maddrs.items():
             tp.learn(pid, addrs)
         try:
@@ -89,6 +106,8 @@ class EpochRunner:
         except IdentityError as exc:
             raise RunRefused(f"the assignment holds a bad key: {exc}") from None
         self.node.checks.my_mbs = frozenset(self.my_mbs)
+        evals = self.job.eval_batches * self.job.micro_batches if self.job.eval_every else 0
+        self.node.checks.eval_mbs = range(a.replica, evals, len(a.stages[a.stage]))
         self.node.checks.step = a.start_step
         rates = list(a.link_mbps)  # per boundary; a link is paced the same both ways
         if self.s < min(self.k - 1, len(rates)):
@@ -124,6 +143,7 @@ class EpochRunner:
         elif a.start_step != 0:
             raise RunRefused(f"initial weights asked for step {a.start_step}")
         ex.steps_done = a.start_step
+        ex.loss_scale = LossScale(a.loss_scale)
         node.held = HeldStage(key, ex)
         return node.held
 
@@ -135,11 +155,12 @@ class EpochRunner:
     def _reconcile(self, held: HeldStage) -> None:
         """Bring a kept stage to ``start_step``: drop a half-done step, or apply the
         update of a step that was committed while the epoch ended."""
-        start, ex = self.a.start_step, held.ex
+        a, ex = self.a, held.ex
+        start = a.start_step
         if ex.steps_done == start:
             ex.discard_step()
         elif ex.steps_done == start - 1 and held.pending == start - 1:
-            ex.step()
+            ex.step(Update(a.pending_factor, a.pending_skip, LossScale(a.loss_scale)))
         else:
             raise RunRefused(f"this peer holds the state of step {ex.steps_done}; the plan starts at step {start}")
         held.pending = None
@@ -183,15 +204,18 @@ class EpochRunner:
                 sends.append(sent)
         if len(a.stages[self.s]) > 1:
             await self._average_replicas(held.ex, step)
+        norms = await self._compute(held.ex.grad_norms) if self.recipe.needs_norm else {}
         for t in sends:
             await t
         held.pending = step
         sent, raw = dict(tp.bytes_sent), dict(tp.raw_sent)
-        done = StepDone(a.run_id, step, self.s, self.r, losses, self.busy_s, sent, raw, a.epoch)
+        done = StepDone(a.run_id, step, self.s, self.r, losses, self.busy_s, sent, raw, a.epoch, norms)
         await tp.send(node.coordinator.peer_id, done)
-        commit = (await self.mailbox.get(("commit", step), self.timeout)).message
-        await self._compute(held.ex.step)
+        commit: Commit = (await self.mailbox.get(("commit", step), self.timeout)).message
+        await self._compute(held.ex.step, Update(commit.factor, commit.skip, LossScale(commit.loss_scale)))
         held.pending = None
+        if commit.evaluate:
+            await self._evaluate(held.ex, step, commit.evaluate)
         if self.r == 0 and (commit.checkpoint or step + 1 == self.job.steps):
             await self._upload(held, step + 1)
 
@@ -232,6 +256,26 @@ class EpochRunner:
         rounding = torch.Generator().manual_seed(hash((self.job.seed, self.s, self.r, step)) & (2**62 - 1))
         link = Link(self.codecs[self.s - 1].backward, self.feedback, dest, rounding)
         return asyncio.create_task(tp.send(dest, Gradients(a.run_id, step, mb, self.s - 1, a.epoch), grads, link))
+
+    async def _evaluate(self, ex: StageExecutor, step: int, count: int) -> None:
+        """Run this replica's share of ``count`` validation micro-batches forward; the
+        last stage reports their losses."""
+        node, a = self.node, self.a
+        tp = node.transport
+        assert tp is not None and node.coordinator is not None
+        group = a.stages[self.s]
+        losses: dict[str, float] = {}
+        for mb in [m for m in range(count) if m % len(group) == self.r]:
+            inb = await self.mailbox.get(("evalact", step, mb), self.timeout)
+            out = await self._compute(ex.evaluate, inb.frame.values(node.device))
+            if self.s == self.k - 1:
+                losses[str(mb)] = float(out)
+                continue
+            dest = a.stages[self.s + 1][mb % len(a.stages[self.s + 1])]
+            msg = EvalActivations(a.run_id, step, mb, self.s + 1, a.epoch)
+            await tp.send(dest, msg, list(out), Link(self.codecs[self.s].forward))
+        if self.s == self.k - 1:
+            await tp.send(node.coordinator.peer_id, EvalDone(a.run_id, step, self.s, self.r, losses, a.epoch))
 
     async def _compute(self, fn: Any, *args: Any) -> Any:
         """``fn`` on the compute thread, then the idle time the throttle asks for (on the

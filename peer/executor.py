@@ -10,14 +10,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from protocol.recipe import Recipe
+from protocol.recipe import LossScale, Recipe, Update, autocast, initial_scale
+from protocol.statecheck import Problems
 
 #: Prefix of optimizer-state entries in a state snapshot: ``optim/<param name>/<state key>``.
 OPTIM_PREFIX = "optim/"
 #: The per-parameter state AdamW keeps once it has taken a step.
 ADAMW_STATE_KEYS = frozenset({"step", "exp_avg", "exp_avg_sq"})
-#: How many names a state-mismatch message lists per kind of problem.
-_MAX_NAMES = 3
 
 
 def make_optimizer(params: list[nn.Parameter], recipe: Recipe) -> torch.optim.Optimizer:
@@ -33,10 +32,44 @@ def make_optimizer(params: list[nn.Parameter], recipe: Recipe) -> torch.optim.Op
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=recipe.lr_at(0), betas=recipe.betas, foreach=False)
 
 
+def scale_loss(loss: torch.Tensor, scale: LossScale, divisor: int) -> torch.Tensor:
+    """What a micro-batch back-propagates: its loss times the loss scale, over the
+    micro-batch count."""
+    return loss * scale.scale / divisor if scale.scale != 1.0 else loss / divisor
+
+
 def set_lr(optimizer: torch.optim.Optimizer, recipe: Recipe, step: int) -> None:
     """The scheduled learning rate for the update that ends step ``step``."""
     for group in optimizer.param_groups:
         group["lr"] = recipe.lr_at(step)
+
+
+def unscale_and_norms(named: Sequence[tuple[str, nn.Parameter]], scale: LossScale) -> dict[str, float]:
+    """Divide the gradients by the loss scale (in place) and return each one's 2-norm
+    (fp32, as ``clip_grad_norm_`` takes it; inf or nan when it is not finite)."""
+    out = {}
+    inv = 1.0 / scale.scale
+    for name, p in named:
+        if p.grad is None:
+            continue
+        if inv != 1.0:
+            p.grad.mul_(inv)
+        out[name] = float(torch.linalg.vector_norm(p.grad.detach(), 2))
+    return out
+
+
+def finish_step(optimizer: torch.optim.Optimizer | None, params: Sequence[nn.Parameter], update: Update) -> None:
+    """Apply a step's :class:`Update`: scale the gradients and step, or skip; clear them."""
+    if optimizer is None:
+        return
+    if not update.skip:
+        if update.factor != 1.0:
+            factor = torch.tensor(update.factor, dtype=torch.float32)  # clip_grad_norm_'s fp32 coefficient
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(factor.to(p.grad.device))
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def _as_leaf(x: Any) -> Any:
@@ -87,10 +120,12 @@ class StageExecutor:
         self.module = module
         self.is_last = is_last
         self.recipe = recipe
-        params = [p for p in module.parameters() if p.requires_grad]
-        self.optimizer = make_optimizer(params, recipe) if params else None
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.optimizer = make_optimizer(self.params, recipe) if self.params else None
         self._saved: dict[int, tuple[list[Any], Any]] = {}
         self.steps_done = 0
+        self.loss_scale = initial_scale(recipe)  # the current step's (the coordinator's word in a swarm)
+        self.device = next((p.device for p in self.params), torch.device("cpu"))
 
     @property
     def pending(self) -> int:
@@ -103,7 +138,7 @@ class StageExecutor:
             raise ValueError(f"micro-batch {mb} already ran forward on this stage")
         # Values may be tensors or (nested) tuples of them, e.g. the result of split().
         leaves = [_as_leaf(x) for x in inputs]
-        with torch.enable_grad():
+        with torch.enable_grad(), autocast(self.recipe, self.device):
             out = self.module(*leaves)
         self._saved[mb] = (leaves, out)
         if self.is_last:
@@ -119,7 +154,7 @@ class StageExecutor:
             raise ValueError(f"micro-batch {mb} has no saved forward on this stage")
         leaves, out = self._saved.pop(mb)
         if self.is_last:
-            torch.autograd.backward([out / loss_divisor])
+            torch.autograd.backward([scale_loss(out, self.loss_scale, loss_divisor)])
         else:
             assert grad_outputs is not None
             if len(grad_outputs) != len(out):
@@ -129,12 +164,31 @@ class StageExecutor:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         return [_grad_of(x) for x in leaves]
 
-    def step(self) -> None:
-        """Apply the optimizer to the accumulated gradients and clear them."""
+    def evaluate(self, inputs: Sequence[Any]) -> Any:
+        """The stage's forward in eval mode, without autograd (validation batches)."""
+        self.module.eval()
+        try:
+            with torch.no_grad(), autocast(self.recipe, self.device):
+                out = self.module(*inputs)
+        finally:
+            self.module.train()
+        return out if self.is_last else tuple(out)
+
+    def grad_norms(self) -> dict[str, float]:
+        """Unscale this step's gradients and return each parameter's gradient norm by
+        name (for the global clip and fp16's overflow check); call once per step,
+        after the last backward."""
+        named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        return unscale_and_norms(named, self.loss_scale)
+
+    def step(self, update: Update | None = None) -> None:
+        """End the step: apply ``update`` (default: plain) to the accumulated gradients
+        and clear them; the next step's loss scale is the update's."""
         if self.optimizer is not None:
             set_lr(self.optimizer, self.recipe, self.steps_done)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+        finish_step(self.optimizer, self.params, update or Update(scale=self.loss_scale))
+        if update is not None:
+            self.loss_scale = update.scale
         self.steps_done += 1
 
     def discard_step(self) -> None:
@@ -181,7 +235,7 @@ class StageExecutor:
         and dtype; keys of other stages raise unless ``strict_extra`` is false. Raises
         ``ValueError`` (one line) and changes nothing on a mismatch."""
         mine = self.select(tensors)
-        problems = _Problems()
+        problems = Problems()
         if strict_extra:
             problems.add("unexpected", [k for k in tensors if k not in mine])
         weights = {k: v for k, v in mine.items() if not k.startswith(OPTIM_PREFIX)}
@@ -201,7 +255,7 @@ class StageExecutor:
         if steps_done is not None:
             self.steps_done = steps_done
 
-    def _optim_state(self, mine: Mapping[str, torch.Tensor], problems: _Problems) -> dict[int, dict[str, Any]]:
+    def _optim_state(self, mine: Mapping[str, torch.Tensor], problems: Problems) -> dict[int, dict[str, Any]]:
         """The optimizer's per-parameter state (by index, as ``Optimizer.state_dict`` has it)."""
         if self.optimizer is None:
             return {}
@@ -235,30 +289,3 @@ def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
 def _optim_param(key: str) -> str:
     """The parameter name of an ``optim/<param>/<key>`` entry."""
     return key[len(OPTIM_PREFIX) :].rpartition("/")[0]
-
-
-class _Problems:
-    """Collects state mismatches per kind and renders them as one line."""
-
-    def __init__(self) -> None:
-        self.kinds: dict[str, list[str]] = {}
-
-    def add(self, kind: str, names: list[str]) -> None:
-        if names:
-            self.kinds.setdefault(kind, []).extend(names)
-
-    def check(self, name: str, got: torch.Tensor, want: torch.Tensor) -> None:
-        if got.shape != want.shape:
-            self.add("mis-shaped", [f"{name} {list(got.shape)} (want {list(want.shape)})"])
-        elif got.dtype != want.dtype:
-            self.add("mis-typed", [f"{name} {got.dtype} (want {want.dtype})"])
-
-    def __bool__(self) -> bool:
-        return bool(self.kinds)
-
-    def __str__(self) -> str:
-        parts = []
-        for kind, names in self.kinds.items():
-            more = f" and {len(names) - _MAX_NAMES} more" if len(names) > _MAX_NAMES else ""
-            parts.append(f"{kind} {', '.join(names[:_MAX_NAMES])}{more}")
-        return "; ".join(parts)

@@ -31,6 +31,7 @@ from protocol.messages import (
     Beat,
     Commit,
     CoordinatorRecord,
+    EvalActivations,
     Evict,
     Finish,
     Gradients,
@@ -225,6 +226,8 @@ class PeerNode:
                 self.mailbox.put(msg.KIND, inbound)
             elif isinstance(msg, Commit):
                 self.mailbox.put(("commit", msg.step), inbound)
+            elif isinstance(msg, EvalActivations):  # before Activations: a kind of it
+                self.mailbox.put(("evalact", msg.step, msg.mb), inbound)
             elif isinstance(msg, Activations):
                 self.mailbox.put(("act", msg.step, msg.mb), inbound)
             elif isinstance(msg, Gradients):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import itertools
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -90,6 +91,9 @@ class JobSpec(RecipeFields):
     seed: int = 0
     steps: int = 10
     micro_batches: int = 4
+    init: str = ""  # a safetensors file of starting weights ('' : the seeded initialisation)
+    eval_every: int = 0  # validation loss every N steps and after the last (0: never)
+    eval_batches: int = 4  # validation batches per evaluation (the first of the held-out split)
 
     def recipe(self) -> Recipe:
         """The optimizer recipe (``SpecError``, one line, when it cannot train)."""
@@ -131,6 +135,20 @@ class JobSpec(RecipeFields):
                 raise SpecError(f"data '{self.data}' must yield tuples of tensors, got {type(batch).__name__}")
             yield tuple(batch)
 
+    def eval_due(self, steps_done: int) -> bool:
+        """Whether the model after ``steps_done`` steps is evaluated."""
+        return self.eval_every > 0 and (steps_done % self.eval_every == 0 or steps_done == self.steps)
+
+    def eval_micro_batches(self) -> list[tuple[torch.Tensor, ...]]:
+        """The validation set: the first ``eval_batches`` batches of the held-out split,
+        each split like a training batch (so they fit the plan's shapes)."""
+        out: list[tuple[torch.Tensor, ...]] = []
+        for batch in itertools.islice(self.batches("val"), self.eval_batches):
+            out.extend(split_batch(batch, self.micro_batches))
+        if len(out) < self.eval_batches * self.micro_batches:
+            raise SpecError(f"data '{self.data}' has fewer than {self.eval_batches} validation batches")
+        return out
+
     def first_micro_batch(self) -> tuple[torch.Tensor, ...]:
         return split_batch(next(iter(self.batches())), self.micro_batches)[0]
 
@@ -142,3 +160,8 @@ def split_batch(batch: tuple[torch.Tensor, ...], micro_batches: int) -> list[tup
         raise SpecError(f"cannot split a batch of {size} into {micro_batches} micro-batches")
     parts = [t.tensor_split(micro_batches, dim=0) for t in batch]
     return [tuple(p[i] for p in parts) for i in range(micro_batches)]
+
+
+def mean_loss(losses: list[float]) -> float:
+    """The loss of a set of micro-batches: their mean (training steps and validation)."""
+    return sum(losses) / len(losses)

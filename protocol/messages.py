@@ -130,6 +130,9 @@ class Assign(Message):
     epoch: int = 0  # the plan epoch this assignment starts
     start_step: int = 0  # the first step of the epoch: the stage's state must hold the updates of steps before it
     restore: str = "init"  # where that state comes from: RESTORE_MODES
+    loss_scale: float = 1.0  # the loss scale of start_step (fp16; recipe.LossScale)
+    pending_factor: float = 1.0  # the committed update of step start_step - 1, for a peer still to apply it
+    pending_skip: bool = False
 
 
 @dataclass(frozen=True)
@@ -218,6 +221,7 @@ class StepDone(Message):
     bytes_sent: dict[str, int] = field(default_factory=dict)  # destination peer -> bytes
     raw_sent: dict[str, int] = field(default_factory=dict)  # destination peer -> those bytes uncompressed
     epoch: int = 0
+    grad_norms: dict[str, float] = field(default_factory=dict)  # parameter -> its unscaled gradient's 2-norm
 
 
 @dataclass(frozen=True)
@@ -305,6 +309,10 @@ class Commit(Message):
     step: int
     epoch: int = 0
     checkpoint: bool = False  # replica 0 of each stage then sends its state (weights and optimizer)
+    factor: float = 1.0  # multiply the gradients by this before the update (the global clip)
+    skip: bool = False  # do not update (fp16: the gradients were not finite)
+    loss_scale: float = 1.0  # the next step's loss scale
+    evaluate: int = 0  # then run this many validation micro-batches forward (EvalActivations)
 
 
 @dataclass(frozen=True)
@@ -347,4 +355,25 @@ class Standby(Message):
 
     KIND: ClassVar[str] = "standby"
     run_id: str
+    epoch: int = 0
+
+
+@dataclass(frozen=True)
+class EvalActivations(Activations):
+    """Forward values of validation micro-batch ``mb`` entering ``stage``, after the
+    update of ``step`` (values in the frame; no gradients follow)."""
+
+    KIND: ClassVar[str] = "evalact"
+
+
+@dataclass(frozen=True)
+class EvalDone(Message):
+    """A last-stage peer's validation losses after the update of ``step``."""
+
+    KIND: ClassVar[str] = "evaldone"
+    run_id: str
+    step: int
+    stage: int
+    replica: int
+    losses: dict[str, float] = field(default_factory=dict)  # validation micro-batch -> loss
     epoch: int = 0

@@ -1,25 +1,22 @@
-"""The optimizer recipe (issue 17, item 2): the schedule is a pure function of the step,
-decoupled weight decay skips biases and norms, and the stages and a swarm apply it
-exactly as the whole model does."""
+"""The training recipe (issue 17): schedules, decoupled weight decay, global
+gradient-norm clipping, mixed precision, starting weights and evaluation; the
+stages and a swarm apply each exactly as the whole model does."""
 
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from fusionllm.local import compare_checkpoints
+from fusionllm.local import TrainResult, compare_checkpoints, relative_error, train_reference, train_staged
 from peer.executor import make_optimizer
 from protocol.job import JobSpec, SpecError
-from protocol.recipe import Recipe, RecipeError, parse_betas
+from protocol.recipe import LOSS_SCALE_INTERVAL, LossScale, Recipe, RecipeError, decide_update, parse_betas
 from tests.conftest import run_cli
-from tests.swarmproc import SMALL
 from tests.test_swarm import _reference
-
-RECIPE = ["--lr-schedule", "cosine", "--warmup", "3", "--min-lr", "3e-4", "--weight-decay", "0.1",
-          "--betas", "0.9,0.95"]  # fmt: skip
 
 
 def test_schedules_are_pure_functions_of_the_step() -> None:
@@ -52,6 +49,8 @@ def test_weight_decay_skips_biases_and_norms_unless_asked() -> None:
         ({"weight_decay": float("inf")}, "weight decay inf"),
         ({"betas": (0.9, 1.0)}, "betas"),
         ({"warmup": -1}, "warmup -1"),
+        ({"clip_grad_norm": -1.0}, "gradient-norm clip -1.0"),
+        ({"precision": "fp8"}, "precision 'fp8'"),
     ],
 )
 def test_recipes_that_cannot_train_are_refused(bad: dict, match: str) -> None:
@@ -74,6 +73,9 @@ def test_a_job_from_a_stranger_with_a_bad_recipe_is_one_line() -> None:
         (["--lr-schedule", "step"], "invalid choice: 'step'"),
         (["--weight-decay", "-1"], "-1.0 is not a non-negative, finite number"),
         (["--lr", "nan"], "nan is not a positive, finite number"),
+        (["--clip-grad-norm", "inf"], "inf is not a non-negative, finite number"),
+        (["--precision", "fp8"], "invalid choice: 'fp8'"),
+        (["--init", "/nonexistent/w.safetensors"], "--init /nonexistent/w.safetensors: no such file"),
     ],
 )
 def test_bad_recipe_flags_are_one_line(flags: list[str], says: str) -> None:
@@ -81,17 +83,121 @@ def test_bad_recipe_flags_are_one_line(flags: list[str], says: str) -> None:
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr, r.stderr
 
 
-def test_stages_and_swarm_follow_the_recipe_exactly(tmp_path: Path) -> None:
-    common = ["--steps", "8", "--seed", "0", *SMALL, *RECIPE]
-    ref = _reference(tmp_path, common)
+def test_the_global_clip_is_torchs_bit_for_bit() -> None:
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (7, 300, 1)]
+    for p in params:
+        p.grad = torch.randn_like(p) * 3
+    norms = [float(torch.linalg.vector_norm(p.grad)) for p in params]
+    update = decide_update(Recipe(clip_grad_norm=0.5), norms, LossScale(1.0))
+    grads = [p.grad.clone() for p in params]
+    torch.nn.utils.clip_grad_norm_(params, 0.5)
+    factor = torch.tensor(update.factor, dtype=torch.float32)
+    assert all(torch.equal(g * factor, p.grad) for g, p in zip(grads, params, strict=True))
+    assert decide_update(Recipe(clip_grad_norm=1e9), norms, LossScale(1.0)).factor == 1.0, "under the limit"
+
+
+def test_fp16_loss_scale_backs_off_skips_and_grows() -> None:
+    fp16 = Recipe(precision="fp16")
+    start = LossScale()
+    bad = decide_update(fp16, [1.0, float("inf")], start)
+    assert bad.skip and bad.scale == LossScale(start.scale / 2, 0)
+    assert decide_update(fp16, [1.0, float("nan")], start).skip
+    good = decide_update(fp16, [1.0, 2.0], LossScale(8.0, LOSS_SCALE_INTERVAL - 1))
+    assert not good.skip and good.scale == LossScale(16.0, 0)
+    assert decide_update(Recipe(precision="bf16"), [float("inf")], LossScale(1.0)).skip is False, "no scaler"
+
+
+def _small(**recipe: object) -> JobSpec:
+    return JobSpec(steps=6, model_args=TINY, data_args="batch_size=8,ctx=32", **recipe)  # type: ignore[arg-type]
+
+
+TINY = "n_layer=2,n_embd=32,n_head=2,block_size=32"
+
+
+def _weights_error(a: TrainResult, b: TrainResult) -> float:
+    sa, sb = a.model.state_dict(), b.model.state_dict()
+    return max(relative_error(sa[k], sb[k]) for k in sa)
+
+
+@pytest.fixture(scope="module")
+def start_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint of the tiny GPT, trained one step from another seed."""
+    path = tmp_path_factory.mktemp("init") / "init.safetensors"
+    from fusionllm.local import save_state
+
+    save_state(train_reference(JobSpec(steps=1, seed=7, model_args=TINY, data_args="batch_size=8,ctx=32")).model, path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        {"lr_schedule": "cosine", "warmup": 2, "min_lr": 1e-4},
+        {"weight_decay": 0.1},
+        {"clip_grad_norm": 0.05},
+        {"precision": "bf16"},
+        {"precision": "fp16"},
+        {"eval_every": 2},
+        {"init": "START"},
+    ],
+    ids=lambda r: next(iter(r)),
+)
+def test_each_recipe_feature_alone_staged_equals_reference(recipe: dict, start_weights: Path) -> None:
+    recipe = {k: str(start_weights) if v == "START" else v for k, v in recipe.items()}
+    job = _small(**recipe)
+    ref, staged = train_reference(job), train_staged(job, 3)
+    assert _weights_error(ref, staged) <= 1e-5
+    assert staged.losses == pytest.approx(ref.losses, rel=1e-5)
+    assert [s for s, _ in staged.val_losses] == [s for s, _ in ref.val_losses]
+    assert [v for _, v in staged.val_losses] == pytest.approx([v for _, v in ref.val_losses], rel=1e-5)
+    plain = train_reference(_small())
+    assert _weights_error(ref, plain) > 1e-6 or recipe.get("eval_every"), "the feature changed the training"
+    if recipe.get("eval_every"):
+        assert [s for s, _ in ref.val_losses] == [2, 4, 6]
+
+
+def test_clipping_clips_and_bf16_computes_in_bf16() -> None:
+    """The features do what they say: a small clip changes the run (Adam undoes much of
+    a step's scaling, not its changes from step to step), and bf16 changes the
+    losses slightly."""
+    tight, loose = train_reference(_small(clip_grad_norm=0.01)), train_reference(_small(clip_grad_norm=1e6))
+    assert loose.losses == train_reference(_small()).losses, "a clip above the norm changes nothing"
+    assert tight.losses[0] == loose.losses[0] and tight.losses[2:] != pytest.approx(loose.losses[2:], rel=1e-4)
+    bf16, fp32 = train_reference(_small(precision="bf16")), train_reference(_small())
+    assert bf16.losses[0] != fp32.losses[0] and bf16.losses[0] == pytest.approx(fp32.losses[0], rel=1e-2)
+
+
+ALL = ["--lr-schedule", "cosine", "--warmup", "3", "--min-lr", "3e-4", "--weight-decay", "0.1", "--betas", "0.9,0.95",
+       "--clip-grad-norm", "0.05", "--precision", "bf16", "--eval-every", "4"]  # fmt: skip
+
+
+def _val_losses(out: str) -> list[tuple[int, float]]:
+    return [(int(s), float(v)) for s, v in re.findall(r"^validation loss after step (\d+): ([\d.]+)$", out, re.M)]
+
+
+def test_every_feature_together_through_stages_and_a_swarm(tmp_path: Path, start_weights: Path) -> None:
+    common = ["--steps", "8", "--seed", "0", *SMALL_TINY, "--init", str(start_weights), *ALL]
+    ref = tmp_path / "ref.safetensors"
+    r = run_cli("train", "--reference", *common, "--save", str(ref))
+    assert r.returncode == 0, r.stderr
+    ref_val = _val_losses(r.stdout)
+    assert [s for s, _ in ref_val] == [4, 8]
     staged = tmp_path / "staged.safetensors"
     r = run_cli("train", "--stages", "3", *common, "--save", str(staged))
     assert r.returncode == 0, r.stderr
     assert compare_checkpoints(staged, ref) <= 1e-5
+    assert _val_losses(r.stdout) == ref_val
     swarm = tmp_path / "swarm.safetensors"
     r = run_cli("demo", "--peers", "3", *common, "--save", str(swarm), timeout=240)
     assert r.returncode == 0, r.stdout + r.stderr
     assert compare_checkpoints(swarm, ref) <= 1e-5
+    got = _val_losses(r.stdout)
+    assert [s for s, _ in got] == [4, 8]
+    assert [v for _, v in got] == pytest.approx([v for _, v in ref_val], rel=1e-5)
     (tmp_path / "plain").mkdir()
-    plain = _reference(tmp_path / "plain", ["--steps", "8", "--seed", "0", *SMALL])
+    plain = _reference(tmp_path / "plain", ["--steps", "8", "--seed", "0", *SMALL_TINY])
     assert compare_checkpoints(plain, ref) > 1e-3, "the recipe changed the training"
+
+
+SMALL_TINY = ["--model-args", TINY, "--data-args", "batch_size=8,ctx=32"]

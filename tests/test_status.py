@@ -209,9 +209,11 @@ def test_metrics_show_recovery() -> None:
     board.failure("b", "step 6", "stalled")
     board.rollback(4, "b lost")
     board.checkpoint(4, "/runs/r/ckpt-4", 0.5, 1000)
+    board.evaluated(4, 4.5)
     text = generate_latest(StatusServer(board).registry).decode()
     values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line[:1] != "#"}
     assert values["fusionllm_epoch"] == 1 and values["fusionllm_checkpoint_step"] == 4
+    assert values["fusionllm_validation_loss"] == 4.5 and board.state()["training"]["val_losses"] == [[4, 4.5]]
     assert values["fusionllm_peer_failures_total"] == 1 and values["fusionllm_rollbacks_total"] == 1
     assert values["fusionllm_steps_redone_total"] == 2 and values["fusionllm_step"] == 4
     assert values['fusionllm_peer_states{state="lost"}'] == 1 and values['fusionllm_peer_states{state="serving"}'] == 2
@@ -311,6 +313,8 @@ def recovering() -> Iterator[str]:
     board.clock = time.time
     board.saw_adverts({**{pid: _ad() for pid in "abcd"}, "e": _ad(device=HOSTILE)})
     board.checkpoint(4, "/runs/r/ckpt-4", 1.5, 12_000_000)
+    board.evaluated(2, 5.25)
+    board.evaluated(6, 5.0)  # undone by the rollback to step 4
     board.failure("b", "step 6, stage 1", HOSTILE)
     board.replaced(1, "b", "d")
     board.rollback(4, "stage 1 restored from the checkpoint")
@@ -425,6 +429,7 @@ return {
             state_text: st.textContent, state_class: st.className, state_color: getComputedStyle(st).color};
   }),
   points: Number(document.getElementById("loss-chart").dataset.points),
+  val: text("val-loss"), val_points: q("#loss-chart .val-point").length,
   bands: q("#plan .stage-band").length, links: q("#links tbody tr").length,
   marks: q("#loss-chart .checkpoint-mark").length,
   epoch: text("epoch"), failures: text("failures"), rollbacks: text("rollbacks"), redone: text("redone"),
@@ -478,6 +483,7 @@ def _check_recovery_page(browser, url: str, tmp_path: Path) -> None:  # type: ig
     assert peers["b"]["state_color"] != peers["a"]["state_color"], "lost and serving look different"
     assert (st["failures"], st["rollbacks"], st["redone"]) == ("1", "1", "2")
     assert st["checkpoint"].startswith("step 4 · 12.0 MB") and st["marks"] == 1
+    assert (st["val"], st["val_points"]) == ("5.2500", 1), "the validation loss, and its point on the chart"
     kinds = [kind for kind, _ in st["events"]]
     for kind in ("join", "epoch", "plan", "links", "checkpoint", "failure", "replace", "rollback"):
         assert kind in kinds, kind

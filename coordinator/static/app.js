@@ -27,13 +27,14 @@ const STATES = ["joined", "serving", "standby", "lost"];
 const HEALTHS = ["ok", "late", "silent", "left"];
 function known(value, list) { return list.includes(value) ? value : "unknown"; }
 
-function drawLoss(points, checkpoint) {
+function drawLoss(points, checkpoint, val) {
   const svg = $("loss-chart");
   svg.replaceChildren();
   svg.dataset.points = String(points.length);
+  svg.dataset.valPoints = String(val.length);
   if (points.length < 1) return;
   const W = 800, H = 220, L = 40, B = 20;
-  const xs = points.map((p) => p[0]), ys = points.map((p) => p[1]);
+  const xs = points.map((p) => p[0]), ys = [...points, ...val].map((p) => p[1]);
   const mark = checkpoint && checkpoint.step >= Math.min(...xs) ? checkpoint.step : null;
   const x0 = Math.min(...xs), x1 = Math.max(...xs, x0 + 1, mark ?? 0), y0 = Math.min(...ys), y1 = Math.max(...ys, y0 + 1e-6);
   const X = (x) => L + (x - x0) / (x1 - x0) * (W - L - 5), Y = (y) => 5 + (y1 - y) / (y1 - y0) * (H - B - 10);
@@ -52,6 +53,10 @@ function drawLoss(points, checkpoint) {
   }
   const d = points.map((p, i) => `${i ? "L" : "M"}${X(p[0]).toFixed(1)},${Y(p[1]).toFixed(1)}`).join("");
   svg.append(el("svg:path", { d, fill: "none", stroke: "#2f6fdf", "stroke-width": 1.5, class: "loss-line" }));
+  for (const [step, loss] of val) {  // validation loss after `step` steps: the point of step - 1
+    svg.append(el("svg:circle", { cx: X(Math.max(step - 1, x0)), cy: Y(loss), r: 3.5, fill: "#e6550d",
+      class: "val-point" }));
+  }
 }
 
 function drawPlan(plan) {
@@ -98,11 +103,12 @@ function render(st) {
   const tr = st.training;
   $("step").textContent = `${tr.step} / ${tr.steps}`;
   $("loss").textContent = tr.loss === null ? "–" : tr.loss.toFixed(4);
+  $("val-loss").textContent = tr.val_loss === null ? "–" : tr.val_loss.toFixed(4);
   $("tps").textContent = tr.tokens_per_s === null ? "–" : Math.round(tr.tokens_per_s).toLocaleString();
   $("elapsed").textContent = fmtSecs(tr.elapsed_s);
   $("eta").textContent = fmtSecs(tr.eta_s);
   renderRecovery(st);
-  drawLoss(tr.losses, st.checkpoint);
+  drawLoss(tr.losses, st.checkpoint, tr.val_losses);
   drawPlan(st.plan);
   const peers = $("peers").querySelector("tbody");
   peers.replaceChildren(...st.peers.map((p) => {
