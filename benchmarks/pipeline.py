@@ -1,6 +1,8 @@
-"""Swarm throughput against one process, and the RAD data path (hivemind libp2p
-streams carrying signed FusionLLM frames) against a plain TCP socket, measured in
-one run. Prints one JSON object.
+"""Swarm throughput against one process, the RAD data path (hivemind libp2p
+streams carrying signed FusionLLM frames) against a plain TCP socket, and the
+step-time cost of the recipe's global gradient-norm clip and of bf16 against
+fp32 (the same swarm, median step times), measured in one run. Prints one JSON
+object.
 
 ``--short`` runs the same paths smaller, for the test suite: 12 training steps
 instead of 60 and 16 MiB messages instead of 64 MiB (still above the lane
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import re
 import subprocess
@@ -25,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from p2p import transport_pair  # noqa: E402
 
-from fusionllm.local import train_reference  # noqa: E402
+from fusionllm.local import train_reference, train_staged  # noqa: E402
 from protocol.job import JobSpec  # noqa: E402
 from protocol.messages import Activations  # noqa: E402
 
@@ -44,23 +47,39 @@ FULL = Sizes(steps=60, message=64 << 20, repeats=3)
 SHORT = Sizes(steps=12, message=16 << 20, repeats=2)
 
 
-def swarm_tokens_per_s(sizes: Sizes) -> float:
-    out = subprocess.run(
-        [sys.executable, "-m", "fusionllm", "demo", "--peers", str(sizes.peers), "--steps", str(sizes.steps)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=600,
-        check=True,
-    ).stdout
-    m = re.search(r"([\d,]+) tokens/s", out)
-    assert m, out
-    return float(m.group(1).replace(",", ""))
+#: the recipes whose step time is set against plain fp32
+RECIPES = {"fp32": [], "clip": ["--clip-grad-norm", "1.0"], "bf16": ["--precision", "bf16"]}
+
+
+def swarm_run(sizes: Sizes, flags: list[str]) -> tuple[float, float]:
+    """(tokens/s, median step ms) of a demo swarm."""
+    argv = [sys.executable, "-m", "fusionllm", "demo", "--peers", str(sizes.peers), "--steps", str(sizes.steps)]
+    out = subprocess.run(argv + flags, capture_output=True, text=True, cwd=ROOT, timeout=600, check=True).stdout
+    tokens = re.search(r"([\d,]+) tokens/s", out)
+    median = re.search(r"measured ([\d.]+) ms \(median\)", out)
+    assert tokens and median, out
+    return float(tokens.group(1).replace(",", "")), float(median.group(1))
 
 
 def reference_tokens_per_s(sizes: Sizes) -> float:
     res = train_reference(JobSpec(steps=sizes.steps))
     return res.tokens / res.seconds
+
+
+def staged_step_ms(sizes: Sizes) -> dict[str, float]:
+    """Median step ms of the demo's model through 4 stages in one process, fp32 and
+    bf16 (autocast on this CPU, without the network)."""
+    out = {}
+    for precision in ("fp32", "bf16"):
+        ends: list[float] = []
+
+        def progress(step: int, loss: float, ends: list[float] = ends) -> None:
+            ends.append(time.perf_counter())
+
+        train_staged(JobSpec(steps=sizes.steps, precision=precision), sizes.peers, progress)
+        steps = sorted(b - a for a, b in itertools.pairwise(ends))
+        out[precision] = 1000 * steps[len(steps) // 2]
+    return out
 
 
 async def _rad(sizes: Sizes) -> float:
@@ -117,7 +136,10 @@ def main() -> None:
     rad = asyncio.run(_rad(sizes))
     tcp = asyncio.run(_tcp(sizes))
     ref = reference_tokens_per_s(sizes)
-    swarm = swarm_tokens_per_s(sizes)
+    runs = {name: swarm_run(sizes, flags) for name, flags in RECIPES.items()}
+    swarm = runs["fp32"][0]
+    ms = {name: step_ms for name, (_, step_ms) in runs.items()}
+    staged = staged_step_ms(sizes)
     out: dict[str, object] = {
         "swarm_tokens_per_s": round(swarm, 1),
         "reference_tokens_per_s": round(ref, 1),
@@ -125,6 +147,12 @@ def main() -> None:
         "rad_64mib_mb_per_s": round(rad, 1),
         "tcp_64mib_mb_per_s": round(tcp, 1),
         "rad_vs_tcp": round(rad / tcp, 3),
+        "step_ms_fp32": ms["fp32"],
+        "step_ms_clip": ms["clip"],
+        "step_ms_bf16": ms["bf16"],
+        "clip_vs_fp32": round(ms["clip"] / ms["fp32"], 3),
+        "bf16_vs_fp32": round(ms["bf16"] / ms["fp32"], 3),
+        "in_process_bf16_vs_fp32": round(staged["bf16"] / staged["fp32"], 3),
     }
     if args.short:
         out["short"] = True

@@ -55,6 +55,8 @@ class Checkpointing(DriverParts):
             return
         values = inbound.frame.values()
         problem = self._check_part(msg.stage, msg.names, values)
+        if not problem and not all(bool(torch.isfinite(v).all()) for v in values if v.is_floating_point()):
+            raise self._diverged(msg.stage, msg.step, inbound.sender)
         if problem:
             logger.warning("ignoring the checkpoint state of stage %d from %s: %s", msg.stage, inbound.sender, problem)
             return
@@ -89,6 +91,20 @@ class Checkpointing(DriverParts):
             if t.shape != want:
                 return f"'{name[:80]}' has shape {list(t.shape)}, expected {list(want)}"
         return ""
+
+    def _diverged(self, stage: int, step: int, sender: str) -> Exception:
+        """A stage's state after ``step`` steps is not finite (its inputs were: receivers
+        check them): the run stops rather than save it; the last checkpoint stays."""
+        from coordinator.swarm import SwarmError
+
+        last = self.st.checkpoint
+        kept = (
+            f"the last finite checkpoint (step {last.step}) is in {last.path}" if last else "no checkpoint was written"
+        )
+        return SwarmError(
+            f"the weights of stage {stage} (peer {sender}) are not finite after step {step}: the training diverged "
+            f"(try a lower --lr, --clip-grad-norm, or fp32); nothing non-finite was saved; {kept}"
+        )
 
     async def _write(self, step: int, stages: list[dict[str, torch.Tensor]]) -> None:
         st, plan = self.st, self.st.plan

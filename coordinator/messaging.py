@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from coordinator import replan
-from coordinator.runstate import DriverParts, PeerLost, log_failure
+from coordinator.runstate import EXCLUDED, DriverParts, PeerLost, log_failure
 from protocol.messages import Beat, Evict, Hello, Message, PeerFailure, State
 from protocol.transport import Inbound, PeerUnreachable
 
@@ -99,7 +99,10 @@ class Messaging(DriverParts):
         return getattr(msg, "epoch", st.epoch) == st.epoch
 
     def _back(self, peer: str) -> None:
-        """A dropped peer said hello again: it waits as a fresh standby peer."""
+        """A dropped peer said hello again: it waits as a fresh standby peer (unless it
+        was excluded for what it sent: that is for the rest of the run)."""
+        if self.st.lost.get(peer, "").startswith(EXCLUDED):
+            return
         self.st.lost.pop(peer, None)
         self._evicted.discard(peer)
         self.coord.board.peer_state(peer, "standby")
@@ -119,6 +122,8 @@ class Messaging(DriverParts):
         suspect = msg.suspect
         if not suspect or suspect not in self.st.planned:
             return {reporter: msg.reason}
+        if msg.poison:  # its signed frame held NaN or infinity: it is excluded, the step redone without it
+            return {suspect: f"{EXCLUDED}{msg.reason[:200]} (reported by {reporter})"}
         reported = time.monotonic()
         lost = {suspect: f"unreachable (reported by {reporter}: {msg.reason})"}
         while time.monotonic() - reported < BLAME_WAIT_S:

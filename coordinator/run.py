@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
@@ -312,7 +313,7 @@ class Driver(Messaging, Checkpointing, Rebalancing):
                 continue
             pending.discard(inbound.sender)
             if inbound.sender in st.plan.stages[-1]:  # only the last stage computes the loss
-                step_losses.update(msg.losses)
+                step_losses.update(_finite_losses(inbound.sender, msg.losses))
             if self.recipe.needs_norm and inbound.sender in (g[0] for g in st.plan.stages):
                 norms.update(self._checked_norms(inbound.sender, msg))
             st.compute.setdefault(inbound.sender, []).append(msg.compute_s)
@@ -396,7 +397,7 @@ class Driver(Messaging, Checkpointing, Rebalancing):
             if inbound.message.step != step:
                 continue
             pending.discard(inbound.sender)
-            losses.update({k: v for k, v in inbound.message.losses.items() if isinstance(v, float)})
+            losses.update(_finite_losses(inbound.sender, inbound.message.losses))
         wanted = [str(m) for m in range(len(mbs))]
         if any(k not in losses for k in wanted):
             self.on_event(f"step {step}: the evaluation came back incomplete; no validation loss recorded")
@@ -503,3 +504,14 @@ def _norm_value(v: object) -> bool:
     """A gradient norm as a peer may report it: a number, not negative (inf and nan
     say the gradients were not finite)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and not v < 0
+
+
+def _finite_losses(sender: str, losses: dict[str, float]) -> dict[str, float]:
+    """A last-stage peer's losses; one that is not a finite number excludes the peer
+    (its inputs were finite: receivers check them), and the step is redone without it."""
+    bad = [k for k, v in losses.items() if not isinstance(v, (int, float)) or not math.isfinite(v)]
+    if bad:
+        raise PeerLost(
+            {sender: f"excluded: it reported a non-finite loss ({losses[bad[0]]!r}) for micro-batch {bad[0]}"}
+        )
+    return losses

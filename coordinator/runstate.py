@@ -43,6 +43,11 @@ class DriverParts:
     on_event: Callable[[str], None]
 
 
+#: how the reason a peer was dropped begins when it is excluded for the rest of the run
+#: (it sent non-finite values or a non-finite loss), rather than lost (died, stalled)
+EXCLUDED = "excluded: "
+
+
 class PeerLost(Exception):
     """Planned peers failed; ``lost`` maps each to why, in one line."""
 

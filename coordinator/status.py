@@ -330,3 +330,15 @@ class StatusBoard:
             "rejected": dict(self.rejected),
             "events": self.events,
         }
+
+
+def finite_json(value: Any) -> Any:
+    """``value`` with every non-finite float as the string ``"NaN"``, ``"Infinity"`` or
+    ``"-Infinity"``: strict JSON that still says what went wrong."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value

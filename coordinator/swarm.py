@@ -28,6 +28,7 @@ from coordinator.run import Driver
 from coordinator.runstate import RunState
 from coordinator.status import StatusBoard
 from coordinator.web import StatusServer
+from protocol.advert_check import advert_problem
 from protocol.codecs import Codec
 from protocol.envelope import Envelope, Gate, Reject, Rejected
 from protocol.identity import Identity, IdentityError, check_record, key_hex, sign_record
@@ -144,6 +145,7 @@ class Coordinator:
         self.status: StatusServer | None = None
         self.run_dir: RunDir | None = None
         self.driver: Driver | None = None
+        self._refused: dict[str, str] = {}  # peer -> why its advert is ignored (said once)
 
     def _expect(self, env: Envelope, message: Message, sender: str) -> None:
         if env.kind not in _FROM_PEERS:
@@ -278,10 +280,23 @@ class Coordinator:
             bound = self.gate.keys.get(ad.peer_id)
             if bound is None or key_hex(bound) != key_hex(key):
                 continue  # no hello yet (or from another key): not admitted
-            if ad.expires_at > now and ad.peer_id == subkey:
-                out[ad.peer_id] = ad
+            if ad.expires_at <= now or ad.peer_id != subkey:
+                continue
+            problem = advert_problem(ad)
+            if problem:
+                self._refuse_advert(ad.peer_id, problem)
+                continue
+            out[ad.peer_id] = ad
         self.board.saw_adverts(out)
         return out
+
+    def _refuse_advert(self, peer_id: str, problem: str) -> None:
+        """A bad advert is left out of planning; said once per peer and problem."""
+        if self._refused.get(peer_id) == problem:
+            return
+        self._refused[peer_id] = problem
+        logger.warning("ignoring the advert of %s: %s", peer_id, problem)
+        self.board.reject(peer_id, Reject.BAD_ADVERT.value, problem)
 
     def keep_adverts(self, live: dict[str, Advert], planned: set[str]) -> None:
         """Take the ``live`` adverts; ``planned`` peers keep their last one through a DHT hiccup."""

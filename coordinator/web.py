@@ -4,16 +4,18 @@ the status page (assets shipped in ``coordinator/static``), ``GET /api/v1/state`
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from coordinator.status import PEER_STATES, StatusBoard
+from coordinator.status import PEER_STATES, StatusBoard, finite_json
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +130,8 @@ class StatusServer:
         return web.Response(body=(STATIC / name).read_bytes(), content_type=_ASSETS[name])
 
     async def _state(self, request: web.Request) -> web.Response:
-        return web.json_response(self.board.state(), headers={"Cache-Control": "no-store"})
+        state = finite_json(self.board.state())  # strict JSON: a NaN loss arrives as "NaN"
+        return web.json_response(state, headers={"Cache-Control": "no-store"}, dumps=_strict_dumps)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.registry)
@@ -138,3 +141,7 @@ class StatusServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+
+def _strict_dumps(value: Any) -> str:
+    return json.dumps(value, allow_nan=False)

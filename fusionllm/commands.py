@@ -60,7 +60,7 @@ def _bar(total: int, desc: str) -> tqdm:
 def _train(args: argparse.Namespace, stages: int | None, desc: str) -> TrainResult:
     job = job_from_args(args)
     cut: Cut | None = None
-    model = job.build_model()  # fail on a bad model, data or starting weights before the progress bar shows
+    model = job.checked_model()  # fail on a bad model, data or starting weights before the progress bar shows
     if job.init:
         read_init(job.init, model)
     if job.eval_every:
@@ -99,7 +99,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     job = job_from_args(args)
-    model = job.build_model()
+    model = job.checked_model()
     dag = build_opdag(model, job.first_micro_batch())
     cut = _cut_for(args, dag, args.stages)
     errors = check_stages(job, cut)
@@ -205,11 +205,20 @@ def _recovery_lines(st: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _num(value: Any, spec: str) -> str:
+    """A number of the status JSON: '-' when absent, as sent when not a number
+    (non-finite values arrive as "NaN" or "Infinity")."""
+    if value is None:
+        return "-"
+    return format(value, spec) if isinstance(value, (int, float)) else _clean(value)[:16]
+
+
 def render_status(st: dict[str, Any]) -> str:
     """The status page as terminal text."""
     tr = st["training"]
-    loss = "-" if tr["loss"] is None else f"{tr['loss']:.4f}"
-    tps = "-" if tr["tokens_per_s"] is None else f"{tr['tokens_per_s']:,.0f}"
+    loss, tps = _num(tr["loss"], ".4f"), _num(tr["tokens_per_s"], ",.0f")
+    if tr.get("val_loss") is not None:
+        loss += f"  validation loss {_num(tr['val_loss'], '.4f')}"
     eta = "-" if tr["eta_s"] is None else _ago(tr["eta_s"])
     lines = [
         f"run {_clean(st['run_id'])}: {_clean(st['phase'])}" + (f" ({_clean(st['message'])})" if st["message"] else ""),

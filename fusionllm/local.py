@@ -177,7 +177,7 @@ def check_stages(job: JobSpec, cut: Cut) -> dict[str, float]:
     """Loss and parameter gradients of one batch: whole model vs the stages of ``cut``."""
     batch = next(iter(job.batches()))
     mbs = split_batch(batch, job.micro_batches)
-    ref = job.build_model()
+    ref = job_model(job)
     recipe = job.recipe()
     ref_loss = 0.0
     for mb in mbs:
@@ -185,7 +185,7 @@ def check_stages(job: JobSpec, cut: Cut) -> dict[str, float]:
             loss = ref(*mb)
         scale_loss(loss, initial_scale(recipe), len(mbs)).backward()
         ref_loss += float(loss.detach()) / len(mbs)
-    staged = job.build_model()
+    staged = job_model(job)
     execs = _executors(staged, cut, job)
     st_loss = 0.0
     for i, mb in enumerate(mbs):

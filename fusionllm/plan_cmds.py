@@ -32,7 +32,7 @@ def _costs(args: argparse.Namespace) -> Any:
     from coordinator.opdag import build_opdag
 
     job = job_from_args(args)
-    model = job.build_model()
+    model = job.checked_model()
     return DagCosts.from_opdag(build_opdag(model, job.first_micro_batch()))
 
 

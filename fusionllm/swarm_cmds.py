@@ -102,8 +102,7 @@ async def _coordinate(args: argparse.Namespace, on_ready: Any = None) -> int:
     from coordinator.swarm import Coordinator, CoordinatorConfig, SwarmError
 
     job = job_from_args(args)
-    model = job.build_model()  # fails early on a bad model or data
-    job.first_micro_batch()
+    model = job.checked_model()  # fails early on a bad model or data
     cfg = CoordinatorConfig(
         job=job,
         run_id=args.run,

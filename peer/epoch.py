@@ -20,6 +20,7 @@ from peer.executor import StageExecutor
 from peer.mailbox import Mailbox
 from protocol import schedule as schedules
 from protocol.codecs import Codec, CodecError, ErrorFeedback
+from protocol.envelope import Reject
 from protocol.graph import Cut, build_stage, partition, trace
 from protocol.identity import IdentityError, public_key
 from protocol.job import JobSpec, SpecError
@@ -36,6 +37,7 @@ from protocol.messages import (
     StepDone,
 )
 from protocol.recipe import LossScale, Recipe, Update
+from protocol.transport import Inbound
 from protocol.wire import Link
 
 if TYPE_CHECKING:
@@ -46,6 +48,14 @@ logger = logging.getLogger(__name__)
 
 class RunRefused(RuntimeError):
     """The assignment cannot be served (e.g. a malformed key or codec in it)."""
+
+
+class Poisoned(RuntimeError):
+    """A peer sent activations or gradients that are not finite."""
+
+    def __init__(self, sender: str, what: str) -> None:
+        super().__init__(f"{Reject.NON_FINITE.value}: {what} from {sender} hold NaN or infinity")
+        self.sender = sender
 
 
 @dataclass
@@ -224,7 +234,7 @@ class EpochRunner:
         tp = node.transport
         assert tp is not None
         inb = await self.mailbox.get(("act", step, mb), self.timeout)
-        out = await self._compute(ex.forward, mb, inb.frame.values(node.device))
+        out = await self._compute(ex.forward, mb, _finite(inb, "activations", node.device))
         if self.s == self.k - 1:
             losses[str(mb)] = float(out)
             return None
@@ -238,7 +248,7 @@ class EpochRunner:
         assert tp is not None
         grad_out = None
         if self.s < self.k - 1:
-            grad_out = (await self.mailbox.get(("grad", step, mb), self.timeout)).frame.values(node.device)
+            grad_out = _finite(await self.mailbox.get(("grad", step, mb), self.timeout), "gradients", node.device)
         replicated = len(a.stages[self.s]) > 1
         grads, own = await self._compute(_backward, ex, mb, grad_out, self.job.micro_batches, replicated)
         if own is not None:
@@ -267,7 +277,7 @@ class EpochRunner:
         losses: dict[str, float] = {}
         for mb in [m for m in range(count) if m % len(group) == self.r]:
             inb = await self.mailbox.get(("evalact", step, mb), self.timeout)
-            out = await self._compute(ex.evaluate, inb.frame.values(node.device))
+            out = await self._compute(ex.evaluate, _finite(inb, "validation activations", node.device))
             if self.s == self.k - 1:
                 losses[str(mb)] = float(out)
                 continue
@@ -295,7 +305,8 @@ class EpochRunner:
                 per_mb.append(self.mb_grads.pop(mb))
             else:
                 inb = await self.mailbox.get(("rgrad", step, mb), self.timeout)
-                per_mb.append(dict(zip(inb.message.names, inb.frame.values(self.node.device), strict=True)))
+                values = _finite(inb, "replica gradients", self.node.device)
+                per_mb.append(dict(zip(inb.message.names, values, strict=True)))
         params = dict(ex.module.named_parameters())
         for grads in per_mb:
             for name, g in grads.items():
@@ -314,6 +325,23 @@ class EpochRunner:
         send = node.transport.send(node.coordinator.peer_id, msg, [state[n] for n in names])
         self.uploads = [t for t in self.uploads if not t.done()]
         self.uploads.append(asyncio.create_task(send))
+
+
+def _finite(inbound: Inbound, what: str, device: torch.device) -> list[Any]:
+    """The decoded values of a frame, refused (``Poisoned``) when a floating tensor
+    among them holds NaN or infinity: one pass over the decoded tensor."""
+    values = inbound.frame.values(device)
+    if not all(_all_finite(v) for v in values):
+        raise Poisoned(inbound.sender, what)
+    return values
+
+
+def _all_finite(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return not value.is_floating_point() or bool(torch.isfinite(value).all())
+    if isinstance(value, (tuple, list)):
+        return all(_all_finite(v) for v in value)
+    return True
 
 
 def _timed(device: torch.device, fn: Any, *args: Any) -> tuple[Any, float]:

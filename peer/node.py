@@ -17,7 +17,7 @@ from hivemind.utils import get_dht_time
 
 from peer.bench import free_memory, measure_flops, pick_device
 from peer.checks import PlanChecks
-from peer.epoch import EpochRunner, HeldStage, RunRefused
+from peer.epoch import EpochRunner, HeldStage, Poisoned, RunRefused
 from peer.mailbox import Mailbox
 from peer.throttle import Throttle
 from protocol.envelope import Gate
@@ -312,6 +312,8 @@ class PeerNode:
             task.result()
         except PeerUnreachable as exc:
             await self._report_failure(str(exc), exc.peer_id, self._task_epoch)
+        except Poisoned as exc:
+            await self._report_failure(str(exc), exc.sender, self._task_epoch, poison=True)
         except (RunRefused, asyncio.TimeoutError) as exc:
             await self._report_failure(str(exc) or "timed out waiting for a message", epoch=self._task_epoch)
         except Exception as exc:  # anything else this peer cannot go on with: the coordinator re-plans
@@ -331,12 +333,12 @@ class PeerNode:
                     raise
             await self.run_compute(lambda: None)
 
-    async def _report_failure(self, reason: str, suspect: str = "", epoch: int = -1) -> None:
+    async def _report_failure(self, reason: str, suspect: str = "", epoch: int = -1, poison: bool = False) -> None:
         assert self.transport is not None and self.coordinator is not None
         logger.error("%s", reason)
         stage = self.checks.assign.stage if self.checks and self.checks.assign else -1
         try:
-            msg = PeerFailure(self.config.run_id, stage, reason, epoch, suspect)
+            msg = PeerFailure(self.config.run_id, stage, reason, epoch, suspect, poison)
             await asyncio.wait_for(self.transport.send(self.coordinator.peer_id, msg), 10)
         except (PeerUnreachable, asyncio.TimeoutError):
             pass

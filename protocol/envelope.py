@@ -67,6 +67,8 @@ class Reject(enum.Enum):
     UNEXPECTED = "unexpected"  # a kind, step, micro-batch or stage the plan does not expect from this sender now
     BAD_DIGEST = "bad_digest"  # the payload does not match the signed digest
     STALE_EPOCH = "stale_epoch"  # sent for a plan epoch older than the receiver's (a peer that stalled or was replaced)
+    NON_FINITE = "non_finite"  # decoded activations or gradients hold NaN or infinity (the sender is excluded)
+    BAD_ADVERT = "bad_advert"  # a DHT advert with non-finite or out-of-range claims or unparseable addresses
 
 
 class Rejected(Exception):

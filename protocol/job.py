@@ -118,6 +118,23 @@ class JobSpec(RecipeFields):
             raise SpecError(f"model '{self.model}' returned {type(model).__name__}, not a torch.nn.Module")
         return model
 
+    def checked_model(self) -> nn.Module:
+        """The model, run once on the first micro-batch: a model that fails on its data,
+        or returns anything but a scalar loss, is refused in one line."""
+        model = self.build_model()
+        try:
+            with torch.no_grad():
+                loss = model(*self.first_micro_batch())
+        except SpecError:
+            raise
+        except Exception as exc:
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            where = f"the first micro-batch of data '{self.data}'"
+            raise SpecError(f"model '{self.model}' fails on {where}: {type(exc).__name__}: {first}") from None
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise SpecError(f"model '{self.model}' must return its loss (a scalar tensor), got {type(loss).__name__}")
+        return model
+
     def batches(self, split: str | None = None) -> Iterator[tuple[torch.Tensor, ...]]:
         """The run's batches in order (each a tuple of tensors)."""
         factory = resolve(self.data, BUILTIN_DATA)

@@ -257,6 +257,7 @@ class PeerFailure(Message):
     reason: str
     epoch: int = 0
     suspect: str = ""  # the peer id the reporter could not reach, if that was the failure
+    poison: bool = False  # the suspect sent values that are not finite (not: could not be reached)
 
 
 @dataclass(frozen=True)

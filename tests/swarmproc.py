@@ -26,11 +26,11 @@ SMALL = ["--model-args", "n_layer=2,n_embd=64,n_head=4"]
 class Proc:
     """One ``fusionllm`` process, its output lines, and every PID it ever started."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, module: str = "fusionllm") -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         self.args = args
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", "fusionllm", *args],
+            [sys.executable, "-m", module, *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

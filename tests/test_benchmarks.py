@@ -33,7 +33,8 @@ BENCHMARKS = [
                         "adatopk_bytes_ratio", "adatopk_codec", "slow_link_mbps", "per_seed"}),
     ("opdag.py", {"trace_s_default", "trace_s_24layer", "stages4_vs_reference_steps_ratio"}),
     ("pipeline.py", {"swarm_tokens_per_s", "reference_tokens_per_s", "swarm_vs_reference", "rad_64mib_mb_per_s",
-                     "tcp_64mib_mb_per_s", "rad_vs_tcp"}),
+                     "tcp_64mib_mb_per_s", "rad_vs_tcp", "step_ms_fp32", "step_ms_clip", "step_ms_bf16",
+                     "clip_vs_fp32", "bf16_vs_fp32", "in_process_bf16_vs_fp32"}),
     ("scheduler.py", {"testbeds", "plan_s_1000peers_1000ops", "sim_s_10000peers_100iters"}),
     ("elastic.py", {"steps", "detect_s", "resume_s", "steps_redone", "equal_to_reference", "processes_left",
                     "checkpoints_per_run", "tokens_per_s_with_checkpoints", "tokens_per_s_without",
@@ -108,6 +109,10 @@ def _pipeline(out: dict[str, Any]) -> None:
     _positive(out, "swarm_tokens_per_s", "reference_tokens_per_s", "rad_64mib_mb_per_s", "tcp_64mib_mb_per_s")
     assert 0.01 < out["swarm_vs_reference"] < 100, out
     assert 0 < out["rad_vs_tcp"] < 5, out
+    _positive(out, "step_ms_fp32", "step_ms_clip", "step_ms_bf16")
+    # the clip's norms ride on messages every step sends anyway; bf16 autocast may be slower on a CPU
+    assert 0.2 < out["clip_vs_fp32"] < 5 and 0.1 < out["bf16_vs_fp32"] < 10, out
+    assert 0.1 < out["in_process_bf16_vs_fp32"] < 10, out
 
 
 def _scheduler(out: dict[str, Any]) -> None:

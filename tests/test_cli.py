@@ -65,6 +65,8 @@ def test_inspect_json_and_text(cli) -> None:
             ["inspect", "--model", "tests/models.py:tied", "--data", "tests/models.py:tied_data", "--cut", "6"],
             "tied weights",
         ),
+        (["train", "--reference", "--model-args", "block_size=32"], "fails on the first micro-batch of data 'stdlib'"),
+        (["demo", "--model-args", "block_size=32"], "model 'gpt' fails on the first micro-batch"),
         (["frobnicate"], "invalid choice"),
         (["demo", "--compression", "zip"], "'zip' is not one of none, fp16, bf16, int8, int4, adatopk, auto"),
         (["demo", "--topk-fraction", "1.5"], "1.5 is not in (0, 1]"),

@@ -319,6 +319,7 @@ def recovering() -> Iterator[str]:
     board.replaced(1, "b", "d")
     board.rollback(4, "stage 1 restored from the checkpoint")
     board.set_epoch(2, "b lost; d serves stage 1")
+    board.step_done(4, float("nan"), 1.0, 100, [(10, 10)])  # poisoned: shown as NaN, left off the chart
     for _ in range(300):
         board.reject("e", "bad_signature", HOSTILE)
     loop = asyncio.new_event_loop()
@@ -429,7 +430,7 @@ return {
             state_text: st.textContent, state_class: st.className, state_color: getComputedStyle(st).color};
   }),
   points: Number(document.getElementById("loss-chart").dataset.points),
-  val: text("val-loss"), val_points: q("#loss-chart .val-point").length,
+  val: text("val-loss"), val_points: q("#loss-chart .val-point").length, loss: text("loss"),
   bands: q("#plan .stage-band").length, links: q("#links tbody tr").length,
   marks: q("#loss-chart .checkpoint-mark").length,
   epoch: text("epoch"), failures: text("failures"), rollbacks: text("rollbacks"), redone: text("redone"),
@@ -484,6 +485,7 @@ def _check_recovery_page(browser, url: str, tmp_path: Path) -> None:  # type: ig
     assert (st["failures"], st["rollbacks"], st["redone"]) == ("1", "1", "2")
     assert st["checkpoint"].startswith("step 4 · 12.0 MB") and st["marks"] == 1
     assert (st["val"], st["val_points"]) == ("5.2500", 1), "the validation loss, and its point on the chart"
+    assert st["loss"] == "NaN" and st["points"] == 4, "a NaN loss is said, and left off the chart"
     kinds = [kind for kind, _ in st["events"]]
     for kind in ("join", "epoch", "plan", "links", "checkpoint", "failure", "replace", "rollback"):
         assert kind in kinds, kind
@@ -495,3 +497,30 @@ def _check_recovery_page(browser, url: str, tmp_path: Path) -> None:  # type: ig
     target = os.environ.get("FUSIONLLM_RECOVERY_SCREENSHOT")
     if target:
         shutil.copy(shot, target)
+
+
+def test_state_is_strict_json_while_the_loss_is_nan() -> None:
+    """A NaN loss (what a poisoned run shows) arrives as the string "NaN": the page's
+    JSON parser and ``fusionllm status`` still read the state."""
+    now = [1000.0]
+    board = _planned_board(now)
+    board.step_done(6, float("nan"), 1.0, 100, [(10, 10)])
+    board.evaluated(7, float("inf"))
+
+    async def fetch() -> bytes:
+        server = StatusServer(board, port=0)
+        await server.start()
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(None, lambda: urllib.request.urlopen(server.url + "api/v1/state").read())
+        finally:
+            await server.aclose()
+
+    def refuse(name: str) -> None:
+        raise AssertionError(f"bare {name} in the JSON")
+
+    state = json.loads(asyncio.run(fetch()), parse_constant=refuse)
+    assert state["training"]["loss"] == "NaN" and state["training"]["val_loss"] == "Infinity"
+    assert state["training"]["losses"][-1] == [6, "NaN"]
+    text = render_status(state)
+    assert "loss NaN" in text and "validation loss Infinity" in text

@@ -27,7 +27,12 @@ const STATES = ["joined", "serving", "standby", "lost"];
 const HEALTHS = ["ok", "late", "silent", "left"];
 function known(value, list) { return list.includes(value) ? value : "unknown"; }
 
-function drawLoss(points, checkpoint, val) {
+// A number of the state: "–" when absent; non-finite ones arrive as strings ("NaN") and show as such.
+function num(v, digits) { return typeof v === "number" ? v.toFixed(digits) : v === null ? "–" : String(v); }
+
+function drawLoss(all, checkpoint, allVal) {
+  const finite = (p) => typeof p[1] === "number";  // a "NaN" loss has no place on the chart
+  const points = all.filter(finite), val = allVal.filter(finite);
   const svg = $("loss-chart");
   svg.replaceChildren();
   svg.dataset.points = String(points.length);
@@ -102,8 +107,8 @@ function render(st) {
   $("phase").textContent = st.phase + (st.message ? `: ${st.message}` : "");
   const tr = st.training;
   $("step").textContent = `${tr.step} / ${tr.steps}`;
-  $("loss").textContent = tr.loss === null ? "–" : tr.loss.toFixed(4);
-  $("val-loss").textContent = tr.val_loss === null ? "–" : tr.val_loss.toFixed(4);
+  $("loss").textContent = num(tr.loss, 4);
+  $("val-loss").textContent = num(tr.val_loss, 4);
   $("tps").textContent = tr.tokens_per_s === null ? "–" : Math.round(tr.tokens_per_s).toLocaleString();
   $("elapsed").textContent = fmtSecs(tr.elapsed_s);
   $("eta").textContent = fmtSecs(tr.eta_s);
@@ -115,7 +120,7 @@ function render(st) {
     const state = known(p.state, STATES), health = known(p.health, HEALTHS);
     const tr = el("tr", { "data-peer": p.id, "data-stage": p.stage === null ? "" : p.stage, "data-state": state,
       class: `peer-${state}` });
-    const cells = [[short(p.id), { title: p.id }], [p.device], [(p.flops / 1e9).toFixed(1)],
+    const cells = [[short(p.id), { title: p.id }], [p.device], [num(p.flops / 1e9, 1)],
       [`${p.up_mbps} / ${p.down_mbps}`], [p.connection], [state, { class: `state state-${state}` }],
       [p.stage === null ? "–" : p.stage], [p.replica === null ? "–" : p.replica],
       [`${fmtSecs(st.now - p.last_seen)} ago`], [health, { class: health }]];

@@ -1,0 +1,107 @@
+"""Hostile volunteers (issue 14): what a peer claims or sends cannot crash the
+coordinator, stall the honest peers or corrupt the model."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fusionllm.local import compare_checkpoints
+from protocol.advert_check import MAX_FLOPS, advert_problem
+from protocol.messages import PROTOCOL_VERSION, Advert
+from tests.conftest import run_cli
+from tests.swarmproc import SMALL, Proc, Swarm
+
+
+def _advert(**kw: object) -> Advert:
+    base = dict(peer_id="QmPeer", maddrs=["/ip4/127.0.0.1/tcp/4001"], device="cpu", flops=1e12,
+                memory_bytes=1 << 30, up_mbps=100.0, down_mbps=100.0, torch_version="2",
+                protocol_version=PROTOCOL_VERSION, expires_at=1.0)  # fmt: skip
+    return Advert(**{**base, **kw})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "claim, says",
+    [
+        ({"flops": float("nan")}, "FLOP/s nan is not a finite number"),
+        ({"flops": float("inf")}, "FLOP/s inf"),
+        ({"flops": 0.0}, "FLOP/s 0.0"),
+        ({"flops": -5.0}, "FLOP/s -5.0"),
+        ({"flops": MAX_FLOPS * 10}, "FLOP/s 1e+19"),
+        ({"up_mbps": float("nan")}, "upload Mbit/s nan"),
+        ({"down_mbps": -1.0}, "download Mbit/s -1.0"),
+        ({"memory_bytes": -1}, "memory -1 bytes"),
+        ({"maddrs": ["garbage"]}, "the address 'garbage' is not a multiaddr"),
+        ({"maddrs": []}, "0 addresses"),
+        ({"maddrs": ["/ip4/1.2.3.4/tcp/1"] * 17}, "17 addresses"),
+        ({"device": "x" * 1000}, "a device name of 1000 characters"),
+    ],
+)
+def test_an_advert_with_a_bad_claim_is_refused_in_one_line(claim: dict, says: str) -> None:
+    problem = advert_problem(_advert(**claim))
+    assert says in problem and "\n" not in problem
+    assert advert_problem(_advert()) == ""
+
+
+def test_bad_adverts_are_ignored_and_the_run_plans_with_the_honest_peers(tmp_path: Path) -> None:
+    """Peers claiming NaN or negative FLOP/s, or an address that does not parse, are
+    each named once by the coordinator and left out; the honest peers train."""
+    args = ["--steps", "4", "--seed", "0", *SMALL, "--min-peers", "2", "--run-dir", str(tmp_path / "run")]
+    swarm = Swarm(tmp_path, args, peers=0)
+    try:
+        hostile = {}
+        for i, mode in enumerate(("nan", "negative", "maddr")):
+            key = str(tmp_path / f"h{i}.key")
+            p = Proc(mode, *swarm.join_args, "--identity", key, module="tests.hostile_peer")
+            swarm.procs.append(p)
+            hostile[p.wait_line(r"joined run '.*' as (\w+)", 120).group(1)] = mode
+        reasons = {pid: swarm.coord.wait_line(rf"ignoring the advert of {pid}: (.*)$", 60).group(1) for pid in hostile}
+        honest = {swarm.add_peer(i) for i in range(2)}
+        assert swarm.coord.wait(300) == 0, swarm.coord.output[-3000:]
+        out = swarm.coord.output
+        placed = set(re.findall(r"stage \d replica \d: peer (\w+)", out))
+        assert placed == honest, out[-2000:]
+        assert "FLOP/s nan" in reasons[next(p for p, m in hostile.items() if m == "nan")]
+        assert "FLOP/s -1000000000000.0" in reasons[next(p for p, m in hostile.items() if m == "negative")]
+        assert "is not a multiaddr" in reasons[next(p for p, m in hostile.items() if m == "maddr")]
+        for pid in hostile:
+            assert len(re.findall(rf"ignoring the advert of {pid}", out)) == 1, "said once"
+        assert "Traceback" not in out and "\x1b" not in out
+    finally:
+        swarm.close()
+
+
+def test_a_peer_sending_nan_is_excluded_and_the_run_ends_equal_to_a_clean_one(tmp_path: Path) -> None:
+    """A peer whose every activation, loss and gradient is NaN: its receivers refuse
+    the values (or the coordinator its loss), it is excluded, the step is redone
+    without it, and the trained weights are finite and equal a clean run's."""
+    steps = 5
+    save = tmp_path / "swarm.safetensors"
+    common = ["--steps", str(steps), "--seed", "0", *SMALL]
+    args = [*common, "--min-peers", "4", "--stages", "4", "--save", str(save), "--run-dir", str(tmp_path / "run")]
+    swarm = Swarm(tmp_path, args, peers=0)
+    try:
+        p = Proc("poison", *swarm.join_args, "--identity", str(tmp_path / "h.key"), module="tests.hostile_peer")
+        swarm.procs.append(p)
+        liar = p.wait_line(r"joined run '.*' as (\w+)", 120).group(1)
+        for i in range(3):
+            swarm.add_peer(i)
+        assert swarm.coord.wait(300) == 0, swarm.coord.output[-3000:]
+        out = swarm.coord.output
+        assert re.search(rf"peer {liar} .*failed: excluded: .*(non_finite|non-finite loss)", out), out[-3000:]
+        placed = set(re.findall(r"stage \d replica \d: peer (\w+)", out))
+        assert liar not in placed and len(placed) == 3
+        assert "1 peers lost" in out and f"peer {liar} is back" not in out, "excluded for good"
+        assert "Traceback" not in out
+    finally:
+        swarm.close()
+    state = load_file(str(save))
+    assert all(bool(torch.isfinite(t).all()) for t in state.values())
+    ref = tmp_path / "ref.safetensors"
+    r = run_cli("train", "--reference", *common, "--save", str(ref))
+    assert r.returncode == 0, r.stderr
+    assert compare_checkpoints(save, ref) <= 1e-5
