@@ -91,6 +91,9 @@ class Driver(Messaging, Checkpointing, Rebalancing):
         self._param_order = [n for n, _ in model.named_parameters()]
         self.init_state = self._read_init()
         self._eval_set: list[tuple[torch.Tensor, ...]] | None = None
+        weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        #: the most a stage's checkpoint state may take: weights, AdamW's two moments, slack for the rest
+        self.max_state_bytes = 3 * weights + (1 << 20)
 
     # ------------------------------------------------------------------ the run
     async def run(self, resume: bool, on_peers: Callable[[int], None] | None = None) -> RunState:

@@ -148,8 +148,21 @@ class Coordinator:
         self._refused: dict[str, str] = {}  # peer -> why its advert is ignored (said once)
 
     def _expect(self, env: Envelope, message: Message, sender: str) -> None:
+        """Checked before a payload is read: peers send only their kinds, and only a
+        planned peer's stage state carries tensors, no larger than the model's whole
+        state with its optimizer's (so an admitted peer cannot make us hold more)."""
         if env.kind not in _FROM_PEERS:
             raise Rejected(Reject.UNEXPECTED, f"peers do not send the coordinator '{env.kind}'")
+        if env.payload_bytes == 0:
+            return
+        driver = self.driver
+        if env.kind != "state" or driver is None or sender not in driver.st.planned:
+            raise Rejected(Reject.OVERSIZED, f"a {env.payload_bytes}-byte payload on '{env.kind}' from {sender}")
+        if env.payload_bytes > driver.max_state_bytes:
+            raise Rejected(
+                Reject.OVERSIZED,
+                f"stage state of {env.payload_bytes} bytes; the whole model's is {driver.max_state_bytes}",
+            )
 
     async def start(self) -> None:
         """Raises SwarmError (one line) when the identity file, the run directory or

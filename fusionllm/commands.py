@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 import time
 from typing import Any
@@ -26,6 +25,7 @@ from fusionllm.local import (
     train_staged,
 )
 from protocol.graph import Cut
+from protocol.text import clean
 
 TOLERANCE = 1e-5
 
@@ -167,13 +167,7 @@ def _ago(seconds: float) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
-# C0 and C1 controls, DEL, and the bidi overrides that reorder what follows them.
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
-
-
-def _clean(text: Any) -> str:
-    """Text from the coordinator (much of it peer-supplied) made safe for a terminal."""
-    return _CONTROL.sub("", str(text))
+_clean = clean  # text from the coordinator, much of it peer-supplied
 
 
 def _peer_line(p: dict[str, Any], now: float) -> str:

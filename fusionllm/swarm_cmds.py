@@ -20,9 +20,9 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from fusionllm.cli import UsageError, job_from_args
-from fusionllm.commands import _clean as clean
 from fusionllm.reaper import start_reaper
 from protocol.ports import PortTaken, check_listen_ports
+from protocol.text import clean
 
 logger = logging.getLogger(__name__)
 

@@ -144,8 +144,9 @@ class PeerNode:
         flops = await loop.run_in_executor(self._compute, lambda: measure_flops(self.device, throttle=throttle))
         flops = cfg.advertise_flops or flops
         try:
-            up, down = await self.transport.measure_bandwidth(self.coordinator.peer_id, cfg.bandwidth_probe_bytes)
+            # hello first: the coordinator answers probes of admitted peers only
             await self.transport.send(self.coordinator.peer_id, Hello(cfg.run_id, self.identity.public_hex))
+            up, down = await self.transport.measure_bandwidth(self.coordinator.peer_id, cfg.bandwidth_probe_bytes)
         except (PeerUnreachable, ConnectionError, asyncio.IncompleteReadError) as exc:
             raise JoinError(f"cannot reach the coordinator {self.coordinator.peer_id}: {exc}") from None
         self.advert = Advert(

@@ -38,6 +38,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from protocol.identity import SIGNATURE_BYTES, Identity, IdentityError, public_key, verify
 from protocol.messages import PROTOCOL_VERSION, Message, MessageError
+from protocol.text import clean
 from protocol.wire import MAX_HEADER_BYTES, WireError, check_descriptions
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class Reject(enum.Enum):
     BAD_DIGEST = "bad_digest"  # the payload does not match the signed digest
     STALE_EPOCH = "stale_epoch"  # sent for a plan epoch older than the receiver's (a peer that stalled or was replaced)
     NON_FINITE = "non_finite"  # decoded activations or gradients hold NaN or infinity (the sender is excluded)
+    PROBE_LIMIT = "probe_limit"  # a bandwidth probe asking back more than it sent, or over the sender's budget
     BAD_ADVERT = "bad_advert"  # a DHT advert with non-finite or out-of-range claims or unparseable addresses
 
 
@@ -234,6 +236,11 @@ class Opened:
 Expectation = Callable[[Envelope, Message, str], None]
 
 
+#: rejections logged per sender per window (the rest are counted, and said in the next line)
+LOG_BURST = 5
+LOG_WINDOW_S = 10.0
+
+
 class Gate:
     """A receiver's checks on incoming signed frames, and their tally."""
 
@@ -252,15 +259,30 @@ class Gate:
         #: called with (sender, code, detail) on every rejection, e.g. by the status page
         self.listeners: list[Callable[[str, str, str], None]] = []
         self._windows: dict[str, _Window] = {}
+        self._log_window: dict[str, tuple[float, int, int]] = {}  # sender -> (window start, logged, not logged)
 
     def admit(self, peer_id: str, key: Ed25519PublicKey) -> None:
         self.keys[peer_id] = key
 
     def reject(self, sender: str, exc: Rejected) -> None:
-        """Count and log a rejection (the caller drops the message)."""
+        """Count and log a rejection (the caller drops the message). The log takes at
+        most ``LOG_BURST`` lines per sender per ``LOG_WINDOW_S``, control characters
+        stripped; the rest are counted and said in the next line."""
         self.counts[exc.code] += 1
         self.recent.append((time.time(), sender, exc.code.value, exc.detail))
-        logger.warning("rejected a message from %s: %s", sender, exc)
+        now = time.monotonic()
+        if len(self._log_window) > 10_000:  # many senders (fresh identities): start over
+            self._log_window.clear()
+        start, logged, quiet = self._log_window.get(sender, (now, 0, 0))
+        if now - start > LOG_WINDOW_S:
+            start, logged = now, 0
+        if logged < LOG_BURST:
+            more = f" ({quiet} more from this sender were not logged)" if quiet else ""
+            logger.warning("rejected a message from %s: %s%s", clean(sender)[:80], clean(exc)[:300], more)
+            logged, quiet = logged + 1, 0
+        else:
+            quiet += 1
+        self._log_window[sender] = (start, logged, quiet)
         for listener in self.listeners:
             listener(sender, exc.code.value, exc.detail)
 

@@ -32,7 +32,8 @@ from protocol.wire import (
     WireError,
     encode_values,
     raw_bytes,
-    read_frame,
+    read_growing,
+    read_head,
     split_buffers,
     write_frame,
 )
@@ -41,6 +42,18 @@ logger = logging.getLogger(__name__)
 
 MSG_PROTOCOL = "/fusionllm/msg/1"
 BW_PROTOCOL = "/fusionllm/bw/1"
+#: a bandwidth probe moves at most MAX_PROBE_BYTES each way; one sender's probes at
+#: most PROBE_BUDGET_BYTES (both ways) per PROBE_WINDOW_S
+MAX_PROBE_BYTES = 64 << 20
+PROBE_BUDGET_BYTES = 256 << 20
+PROBE_WINDOW_S = 60.0
+#: lane parts that arrived before (or without) their frame's head: kept this long, and
+#: at most this many per sender
+LANE_PART_TTL_S = 120.0
+MAX_WAITING_PARTS = 16
+#: how long a probe waits for its sender's hello to be admitted
+ADMISSION_WAIT_S = 2.0
+_ZEROS = bytes(1 << 20)
 LANE_PROTOCOL = "/fusionllm/lane/1"
 #: payloads above this travel over several parallel streams ("lanes"): one libp2p
 #: stream through the p2p daemon is bound by one core, several are not
@@ -110,6 +123,8 @@ class Transport:
         self._frame_ids = itertools.count()
         self._lane_parts: dict[tuple[str, int, int], asyncio.Future[bytes]] = {}
         self._dropped: set[tuple[str, int]] = set()  # (sender, lane frame id) of rejected frames
+        self._part_born: dict[tuple[str, int, int], float] = {}  # lane parts waiting for their head: since when
+        self._probes: dict[str, list[tuple[float, int]]] = {}  # sender -> (when, bytes) of its recent probes
         self._rates: dict[str, float] = {}  # peer id -> bytes/s
         self._pace_locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._free_at: dict[str, float] = defaultdict(float)
@@ -251,15 +266,30 @@ class Transport:
                 data = await _read_payload(reader, size, lambda: self._active(sender))
                 if (sender, frame_id) in self._dropped:
                     continue  # the frame's signed head was rejected
-                fut = self._lane_future((sender, frame_id, lane))
-                if not fut.done():
-                    fut.set_result(data)
+                self._store_part((sender, frame_id, lane), data)
         except Rejected as exc:
             self.gate.reject(sender, exc)
         except (ConnectionError, asyncio.IncompleteReadError) as exc:
             logger.debug("lane stream from %s ended: %s", sender, exc)
         finally:
             writer.close()
+
+    def _store_part(self, key: tuple[str, int, int], data: memoryview) -> None:
+        """Keep a lane part for its frame's head; parts no head claims expire after
+        ``LANE_PART_TTL_S``, and a sender may have at most ``MAX_WAITING_PARTS`` waiting."""
+        now = time.monotonic()
+        for old in [k for k, born in self._part_born.items() if now - born > LANE_PART_TTL_S]:
+            del self._part_born[old]
+            fut = self._lane_parts.get(old)
+            if fut is not None and fut.done():
+                del self._lane_parts[old]
+        waiting = sum(1 for k, f in self._lane_parts.items() if k[0] == key[0] and f.done())
+        if waiting >= MAX_WAITING_PARTS:
+            raise Rejected(Reject.UNEXPECTED, f"{waiting} lane parts that no frame head has claimed")
+        fut = self._lane_future(key)
+        if not fut.done():
+            fut.set_result(data)
+            self._part_born[key] = now
 
     async def _join_lanes(self, sender: str, env: Envelope) -> memoryview:
         lanes = env.lanes or {}
@@ -274,6 +304,7 @@ class Transport:
         finally:
             for k in keys:
                 self._lane_parts.pop(k, None)
+                self._part_born.pop(k, None)
         if [len(p) for p in parts] != sizes:
             raise Rejected(Reject.TRUNCATED, "lane parts do not match their announced sizes")
         return memoryview(bytearray().join(parts))
@@ -342,22 +373,51 @@ class Transport:
         await self.inbox.put(Inbound(sender, message, Frame({"values": env.values}, payload), env))
 
     async def _handle_bandwidth(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Bandwidth probe: read the upload, acknowledge, then send the requested bytes."""
+        """Bandwidth probe from an admitted peer: read (and drop) the upload, acknowledge,
+        then send back the requested bytes: never more than were uploaded, and within
+        the sender's budget (so a probe cannot amplify traffic or hold memory)."""
+        sender = info.peer_id.to_base58()
         try:
-            frame = await read_frame(reader, 256 << 20)
-            if frame is None:
+            if not await self._admitted_soon(sender):
+                raise Rejected(Reject.NOT_ADMITTED, f"bandwidth probe from {sender}, who is not admitted")
+            header = await read_head(reader, MAX_PROBE_BYTES)
+            if header is None:
                 return
-            down = int(frame.header.get("down_bytes", 0))
-            if not 0 <= down <= 256 << 20:
-                return
+            up, down = header["payload_bytes"], header.get("down_bytes", 0)
+            if not isinstance(down, int) or not 0 <= down <= up:
+                raise Rejected(Reject.PROBE_LIMIT, f"a probe asking {down!r} bytes back for {up} sent")
+            self._spend_probe(sender, up + down)
+            await _discard(reader, up)
             writer.write(b"A")
             await writer.drain()
-            writer.write(bytes(down))
-            await writer.drain()
+            for at in range(0, down, len(_ZEROS)):
+                writer.write(_ZEROS[: min(len(_ZEROS), down - at)])
+                await writer.drain()
+        except Rejected as exc:
+            self.gate.reject(sender, exc)
         except (WireError, ConnectionError, ValueError, asyncio.IncompleteReadError) as exc:
-            logger.debug("bandwidth probe from %s failed: %s", info.peer_id, exc)
+            logger.debug("bandwidth probe from %s failed: %s", sender, exc)
+            self.gate.reject(sender, Rejected(Reject.MALFORMED, f"bandwidth probe: {exc}"))
         finally:
             writer.close()
+
+    async def _admitted_soon(self, sender: str) -> bool:
+        """Whether ``sender`` is admitted, allowing its hello (on another stream) a moment
+        to arrive first."""
+        deadline = time.monotonic() + ADMISSION_WAIT_S
+        while sender not in self.gate.keys:
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
+    def _spend_probe(self, sender: str, nbytes: int) -> None:
+        """Charge a probe to the sender's budget for the last minute, or refuse it."""
+        now = time.monotonic()
+        spent = [(t, n) for t, n in self._probes.get(sender, []) if now - t < PROBE_WINDOW_S]
+        if sum(n for _, n in spent) + nbytes > PROBE_BUDGET_BYTES:
+            raise Rejected(Reject.PROBE_LIMIT, f"bandwidth probes over {PROBE_BUDGET_BYTES >> 20} MiB a minute")
+        self._probes[sender] = [*spent, (now, nbytes)]
 
     async def measure_bandwidth(self, peer_id: str, nbytes: int = 8 << 20, down: bool = True) -> tuple[float, float]:
         """Timed transfer with ``peer_id``: (upload, download) in Mbit/s (download 0.0
@@ -404,18 +464,10 @@ class Transport:
 async def _read_payload(
     reader: asyncio.StreamReader, size: int, on_chunk: Callable[[], None] | None = None
 ) -> memoryview:
-    payload = bytearray(size)
-    view = memoryview(payload)
-    got = 0
-    while got < size:
-        chunk = await reader.read(min(size - got, 1 << 22))
-        if not chunk:
-            raise Rejected(Reject.TRUNCATED, "stream ended inside a payload")
-        view[got : got + len(chunk)] = chunk
-        got += len(chunk)
-        if on_chunk is not None:
-            on_chunk()
-    return view
+    payload = await read_growing(reader, size, on_chunk)
+    if payload is None:
+        raise Rejected(Reject.TRUNCATED, "stream ended inside a payload")
+    return payload
 
 
 async def _discard(reader: asyncio.StreamReader, size: int) -> None:

@@ -13,6 +13,7 @@ import asyncio
 import json
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,8 @@ from protocol.codecs import decode as decode_tensor
 MAGIC = b"FLM1"
 MAX_HEADER_BYTES = 1 << 20
 DEFAULT_MAX_PAYLOAD_BYTES = 4 << 30
+#: payloads are read in chunks of at most this many bytes
+READ_CHUNK = 1 << 22
 _HEAD = struct.Struct(">4sI")
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -342,6 +345,21 @@ def pack_bytes(header: dict[str, Any], values: list[Any] | None = None) -> bytes
 async def read_frame(reader: asyncio.StreamReader, max_payload: int = DEFAULT_MAX_PAYLOAD_BYTES) -> Frame | None:
     """Read one frame, or None at a clean end of stream. Sizes are checked before
     anything large is read."""
+    header = await read_head(reader, max_payload)
+    if header is None:
+        return None
+    try:
+        payload = await read_growing(reader, header["payload_bytes"])
+    except ConnectionError as exc:
+        raise WireError(f"connection lost inside a payload: {exc}") from None
+    if payload is None:
+        raise WireError("stream ended inside a payload")
+    return Frame(header, payload)
+
+
+async def read_head(reader: asyncio.StreamReader, max_payload: int) -> dict[str, Any] | None:
+    """A frame's header (its ``payload_bytes`` checked against ``max_payload``), or None
+    at a clean end of stream; the payload is left on the stream."""
     try:
         head = await reader.readexactly(_HEAD.size)
     except asyncio.IncompleteReadError as exc:
@@ -364,19 +382,23 @@ async def read_frame(reader: asyncio.StreamReader, max_payload: int = DEFAULT_MA
         raise WireError(f"bad payload size {size!r}")
     if size > max_payload:
         raise WireError(f"payload of {size} bytes is over the limit of {max_payload}")
-    payload = bytearray(size)
-    view = memoryview(payload)
-    got = 0
-    try:
-        while got < size:
-            chunk = await reader.read(min(size - got, 1 << 22))
-            if not chunk:
-                raise WireError("stream ended inside a payload")
-            view[got : got + len(chunk)] = chunk
-            got += len(chunk)
-    except ConnectionError as exc:
-        raise WireError(f"connection lost inside a payload: {exc}") from None
-    return Frame(header, view)
+    return header
+
+
+async def read_growing(
+    reader: asyncio.StreamReader, size: int, on_chunk: Callable[[], None] | None = None
+) -> memoryview | None:
+    """Read ``size`` bytes into a buffer that grows as they arrive (a claimed size
+    allocates nothing by itself); None if the stream ends first."""
+    payload = bytearray()
+    while len(payload) < size:
+        chunk = await reader.read(min(size - len(payload), READ_CHUNK))
+        if not chunk:
+            return None
+        payload += chunk
+        if on_chunk is not None:
+            on_chunk()
+    return memoryview(payload)
 
 
 async def write_frame(writer: asyncio.StreamWriter, header: dict[str, Any], values: list[Any] | None = None) -> int:

@@ -105,3 +105,15 @@ def test_a_peer_sending_nan_is_excluded_and_the_run_ends_equal_to_a_clean_one(tm
     r = run_cli("train", "--reference", *common, "--save", str(ref))
     assert r.returncode == 0, r.stderr
     assert compare_checkpoints(save, ref) <= 1e-5
+
+
+def test_a_flood_of_rejects_is_counted_but_logged_a_few_lines_without_escapes(caplog: pytest.LogCaptureFixture) -> None:
+    from protocol.envelope import LOG_BURST, Gate, Reject, Rejected
+
+    gate = Gate("r")
+    with caplog.at_level("WARNING", logger="protocol.envelope"):
+        for i in range(1000):
+            gate.reject("\x1b[2Jflooder", Rejected(Reject.WRONG_RUN, f"run \x1b[31mevil{i}"))
+    assert gate.counts[Reject.WRONG_RUN] == 1000
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == LOG_BURST and not any("\x1b" in line for line in lines)

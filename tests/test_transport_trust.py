@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
 from p2p import transport_pair
 
@@ -130,8 +131,6 @@ def test_broken_bandwidth_probe_is_peer_unreachable() -> None:
     not a stray IncompleteReadError."""
 
     async def go() -> None:
-        import pytest
-
         from protocol.transport import BW_PROTOCOL, PeerUnreachable
 
         async with transport_pair("r") as (a, b):
@@ -144,5 +143,93 @@ def test_broken_bandwidth_probe_is_peer_unreachable() -> None:
             await b.p2p.add_binary_stream_handler(BW_PROTOCOL, hang_up)
             with pytest.raises(PeerUnreachable, match="bandwidth probe with peer"):
                 await asyncio.wait_for(a.measure_bandwidth(b.peer_id, 1 << 20), 30)
+
+    asyncio.run(go())
+
+
+def _claiming(t: Transport, nbytes: int) -> bytes:
+    """A correctly signed head whose header claims an ``nbytes`` payload (a float32
+    tensor of that size), which never follows."""
+    import json
+
+    from protocol.envelope import HEAD, MAGIC
+
+    small, _ = t.sealer.seal(Activations("r", 0, 0, 1), *_described(torch.zeros(4)))
+    length = HEAD.unpack_from(small)[1]
+    header = json.loads(small[HEAD.size : HEAD.size + length])
+    header["payload_bytes"] = nbytes
+    header["values"][0]["shape"] = [nbytes // 4]
+    data = json.dumps(header, separators=(",", ":")).encode()
+    head = HEAD.pack(MAGIC, len(data)) + data
+    return head + t.identity.sign(head)
+
+
+def _described(x: torch.Tensor) -> tuple[list, list]:
+    from protocol.wire import encode_values
+
+    return encode_values([x])
+
+
+def test_a_claimed_4gib_payload_allocates_nothing_until_bytes_arrive() -> None:
+    """An admitted sender's head claims 4 GiB and sends 1 MiB: the receiver holds what
+    arrived, not what was claimed (RSS grows by well under 64 MiB)."""
+    import psutil
+
+    async def go() -> None:
+        async with transport_pair("r") as (a, b):
+            head = _claiming(a, 4 << 30)
+            rss = psutil.Process().memory_info().rss
+            await a._write("claim", b.peer_id, MSG_PROTOCOL, [head, bytes(1 << 20)])
+            await asyncio.sleep(1.0)
+            grown = psutil.Process().memory_info().rss - rss
+            assert grown < 64 << 20, f"RSS grew by {grown >> 20} MiB on a 4 GiB claim"
+
+    asyncio.run(go())
+
+
+def test_bandwidth_probes_answer_only_admitted_peers_and_never_amplify() -> None:
+    async def go() -> None:
+        from protocol.transport import BW_PROTOCOL, PROBE_BUDGET_BYTES, PeerUnreachable
+        from protocol.wire import write_frame
+
+        async with transport_pair("r") as (a, b):
+            up, down = await a.measure_bandwidth(b.peer_id, 1 << 20)  # admitted: measured both ways
+            assert up > 0 and down > 0
+            # asking back more than was sent: refused, nothing comes back
+            reader, writer = await a._open(b.peer_id, BW_PROTOCOL)
+            await write_frame(writer, {"down_bytes": 10 << 20}, [torch.zeros(16, dtype=torch.uint8)])
+            assert await reader.read(1) == b""
+            writer.close()
+            await _until(lambda: b.gate.counts[Reject.PROBE_LIMIT] == 1)
+            # over the budget per minute: refused
+            with pytest.raises(PeerUnreachable):
+                for _ in range(PROBE_BUDGET_BYTES // (32 << 20) + 1):
+                    await a.measure_bandwidth(b.peer_id, 16 << 20)
+            assert b.gate.counts[Reject.PROBE_LIMIT] == 2
+            # not admitted: refused
+            b.gate.keys.clear()
+            with pytest.raises(PeerUnreachable):
+                await a.measure_bandwidth(b.peer_id, 1 << 10)
+            await _until(lambda: b.gate.counts[Reject.NOT_ADMITTED] == 1, timeout=10)
+
+    asyncio.run(go())
+
+
+def test_lane_parts_no_head_claims_are_bounded_and_expire(monkeypatch: pytest.MonkeyPatch) -> None:
+    import protocol.transport as transport
+
+    monkeypatch.setattr(transport, "LANE_PART_TTL_S", 0.5)
+
+    async def go() -> None:
+        from protocol.transport import _LANE_HEAD, LANE_PROTOCOL, MAX_WAITING_PARTS
+
+        async with transport_pair("r") as (a, b):
+            parts = [_LANE_HEAD.pack(1000 + i, 0, 1024) + bytes(1024) for i in range(MAX_WAITING_PARTS + 4)]
+            await a._write("orphans", b.peer_id, LANE_PROTOCOL, parts)
+            await _until(lambda: b.gate.counts[Reject.UNEXPECTED] == 1)
+            assert len(b._lane_parts) == MAX_WAITING_PARTS, "the rest were refused"
+            await asyncio.sleep(0.6)
+            await a._write("late", b.peer_id, LANE_PROTOCOL, [_LANE_HEAD.pack(5000, 0, 8) + bytes(8)])
+            await _until(lambda: len(b._lane_parts) == 1)  # the expired ones are gone, the new one waits
 
     asyncio.run(go())
