@@ -7,6 +7,7 @@ import importlib
 import importlib.util
 import itertools
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,8 +130,10 @@ class JobSpec(RecipeFields):
             raise
         except Exception as exc:
             first = (str(exc).strip().splitlines() or [""])[0][:200]
-            where = f"the first micro-batch of data '{self.data}'"
-            raise SpecError(f"model '{self.model}' fails on {where}: {type(exc).__name__}: {first}") from None
+            data = f"the first micro-batch of data '{self.data}'"
+            raise SpecError(
+                f"model '{self.model}' fails on {data} at {_model_frame(exc)}: {type(exc).__name__}: {first}"
+            ) from None
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise SpecError(f"model '{self.model}' must return its loss (a scalar tensor), got {type(loss).__name__}")
         return model
@@ -168,6 +171,16 @@ class JobSpec(RecipeFields):
 
     def first_micro_batch(self) -> tuple[torch.Tensor, ...]:
         return split_batch(next(iter(self.batches())), self.micro_batches)[0]
+
+
+def _model_frame(exc: BaseException) -> str:
+    """``file:line`` of the innermost frame of the failure outside torch and this
+    package: the model's own code."""
+    torch_dir = str(Path(torch.__file__).parent)
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(torch_dir)]
+    user = [f for f in frames if Path(f.filename).resolve() != Path(__file__).resolve()]
+    frame = (user or frames or [None])[-1]
+    return f"{frame.filename}:{frame.lineno}" if frame is not None else "an unknown place"
 
 
 def split_batch(batch: tuple[torch.Tensor, ...], micro_batches: int) -> list[tuple[torch.Tensor, ...]]:
