@@ -252,7 +252,9 @@ class Coordinator:
 
     def join_command(self) -> str:
         run = "" if self.config.run_id == "fusionllm" else f" --run {self.config.run_id}"
-        return "fusionllm join --initial-peers " + " ".join(self.visible_maddrs) + run
+        assert self.identity is not None
+        pin = f" --coordinator-key {self.identity.public_hex}"
+        return "fusionllm join --initial-peers " + " ".join(self.visible_maddrs) + run + pin
 
     async def _publish_record(self) -> None:
         assert self.dht is not None and self.transport is not None and self.identity is not None
@@ -260,7 +262,8 @@ class Coordinator:
         rec = CoordinatorRecord(self.transport.peer_id, self.visible_maddrs, self.config.run_id, expires)
         record = sign_record(self.identity, rec.header())
         key = dht_key(self.config.run_id, "coordinator")
-        await asyncio.wait_for(self.dht.store(key, record, expires, return_future=True), DHT_TIMEOUT_S)
+        subkey = self.identity.public_hex  # under its own key: another's claim of the run cannot hide it
+        await asyncio.wait_for(self.dht.store(key, record, expires, subkey=subkey, return_future=True), DHT_TIMEOUT_S)
 
     async def _refresh_record(self) -> None:
         while True:

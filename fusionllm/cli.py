@@ -207,6 +207,15 @@ def _non_negative_float(text: str) -> float:
     return _positive_float(text, bounds="a non-negative, finite number", zero=True)
 
 
+def _key_hex(text: str) -> str:
+    from protocol.identity import IdentityError, key_hex, public_key
+
+    try:
+        return key_hex(public_key(text.strip()))
+    except IdentityError as exc:
+        raise argparse.ArgumentTypeError(f"'{text[:80]}' is not an Ed25519 public key in hex: {exc}") from None
+
+
 def _betas(text: str) -> tuple[float, float]:
     try:
         return parse_betas(text)
@@ -310,6 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR")
     p.add_argument("--host-maddrs", nargs="+", default=["/ip4/127.0.0.1/tcp/0"], metavar="MADDR")
     p.add_argument("--run", default="fusionllm", help="the run to join")
+    p.add_argument("--coordinator-key", type=_key_hex, default=None, metavar="HEX",
+                   help="the coordinator's public key, as its join command prints it: only it is trusted "
+                   "(without it: the only coordinator of the run, trusted on first use)")  # fmt: skip
     p.add_argument("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda if present)")
     _add_threads_flag(p)
     p.add_argument("--join-timeout", type=float, default=30.0, help="seconds to reach the DHT and coordinator")

@@ -209,6 +209,7 @@ async def _join(args: argparse.Namespace) -> int:
             coordinator_grace=args.coordinator_grace,
             throttle=args.throttle,
             advertise_flops=args.advertise_flops,
+            coordinator_key=args.coordinator_key,
             throttle_file=os.path.expanduser(args.throttle_file) if args.throttle_file else None,
         )
     )
@@ -292,6 +293,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 "1",
                 "--identity",
                 str(log_dir / f"peer{i}.key"),
+                "--coordinator-key",
+                coord.identity.public_hex,
                 "--initial-peers",
                 *coord.visible_maddrs,
             ]

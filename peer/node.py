@@ -21,7 +21,7 @@ from peer.epoch import EpochRunner, HeldStage, Poisoned, RunRefused
 from peer.mailbox import Mailbox
 from peer.throttle import Throttle
 from protocol.envelope import Gate
-from protocol.identity import Identity, IdentityError, check_record, key_hex, sign_record
+from protocol.identity import Identity, IdentityError, check_record, key_hex, public_key, sign_record
 from protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -79,6 +79,7 @@ class PeerConfig:
     throttle: float = 1.0  # compute at this fraction of the peer's speed (peer.throttle); in (0, 1]
     throttle_file: str | None = None  # read the throttle from this file about once a second while running
     advertise_flops: float | None = None  # advertise this instead of the measured FLOP/s (a lying peer, for tests)
+    coordinator_key: str | None = None  # the coordinator's Ed25519 key (hex), pinned; None: trust on first use
 
 
 class PeerNode:
@@ -168,22 +169,54 @@ class PeerNode:
         )
 
     async def _find_coordinator(self) -> tuple[CoordinatorRecord, Any]:
+        """The run's coordinator: the one whose key is pinned (``--coordinator-key``), or,
+        unpinned, the only one claiming the run (trusted on first use, and said so)."""
+        run, pinned = self.config.run_id, self.config.coordinator_key
+        deadline = time.monotonic() + self.config.join_timeout
+        others: set[str] = set()
+        while time.monotonic() < deadline:
+            records = await self._coordinator_records()
+            if pinned:
+                if pinned in records:
+                    return records[pinned], public_key(pinned)
+                others |= set(records)
+            elif len(records) == 1:
+                ((hexkey, rec),) = records.items()
+                self._say(f"trusting the coordinator of run '{run}' on first use: key {hexkey} "
+                          f"(pin it with --coordinator-key {hexkey})")  # fmt: skip
+                return rec, public_key(hexkey)
+            elif len(records) > 1:
+                keys = ", ".join(k[:16] + "..." for k in sorted(records))
+                raise JoinError(f"{len(records)} coordinators claim run '{run}' (keys {keys}); pass the "
+                                "--coordinator-key that your coordinator printed")  # fmt: skip
+            await asyncio.sleep(0.5)
+        ignored = f" ({len(others)} other claims of the run ignored)" if others else ""
+        whose = " signed by the pinned key" if pinned else ""
+        raise JoinError(
+            f"no coordinator{whose} for run '{run}' in the DHT after {self.config.join_timeout:.0f} s{ignored}"
+        )
+
+    async def _coordinator_records(self) -> dict[str, CoordinatorRecord]:
+        """The run's fresh, validly signed coordinator records in the DHT, by key (hex).
+        Each coordinator stores its record under its own key, so an outsider's claim
+        cannot hide the real one."""
         assert self.dht is not None
         key = dht_key(self.config.run_id, "coordinator")
-        deadline = time.monotonic() + self.config.join_timeout
-        while time.monotonic() < deadline:
-            found = await asyncio.wait_for(self.dht.get(key, latest=True, return_future=True), DHT_TIMEOUT_S)
-            if found is not None:
-                try:
-                    rec = CoordinatorRecord.from_header(found.value)
-                    if isinstance(rec, CoordinatorRecord):
-                        return rec, check_record(found.value)
-                except Exception as exc:
-                    logger.warning("ignoring a bad coordinator record: %s", exc)
-            await asyncio.sleep(0.5)
-        raise JoinError(
-            f"no coordinator for run '{self.config.run_id}' in the DHT after {self.config.join_timeout:.0f} s"
-        )
+        found = await asyncio.wait_for(self.dht.get(key, latest=True, return_future=True), DHT_TIMEOUT_S)
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        out = {}
+        for item in found.value.values():
+            try:
+                rec = CoordinatorRecord.from_header(item.value)
+                signer = key_hex(check_record(item.value))
+            except Exception as exc:
+                logger.debug("ignoring a bad coordinator record: %s", exc)
+                continue
+            fresh = isinstance(rec, CoordinatorRecord) and rec.expires_at > get_dht_time()
+            if fresh and rec.run_id == self.config.run_id:
+                out[signer] = rec
+        return out
 
     async def _publish(self) -> None:
         assert self.dht is not None and self.advert is not None and self.identity is not None
@@ -430,20 +463,7 @@ class PeerNode:
 
     async def _lookup_coordinator(self) -> CoordinatorRecord | None:
         """The run's coordinator record in the DHT, if signed by the pinned key and fresh."""
-        assert self.dht is not None
-        key = dht_key(self.config.run_id, "coordinator")
-        found = await asyncio.wait_for(self.dht.get(key, latest=True, return_future=True), DHT_TIMEOUT_S)
-        if found is None:
-            return None
-        try:
-            rec = CoordinatorRecord.from_header(found.value)
-            signer = check_record(found.value)
-        except Exception as exc:
-            logger.warning("ignoring a bad coordinator record: %s", exc)
-            return None
-        if not isinstance(rec, CoordinatorRecord) or key_hex(signer) != key_hex(self.coordinator_key):
-            return None
-        return rec if rec.expires_at > get_dht_time() else None
+        return (await self._coordinator_records()).get(key_hex(self.coordinator_key))
 
     async def aclose(self) -> None:
         for t in [*self._tasks, *([self._epoch_task] if self._epoch_task else [])]:

@@ -42,6 +42,7 @@ async def main() -> None:
     ap.add_argument("--initial-peers", nargs="+", required=True)
     ap.add_argument("--run", default="fusionllm")
     ap.add_argument("--identity", required=True)
+    ap.add_argument("--coordinator-key", default=None)
     args = ap.parse_args()
     if args.mode == "poison":
         poison()

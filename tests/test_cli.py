@@ -67,6 +67,7 @@ def test_inspect_json_and_text(cli) -> None:
         ),
         (["train", "--reference", "--model-args", "block_size=32"], "fails on the first micro-batch of data 'stdlib'"),
         (["demo", "--model-args", "block_size=32"], "model 'gpt' fails on the first micro-batch"),
+        (["join", "--initial-peers", "/ip4/1.2.3.4/tcp/1", "--coordinator-key", "zz"], "is not an Ed25519 public key"),
         (["frobnicate"], "invalid choice"),
         (["demo", "--compression", "zip"], "'zip' is not one of none, fp16, bf16, int8, int4, adatopk, auto"),
         (["demo", "--topk-fraction", "1.5"], "1.5 is not in (0, 1]"),

@@ -201,3 +201,34 @@ def test_every_feature_together_through_stages_and_a_swarm(tmp_path: Path, start
 
 
 SMALL_TINY = ["--model-args", TINY, "--data-args", "batch_size=8,ctx=32"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--lr-schedule", "cosine", "--warmup", "2", "--min-lr", "1e-4"],
+        ["--weight-decay", "0.1"],
+        ["--clip-grad-norm", "0.05"],
+        ["--precision", "bf16"],
+        ["--precision", "fp16"],
+        ["--eval-every", "3"],
+        ["--init", "START"],
+    ],
+    ids=lambda f: f[0].lstrip("-"),
+)
+def test_each_recipe_feature_alone_through_a_swarm(tmp_path: Path, start_weights: Path, flags: list[str]) -> None:
+    """Each feature alone through a 3-peer swarm, equal to the whole model (the default
+    suite runs them all together, and fp16 with clipping on replicas)."""
+    flags = [str(start_weights) if f == "START" else f for f in flags]
+    common = ["--steps", "6", "--seed", "0", *SMALL_TINY, *flags]
+    ref = tmp_path / "ref.safetensors"
+    r = run_cli("train", "--reference", *common, "--save", str(ref))
+    assert r.returncode == 0, r.stderr
+    swarm = tmp_path / "swarm.safetensors"
+    s = run_cli("demo", "--peers", "3", *common, "--save", str(swarm), timeout=240)
+    assert s.returncode == 0, s.stdout + s.stderr
+    assert compare_checkpoints(swarm, ref) <= 1e-5
+    want, got = _val_losses(r.stdout), _val_losses(s.stdout)
+    assert [n for n, _ in got] == [n for n, _ in want]
+    assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-5)
