@@ -319,6 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR")
     p.add_argument("--host-maddrs", nargs="+", default=["/ip4/127.0.0.1/tcp/0"], metavar="MADDR")
     p.add_argument("--run", default="fusionllm", help="the run to join")
+    p.add_argument("--allow-code", action="append", default=[], metavar="MODULE",
+                   help="also run models from this module (pkg.mod or path/file.py; repeatable): their Python is "
+                   "imported here (default: only FusionLLM's built-in models)")  # fmt: skip
     p.add_argument("--coordinator-key", type=_key_hex, default=None, metavar="HEX",
                    help="the coordinator's public key, as its join command prints it: only it is trusted "
                    "(without it: the only coordinator of the run, trusted on first use)")  # fmt: skip

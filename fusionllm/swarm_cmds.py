@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from fusionllm.cli import UsageError, job_from_args
 from fusionllm.reaper import start_reaper
+from protocol.job import foreign_code
 from protocol.ports import PortTaken, check_listen_ports
 from protocol.text import clean
 
@@ -210,6 +211,7 @@ async def _join(args: argparse.Namespace) -> int:
             throttle=args.throttle,
             advertise_flops=args.advertise_flops,
             coordinator_key=args.coordinator_key,
+            allow_code=list(args.allow_code),
             throttle_file=os.path.expanduser(args.throttle_file) if args.throttle_file else None,
         )
     )
@@ -281,6 +283,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     async def spawn(coord: Any) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        code = foreign_code(coord.config.job.model)
         for i in range(args.peers):
             cmd = [
                 sys.executable,
@@ -295,6 +298,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 str(log_dir / f"peer{i}.key"),
                 "--coordinator-key",
                 coord.identity.public_hex,
+                *(["--allow-code", code] if code else []),  # the demo runs the user's own model
                 "--initial-peers",
                 *coord.visible_maddrs,
             ]

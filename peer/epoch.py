@@ -23,7 +23,7 @@ from protocol.codecs import Codec, CodecError, ErrorFeedback
 from protocol.envelope import Reject
 from protocol.graph import Cut, build_stage, partition, trace
 from protocol.identity import IdentityError, public_key
-from protocol.job import JobSpec, SpecError
+from protocol.job import JobSpec, SpecError, foreign_code
 from protocol.messages import (
     Activations,
     Assign,
@@ -73,7 +73,16 @@ class EpochRunner:
         self.node = node
         self.a = a
         self.mailbox = mailbox
-        self.job = JobSpec(**a.job)
+        try:
+            self.job = JobSpec.decode(a.job)
+        except SpecError as exc:
+            raise RunRefused(f"the assignment's job: {exc}") from None
+        code = foreign_code(self.job.model)
+        if code is not None and code not in node.config.allow_code:
+            raise RunRefused(
+                f"the run's model '{self.job.model[:120]}' is code this peer would have to import; it runs only "
+                f"built-in models unless joined with --allow-code {code[:120]}"
+            )
         self.recipe = Recipe()  # the job's, checked in _setup
         self.cut = Cut(tuple(a.cut))
         self.k, self.s, self.r = self.cut.num_stages, a.stage, a.replica

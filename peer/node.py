@@ -80,6 +80,7 @@ class PeerConfig:
     throttle_file: str | None = None  # read the throttle from this file about once a second while running
     advertise_flops: float | None = None  # advertise this instead of the measured FLOP/s (a lying peer, for tests)
     coordinator_key: str | None = None  # the coordinator's Ed25519 key (hex), pinned; None: trust on first use
+    allow_code: list[str] = field(default_factory=list)  # model modules (MODULE or file.py) this peer may import
 
 
 class PeerNode:
@@ -314,7 +315,13 @@ class PeerNode:
                 f"epoch {a.epoch}: serving stage {a.stage} (replica {a.replica}) of {len(a.stages)} "
                 f"from step {a.start_step}"
             )
-            self._epoch_task = asyncio.create_task(EpochRunner(self, a, self.mailbox).run())
+            try:
+                runner = EpochRunner(self, a, self.mailbox)
+            except RunRefused as exc:
+                self._say(f"refused the assignment: {exc}")
+                await self._report_failure(f"refused the assignment: {exc}", epoch=a.epoch)
+                return None
+            self._epoch_task = asyncio.create_task(runner.run())
             self._task_epoch = a.epoch
         elif kind == "standby":
             self.held = None

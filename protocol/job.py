@@ -3,6 +3,7 @@ model and data specs, with one-line errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import itertools
@@ -58,6 +59,14 @@ def resolve(spec: str, builtins: dict[str, str]) -> Callable[..., Any]:
     return func
 
 
+def foreign_code(spec: str) -> str | None:
+    """The module (``pkg.mod`` or ``path/file.py``) a model spec makes a process import,
+    or None for a built-in name (code that ships with FusionLLM)."""
+    if spec in BUILTIN_MODELS:
+        return None
+    return spec.rpartition(":")[0] or spec
+
+
 def parse_kwargs(text: str | None) -> dict[str, Any]:
     """``"a=1,b=x,c=true"`` -> ``{"a": 1, "b": "x", "c": True}``."""
     out: dict[str, Any] = {}
@@ -95,6 +104,25 @@ class JobSpec(RecipeFields):
     init: str = ""  # a safetensors file of starting weights ('' : the seeded initialisation)
     eval_every: int = 0  # validation loss every N steps and after the last (0: never)
     eval_batches: int = 4  # validation batches per evaluation (the first of the held-out split)
+
+    @classmethod
+    def decode(cls, values: dict[str, Any]) -> JobSpec:
+        """A job spec from its JSON fields (as an assignment carries them): unknown
+        fields are ignored, a field of the wrong type is refused in one line."""
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in values:
+                continue
+            value, default = values[f.name], f.default
+            if isinstance(default, tuple) and isinstance(value, list):
+                value = tuple(value)
+            ok = isinstance(value, type(default)) and not (isinstance(value, bool) and not isinstance(default, bool))
+            if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+                ok, value = True, float(value)
+            if not ok:
+                raise SpecError(f"job field '{f.name}' is {type(value).__name__}, not {type(default).__name__}")
+            kwargs[f.name] = value
+        return cls(**kwargs)
 
     def recipe(self) -> Recipe:
         """The optimizer recipe (``SpecError``, one line, when it cannot train)."""

@@ -52,7 +52,7 @@ PROBE_WINDOW_S = 60.0
 LANE_PART_TTL_S = 120.0
 MAX_WAITING_PARTS = 16
 #: how long a probe waits for its sender's hello to be admitted
-ADMISSION_WAIT_S = 2.0
+ADMISSION_WAIT_S = 10.0
 _ZEROS = bytes(1 << 20)
 LANE_PROTOCOL = "/fusionllm/lane/1"
 #: payloads above this travel over several parallel streams ("lanes"): one libp2p

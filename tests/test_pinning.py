@@ -1,9 +1,11 @@
-"""The coordinator is pinned (issue 16, item 1): the join command carries its key, and
-a pinned peer cannot be captured by an outsider's coordinator record for the same
-run; an unpinned peer trusts on first use only when one coordinator claims the run."""
+"""What a volunteer trusts (issue 16): the coordinator is pinned (the join command
+carries its key; an outsider's coordinator record for the same run cannot capture a
+pinned peer; an unpinned peer trusts on first use only when one coordinator claims
+the run), and a peer imports no model code it did not opt in to."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import hivemind
@@ -65,5 +67,30 @@ def test_an_unpinned_peer_says_it_trusts_on_first_use(tmp_path: Path) -> None:
         line = peer.wait_line(r"trusting the coordinator of run 'fusionllm' on first use: key (\w+)", 120)
         assert line.group(1) == key
         assert swarm.coord.wait(300) == 0, swarm.coord.output[-3000:]
+    finally:
+        swarm.close()
+
+
+def test_a_peer_imports_no_model_code_it_did_not_opt_in_to(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The coordinator names a model in a Python file: a peer without --allow-code
+    refuses the assignment (and never imports the file); a peer that opted in trains."""
+    marker = tmp_path / "imported"
+    monkeypatch.setenv("FUSIONLLM_IMPORT_MARKER", str(marker))
+    spec = "tests/marker_model.py:build"
+    args = ["--steps", "2", "--seed", "0", "--model", spec, "--model-args", "n_layer=2,n_embd=64,n_head=4",
+            "--min-peers", "2", "--run-dir", str(tmp_path / "run")]  # fmt: skip
+    swarm = Swarm(tmp_path, args, peers=0)
+    try:
+        cautious = Proc("join", *swarm.join_args, "--threads", "1", "--identity", str(tmp_path / "c.key"))
+        swarm.procs.append(cautious)
+        cautious.wait_line(r"joined run", 120)
+        willing = swarm.add_peer(1, "--allow-code", "tests/marker_model.py")
+        line = cautious.wait_line(r"refused the assignment: (.*)", 120).group(1)
+        assert f"the run's model '{spec}' is code" in line and "--allow-code tests/marker_model.py" in line
+        assert swarm.coord.wait(300) == 0, swarm.coord.output[-3000:]
+        assert re.search(rf"stage 0 replica 0: peer {willing}", swarm.coord.output)
+        importers = {int(p) for p in marker.read_text().split()}
+        assert cautious.popen.pid not in importers, "the cautious peer imported the model's file"
+        assert swarm.peers[willing].popen.pid in importers and swarm.coord.popen.pid in importers
     finally:
         swarm.close()

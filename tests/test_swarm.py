@@ -107,7 +107,8 @@ def test_coordinator_and_three_joined_peers_equal_reference(tmp_path: Path, flag
     try:
         join_args = _join_command(coord)
         assert join_args[0] == "--initial-peers" and "/p2p/" in join_args[1]
-        peers = [_spawn("join", *join_args, "--threads", "1") for _ in range(3)]
+        trust = ["--allow-code", "tests/models.py"] if flags is BRANCHY else []  # the volunteers opt in to its code
+        peers = [_spawn("join", *join_args, "--threads", "1", *trust) for _ in range(3)]
         out, _ = coord.communicate(timeout=180)
         assert coord.returncode == 0, out
         for p in peers:

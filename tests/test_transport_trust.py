@@ -187,7 +187,11 @@ def test_a_claimed_4gib_payload_allocates_nothing_until_bytes_arrive() -> None:
     asyncio.run(go())
 
 
-def test_bandwidth_probes_answer_only_admitted_peers_and_never_amplify() -> None:
+def test_bandwidth_probes_answer_only_admitted_peers_and_never_amplify(monkeypatch: pytest.MonkeyPatch) -> None:
+    import protocol.transport as transport
+
+    monkeypatch.setattr(transport, "ADMISSION_WAIT_S", 0.5)
+
     async def go() -> None:
         from protocol.transport import BW_PROTOCOL, PROBE_BUDGET_BYTES, PeerUnreachable
         from protocol.wire import write_frame
