@@ -30,7 +30,7 @@ from coordinator.links import boundary_specs
 from coordinator.messaging import Messaging
 from coordinator.opdag import build_opdag
 from coordinator.rebalancing import Rebalancing
-from coordinator.runstate import PeerLost, RunState
+from coordinator.runstate import EXCLUDED, PeerLost, RunState
 from coordinator.weights import InitError, read_init
 from protocol.envelope import Rejected, match_values
 from protocol.job import mean_loss, split_batch
@@ -134,6 +134,8 @@ class Driver(Messaging, Checkpointing, Rebalancing):
         st.epoch = int(self.run_dir.get_meta("epoch", -1)) + 1
         st.restore, st.reason = self._restore_at(st.step), "the coordinator restarted"
         st.scale = self._saved_scale(st.step)
+        st.scale_at[st.step] = st.scale
+        st.val_losses = [(int(n), float(v)) for n, v in self.run_dir.get_meta("val_losses", []) if n <= st.step]
         self.coord.board.resumed(st.step, str(self.run_dir.path))
         self.coord.board.restore_losses(st.losses)
         self.on_event(f"resuming run '{self.cfg.run_id}' from the checkpoint of step {st.step} in {self.run_dir.path}")
@@ -316,7 +318,7 @@ class Driver(Messaging, Checkpointing, Rebalancing):
                 continue
             pending.discard(inbound.sender)
             if inbound.sender in st.plan.stages[-1]:  # only the last stage computes the loss
-                step_losses.update(_finite_losses(inbound.sender, msg.losses))
+                step_losses.update(_finite_losses(inbound.sender, msg.losses, self.recipe.scales_loss))
             if self.recipe.needs_norm and inbound.sender in (g[0] for g in st.plan.stages):
                 norms.update(self._checked_norms(inbound.sender, msg))
             st.compute.setdefault(inbound.sender, []).append(msg.compute_s)
@@ -326,6 +328,10 @@ class Driver(Messaging, Checkpointing, Rebalancing):
         if len(step_losses) != micro_batches:
             raise SwarmError(f"step {step}: got {len(step_losses)} losses for {micro_batches} micro-batches")
         return sum(step_losses.values()) / micro_batches, norms
+
+    def fail(self, peer: str, why: str) -> None:
+        """Drop a planned peer at the next health check (as if its link had died)."""
+        self._failed.setdefault(peer, why)
 
     # ------------------------------------------------------------------ recipe
     def _read_init(self) -> dict[str, torch.Tensor] | None:
@@ -357,7 +363,10 @@ class Driver(Messaging, Checkpointing, Rebalancing):
         own = self._stage_names(self.st.plan.cut)[stage]
         bad = [n[:80] for n, v in msg.grad_norms.items() if n not in own or not _norm_value(v)]
         if bad:
-            raise PeerLost({sender: f"it reported gradient norms that are not its stage's ({bad[0]})"})
+            raise PeerLost({sender: f"{EXCLUDED}it reported gradient norms that are not its stage's ({bad[0]})"})
+        if not self.recipe.scales_loss and not all(math.isfinite(v) for v in msg.grad_norms.values()):
+            # its inputs were finite (receivers check them): its own gradients are not
+            raise PeerLost({sender: f"{EXCLUDED}it reported a non-finite gradient norm"})
         return {n: float(v) for n, v in msg.grad_norms.items()}
 
     def _decide(self, step: int, norms: dict[str, float]) -> Update:
@@ -400,13 +409,16 @@ class Driver(Messaging, Checkpointing, Rebalancing):
             if inbound.message.step != step:
                 continue
             pending.discard(inbound.sender)
-            losses.update(_finite_losses(inbound.sender, inbound.message.losses))
+            replica = last.index(inbound.sender)  # its own micro-batches only: not another replica's
+            own = {k: v for k, v in inbound.message.losses.items() if _of_replica(k, replica, len(last))}
+            losses.update(_finite_losses(inbound.sender, own, self.recipe.scales_loss))
         wanted = [str(m) for m in range(len(mbs))]
         if any(k not in losses for k in wanted):
             self.on_event(f"step {step}: the evaluation came back incomplete; no validation loss recorded")
             return
         val = mean_loss([losses[k] for k in wanted])
         st.val_losses.append((step + 1, val))
+        self.run_dir.set_meta("val_losses", st.val_losses)
         self.coord.board.evaluated(step + 1, val)
         self.on_event(f"validation loss after step {step + 1}: {val:.4f}")
 
@@ -488,7 +500,7 @@ class Driver(Messaging, Checkpointing, Rebalancing):
         st.redone += redone
         st.step, st.losses = to, st.losses[:to]
         st.val_losses = [v for v in st.val_losses if v[0] <= to]
-        st.scale, st.last_update = st.scale_at.get(to, initial_scale(self.recipe)), Update()
+        st.scale, st.last_update = st.scale_at.get(to) or self._saved_scale(to), Update()
         self.run_dir.truncate_losses(to)
         st.restore = self._restore_at(to)
         how = "standby peers replace the lost ones" if kind == "standby" else "re-planned the remaining peers"
@@ -509,12 +521,18 @@ def _norm_value(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and not v < 0
 
 
-def _finite_losses(sender: str, losses: dict[str, float]) -> dict[str, float]:
+def _finite_losses(sender: str, losses: dict[str, float], overflow_ok: bool = False) -> dict[str, float]:
     """A last-stage peer's losses; one that is not a finite number excludes the peer
-    (its inputs were finite: receivers check them), and the step is redone without it."""
-    bad = [k for k, v in losses.items() if not isinstance(v, (int, float)) or not math.isfinite(v)]
+    (its inputs were finite: receivers check them), and the step is redone without it.
+    Under fp16's loss scaling (``overflow_ok``) an overflow is the scale's business."""
+    bad = [k for k, v in losses.items() if not isinstance(v, (int, float)) or not (overflow_ok or math.isfinite(v))]
     if bad:
         raise PeerLost(
             {sender: f"excluded: it reported a non-finite loss ({losses[bad[0]]!r}) for micro-batch {bad[0]}"}
         )
     return losses
+
+
+def _of_replica(mb: str, replica: int, replicas: int) -> bool:
+    """Whether validation micro-batch ``mb`` (a string key) is the given replica's."""
+    return mb.isdigit() and int(mb) % replicas == replica

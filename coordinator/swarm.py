@@ -24,8 +24,9 @@ from hivemind.utils import get_dht_time
 from coordinator.assign import Assignment
 from coordinator.checkpoint import DB_NAME, CheckpointError, RunDir, default_run_dir
 from coordinator.links import choose_codecs, float_bytes
+from coordinator.private import Admission
 from coordinator.run import Driver
-from coordinator.runstate import RunState
+from coordinator.runstate import EXCLUDED, RunState
 from coordinator.status import StatusBoard
 from coordinator.web import StatusServer
 from protocol.advert_check import advert_problem
@@ -80,6 +81,7 @@ class CoordinatorConfig:
     rebalance_every: int = DEFAULT_REBALANCE_EVERY  # steps between rebalance checks (0: never)
     stall_floor_s: float = 8.0  # a planned peer silent this long (or 10 median steps, if longer) has stalled
     send_timeout_s: float = 30.0  # a send to a peer that takes longer counts as a lost peer
+    private: bool = False  # admit only peers whose hello proves the swarm's secret (coordinator.private)
 
     def job_fields(self) -> dict[str, Any]:
         """The job as it travels and is stored: JSON (a tuple of betas comes back a list)."""
@@ -145,6 +147,7 @@ class Coordinator:
         self.status: StatusServer | None = None
         self.run_dir: RunDir | None = None
         self.driver: Driver | None = None
+        self.admission: Admission | None = None
         self._refused: dict[str, str] = {}  # peer -> why its advert is ignored (said once)
 
     def _expect(self, env: Envelope, message: Message, sender: str) -> None:
@@ -174,6 +177,8 @@ class Coordinator:
         except IdentityError as exc:
             raise SwarmError(str(exc)) from None
         self.run_dir = self._open_run_dir()
+        self.admission = Admission(self.run_dir.path, cfg.run_id, cfg.private)
+        self.gate.admission = self.admission.check
         host_maddrs, initial_peers = self._addresses()
         if cfg.status:
             self.status = StatusServer(self.board, cfg.status_host, cfg.status_port)
@@ -194,6 +199,7 @@ class Coordinator:
         self.transport = Transport(await self.dht.replicate_p2p(), self.identity, self.gate)
         await self.transport.start()
         self.run_dir.set_meta("ports", _tcp_ports(self.visible_maddrs))
+        self.run_dir.set_meta("join", {"key": self.identity.public_hex, "maddrs": self.visible_maddrs})
         await self._publish_record()
         self._tasks.append(asyncio.create_task(self._refresh_record()))
 
@@ -251,8 +257,12 @@ class Coordinator:
         return [str(m) for m in self.dht.get_visible_maddrs()]
 
     def join_command(self) -> str:
+        """What a volunteer pastes: where to join and the coordinator's key, or, in a
+        private swarm, one token holding both and the swarm's secret."""
+        assert self.identity is not None and self.admission is not None
+        if self.config.private:
+            return f"fusionllm join --token {self.admission.token(self.identity.public_hex, self.visible_maddrs)}"
         run = "" if self.config.run_id == "fusionllm" else f" --run {self.config.run_id}"
-        assert self.identity is not None
         pin = f" --coordinator-key {self.identity.public_hex}"
         return "fusionllm join --initial-peers " + " ".join(self.visible_maddrs) + run + pin
 
@@ -328,11 +338,23 @@ class Coordinator:
                 logger.debug("advert poll failed: %s", exc)
                 continue
             st = self.driver.st if self.driver is not None else None
+            self._enforce_bans()
             self.keep_adverts(live, st.planned if st is not None else set())  # joiners: rebalance candidates
             if st is not None and st.plan is not None:  # joined mid-run: standby until a re-plan takes it in
                 for p in set(live) - st.planned - set(st.lost):
                     if self.board.peers.get(p, {}).get("state") == "joined":
                         self.board.peer_state(p, "standby")
+
+    def _enforce_bans(self) -> None:
+        """Banned peers lose their admission at once; a planned one is dropped from the
+        run for good (its stage is recovered like a failed peer's)."""
+        assert self.admission is not None
+        for p in self.admission.banned():
+            if p in self.gate.keys:
+                self.gate.revoke(p)
+                self.board.event("failure", f"peer {p} is banned by the swarm's host")
+            if self.driver is not None and p in self.driver.st.planned:
+                self.driver.fail(p, f"{EXCLUDED}banned by the swarm's host")
 
     async def wait_for_peers(self, on_change: Callable[[int], None] | None = None) -> dict[str, Advert]:
         cfg = self.config

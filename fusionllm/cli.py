@@ -313,10 +313,21 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RUN_DIR",
         help="continue the run in RUN_DIR from its last checkpoint (with the same flags as its first start)",
     )
+    p.add_argument("--private", action="store_true",
+                   help="admit only peers joined with the token it prints (the secret stays in the run "
+                   "directory; 'fusionllm token --rotate' makes a new one, 'fusionllm ban' drops a peer)")  # fmt: skip
     _add_identity_flag(p, "~/.fusionllm/coordinator.key")
 
+    p = sub.add_parser("token", help="print a private swarm's join token (--rotate: with a new secret)")
+    p.add_argument("--run-dir", required=True, help="the coordinator's run directory")
+    p.add_argument("--rotate", action="store_true", help="new secret: older tokens admit no new peers")
+    p = sub.add_parser("ban", help="drop peers from a run and refuse them from now on")
+    p.add_argument("peers", nargs="+", metavar="PEER_ID")
+    p.add_argument("--run-dir", required=True, help="the coordinator's run directory")
+
     p = sub.add_parser("join", help="lend this machine to a swarm")
-    p.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR")
+    p.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR")
+    p.add_argument("--token", default=None, help="a private swarm's join token, as its coordinator prints it")
     p.add_argument("--host-maddrs", nargs="+", default=["/ip4/127.0.0.1/tcp/0"], metavar="MADDR")
     p.add_argument("--run", default="fusionllm", help="the run to join")
     p.add_argument("--allow-code", action="append", default=[], metavar="MODULE",

@@ -121,6 +121,7 @@ async def _coordinate(args: argparse.Namespace, on_ready: Any = None) -> int:
         link_mbps=args.link_mbps,
         status_host=args.status_host,
         status_port=args.status_port,
+        private=getattr(args, "private", False),
         **_recovery_options(args),
     )
     if args.stages and args.link_mbps and len(args.link_mbps) != args.stages - 1:
@@ -212,6 +213,7 @@ async def _join(args: argparse.Namespace) -> int:
             advertise_flops=args.advertise_flops,
             coordinator_key=args.coordinator_key,
             allow_code=list(args.allow_code),
+            swarm_secret=args.swarm_secret,
             throttle_file=os.path.expanduser(args.throttle_file) if args.throttle_file else None,
         )
     )
@@ -237,6 +239,7 @@ async def _join(args: argparse.Namespace) -> int:
 
 
 def cmd_join(args: argparse.Namespace) -> int:
+    _apply_token(args)
     check_maddrs(args.initial_peers, "--initial-peers")
     check_maddrs(args.host_maddrs, "--host-maddrs")
     if args.threads:
@@ -244,6 +247,57 @@ def cmd_join(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     return run_async(_join(args))
+
+
+def _apply_token(args: argparse.Namespace) -> None:
+    """``--token`` (a private swarm's) sets where to join, the run, the pinned key and
+    the secret; without it, ``--initial-peers`` is required."""
+    from protocol.admission import TokenError, parse_token
+
+    args.swarm_secret = ""
+    if args.token is None:
+        if not args.initial_peers:
+            raise UsageError("join needs --initial-peers (or a private swarm's --token)")
+        return
+    try:
+        token = parse_token(args.token)
+    except TokenError as exc:
+        raise UsageError(f"--token: {exc}") from None
+    args.initial_peers = args.initial_peers or token.maddrs
+    args.run, args.coordinator_key, args.swarm_secret = token.run, token.coordinator_key, token.secret
+
+
+def cmd_token(args: argparse.Namespace) -> int:
+    """Print a private swarm's join token (after a new secret, with --rotate)."""
+    from coordinator.checkpoint import RunDir
+    from coordinator.private import SECRET_FILE, Admission, write_secret
+
+    path = Path(args.run_dir).expanduser()
+    if not (path / SECRET_FILE).is_file():
+        raise UsageError(f"--run-dir {path}: no private swarm there (start the coordinator with --private)")
+    if args.rotate:
+        write_secret(path)
+    run_dir = RunDir(path).open()
+    try:
+        join, run_id = run_dir.get_meta("join", None), run_dir.get_meta("run_id", None)
+    finally:
+        run_dir.close()
+    if not isinstance(join, dict) or not isinstance(run_id, str):
+        raise UsageError(f"--run-dir {path}: the coordinator has not started there yet")
+    print(f"fusionllm join --token {Admission(path, run_id, True).token(join['key'], join['maddrs'])}")
+    return 0
+
+
+def cmd_ban(args: argparse.Namespace) -> int:
+    """Ban peers from the run in a run directory (the coordinator drops them at once)."""
+    from coordinator.private import ban
+
+    path = Path(args.run_dir).expanduser()
+    if not path.is_dir():
+        raise UsageError(f"--run-dir {path}: no such directory")
+    ban(path, args.peers)
+    print(f"banned {', '.join(args.peers)} from the run in {path}")
+    return 0
 
 
 def _kill_group(proc: subprocess.Popen[bytes], grace: float = 5.0) -> None:

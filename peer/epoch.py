@@ -119,11 +119,13 @@ class EpochRunner:
         for pid, addrs in a.maddrs.items():
             tp.learn(pid, addrs)
         try:
-            for pid, hex_key in a.keys.items():
-                if pid != tp.peer_id:
-                    tp.gate.admit(pid, public_key(hex_key))
+            keys = {pid: public_key(k) for pid, k in a.keys.items() if pid != tp.peer_id}
         except IdentityError as exc:
             raise RunRefused(f"the assignment holds a bad key: {exc}") from None
+        # the plan's peers and the coordinator only: a peer dropped (or banned) since is refused now
+        coordinator = self.node.coordinator
+        assert coordinator is not None
+        tp.gate.keys = {coordinator.peer_id: self.node.coordinator_key, **keys}
         self.node.checks.my_mbs = frozenset(self.my_mbs)
         evals = self.job.eval_batches * self.job.micro_batches if self.job.eval_every else 0
         self.node.checks.eval_mbs = range(a.replica, evals, len(a.stages[a.stage]))
@@ -243,7 +245,7 @@ class EpochRunner:
         tp = node.transport
         assert tp is not None
         inb = await self.mailbox.get(("act", step, mb), self.timeout)
-        out = await self._compute(ex.forward, mb, _finite(inb, "activations", node.device))
+        out = await self._compute(ex.forward, mb, self._checked(inb, "activations"))
         if self.s == self.k - 1:
             losses[str(mb)] = float(out)
             return None
@@ -257,7 +259,12 @@ class EpochRunner:
         assert tp is not None
         grad_out = None
         if self.s < self.k - 1:
-            grad_out = _finite(await self.mailbox.get(("grad", step, mb), self.timeout), "gradients", node.device)
+            grad_out = _finite(
+                await self.mailbox.get(("grad", step, mb), self.timeout),
+                "gradients",
+                node.device,
+                self.recipe.scales_loss,
+            )
         replicated = len(a.stages[self.s]) > 1
         grads, own = await self._compute(_backward, ex, mb, grad_out, self.job.micro_batches, replicated)
         if own is not None:
@@ -286,7 +293,7 @@ class EpochRunner:
         losses: dict[str, float] = {}
         for mb in [m for m in range(count) if m % len(group) == self.r]:
             inb = await self.mailbox.get(("evalact", step, mb), self.timeout)
-            out = await self._compute(ex.evaluate, _finite(inb, "validation activations", node.device))
+            out = await self._compute(ex.evaluate, self._checked(inb, "validation activations"))
             if self.s == self.k - 1:
                 losses[str(mb)] = float(out)
                 continue
@@ -295,6 +302,10 @@ class EpochRunner:
             await tp.send(dest, msg, list(out), Link(self.codecs[self.s].forward))
         if self.s == self.k - 1:
             await tp.send(node.coordinator.peer_id, EvalDone(a.run_id, step, self.s, self.r, losses, a.epoch))
+
+    def _checked(self, inbound: Inbound, what: str) -> list[Any]:
+        """A frame's values, checked for poison (see ``_finite``)."""
+        return _finite(inbound, what, self.node.device, overflow_ok=self.recipe.scales_loss)
 
     async def _compute(self, fn: Any, *args: Any) -> Any:
         """``fn`` on the compute thread, then the idle time the throttle asks for (on the
@@ -314,7 +325,7 @@ class EpochRunner:
                 per_mb.append(self.mb_grads.pop(mb))
             else:
                 inb = await self.mailbox.get(("rgrad", step, mb), self.timeout)
-                values = _finite(inb, "replica gradients", self.node.device)
+                values = self._checked(inb, "replica gradients")
                 per_mb.append(dict(zip(inb.message.names, values, strict=True)))
         params = dict(ex.module.named_parameters())
         for grads in per_mb:
@@ -336,11 +347,13 @@ class EpochRunner:
         self.uploads.append(asyncio.create_task(send))
 
 
-def _finite(inbound: Inbound, what: str, device: torch.device) -> list[Any]:
+def _finite(inbound: Inbound, what: str, device: torch.device, overflow_ok: bool = False) -> list[Any]:
     """The decoded values of a frame, refused (``Poisoned``) when a floating tensor
-    among them holds NaN or infinity: one pass over the decoded tensor."""
+    among them holds NaN or infinity: one pass over the decoded tensor. Under fp16's
+    loss scaling (``overflow_ok``) an overflow is expected now and then: the step is
+    skipped on the gradient norms instead."""
     values = inbound.frame.values(device)
-    if not all(_all_finite(v) for v in values):
+    if not overflow_ok and not all(_all_finite(v) for v in values):
         raise Poisoned(inbound.sender, what)
     return values
 

@@ -20,6 +20,7 @@ from peer.checks import PlanChecks
 from peer.epoch import EpochRunner, HeldStage, Poisoned, RunRefused
 from peer.mailbox import Mailbox
 from peer.throttle import Throttle
+from protocol.admission import hello_proof
 from protocol.envelope import Gate
 from protocol.identity import Identity, IdentityError, check_record, key_hex, public_key, sign_record
 from protocol.messages import (
@@ -81,6 +82,7 @@ class PeerConfig:
     advertise_flops: float | None = None  # advertise this instead of the measured FLOP/s (a lying peer, for tests)
     coordinator_key: str | None = None  # the coordinator's Ed25519 key (hex), pinned; None: trust on first use
     allow_code: list[str] = field(default_factory=list)  # model modules (MODULE or file.py) this peer may import
+    swarm_secret: str = ""  # a private swarm's secret (hex, from its join token): proven in the hello
 
 
 class PeerNode:
@@ -147,10 +149,13 @@ class PeerNode:
         flops = cfg.advertise_flops or flops
         try:
             # hello first: the coordinator answers probes of admitted peers only
-            await self.transport.send(self.coordinator.peer_id, Hello(cfg.run_id, self.identity.public_hex))
+            await self.transport.send(self.coordinator.peer_id, self._hello_message(again=False))
             up, down = await self.transport.measure_bandwidth(self.coordinator.peer_id, cfg.bandwidth_probe_bytes)
         except (PeerUnreachable, ConnectionError, asyncio.IncompleteReadError) as exc:
-            raise JoinError(f"cannot reach the coordinator {self.coordinator.peer_id}: {exc}") from None
+            raise JoinError(
+                f"the coordinator {self.coordinator.peer_id} did not admit this peer or cannot be reached ({exc}); "
+                "a private swarm admits only peers joined with its --token"
+            ) from None
         self.advert = Advert(
             peer_id=self.transport.peer_id,
             maddrs=[str(m) for m in self.dht.get_visible_maddrs()],
@@ -396,8 +401,15 @@ class PeerNode:
     async def _hello(self) -> None:
         """Say hello again (after an eviction or a lost coordinator): no stage held."""
         assert self.transport is not None and self.coordinator is not None and self.identity is not None
-        hello = Hello(self.config.run_id, self.identity.public_hex, again=True)
+        hello = self._hello_message(again=True)
         await asyncio.wait_for(self.transport.send(self.coordinator.peer_id, hello), 5)
+
+    def _hello_message(self, again: bool) -> Hello:
+        """Hello, with the proof that this peer holds a private swarm's secret (if given)."""
+        assert self.identity is not None and self.transport is not None
+        cfg, key = self.config, self.identity.public_hex
+        proof = hello_proof(cfg.swarm_secret, cfg.run_id, self.transport.peer_id, key) if cfg.swarm_secret else ""
+        return Hello(cfg.run_id, key, again=again, proof=proof)
 
     async def _beat(self) -> None:
         """Heartbeats while this peer is in the plan (also after its last step, until

@@ -254,6 +254,8 @@ class Gate:
         self.expect: Expectation | None = None
         #: admit a sender by its first message, a ``hello`` signed with the key it names
         self.accept_hello = False
+        #: why a hello's sender may not be admitted ('' : it may), e.g. a private swarm's proof
+        self.admission: Callable[[str, dict[str, Any]], str] | None = None
         self.counts: collections.Counter[Reject] = collections.Counter()
         self.recent: collections.deque[tuple[float, str, str, str]] = collections.deque(maxlen=200)
         #: called with (sender, code, detail) on every rejection, e.g. by the status page
@@ -263,6 +265,10 @@ class Gate:
 
     def admit(self, peer_id: str, key: Ed25519PublicKey) -> None:
         self.keys[peer_id] = key
+
+    def revoke(self, peer_id: str) -> None:
+        """Refuse ``peer_id``'s messages from now on (until admitted again)."""
+        self.keys.pop(peer_id, None)
 
     def reject(self, sender: str, exc: Rejected) -> None:
         """Count and log a rejection (the caller drops the message). The log takes at
@@ -325,6 +331,9 @@ class Gate:
         if not verify(key, bytes(sig), bytes(signed)):
             raise Rejected(Reject.BAD_SIGNATURE, "the signature does not verify")
         if hello:  # the key signed it and libp2p authenticated the stream: bind the two
+            why = self.admission(sender, env.body) if self.admission is not None else ""
+            if why:
+                raise Rejected(Reject.NOT_ADMITTED, why)
             self.admit(sender, key)
         self._windows.setdefault(sender, _Window(self.window)).check(env.seq)
         if 0 <= env.epoch < self.epoch:

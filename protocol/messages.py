@@ -32,7 +32,10 @@ def _fields(cls: type) -> tuple[tuple[dataclasses.Field[Any], Any], ...]:
 def _check(name: str, value: Any, tp: Any) -> Any:
     origin = typing.get_origin(tp)
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # a JSON integer beyond any float
+            raise MessageError(f"field '{name}' is out of range") from None
     if tp in (int, float, str, bool):
         if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
             raise MessageError(f"field '{name}' must be {tp.__name__}, got {type(value).__name__}")
@@ -155,6 +158,7 @@ class Hello(Message):
     run_id: str
     pubkey: str
     again: bool = False  # sent after losing the coordinator or being evicted: the peer holds no stage
+    proof: str = ""  # a private swarm's: admission.hello_proof of the swarm's secret
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,8 @@ LOSS_SCALE_INIT = 2.0**16
 LOSS_SCALE_GROWTH = 2.0
 LOSS_SCALE_BACKOFF = 0.5
 LOSS_SCALE_INTERVAL = 2000
+#: the scale backs off no lower (forged overflows must not drive it to 0)
+LOSS_SCALE_MIN = 1.0
 
 
 class RecipeError(ValueError):
@@ -112,7 +114,7 @@ class LossScale:
 
     def after(self, found_inf: bool) -> LossScale:
         if found_inf:
-            return LossScale(self.scale * LOSS_SCALE_BACKOFF, 0)
+            return LossScale(max(self.scale * LOSS_SCALE_BACKOFF, LOSS_SCALE_MIN), 0)
         if self.good + 1 >= LOSS_SCALE_INTERVAL:
             return LossScale(self.scale * LOSS_SCALE_GROWTH, 0)
         return LossScale(self.scale, self.good + 1)

@@ -117,3 +117,31 @@ def test_a_flood_of_rejects_is_counted_but_logged_a_few_lines_without_escapes(ca
     assert gate.counts[Reject.WRONG_RUN] == 1000
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == LOG_BURST and not any("\x1b" in line for line in lines)
+
+
+def test_a_number_beyond_any_float_is_a_bad_message_not_a_crash() -> None:
+    from protocol.messages import PROTOCOL_VERSION, Message, MessageError
+
+    header = {"kind": "done", "v": PROTOCOL_VERSION, "run_id": "r", "step": 0, "stage": 0, "replica": 0,
+              "grad_norms": {"w": 10**400}}  # fmt: skip
+    with pytest.raises(MessageError, match="out of range"):
+        Message.from_header(header)
+
+
+def test_non_finite_losses_exclude_the_peer_except_under_fp16_loss_scaling() -> None:
+    from coordinator.run import _finite_losses
+    from coordinator.runstate import EXCLUDED, PeerLost
+
+    with pytest.raises(PeerLost) as lost:
+        _finite_losses("peer", {"0": 1.0, "1": float("nan")})
+    assert lost.value.lost["peer"].startswith(EXCLUDED)
+    assert _finite_losses("peer", {"0": float("inf")}, overflow_ok=True) == {"0": float("inf")}
+
+
+def test_forged_overflows_cannot_drive_the_loss_scale_to_zero() -> None:
+    from protocol.recipe import LOSS_SCALE_MIN, LossScale
+
+    scale = LossScale()
+    for _ in range(2000):
+        scale = scale.after(True)
+    assert scale.scale == LOSS_SCALE_MIN > 0
