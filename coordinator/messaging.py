@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from coordinator import replan
 from coordinator.runstate import EXCLUDED, DriverParts, PeerLost, log_failure
+from protocol.envelope import poisoned_frame
 from protocol.messages import Beat, Evict, Hello, Message, PeerFailure, State
 from protocol.transport import Inbound, PeerUnreachable
 
@@ -92,7 +93,7 @@ class Messaging(DriverParts):
         if isinstance(msg, PeerFailure):
             if msg.epoch != st.epoch or msg.suspect in st.lost:
                 return False  # about an epoch that already ended, or a peer already dropped
-            raise PeerLost(await self._blame(sender, msg))
+            raise PeerLost(await self._blame(sender, msg, inbound))
         if isinstance(msg, State) and msg.checkpoint:
             self._take_part(inbound)
             return False
@@ -113,7 +114,7 @@ class Messaging(DriverParts):
         task = asyncio.get_running_loop().create_task(coro)
         task.add_done_callback(log_failure)
 
-    async def _blame(self, reporter: str, msg: PeerFailure) -> dict[str, str]:
+    async def _blame(self, reporter: str, msg: PeerFailure, inbound: Inbound) -> dict[str, str]:
         """A peer reported that it cannot reach ``suspect``: the suspect is lost if the
         coordinator cannot reach it either, or if it shows no sign of life (a
         heartbeat, any bytes) within ``BLAME_WAIT_S``; a suspect that does is alive,
@@ -122,8 +123,12 @@ class Messaging(DriverParts):
         suspect = msg.suspect
         if not suspect or suspect not in self.st.planned:
             return {reporter: msg.reason}
-        if msg.poison:  # its signed frame held NaN or infinity: it is excluded, the step redone without it
-            return {suspect: f"{EXCLUDED}{msg.reason[:200]} (reported by {reporter})"}
+        if msg.poison:  # the suspect's own signed frame must show the NaN, or the reporter lied
+            if poisoned_frame(self.cfg.run_id, suspect, self.coord.gate.keys.get(suspect), inbound.values()):
+                return {suspect: f"{EXCLUDED}{msg.reason[:200]} (reported by {reporter}, its signed frame checked)"}
+            return {
+                reporter: f"{EXCLUDED}it reported poison from {suspect} that the signed frame it sent does not show"
+            }
         reported = time.monotonic()
         lost = {suspect: f"unreachable (reported by {reporter}: {msg.reason})"}
         while time.monotonic() - reported < BLAME_WAIT_S:

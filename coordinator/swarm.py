@@ -159,7 +159,9 @@ class Coordinator:
         if env.payload_bytes == 0:
             return
         driver = self.driver
-        if env.kind != "state" or driver is None or sender not in driver.st.planned:
+        # tensors ride only on a stage's state and on evidence of poison (the offending signed frame)
+        carries = env.kind == "state" or (env.kind == "failure" and bool(env.body.get("poison")))
+        if not carries or driver is None or sender not in driver.st.planned:
             raise Rejected(Reject.OVERSIZED, f"a {env.payload_bytes}-byte payload on '{env.kind}' from {sender}")
         if env.payload_bytes > driver.max_state_bytes:
             raise Rejected(

@@ -38,7 +38,7 @@ from protocol.messages import (
 )
 from protocol.recipe import LossScale, Recipe, Update
 from protocol.transport import Inbound
-from protocol.wire import Link
+from protocol.wire import Link, all_finite
 
 if TYPE_CHECKING:
     from peer.node import PeerNode
@@ -51,11 +51,14 @@ class RunRefused(RuntimeError):
 
 
 class Poisoned(RuntimeError):
-    """A peer sent activations or gradients that are not finite."""
+    """A peer sent activations or gradients that are not finite; ``evidence`` is its
+    signed frame (head and payload), which the coordinator checks before it believes
+    the report."""
 
-    def __init__(self, sender: str, what: str) -> None:
-        super().__init__(f"{Reject.NON_FINITE.value}: {what} from {sender} hold NaN or infinity")
-        self.sender = sender
+    def __init__(self, inbound: Inbound, what: str) -> None:
+        super().__init__(f"{Reject.NON_FINITE.value}: {what} from {inbound.sender} hold NaN or infinity")
+        self.sender = inbound.sender
+        self.evidence = [_bytes_tensor(inbound.head), _bytes_tensor(inbound.frame.payload)]
 
 
 @dataclass
@@ -347,23 +350,19 @@ class EpochRunner:
         self.uploads.append(asyncio.create_task(send))
 
 
+def _bytes_tensor(data: bytes | memoryview) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+
+
 def _finite(inbound: Inbound, what: str, device: torch.device, overflow_ok: bool = False) -> list[Any]:
     """The decoded values of a frame, refused (``Poisoned``) when a floating tensor
     among them holds NaN or infinity: one pass over the decoded tensor. Under fp16's
     loss scaling (``overflow_ok``) an overflow is expected now and then: the step is
     skipped on the gradient norms instead."""
     values = inbound.frame.values(device)
-    if not overflow_ok and not all(_all_finite(v) for v in values):
-        raise Poisoned(inbound.sender, what)
+    if not overflow_ok and not all(all_finite(v) for v in values):
+        raise Poisoned(inbound, what)
     return values
-
-
-def _all_finite(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return not value.is_floating_point() or bool(torch.isfinite(value).all())
-    if isinstance(value, (tuple, list)):
-        return all(_all_finite(v) for v in value)
-    return True
 
 
 def _timed(device: torch.device, fn: Any, *args: Any) -> tuple[Any, float]:

@@ -359,7 +359,7 @@ class PeerNode:
         except PeerUnreachable as exc:
             await self._report_failure(str(exc), exc.peer_id, self._task_epoch)
         except Poisoned as exc:
-            await self._report_failure(str(exc), exc.sender, self._task_epoch, poison=True)
+            await self._report_failure(str(exc), exc.sender, self._task_epoch, poison=True, evidence=exc.evidence)
         except (RunRefused, asyncio.TimeoutError) as exc:
             await self._report_failure(str(exc) or "timed out waiting for a message", epoch=self._task_epoch)
         except Exception as exc:  # anything else this peer cannot go on with: the coordinator re-plans
@@ -379,13 +379,15 @@ class PeerNode:
                     raise
             await self.run_compute(lambda: None)
 
-    async def _report_failure(self, reason: str, suspect: str = "", epoch: int = -1, poison: bool = False) -> None:
+    async def _report_failure(
+        self, reason: str, suspect: str = "", epoch: int = -1, poison: bool = False, evidence: list[Any] | None = None
+    ) -> None:
         assert self.transport is not None and self.coordinator is not None
         logger.error("%s", reason)
         stage = self.checks.assign.stage if self.checks and self.checks.assign else -1
         try:
             msg = PeerFailure(self.config.run_id, stage, reason, epoch, suspect, poison)
-            await asyncio.wait_for(self.transport.send(self.coordinator.peer_id, msg), 10)
+            await asyncio.wait_for(self.transport.send(self.coordinator.peer_id, msg, evidence), 30)
         except (PeerUnreachable, asyncio.TimeoutError):
             pass
 

@@ -33,13 +33,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from blake3 import blake3
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from protocol.identity import SIGNATURE_BYTES, Identity, IdentityError, public_key, verify
 from protocol.messages import PROTOCOL_VERSION, Message, MessageError
 from protocol.text import clean
-from protocol.wire import MAX_HEADER_BYTES, WireError, check_descriptions
+from protocol.wire import MAX_HEADER_BYTES, Frame, WireError, all_finite, check_descriptions
 
 logger = logging.getLogger(__name__)
 
@@ -484,3 +485,23 @@ def _strip(d: Any) -> Any:
         if d.get("t") in ("tuple", "list"):
             return {"t": d["t"], "items": [_strip(x) for x in d["items"]]}
     return d
+
+
+def poisoned_frame(run_id: str, sender: str, key: Ed25519PublicKey | None, evidence: list[Any]) -> bool:
+    """Whether ``evidence`` (a signed head and its payload, as two uint8 tensors) is a
+    frame that ``sender`` signed with ``key`` for this run, whose tensors hold NaN or
+    infinity: proof of poison, which a reporter cannot forge about an honest peer."""
+    if key is None or len(evidence) != 2:
+        return False
+    if not all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1 for t in evidence):
+        return False
+    head, payload = evidence[0].numpy().tobytes(), memoryview(evidence[1].numpy().tobytes())
+    gate = Gate(run_id)
+    gate.admit(sender, key)
+    try:
+        env, _ = gate.check_head(head, sender)
+        gate.check_payload(env, payload, sender)
+        values = Frame({"values": env.values}, payload).values()
+    except (Rejected, WireError, ValueError, TypeError):
+        return False
+    return not all(all_finite(v) for v in values)

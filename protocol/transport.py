@@ -80,6 +80,7 @@ class Inbound:
     message: Message
     frame: Frame
     envelope: Envelope | None = None
+    head: bytes = b""  # the signed head as received: with the payload, evidence of what the sender sent
 
     def values(self) -> list[Any]:
         return self.frame.values()
@@ -339,7 +340,7 @@ class Transport:
                     await _discard(reader, skip)  # the sender's later frames still count
                     continue
                 if env.lanes is not None:  # joined on the side: later frames need not wait for it
-                    task = asyncio.create_task(self._laned_frame(sender, env, message))
+                    task = asyncio.create_task(self._laned_frame(sender, env, message, head))
                     self._laned.add(task)
                     task.add_done_callback(self._laned.discard)
                     continue
@@ -351,7 +352,7 @@ class Transport:
                         raise
                     self.gate.reject(sender, exc)
                     continue
-                await self.inbox.put(Inbound(sender, message, Frame({"values": env.values}, payload), env))
+                await self.inbox.put(Inbound(sender, message, Frame({"values": env.values}, payload), env, head))
         except Rejected as exc:
             self.gate.reject(sender, exc)
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -362,7 +363,7 @@ class Transport:
     def _active(self, sender: str) -> None:
         self.last_activity[sender] = time.monotonic()
 
-    async def _laned_frame(self, sender: str, env: Envelope, message: Message) -> None:
+    async def _laned_frame(self, sender: str, env: Envelope, message: Message, head: bytes) -> None:
         """Wait for a frame's payload on the lane streams, check it, deliver it."""
         try:
             payload = await self._join_lanes(sender, env)
@@ -370,7 +371,7 @@ class Transport:
         except Rejected as exc:
             self.gate.reject(sender, exc)
             return
-        await self.inbox.put(Inbound(sender, message, Frame({"values": env.values}, payload), env))
+        await self.inbox.put(Inbound(sender, message, Frame({"values": env.values}, payload), env, head))
 
     async def _handle_bandwidth(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Bandwidth probe from an admitted peer: read (and drop) the upload, acknowledge,

@@ -407,3 +407,12 @@ async def write_frame(writer: asyncio.StreamWriter, header: dict[str, Any], valu
     writer.writelines(buffers)
     await writer.drain()
     return sum(len(b) for b in buffers)
+
+
+def all_finite(value: Any) -> bool:
+    """Whether every floating tensor in a decoded value holds only finite numbers."""
+    if isinstance(value, torch.Tensor):
+        return not value.is_floating_point() or bool(torch.isfinite(value).all())
+    if isinstance(value, (tuple, list)):
+        return all(all_finite(v) for v in value)
+    return True

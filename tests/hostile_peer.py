@@ -4,7 +4,8 @@ publishes an advert with a bad claim, then waits to be used.
 ``python -m tests.hostile_peer MODE --initial-peers MADDR --run RUN --identity KEY``
 with MODE ``nan`` / ``inf`` / ``negative`` (its FLOP/s), ``maddr`` (an address
 that does not parse), or ``poison``: an honest advert, but every value its stage
-computes (activations or loss forward, gradients backward) is NaN."""
+computes (activations or loss forward, gradients backward) is NaN; or ``framer``:
+it reports every sender's (finite) values as poison."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ from typing import Any
 
 import torch
 
+from peer import epoch
 from peer.executor import StageExecutor
 from peer.node import PeerConfig, PeerNode
 
-CLAIMS = {"nan": float("nan"), "inf": float("inf"), "negative": -1e12, "maddr": None, "poison": None}
+CLAIMS = {"nan": float("nan"), "inf": float("inf"), "negative": -1e12, "maddr": None, "poison": None, "framer": None}
 
 
 def _nan(value: Any) -> Any:
@@ -27,6 +29,18 @@ def _nan(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return type(value)(_nan(v) for v in value)
     return value
+
+
+def frame_others(node: PeerNode) -> None:
+    """Report every other peer's (finite) values as poison (not the coordinator's)."""
+    honest = epoch._finite
+
+    def accuse(inbound: Any, what: str, *args: Any, **kwargs: Any) -> Any:
+        if node.coordinator is not None and inbound.sender == node.coordinator.peer_id:
+            return honest(inbound, what, *args, **kwargs)
+        raise epoch.Poisoned(inbound, what)
+
+    epoch._finite = accuse  # type: ignore[assignment]
 
 
 def poison() -> None:
@@ -47,6 +61,8 @@ async def main() -> None:
     if args.mode == "poison":
         poison()
     node = PeerNode(PeerConfig(args.initial_peers, args.run, identity=args.identity, advertise_flops=CLAIMS[args.mode]))
+    if args.mode == "framer":
+        frame_others(node)
     await node.start()
     assert node.advert is not None
     if args.mode == "maddr":

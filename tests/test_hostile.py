@@ -145,3 +145,28 @@ def test_forged_overflows_cannot_drive_the_loss_scale_to_zero() -> None:
     for _ in range(2000):
         scale = scale.after(True)
     assert scale.scale == LOSS_SCALE_MIN > 0
+
+
+def test_a_peer_framing_an_honest_sender_is_the_one_excluded(tmp_path: Path) -> None:
+    """A receiver that reports finite values as poison: the coordinator checks the signed
+    frame it must attach, finds it finite, and drops the reporter, not the sender."""
+    steps = 4
+    save = tmp_path / "swarm.safetensors"
+    common = ["--steps", str(steps), "--seed", "0", *SMALL]
+    args = [*common, "--min-peers", "4", "--stages", "4", "--save", str(save), "--run-dir", str(tmp_path / "run")]
+    swarm = Swarm(tmp_path, args, peers=0)
+    try:
+        p = Proc("framer", *swarm.join_args, "--identity", str(tmp_path / "f.key"), module="tests.hostile_peer")
+        swarm.procs.append(p)
+        framer = p.wait_line(r"joined run '.*' as (\w+)", 120).group(1)
+        honest = {swarm.add_peer(i) for i in range(3)}
+        assert swarm.coord.wait(300) == 0, swarm.coord.output[-3000:]
+        out = swarm.coord.output
+        assert re.search(rf"peer {framer} .*failed: ", out), out[-3000:]
+        assert not any(re.search(rf"peer {h} .*failed", out) for h in honest), "no honest peer was blamed"
+        assert set(re.findall(r"stage \d replica \d: peer (\w+)", out)) == honest
+    finally:
+        swarm.close()
+    ref = tmp_path / "ref.safetensors"
+    assert run_cli("train", "--reference", *common, "--save", str(ref)).returncode == 0
+    assert compare_checkpoints(save, ref) <= 1e-5
