@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from protocol.admission import Token, new_secret, proof_ok
+from protocol.admission import SECRET_BYTES, Token, new_secret, proof_ok
 
 SECRET_FILE = "swarm.secret"
 BAN_FILE = "banned.txt"
@@ -26,17 +26,26 @@ class Admission:
             write_secret(run_dir)
 
     def check(self, sender: str, hello: dict[str, Any]) -> str:
-        """Why the sender of ``hello`` may not be admitted ('' when it may)."""
-        if sender in self.banned():
+        """Why the sender of ``hello`` may not be admitted ('' when it may): banned by
+        peer id or key, or (private) no proof of the current secret."""
+        key = str(hello.get("pubkey"))
+        banned = self.banned()
+        if sender in banned or key in banned:
             return f"{sender} is banned from run '{self.run_id}'"
-        if self.private and not proof_ok(
-            self.secret(), self.run_id, sender, str(hello.get("pubkey")), hello.get("proof")
-        ):
+        if not self.private:
+            return ""
+        secret = self.secret()
+        if not secret:
+            return (
+                f"the swarm's secret in {self.run_dir / SECRET_FILE} is damaged: nobody is admitted until it is fixed"
+            )
+        if not proof_ok(secret, self.run_id, sender, key, hello.get("proof")):
             return "a private swarm: the hello does not prove the swarm's secret (join with its current --token)"
         return ""
 
     def secret(self) -> str:
-        return self._read(SECRET_FILE, lambda text: text.strip())
+        """The swarm's secret ('' when the file is missing or damaged: admits nobody)."""
+        return self._read(SECRET_FILE, _secret) or ""
 
     def banned(self) -> frozenset[str]:
         return self._read(BAN_FILE, _peer_ids) or frozenset()
@@ -48,12 +57,12 @@ class Admission:
         path = self.run_dir / name
         try:
             mtime = path.stat().st_mtime_ns
+            cached = self._cache.get(name)
+            if cached is None or cached[0] != mtime:
+                cached = (mtime, parse(path.read_text(errors="replace")))
+                self._cache[name] = cached
         except OSError:
             return None
-        cached = self._cache.get(name)
-        if cached is None or cached[0] != mtime:
-            cached = (mtime, parse(path.read_text()))
-            self._cache[name] = cached
         return cached[1]
 
 
@@ -70,6 +79,14 @@ def write_secret(run_dir: Path) -> None:
 def ban(run_dir: Path, peer_ids: list[str]) -> None:
     with open(run_dir / BAN_FILE, "a") as f:
         f.writelines(f"{p}\n" for p in peer_ids)
+
+
+def _secret(text: str) -> str:
+    text = text.strip()
+    try:
+        return text if len(bytes.fromhex(text)) == SECRET_BYTES else ""
+    except ValueError:
+        return ""
 
 
 def _peer_ids(text: str) -> frozenset[str]:

@@ -92,8 +92,10 @@ class Driver(Messaging, Checkpointing, Rebalancing):
         self.init_state = self._read_init()
         self._eval_set: list[tuple[torch.Tensor, ...]] | None = None
         weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        #: the most a stage's checkpoint state may take: weights, AdamW's two moments, slack for the rest
-        self.max_state_bytes = 3 * weights + (1 << 20)
+        activations = sum(op.out_bytes for op in self.dag.ops)  # all of one micro-batch's: what any boundary carries
+        #: the most a peer's payload to the coordinator may take: a stage's state (weights, AdamW's two moments)
+        #: or the evidence of poison (what one micro-batch carries across a boundary), with slack for the rest
+        self.max_payload_bytes = max(3 * weights, activations) + (1 << 20)
 
     # ------------------------------------------------------------------ the run
     async def run(self, resume: bool, on_peers: Callable[[int], None] | None = None) -> RunState:

@@ -24,7 +24,7 @@ from hivemind.utils import get_dht_time
 from coordinator.assign import Assignment
 from coordinator.checkpoint import DB_NAME, CheckpointError, RunDir, default_run_dir
 from coordinator.links import choose_codecs, float_bytes
-from coordinator.private import Admission
+from coordinator.private import SECRET_FILE, Admission
 from coordinator.run import Driver
 from coordinator.runstate import EXCLUDED, RunState
 from coordinator.status import StatusBoard
@@ -148,6 +148,7 @@ class Coordinator:
         self.run_dir: RunDir | None = None
         self.driver: Driver | None = None
         self.admission: Admission | None = None
+        self.private = config.private
         self._refused: dict[str, str] = {}  # peer -> why its advert is ignored (said once)
 
     def _expect(self, env: Envelope, message: Message, sender: str) -> None:
@@ -163,10 +164,9 @@ class Coordinator:
         carries = env.kind == "state" or (env.kind == "failure" and bool(env.body.get("poison")))
         if not carries or driver is None or sender not in driver.st.planned:
             raise Rejected(Reject.OVERSIZED, f"a {env.payload_bytes}-byte payload on '{env.kind}' from {sender}")
-        if env.payload_bytes > driver.max_state_bytes:
+        if env.payload_bytes > driver.max_payload_bytes:
             raise Rejected(
-                Reject.OVERSIZED,
-                f"stage state of {env.payload_bytes} bytes; the whole model's is {driver.max_state_bytes}",
+                Reject.OVERSIZED, f"{env.kind} of {env.payload_bytes} bytes, over {driver.max_payload_bytes}"
             )
 
     async def start(self) -> None:
@@ -179,8 +179,10 @@ class Coordinator:
         except IdentityError as exc:
             raise SwarmError(str(exc)) from None
         self.run_dir = self._open_run_dir()
-        self.admission = Admission(self.run_dir.path, cfg.run_id, cfg.private)
-        self.gate.admission = self.admission.check
+        # a resumed private swarm stays private (its secret is in the run directory)
+        self.private = cfg.private or (self.run_dir.path / SECRET_FILE).exists()
+        self.admission = Admission(self.run_dir.path, cfg.run_id, self.private)
+        self.gate.admission = self._admit
         host_maddrs, initial_peers = self._addresses()
         if cfg.status:
             self.status = StatusServer(self.board, cfg.status_host, cfg.status_port)
@@ -199,6 +201,7 @@ class Coordinator:
             ),
         )
         self.transport = Transport(await self.dht.replicate_p2p(), self.identity, self.gate)
+        self.transport.lane_ok = self._lane_ok
         await self.transport.start()
         self.run_dir.set_meta("ports", _tcp_ports(self.visible_maddrs))
         self.run_dir.set_meta("join", {"key": self.identity.public_hex, "maddrs": self.visible_maddrs})
@@ -262,7 +265,7 @@ class Coordinator:
         """What a volunteer pastes: where to join and the coordinator's key, or, in a
         private swarm, one token holding both and the swarm's secret."""
         assert self.identity is not None and self.admission is not None
-        if self.config.private:
+        if self.private:
             return f"fusionllm join --token {self.admission.token(self.identity.public_hex, self.visible_maddrs)}"
         run = "" if self.config.run_id == "fusionllm" else f" --run {self.config.run_id}"
         pin = f" --coordinator-key {self.identity.public_hex}"
@@ -346,6 +349,21 @@ class Coordinator:
                 for p in set(live) - st.planned - set(st.lost):
                     if self.board.peers.get(p, {}).get("state") == "joined":
                         self.board.peer_state(p, "standby")
+
+    def _admit(self, sender: str, hello: dict[str, Any]) -> str:
+        """Why a hello's sender is not admitted: excluded from this run (for what it
+        sent), banned, or no proof of a private swarm's secret."""
+        st = self.driver.st if self.driver is not None else None
+        if st is not None and st.lost.get(sender, "").startswith(EXCLUDED):
+            return f"{sender} was {st.lost[sender][:200]}"
+        assert self.admission is not None
+        return self.admission.check(sender, hello)
+
+    def _lane_ok(self, sender: str, nbytes: int) -> bool:
+        """Lane parts (large payloads) only from planned peers, no larger than a payload
+        the coordinator accepts from them (``_expect``)."""
+        driver = self.driver
+        return driver is not None and sender in driver.st.planned and nbytes <= driver.max_payload_bytes
 
     def _enforce_bans(self) -> None:
         """Banned peers lose their admission at once; a planned one is dropped from the

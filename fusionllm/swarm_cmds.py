@@ -136,6 +136,11 @@ async def _coordinate(args: argparse.Namespace, on_ready: Any = None) -> int:
     bar: tqdm | None = None
     try:
         print(f"coordinator is up; volunteers join with:\n  {coord.join_command()}", flush=True)
+        code = foreign_code(cfg.job.model)
+        if code:
+            print(
+                f"the model is code from '{code}': volunteers run it only if they add --allow-code {code}", flush=True
+            )
         if coord.status is not None:
             print(f"status page: {coord.status.url}", flush=True)
         if coord.run_dir is not None:
@@ -263,20 +268,20 @@ def _apply_token(args: argparse.Namespace) -> None:
         token = parse_token(args.token)
     except TokenError as exc:
         raise UsageError(f"--token: {exc}") from None
+    if args.coordinator_key not in (None, token.coordinator_key) or args.run not in ("fusionllm", token.run):
+        raise UsageError("--token names the run and its coordinator: leave out --run and --coordinator-key")
     args.initial_peers = args.initial_peers or token.maddrs
     args.run, args.coordinator_key, args.swarm_secret = token.run, token.coordinator_key, token.secret
 
 
 def cmd_token(args: argparse.Namespace) -> int:
     """Print a private swarm's join token (after a new secret, with --rotate)."""
-    from coordinator.checkpoint import RunDir
+    from coordinator.checkpoint import DB_NAME, RunDir
     from coordinator.private import SECRET_FILE, Admission, write_secret
 
     path = Path(args.run_dir).expanduser()
-    if not (path / SECRET_FILE).is_file():
+    if not (path / SECRET_FILE).is_file() or not (path / DB_NAME).is_file():
         raise UsageError(f"--run-dir {path}: no private swarm there (start the coordinator with --private)")
-    if args.rotate:
-        write_secret(path)
     run_dir = RunDir(path).open()
     try:
         join, run_id = run_dir.get_meta("join", None), run_dir.get_meta("run_id", None)
@@ -284,19 +289,25 @@ def cmd_token(args: argparse.Namespace) -> int:
         run_dir.close()
     if not isinstance(join, dict) or not isinstance(run_id, str):
         raise UsageError(f"--run-dir {path}: the coordinator has not started there yet")
+    if args.rotate:
+        write_secret(path)
     print(f"fusionllm join --token {Admission(path, run_id, True).token(join['key'], join['maddrs'])}")
     return 0
 
 
 def cmd_ban(args: argparse.Namespace) -> int:
     """Ban peers from the run in a run directory (the coordinator drops them at once)."""
-    from coordinator.private import ban
+    from coordinator.private import SECRET_FILE, ban
 
     path = Path(args.run_dir).expanduser()
     if not path.is_dir():
         raise UsageError(f"--run-dir {path}: no such directory")
     ban(path, args.peers)
     print(f"banned {', '.join(args.peers)} from the run in {path}")
+    if (path / SECRET_FILE).is_file():
+        print(
+            "a private swarm: also run 'fusionllm token --rotate' so that the banned cannot rejoin under a new identity"
+        )
     return 0
 
 

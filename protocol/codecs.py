@@ -43,6 +43,17 @@ import torch
 
 CODECS = ("none", "fp16", "bf16", "int8", "adatopk", "int4", "lowrank")
 _CAST = {"fp16": torch.float16, "bf16": torch.bfloat16}
+#: the largest finite fp16 value: fp16 codecs saturate there, so a finite value never arrives as inf
+FP16_MAX = 65504.0
+
+
+def _narrow(x: torch.Tensor, name: str) -> torch.Tensor:
+    """``x`` in a codec's 16-bit dtype; fp16 saturates instead of overflowing (NaN stays NaN)."""
+    if name == "fp16":
+        x = x.clamp(-FP16_MAX, FP16_MAX)
+    return x.to(_CAST[name])
+
+
 #: rows of blocks processed at once: a chunk stays in cache through abs/topk/gather
 _CHUNK_ELEMENTS = 1 << 20
 
@@ -274,7 +285,7 @@ def encode_parts(x: torch.Tensor, codec: Codec, generator: torch.Generator | Non
     if codec.name == "none":
         return [_bytes(x)]
     if codec.name in _CAST:
-        return [_bytes(x.detach().to(_CAST[codec.name]))]
+        return [_bytes(_narrow(x.detach(), codec.name))]
     if codec.name == "int4":
         return encode_int4(x, codec, generator)
     if codec.name == "lowrank":
@@ -332,7 +343,7 @@ def encode_with_residual(x: torch.Tensor, codec: Codec) -> tuple[list[memoryview
     if codec.name == "none":
         return [_bytes(x)], torch.zeros(x.shape)
     if codec.name in _CAST:
-        small = x.detach().to(_CAST[codec.name])
+        small = _narrow(x.detach(), codec.name)
         return [_bytes(small)], x.detach().float() - small.float()
     if codec.name == "int8":
         flat = x.detach().reshape(-1).float()
@@ -347,7 +358,7 @@ def encode_with_residual(x: torch.Tensor, codec: Codec) -> tuple[list[memoryview
 def encode_topk(x: torch.Tensor, codec: Codec, residual: bool = False) -> tuple[list[memoryview], torch.Tensor | None]:
     """AdaTopK's parts for ``x``; with ``residual``, also what they leave out."""
     vals, idx = topk_select(x, codec)
-    vals16 = vals.half()
+    vals16 = _narrow(vals, "fp16")
     parts = [_bytes(vals16), _bytes(idx.to(codec.index_dtype()))]
     if not residual:
         return parts, None

@@ -125,6 +125,8 @@ class Transport:
         self._lane_parts: dict[tuple[str, int, int], asyncio.Future[bytes]] = {}
         self._dropped: set[tuple[str, int]] = set()  # (sender, lane frame id) of rejected frames
         self._part_born: dict[tuple[str, int, int], float] = {}  # lane parts waiting for their head: since when
+        #: whether a sender may send a lane part of this many bytes (checked before reading it); None: any admitted
+        self.lane_ok: Callable[[str, int], bool] | None = None
         self._probes: dict[str, list[tuple[float, int]]] = {}  # sender -> (when, bytes) of its recent probes
         self._rates: dict[str, float] = {}  # peer id -> bytes/s
         self._pace_locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
@@ -262,7 +264,8 @@ class Transport:
                 except asyncio.IncompleteReadError:
                     break
                 frame_id, lane, size = _LANE_HEAD.unpack(head)
-                if size > self.max_payload or lane >= LANES:
+                allowed = self.lane_ok is None or self.lane_ok(sender, size)
+                if size > self.max_payload or lane >= LANES or not allowed:
                     raise Rejected(Reject.OVERSIZED, f"lane part of {size} bytes (lane {lane}) is over the limits")
                 data = await _read_payload(reader, size, lambda: self._active(sender))
                 if (sender, frame_id) in self._dropped:

@@ -382,6 +382,7 @@ async def read_head(reader: asyncio.StreamReader, max_payload: int) -> dict[str,
         raise WireError(f"bad payload size {size!r}")
     if size > max_payload:
         raise WireError(f"payload of {size} bytes is over the limit of {max_payload}")
+    header["payload_bytes"] = size
     return header
 
 

@@ -39,9 +39,11 @@ def tied_data(seed: int, batch_size: int = 8) -> Iterator[tuple[torch.Tensor, to
 
 
 class Untraceable(nn.Module):
+    """Runs on ``tied_data`` in eager mode; torch.fx cannot trace its data-dependent branch."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.lin = nn.Linear(4, 4)
+        self.lin = nn.Linear(16, 16)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         h = self.lin(x)

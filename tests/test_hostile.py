@@ -170,3 +170,15 @@ def test_a_peer_framing_an_honest_sender_is_the_one_excluded(tmp_path: Path) -> 
     ref = tmp_path / "ref.safetensors"
     assert run_cli("train", "--reference", *common, "--save", str(ref)).returncode == 0
     assert compare_checkpoints(save, ref) <= 1e-5
+
+
+def test_fp16_codecs_saturate_so_a_finite_value_never_arrives_as_poison() -> None:
+    from protocol.codecs import FP16_MAX, Codec
+    from protocol.wire import Frame, Link, all_finite, encode_values
+
+    x = torch.tensor([1e6, -1e9, 3.0, float("nan")])
+    descs, chunks = encode_values([x[:3]], Link(Codec.parse("fp16")))
+    got = Frame({"values": descs}, memoryview(b"".join(bytes(c) for c in chunks))).values()[0]
+    assert all_finite(got) and got.tolist() == [FP16_MAX, -FP16_MAX, 3.0]
+    descs, chunks = encode_values([x], Link(Codec.parse("fp16")))
+    assert not all_finite(Frame({"values": descs}, memoryview(b"".join(bytes(c) for c in chunks))).values()[0])

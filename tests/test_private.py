@@ -72,3 +72,16 @@ def test_a_private_swarm_admits_token_holders_and_drops_a_banned_peer(tmp_path: 
         assert new.returncode == 0 and parse_token(new.stdout.split()[-1]).secret != token.secret
     finally:
         swarm.close()
+
+
+def test_a_damaged_secret_admits_nobody_and_never_raises(tmp_path: Path) -> None:
+    adm = Admission(tmp_path, "run", private=True)
+    for damaged in ("", "not hex", "ab" * 8):
+        (tmp_path / "swarm.secret").write_text(damaged)
+        assert "is damaged" in adm.check("QmA", {"pubkey": "x", "proof": hello_proof("00" * 32, "run", "QmA", "x")})
+
+
+def test_a_token_and_conflicting_flags_are_refused_in_one_line() -> None:
+    token = Token("run", Identity.generate().public_hex, new_secret(), ["/ip4/127.0.0.1/tcp/5"]).encode()
+    r = run_cli("join", "--token", token, "--coordinator-key", Identity.generate().public_hex)
+    assert r.returncode == 2 and "leave out --run and --coordinator-key" in r.stderr and r.stderr.count("\n") == 1
