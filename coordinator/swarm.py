@@ -149,6 +149,8 @@ class Coordinator:
         self.driver: Driver | None = None
         self.admission: Admission | None = None
         self.private = config.private
+        self._told: dict[str, float] = {}  # refused senders -> when they were told why
+        self._telling: set[asyncio.Task[None]] = set()
         self._refused: dict[str, str] = {}  # peer -> why its advert is ignored (said once)
 
     def _expect(self, env: Envelope, message: Message, sender: str) -> None:
@@ -354,10 +356,34 @@ class Coordinator:
         """Why a hello's sender is not admitted: excluded from this run (for what it
         sent), banned, or no proof of a private swarm's secret."""
         st = self.driver.st if self.driver is not None else None
+        why_excluded = ""
         if st is not None and st.lost.get(sender, "").startswith(EXCLUDED):
-            return f"{sender} was {st.lost[sender][:200]}"
+            why_excluded = f"{sender} was {st.lost[sender][:200]}"
         assert self.admission is not None
-        return self.admission.check(sender, hello)
+        why = self.admission.check(sender, hello) if not why_excluded else why_excluded
+        if why:
+            self._tell_refused(sender, why)
+        return why
+
+    def _tell_refused(self, sender: str, why: str) -> None:
+        """Say why a hello was refused (at most once a minute per sender): a peer coming
+        back after a token rotation or a ban leaves with the reason instead of waiting."""
+        now = time.monotonic()
+        if sender in self._told and now - self._told[sender] < 60 or self.transport is None:
+            return
+        if len(self._told) > 10_000:
+            self._told.clear()
+        self._told[sender] = now
+        task = asyncio.get_running_loop().create_task(self._abort_quietly(sender, why))
+        self._telling.add(task)
+        task.add_done_callback(self._telling.discard)
+
+    async def _abort_quietly(self, sender: str, why: str) -> None:
+        assert self.transport is not None
+        try:
+            await asyncio.wait_for(self.transport.send(sender, Abort(self.config.run_id, f"not admitted: {why}")), 10)
+        except Exception as exc:  # it may be gone already
+            logger.debug("could not tell %s why it was refused: %s", sender, exc)
 
     def _lane_ok(self, sender: str, nbytes: int) -> bool:
         """Lane parts (large payloads) only from planned peers, no larger than a payload

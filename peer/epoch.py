@@ -50,6 +50,10 @@ class RunRefused(RuntimeError):
     """The assignment cannot be served (e.g. a malformed key or codec in it)."""
 
 
+class ForeignCode(RunRefused):
+    """The run's model is code this peer did not opt in to: it can never serve this run."""
+
+
 class Poisoned(RuntimeError):
     """A peer sent activations or gradients that are not finite; ``evidence`` is its
     signed frame (head and payload), which the coordinator checks before it believes
@@ -82,7 +86,7 @@ class EpochRunner:
             raise RunRefused(f"the assignment's job: {exc}") from None
         code = foreign_code(self.job.model)
         if code is not None and code not in node.config.allow_code:
-            raise RunRefused(
+            raise ForeignCode(
                 f"the run's model '{self.job.model[:120]}' is code this peer would have to import; it runs only "
                 f"built-in models unless joined with --allow-code {code[:120]}"
             )

@@ -17,7 +17,7 @@ from hivemind.utils import get_dht_time
 
 from peer.bench import free_memory, measure_flops, pick_device
 from peer.checks import PlanChecks
-from peer.epoch import EpochRunner, HeldStage, Poisoned, RunRefused
+from peer.epoch import EpochRunner, ForeignCode, HeldStage, Poisoned, RunRefused
 from peer.mailbox import Mailbox
 from peer.throttle import Throttle
 from protocol.admission import hello_proof
@@ -325,7 +325,7 @@ class PeerNode:
             except RunRefused as exc:
                 self._say(f"refused the assignment: {exc}")
                 await self._report_failure(f"refused the assignment: {exc}", epoch=a.epoch)
-                return None
+                return 2 if isinstance(exc, ForeignCode) else None  # the run's model will not change: leave
             self._epoch_task = asyncio.create_task(runner.run())
             self._task_epoch = a.epoch
         elif kind == "standby":
