@@ -115,11 +115,13 @@ def test_a_lying_peer_is_corrected_at_the_first_check(tmp_path: Path) -> None:
 
 def test_a_peer_joining_mid_run_is_put_to_work(tmp_path: Path) -> None:
     """(c) two peers; one slows down to a tenth, and a third joins mid-run: it waits
-    as standby and is taken in at a rebalance."""
+    as standby and is taken in at a rebalance. (The first peer lends 0.3 of its speed,
+    so the newcomer is the better choice even if an earlier check has already dropped
+    to one peer, as it may on a 2-core machine where one process beats a pipeline.)"""
     steps = 400
     swarm = Swarm(tmp_path, _args(tmp_path, steps, 2), peers=0)
     try:
-        swarm.add_peer(0)
+        swarm.add_peer(0, "--throttle", "0.3")
         slow_file = tmp_path / "throttle1"
         swarm.add_peer(1, "--throttle-file", str(slow_file))
         wait_for(swarm.url, lambda s: s["training"]["step"] >= 10, 300)
