@@ -57,23 +57,10 @@ def test_an_outsiders_coordinator_record_does_not_capture_a_pinned_peer(tmp_path
         swarm.close()
 
 
-def test_an_unpinned_peer_says_it_trusts_on_first_use(tmp_path: Path) -> None:
-    args = ["--steps", "2", "--seed", "0", *SMALL, "--min-peers", "1", "--run-dir", str(tmp_path / "run")]
-    swarm = Swarm(tmp_path, args, peers=0)
-    try:
-        key = swarm.join_args[swarm.join_args.index("--coordinator-key") + 1]
-        peer = Proc("join", *_unpinned(swarm.join_args), "--identity", str(tmp_path / "p.key"))
-        swarm.procs.append(peer)
-        line = peer.wait_line(r"trusting the coordinator of run 'fusionllm' on first use: key (\w+)", 120)
-        assert line.group(1) == key
-        assert swarm.coord.wait(300) == 0, swarm.coord.output[-3000:]
-    finally:
-        swarm.close()
-
-
 def test_a_peer_imports_no_model_code_it_did_not_opt_in_to(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The coordinator names a model in a Python file: a peer without --allow-code
-    refuses the assignment (and never imports the file); a peer that opted in trains."""
+    refuses the assignment (and never imports the file); a peer that opted in trains.
+    (That peer joins unpinned: it trusts the run's only coordinator on first use.)"""
     marker = tmp_path / "imported"
     monkeypatch.setenv("FUSIONLLM_IMPORT_MARKER", str(marker))
     spec = "tests/marker_model.py:build"
@@ -84,13 +71,20 @@ def test_a_peer_imports_no_model_code_it_did_not_opt_in_to(tmp_path: Path, monke
         cautious = Proc("join", *swarm.join_args, "--threads", "1", "--identity", str(tmp_path / "c.key"))
         swarm.procs.append(cautious)
         cautious.wait_line(r"joined run", 120)
-        willing = swarm.add_peer(1, "--allow-code", "tests/marker_model.py")
+        key = swarm.join_args[swarm.join_args.index("--coordinator-key") + 1]
+        willing_proc = Proc("join", *_unpinned(swarm.join_args), "--threads", "1", "--identity",
+                            str(tmp_path / "w.key"), "--allow-code", "tests/marker_model.py")  # fmt: skip
+        swarm.procs.append(willing_proc)
+        # unpinned, it trusts the only coordinator of the run on first use, and says so
+        tofu = willing_proc.wait_line(r"trusting the coordinator of run 'fusionllm' on first use: key (\w+)", 120)
+        assert tofu.group(1) == key
+        willing = willing_proc.wait_line(r"joined run '.*' as (\w+)", 60).group(1)
         line = cautious.wait_line(r"refused the assignment: (.*)", 120).group(1)
         assert f"the run's model '{spec}' is code" in line and "--allow-code tests/marker_model.py" in line
         assert swarm.coord.wait(300) == 0, swarm.coord.output[-3000:]
         assert re.search(rf"stage 0 replica 0: peer {willing}", swarm.coord.output)
         importers = {int(p) for p in marker.read_text().split()}
         assert cautious.popen.pid not in importers, "the cautious peer imported the model's file"
-        assert swarm.peers[willing].popen.pid in importers and swarm.coord.popen.pid in importers
+        assert willing_proc.popen.pid in importers and swarm.coord.popen.pid in importers
     finally:
         swarm.close()
