@@ -4,10 +4,10 @@ step-time cost of the recipe's global gradient-norm clip and of bf16 against
 fp32 (the same swarm, median step times), measured in one run. Prints one JSON
 object.
 
-``--short`` runs the same paths smaller, for the test suite: 12 training steps
-instead of 60 and 16 MiB messages instead of 64 MiB (still above the lane
-threshold, so they travel over parallel streams); the ``*_64mib_*`` keys then
-hold the 16 MiB figures."""
+``--short`` runs the same paths smaller, for the test suite: 2 peers instead of
+4, 12 training steps instead of 60 and 16 MiB messages instead of 64 MiB (still
+above the lane threshold, so they travel over parallel streams); the
+``*_64mib_*`` keys then hold the 16 MiB figures."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class Sizes:
 
 
 FULL = Sizes(steps=60, message=64 << 20, repeats=3)
-SHORT = Sizes(steps=12, message=16 << 20, repeats=2)
+SHORT = Sizes(steps=12, message=16 << 20, repeats=2, peers=2)
 
 
 #: the recipes whose step time is set against plain fp32
