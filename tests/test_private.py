@@ -48,7 +48,7 @@ def _refused(swarm: Swarm, tmp_path: Path, name: str, *join: str) -> str:
 
 def test_a_private_swarm_admits_token_holders_and_drops_a_banned_peer(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    args = ["--private", "--steps", "400", "--seed", "0", *SMALL, "--min-peers", "2", "--run-dir", str(run_dir)]
+    args = ["--private", "--steps", "200", "--seed", "0", *SMALL, "--min-peers", "2", "--run-dir", str(run_dir)]
     swarm = Swarm(tmp_path, args, peers=0)
     try:
         assert swarm.join_args[0] == "--token"
