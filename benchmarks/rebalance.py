@@ -150,7 +150,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--short", action="store_true", help="a shorter run (the test suite's)")
     args = parser.parse_args()
-    steps = 600 if args.short else 1000
+    steps = 400 if args.short else 1000
     MODEL[:] = SMALL if args.short else []
     with tempfile.TemporaryDirectory(prefix="fusionllm-rebalance-") as d:
         run = _slowed_run(Path(d) / "slowed", steps)

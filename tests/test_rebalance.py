@@ -137,10 +137,12 @@ def test_a_peer_joining_mid_run_is_put_to_work(tmp_path: Path) -> None:
     assert re.search(r"[1-9]\d* rebalances", out)
 
 
-def test_random_speed_changes_do_not_make_the_plan_flap(tmp_path: Path) -> None:
+@pytest.mark.parametrize("seconds", [30, pytest.param(60, marks=pytest.mark.slow)], ids=["30s", "minute"])
+def test_random_speed_changes_do_not_make_the_plan_flap(tmp_path: Path, seconds: int) -> None:
     """(d) every second one of 3 peers gets a random speed (1, 0.6 or 0.35 of its own),
-    for a minute. A peer whose speed changed level twice in the last 10 checks is planned
-    at its long-run throughput, not at its latest speed; a move must be predicted 20%
+    for a minute (half a minute in the default suite, with the same bound). A peer whose
+    speed changed level twice in the last 10 checks is planned at its long-run
+    throughput, not at its latest speed; a move must be predicted 20%
     faster (more after a move that did not deliver) and pay for itself twice; a move that
     made things slower is undone once. Bound chosen: at most 3 plan changes in that
     minute, at most one of them an undo (we saw 2: the first check's correction of the
@@ -154,7 +156,7 @@ def test_random_speed_changes_do_not_make_the_plan_flap(tmp_path: Path) -> None:
             swarm.add_peer(i, "--throttle-file", str(f))
         wait_for(swarm.url, lambda s: s["training"]["step"] >= EVERY, 300)
         seen, start, changes = len(swarm.coord.lines), time.monotonic(), 0
-        while time.monotonic() - start < 60 and api(swarm.url)["training"]["step"] < steps - 2 * EVERY:
+        while time.monotonic() - start < seconds and api(swarm.url)["training"]["step"] < steps - 2 * EVERY:
             rng.choice(files).write_text(f"{rng.choice([1.0, 0.6, 0.35])}\n")
             changes += 1
             time.sleep(1.0)
@@ -164,7 +166,7 @@ def test_random_speed_changes_do_not_make_the_plan_flap(tmp_path: Path) -> None:
         out = _finish(swarm, tmp_path, steps)
     finally:
         swarm.close()
-    assert changes >= 30, f"only {changes} speed changes before the run neared its end"
+    assert changes >= seconds // 2, f"only {changes} speed changes before the run neared its end"
     assert len(moves) <= 3, moves
     assert sum("undoing the move" in m for m in moves) <= 1, moves
     assert "Traceback" not in out
