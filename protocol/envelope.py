@@ -257,6 +257,8 @@ class Gate:
         self.accept_hello = False
         #: why a hello's sender may not be admitted ('' : it may), e.g. a private swarm's proof
         self.admission: Callable[[str, dict[str, Any]], str] | None = None
+        #: senders whose hello ``admission`` refused (their probes are refused at once)
+        self.refused: set[str] = set()
         self.counts: collections.Counter[Reject] = collections.Counter()
         self.recent: collections.deque[tuple[float, str, str, str]] = collections.deque(maxlen=200)
         #: called with (sender, code, detail) on every rejection, e.g. by the status page
@@ -266,6 +268,7 @@ class Gate:
 
     def admit(self, peer_id: str, key: Ed25519PublicKey) -> None:
         self.keys[peer_id] = key
+        self.refused.discard(peer_id)
 
     def revoke(self, peer_id: str) -> None:
         """Refuse ``peer_id``'s messages from now on (until admitted again)."""
@@ -334,6 +337,9 @@ class Gate:
         if hello:  # the key signed it and libp2p authenticated the stream: bind the two
             why = self.admission(sender, env.body) if self.admission is not None else ""
             if why:
+                if len(self.refused) > 10_000:
+                    self.refused.clear()
+                self.refused.add(sender)
                 raise Rejected(Reject.NOT_ADMITTED, why)
             self.admit(sender, key)
         self._windows.setdefault(sender, _Window(self.window)).check(env.seq)

@@ -410,7 +410,7 @@ class Transport:
         to arrive first."""
         deadline = time.monotonic() + ADMISSION_WAIT_S
         while sender not in self.gate.keys:
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or sender in self.gate.refused:
                 return False
             await asyncio.sleep(0.05)
         return True
