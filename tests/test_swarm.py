@@ -134,7 +134,8 @@ def test_demo_with_replicas_equals_reference(tmp_path: Path) -> None:
     placed = re.findall(r"stage (\d) replica (\d)", r.stdout)
     assert len(placed) == 4 and {s for s, _ in placed} == {"0", "1"}
     assert any(rep != "0" for _, rep in placed)
-    assert compare_checkpoints(ckpt, _reference(tmp_path, common)) <= 1e-5
+    # one thread, as the peers compute: fp16 rounds the few last-bit differences other thread counts give
+    assert compare_checkpoints(ckpt, _reference(tmp_path, [*common, "--threads", "1"])) <= 1e-5
 
 
 def test_demo_any_inspectable_model(tmp_path: Path) -> None:
