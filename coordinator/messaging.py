@@ -14,6 +14,7 @@ from coordinator import replan
 from coordinator.runstate import EXCLUDED, DriverParts, PeerLost, log_failure
 from protocol.envelope import poisoned_frame
 from protocol.messages import Beat, Evict, Hello, Message, PeerFailure, State
+from protocol.text import clean
 from protocol.transport import Inbound, PeerUnreachable
 
 if TYPE_CHECKING:
@@ -23,6 +24,8 @@ logger = logging.getLogger(__name__)
 
 #: how long a peer reported unreachable has to show a sign of life (peers beat every second)
 BLAME_WAIT_S = 2.5
+#: peers that must report the same failure of the model's own code before the run stops on it
+MODEL_FAILURE_WITNESSES = 2
 
 
 class Messaging(DriverParts):
@@ -93,11 +96,24 @@ class Messaging(DriverParts):
         if isinstance(msg, PeerFailure):
             if msg.epoch != st.epoch or msg.suspect in st.lost:
                 return False  # about an epoch that already ended, or a peer already dropped
+            if msg.model:
+                self._model_failed(sender, msg.reason)
             raise PeerLost(await self._blame(sender, msg, inbound))
         if isinstance(msg, State) and msg.checkpoint:
             self._take_part(inbound)
             return False
         return getattr(msg, "epoch", st.epoch) == st.epoch
+
+    def _model_failed(self, sender: str, reason: str) -> None:
+        """A peer says the model's own code raised: the run stops with that line once a
+        second peer says the same at the same step (one peer alone may be lying or
+        broken: it is dropped, and another runs its stage)."""
+        from coordinator.swarm import SwarmError
+
+        said = self.st.model_failures.setdefault((self.st.step, clean(reason)[:300]), set())
+        said.add(sender)
+        if len(said) >= MODEL_FAILURE_WITNESSES:
+            raise SwarmError(f"the run cannot go on: {clean(reason)[:300]} (reported by {len(said)} peers)")
 
     def _back(self, peer: str) -> None:
         """A dropped peer said hello again: it waits as a fresh standby peer (unless it

@@ -24,6 +24,7 @@ import torch
 
 from coordinator import replan
 from coordinator.assign import Assignment, assign
+from coordinator.auditing import Auditing
 from coordinator.checkpoint import RunDir
 from coordinator.checkpointing import Checkpointing
 from coordinator.links import boundary_specs
@@ -58,7 +59,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class Driver(Messaging, Checkpointing, Rebalancing):
+class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
     """Runs one job on a started :class:`Coordinator` through plan epochs."""
 
     def __init__(
@@ -85,6 +86,8 @@ class Driver(Messaging, Checkpointing, Rebalancing):
         self.final: dict[str, torch.Tensor] | None = None
         self._final_write: asyncio.Task[None] | None = None
         self._evicted: set[str] = set()
+        self.auditing: set[str] = set()
+        self.mb_losses: dict[str, float] = {}
         self._rejoined: set[str] = set()  # planned peers that said hello again (their stage is gone)
         self.recipe = self.job.recipe()
         self.st.scale = initial_scale(self.recipe)
@@ -95,7 +98,7 @@ class Driver(Messaging, Checkpointing, Rebalancing):
         activations = sum(op.out_bytes for op in self.dag.ops)  # all of one micro-batch's: what any boundary carries
         #: the most a peer's payload to the coordinator may take: a stage's state (weights, AdamW's two moments)
         #: or the evidence of poison (what one micro-batch carries across a boundary), with slack for the rest
-        self.max_payload_bytes = max(3 * weights, activations) + (1 << 20)
+        self.max_payload_bytes = max(3 * weights, 2 * activations) + (1 << 20)
 
     # ------------------------------------------------------------------ the run
     async def run(self, resume: bool, on_peers: Callable[[int], None] | None = None) -> RunState:
@@ -278,6 +281,7 @@ class Driver(Messaging, Checkpointing, Rebalancing):
         for m, mb in enumerate(mbs):
             await self._send(first[m % len(first)], Activations(cfg.run_id, step, m, 0, st.epoch), list(mb))
         losses, norms = await self._await_done(step, len(mbs))
+        await self._spot_check(step)
         update = self._decide(step, norms)
         # the step counts from here: a peer lost now finds the survivors holding or applying it
         st.step += 1
@@ -327,6 +331,7 @@ class Driver(Messaging, Checkpointing, Rebalancing):
             self._measure(inbound.sender, msg)
             st.link_bytes[inbound.sender] = msg.bytes_sent
             st.raw_bytes[inbound.sender] = msg.raw_sent
+        self.mb_losses = step_losses
         if len(step_losses) != micro_batches:
             raise SwarmError(f"step {step}: got {len(step_losses)} losses for {micro_batches} micro-batches")
         return sum(step_losses.values()) / micro_batches, norms

@@ -87,6 +87,8 @@ class RunState:
     tokens: int = 0
     tokens_per_step: int = 0
     redone: int = 0
+    spot_checks: int = 0  # micro-batches re-executed by a replica (coordinator.auditing)
+    model_failures: dict[tuple[int, str], set[str]] = field(default_factory=dict)  # (step, reason) -> reporters
     speeds: dict[str, list[float]] = field(default_factory=dict)  # peer -> measured effective FLOP/s
     levels: dict[str, list[float | None]] = field(default_factory=dict)  # peer -> its speed at each check
     levels_epoch: int = -1  # the plan epoch of the last check that recorded levels

@@ -7,14 +7,17 @@ none changed meaning):
 - ``version``: 1; ``run_id``; ``phase``: waiting, planning, training, done or
   failed; ``started_at`` and ``now`` (unix seconds); ``message``: the last
   failure, if any.
-- ``peers``: a list of objects with ``id``, ``device``, ``flops`` (measured FLOP/s),
+- ``peers``: a list of objects with ``id``, ``device``, ``flops`` (advertised FLOP/s: its own benchmark),
   ``up_mbps``/``down_mbps`` (measured to the coordinator), ``connection``
   (``direct`` or ``relayed``), ``stage`` and ``replica`` (null when the peer
   serves no stage), ``last_seen`` (unix seconds), ``health`` (advert freshness:
   ``ok``, ``late`` after 10 s of silence, ``silent`` after 30 s, ``left``) and
   ``state`` (its part in the run: ``joined`` when no plan has placed it yet,
   ``serving`` a stage, ``standby``, or ``lost`` after a failure, until a plan
-  places it again or it is marked standby). *(revision 2: ``state``)*
+  places it again or it is marked standby). Once it has trained: ``measured_flops``
+  (its speed measured from its steps, what rebalancing plans with) and
+  ``claim_contradicted`` (its advert claims over ``CLAIM_SLACK`` times that).
+  *(revision 2: ``state``, ``measured_flops``, ``claim_contradicted``)*
 - ``plan``: null before planning, else ``num_ops``, ``op_flops`` (FLOPs per op,
   in topological order), ``stages`` (``stage``, ``first_op``, ``last_op``,
   ``flops``, ``param_bytes``, ``peers``) and ``cuts`` (``boundary``, ``after_op``,
@@ -29,7 +32,8 @@ none changed meaning):
   *(revision 2: ``epoch``)*
 - ``recovery``: ``epoch`` (as in ``training``), ``failures`` (peer failures
   reported), ``rollbacks``, ``steps_redone`` (steps undone by rollbacks, in
-  all). *(revision 2)*
+  all), ``spot_checks`` (micro-batches re-executed by another replica; a
+  mismatch is an ``audit`` event). *(revision 2)*
 - ``checkpoint``: null before the first, else the last one: ``step`` (the steps
   it holds; a resume continues there), ``path``, ``at`` (unix seconds),
   ``seconds`` (taken to write) and ``bytes``. *(revision 2)*
@@ -40,7 +44,7 @@ none changed meaning):
   the last 20 ``checkpoint`` and the last 200 of the other kinds, merged, so
   neither a flood of rejections nor routine checkpoints hide a failure. Kinds:
   join, leave, plan, links, epoch, failure, replace, rollback, checkpoint,
-  resume, rejected, done and failed. *(revision 2: the separate histories and
+  resume, audit, rejected, done and failed. *(revision 2: the separate histories and
   the kinds from epoch to resume)*
 """
 
@@ -62,6 +66,9 @@ MAX_EVENTS = 200
 ROUTINE_EVENTS = {"rejected": 50, "checkpoint": 20}
 MAX_REJECTED_EVENTS = ROUTINE_EVENTS["rejected"]
 PEER_STATES = ("joined", "serving", "standby", "lost")
+#: how far above its measured speed a peer's advertised FLOP/s may be before the page flags the claim: step
+#: times include overheads a device benchmark does not (honest CPU peers on small models measure 3-6x lower)
+CLAIM_SLACK = 10.0
 
 
 class StatusBoard:
@@ -87,6 +94,7 @@ class StatusBoard:
         self.failures = 0
         self.rollbacks = 0
         self.steps_redone = 0
+        self.spot_checks = 0  # micro-batches re-executed by a replica (coordinator.auditing)
         self.last_checkpoint: dict[str, Any] | None = None
         self._seq = itertools.count()  # orders events across the two histories
         self._histories: dict[str, collections.deque[tuple[int, dict[str, Any]]]] = {
@@ -130,7 +138,9 @@ class StatusBoard:
         """A peer's speed as measured from its steps (``measured_flops``; its advert's
         claim stays in ``flops``)."""
         if peer_id in self.peers and math.isfinite(flops):
-            self.peers[peer_id]["measured_flops"] = flops
+            view = self.peers[peer_id]
+            view["measured_flops"] = flops
+            view["claim_contradicted"] = view.get("flops", 0.0) > CLAIM_SLACK * flops
 
     def set_plan(
         self,
@@ -324,6 +334,7 @@ class StatusBoard:
                 "failures": self.failures,
                 "rollbacks": self.rollbacks,
                 "steps_redone": self.steps_redone,
+                "spot_checks": self.spot_checks,
             },
             "checkpoint": dict(self.last_checkpoint) if self.last_checkpoint else None,
             "links": [dict(link) for link in self.links],

@@ -36,6 +36,7 @@ from protocol.identity import Identity, IdentityError, check_record, key_hex, si
 from protocol.job import JobSpec
 from protocol.messages import Abort, Advert, CoordinatorRecord, Message, dht_key
 from protocol.ports import PortTaken, check_listen_ports
+from protocol.spotcheck import DEFAULT_SPOT_CHECK
 from protocol.transport import PeerUnreachable, Transport
 
 #: steps between two checks whether a plan on the measured speeds pays for moving to it;
@@ -46,7 +47,7 @@ DEFAULT_REBALANCE_EVERY = 0
 #: executor threads: a thread blocked on a DHT that shut down kept the event loop from closing
 DHT_TIMEOUT_S = 30.0
 #: what peers may send the coordinator
-_FROM_PEERS = ("hello", "ready", "done", "state", "failure", "beat", "evaldone")
+_FROM_PEERS = ("hello", "ready", "done", "state", "failure", "beat", "evaldone", "evidence", "verdict")
 logger = logging.getLogger(__name__)
 
 
@@ -82,6 +83,7 @@ class CoordinatorConfig:
     stall_floor_s: float = 8.0  # a planned peer silent this long (or 10 median steps, if longer) has stalled
     send_timeout_s: float = 30.0  # a send to a peer that takes longer counts as a lost peer
     private: bool = False  # admit only peers whose hello proves the swarm's secret (coordinator.private)
+    spot_check: float = DEFAULT_SPOT_CHECK  # each replicated micro-batch re-executed with this chance (auditing)
 
     def job_fields(self) -> dict[str, Any]:
         """The job as it travels and is stored: JSON (a tuple of betas comes back a list)."""
@@ -114,6 +116,7 @@ class RunSummary:
     step_seconds: list[float] = field(default_factory=list)
     rebalances: list[dict[str, Any]] = field(default_factory=list)  # step, why, what moved, tokens/s before
     val_losses: list[tuple[int, float]] = field(default_factory=list)  # (steps done, validation loss)
+    spot_checks: int = 0  # micro-batches re-executed by another replica
 
 
 @dataclass
@@ -164,6 +167,7 @@ class Coordinator:
         driver = self.driver
         # tensors ride only on a stage's state and on evidence of poison (the offending signed frame)
         carries = env.kind == "state" or (env.kind == "failure" and bool(env.body.get("poison")))
+        carries = carries or (env.kind == "evidence" and driver is not None and sender in driver.auditing)
         if not carries or driver is None or sender not in driver.st.planned:
             raise Rejected(Reject.OVERSIZED, f"a {env.payload_bytes}-byte payload on '{env.kind}' from {sender}")
         if env.payload_bytes > driver.max_payload_bytes:
@@ -489,6 +493,7 @@ class Coordinator:
             step_seconds=list(st.step_seconds),
             rebalances=list(st.rebalances),
             val_losses=list(st.val_losses),
+            spot_checks=st.spot_checks,
         )
 
     def choose_codecs(

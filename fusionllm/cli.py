@@ -11,6 +11,7 @@ from typing import Any, NoReturn
 
 from coordinator.replan import POLICIES
 from protocol.recipe import PRECISIONS, SCHEDULES, RecipeError, parse_betas
+from protocol.spotcheck import DEFAULT_SPOT_CHECK
 
 EXIT_USAGE = 2
 
@@ -150,6 +151,14 @@ def _add_swarm_flags(p: argparse.ArgumentParser) -> None:
         help="where checkpoints and the run's metadata go (default: a new folder in ~/.fusionllm/runs/RUN/; demo: "
         "in its log folder)",
     )
+    p.add_argument(
+        "--spot-check",
+        type=_chance,
+        default=DEFAULT_SPOT_CHECK,
+        metavar="P",
+        help="re-execute each micro-batch of a replicated stage on another replica with chance P, and exclude "
+        f"a peer whose signed work differs (0: off; default: {DEFAULT_SPOT_CHECK})",
+    )
     p.add_argument("--standby", type=_natural, default=0, metavar="N", help="keep the N slowest peers as standby")
     p.add_argument(
         "--rebalance-every",
@@ -236,6 +245,16 @@ def _compression(text: str) -> str:
     if text not in modes:
         raise argparse.ArgumentTypeError(f"'{text}' is not one of {', '.join(modes)}")
     return text
+
+
+def _chance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value} is not a chance in [0, 1]")
+    return value
 
 
 def _fraction(text: str) -> float:
@@ -439,7 +458,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("hivemind").setLevel(logging.WARNING)
     from fusionllm import commands, plan_cmds, swarm_cmds
     from protocol.graph import CutError, TraceFailure
-    from protocol.job import SpecError
+    from protocol.job import ModelError, SpecError
 
     try:
         name = f"cmd_{args.command}"
@@ -448,6 +467,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, SpecError, CutError, TraceFailure) as exc:
         print(f"fusionllm: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except ModelError as exc:
+        print(f"fusionllm: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("fusionllm: interrupted", file=sys.stderr)
         return 130

@@ -19,7 +19,7 @@ from coordinator.opdag import balanced_cut, build_opdag
 from coordinator.weights import load_init
 from peer.executor import StageExecutor, make_optimizer, scale_loss, set_lr, unscale_and_norms
 from protocol.graph import Cut, build_stage, partition, trace
-from protocol.job import JobSpec, mean_loss, split_batch
+from protocol.job import JobSpec, mean_loss, model_error, split_batch
 from protocol.recipe import LossScale, Recipe, autocast, decide_update, in_model_order, initial_scale
 
 Progress = Callable[[int, float], None]
@@ -59,9 +59,12 @@ def train_reference(job: JobSpec, progress: Progress | None = None) -> TrainResu
     for step, batch in enumerate(itertools.islice(job.batches(), job.steps)):
         total = 0.0
         for mb in split_batch(batch, job.micro_batches):
-            with autocast(recipe):
-                loss = model(*mb)
-            scale_loss(loss, scale, job.micro_batches).backward()
+            try:
+                with autocast(recipe):
+                    loss = model(*mb)
+                scale_loss(loss, scale, job.micro_batches).backward()
+            except Exception as exc:  # the model's own code: one line with its file:line
+                raise model_error(exc) from None
             total += float(loss.detach())
         scale = _reference_update(params, opt, recipe, scale, step)
         _record(result, job, step, total, _batch_items(batch), progress)

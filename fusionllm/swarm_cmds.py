@@ -56,7 +56,7 @@ def _summary(summary: Any, save: str | None) -> str:
         f"in {summary.seconds:.0f} s, {summary.tokens / max(summary.seconds, 1e-9):,.0f} tokens/s",
         f"cut {summary.assignment.cut.to_list()}",
         f"{len(summary.checkpoint_s)} checkpoints, {summary.epochs} plan epochs, {summary.failures} peers lost, "
-        f"{summary.steps_redone} steps redone, {len(summary.rebalances)} rebalances",
+        f"{summary.steps_redone} steps redone, {len(summary.rebalances)} rebalances, {summary.spot_checks} spot checks",
     ]
     lines += [f"validation loss after step {steps}: {loss:.6f}" for steps, loss in summary.val_losses]
     for s, group in enumerate(summary.assignment.stages):
@@ -122,6 +122,7 @@ async def _coordinate(args: argparse.Namespace, on_ready: Any = None) -> int:
         status_host=args.status_host,
         status_port=args.status_port,
         private=getattr(args, "private", False),
+        spot_check=args.spot_check,
         **_recovery_options(args),
     )
     if args.stages and args.link_mbps and len(args.link_mbps) != args.stages - 1:

@@ -12,7 +12,9 @@ from protocol.envelope import Envelope, Reject, Rejected, match_values
 from protocol.messages import Assign, Message
 
 #: control messages only the coordinator sends
-_FROM_COORDINATOR = ("assign", "links", "finish", "release", "abort", "commit", "stagestate", "evict", "standby")
+_FROM_COORDINATOR = (
+    "assign", "links", "finish", "release", "abort", "commit", "stagestate", "evict", "standby", "audit", "recheck"
+)  # fmt: skip
 
 
 @dataclass

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from peer import audit
 from peer.executor import StageExecutor
 from peer.mailbox import Mailbox
 from protocol import schedule as schedules
@@ -27,14 +28,17 @@ from protocol.job import JobSpec, SpecError, foreign_code
 from protocol.messages import (
     Activations,
     Assign,
+    Audit,
     Commit,
     EvalActivations,
     EvalDone,
     Gradients,
     Ready,
+    Recheck,
     ReplicaGrads,
     State,
     StepDone,
+    Verdict,
 )
 from protocol.recipe import LossScale, Recipe, Update
 from protocol.transport import Inbound
@@ -100,6 +104,7 @@ class EpochRunner:
         self.uploads: list[asyncio.Task[int]] = []  # checkpoint states on their way
         self.mb_grads: dict[int, dict[str, torch.Tensor]] = {}  # replicated stages: own gradients per micro-batch
         self.busy_s = 0.0  # compute and throttle pauses (not waits for messages) since the step began
+        self.kept: dict[tuple[str, int], Inbound] = {}  # this step's received frames: evidence for spot checks
 
     async def run(self) -> None:
         """Serve the epoch through the run's last step (and its final state)."""
@@ -239,7 +244,8 @@ class EpochRunner:
         sent, raw = dict(tp.bytes_sent), dict(tp.raw_sent)
         done = StepDone(a.run_id, step, self.s, self.r, losses, self.busy_s, sent, raw, a.epoch, norms)
         await tp.send(node.coordinator.peer_id, done)
-        commit: Commit = (await self.mailbox.get(("commit", step), self.timeout)).message
+        commit = await self._await_commit(held.ex, step)
+        self.kept.clear()
         await self._compute(held.ex.step, Update(commit.factor, commit.skip, LossScale(commit.loss_scale)))
         held.pending = None
         if commit.evaluate:
@@ -251,7 +257,7 @@ class EpochRunner:
         node, a = self.node, self.a
         tp = node.transport
         assert tp is not None
-        inb = await self.mailbox.get(("act", step, mb), self.timeout)
+        inb = self.kept["act", mb] = await self.mailbox.get(("act", step, mb), self.timeout)
         out = await self._compute(ex.forward, mb, self._checked(inb, "activations"))
         if self.s == self.k - 1:
             losses[str(mb)] = float(out)
@@ -266,8 +272,9 @@ class EpochRunner:
         assert tp is not None
         grad_out = None
         if self.s < self.k - 1:
+            inb = self.kept["grad", mb] = await self.mailbox.get(("grad", step, mb), self.timeout)
             grad_out = _finite(
-                await self.mailbox.get(("grad", step, mb), self.timeout),
+                inb,
                 "gradients",
                 node.device,
                 self.recipe.scales_loss,
@@ -289,6 +296,60 @@ class EpochRunner:
         rounding = torch.Generator().manual_seed(hash((self.job.seed, self.s, self.r, step)) & (2**62 - 1))
         link = Link(self.codecs[self.s - 1].backward, self.feedback, dest, rounding)
         return asyncio.create_task(tp.send(dest, Gradients(a.run_id, step, mb, self.s - 1, a.epoch), grads, link))
+
+    async def _await_commit(self, ex: StageExecutor, step: int) -> Commit:
+        """The coordinator's ``Commit`` of ``step``; meanwhile answer its spot checks."""
+        commit = asyncio.ensure_future(self.mailbox.get(("commit", step), self.timeout))
+        try:
+            while not commit.done():
+                audit = asyncio.ensure_future(self.node.audits.get())
+                await asyncio.wait({commit, audit}, return_when=asyncio.FIRST_COMPLETED)
+                if not audit.done():
+                    audit.cancel()
+                    break
+                await self._answer(ex, step, audit.result())
+            return (await commit).message
+        finally:
+            commit.cancel()
+
+    async def _answer(self, ex: StageExecutor, step: int, inbound: Inbound) -> None:
+        tp, coordinator, msg = self.node.transport, self.node.coordinator, inbound.message
+        assert tp is not None and coordinator is not None
+        if msg.step != step:
+            return
+        if isinstance(msg, Audit):
+            reply, values = audit.evidence_for(msg, self.kept, ex)
+        elif msg.stage in (-1, self.s) and not msg.weights:
+            group = self.a.stages[self.s]
+            mine = msg.suspect in group and msg.mb % len(group) == group.index(msg.suspect)
+            own = self.kept.get(("rgrad", msg.mb)) if mine else None
+            reply, values = await self._compute(self._rechecker(ex, self.s).verdict, msg, inbound.values(), own), None
+        else:
+            reply, values = await self._compute(self._arbitrate, ex, msg, inbound.values()), None
+        await tp.send(coordinator.peer_id, reply, values)
+
+    def _rechecker(self, ex: StageExecutor, s: int) -> audit.Rechecker:
+        assert self.node.transport is not None
+        forward = self.codecs[s].forward if s < self.k - 1 else None
+        backward = self.codecs[s - 1].backward if s > 0 else None
+        tp = self.node.transport
+        keys = {**tp.gate.keys, tp.peer_id: tp.identity.public_key}  # an arbiter may have signed the input itself
+        return audit.Rechecker(ex, s, keys, forward, backward, self.job.micro_batches)
+
+    def _arbitrate(self, ex: StageExecutor, msg: Recheck, values: list[Any]) -> Verdict:
+        """Re-execute a micro-batch of another stage (two of its replicas disagreed):
+        that stage rebuilt from the job, with the weights both replicas showed."""
+        evidence, weights = values[: 2 * len(msg.roles)], values[2 * len(msg.roles) :]
+        if not 0 <= msg.stage < self.k or len(weights) != len(msg.weights):
+            return Verdict(msg.run_id, msg.step, msg.mb, msg.suspect, False, "a malformed arbitration", msg.epoch)
+        module = build_stage(partition(trace(self.job.build_model()), self.cut), msg.stage).to(self.node.device)
+        other = StageExecutor(module, self.recipe, msg.stage == self.k - 1)
+        try:
+            other.load_state_tensors(dict(zip(msg.weights, weights, strict=True)))
+        except ValueError as exc:
+            return Verdict(msg.run_id, msg.step, msg.mb, msg.suspect, False, f"the weights: {exc}", msg.epoch)
+        other.loss_scale = ex.loss_scale
+        return self._rechecker(other, msg.stage).verdict(msg, evidence, None)
 
     async def _evaluate(self, ex: StageExecutor, step: int, count: int) -> None:
         """Run this replica's share of ``count`` validation micro-batches forward; the
@@ -331,7 +392,7 @@ class EpochRunner:
             if mb in self.mb_grads:
                 per_mb.append(self.mb_grads.pop(mb))
             else:
-                inb = await self.mailbox.get(("rgrad", step, mb), self.timeout)
+                inb = self.kept["rgrad", mb] = await self.mailbox.get(("rgrad", step, mb), self.timeout)
                 values = self._checked(inb, "replica gradients")
                 per_mb.append(dict(zip(inb.message.names, values, strict=True)))
         params = dict(ex.module.named_parameters())

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from protocol.job import model_error
 from protocol.recipe import LossScale, Recipe, Update, autocast, initial_scale
 from protocol.statecheck import Problems
 
@@ -138,8 +139,11 @@ class StageExecutor:
             raise ValueError(f"micro-batch {mb} already ran forward on this stage")
         # Values may be tensors or (nested) tuples of them, e.g. the result of split().
         leaves = [_as_leaf(x) for x in inputs]
-        with torch.enable_grad(), autocast(self.recipe, self.device):
-            out = self.module(*leaves)
+        try:
+            with torch.enable_grad(), autocast(self.recipe, self.device):
+                out = self.module(*leaves)
+        except Exception as exc:  # the model's own code: one line with its file:line
+            raise model_error(exc) from None
         self._saved[mb] = (leaves, out)
         if self.is_last:
             return out.detach()
@@ -154,15 +158,39 @@ class StageExecutor:
             raise ValueError(f"micro-batch {mb} has no saved forward on this stage")
         leaves, out = self._saved.pop(mb)
         if self.is_last:
-            torch.autograd.backward([scale_loss(out, self.loss_scale, loss_divisor)])
+            roots, grads = [scale_loss(out, self.loss_scale, loss_divisor)], None
         else:
             assert grad_outputs is not None
             if len(grad_outputs) != len(out):
                 raise ValueError(f"expected {len(out)} output gradients, got {len(grad_outputs)}")
             pairs = _pairs(tuple(out), tuple(grad_outputs))
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
+        if roots:
+            try:
+                torch.autograd.backward(roots, grads)
+            except Exception as exc:  # a custom autograd function of the model's
+                raise model_error(exc) from None
         return [_grad_of(x) for x in leaves]
+
+    def replay(
+        self, inputs: Sequence[Any], grad_outputs: Sequence[torch.Tensor | None] | None, loss_divisor: int
+    ) -> tuple[Any, list[torch.Tensor | None], dict[str, torch.Tensor]]:
+        """Forward and backward of one micro-batch again, exactly as ``forward`` and
+        ``backward`` run it, leaving this step's saved forwards and gradients as they
+        were: (outputs or loss, the inputs' gradients, the parameters' gradients)."""
+        saved, stash = self._saved, [(p, p.grad) for p in self.params]
+        self._saved = {}
+        try:
+            for p in self.params:
+                p.grad = None
+            out = self.forward(-1, inputs)
+            grads = self.backward(-1, grad_outputs, loss_divisor)
+            own = {n: p.grad for n, p in self.module.named_parameters() if p.grad is not None}
+        finally:
+            self._saved = saved
+            for p, g in stash:
+                p.grad = g
+        return out, grads, own
 
     def evaluate(self, inputs: Sequence[Any]) -> Any:
         """The stage's forward in eval mode, without autograd (validation batches)."""

@@ -23,12 +23,14 @@ from peer.throttle import Throttle
 from protocol.admission import hello_proof
 from protocol.envelope import Gate
 from protocol.identity import Identity, IdentityError, check_record, key_hex, public_key, sign_record
+from protocol.job import ModelError
 from protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
     Activations,
     Advert,
     Assign,
+    Audit,
     Beat,
     Commit,
     CoordinatorRecord,
@@ -39,13 +41,14 @@ from protocol.messages import (
     Hello,
     LinkPlan,
     PeerFailure,
+    Recheck,
     Release,
     ReplicaGrads,
     StageState,
     Standby,
     dht_key,
 )
-from protocol.transport import PeerUnreachable, Transport
+from protocol.transport import Inbound, PeerUnreachable, Transport
 
 #: the longest a DHT store or get may take (awaited as futures: see coordinator.swarm)
 DHT_TIMEOUT_S = 30.0
@@ -92,6 +95,7 @@ class PeerNode:
         self.dht: hivemind.DHT | None = None
         self.transport: Transport | None = None
         self.mailbox = Mailbox()
+        self.audits: asyncio.Queue[Inbound] = asyncio.Queue()  # the coordinator's spot checks (peer.audit)
         self.coordinator: CoordinatorRecord | None = None
         self.advert: Advert | None = None
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
@@ -274,6 +278,8 @@ class PeerNode:
                 self.mailbox.put(("grad", msg.step, msg.mb), inbound)
             elif isinstance(msg, ReplicaGrads):
                 self.mailbox.put(("rgrad", msg.step, msg.mb), inbound)
+            elif isinstance(msg, (Audit, Recheck)):
+                self.audits.put_nowait(inbound)
             else:
                 logger.warning("unexpected %s from %s", msg.KIND, inbound.sender)
 
@@ -284,6 +290,7 @@ class PeerNode:
         self.epoch = self.transport.gate.epoch = epoch
         self.checks.assign = a
         self.mailbox = Mailbox()
+        self.audits = asyncio.Queue()
 
     async def run_compute(self, fn: Any, *args: Any) -> Any:
         """Run ``fn`` on the stage's compute thread (one at a time, in order)."""
@@ -360,6 +367,9 @@ class PeerNode:
             await self._report_failure(str(exc), exc.peer_id, self._task_epoch)
         except Poisoned as exc:
             await self._report_failure(str(exc), exc.sender, self._task_epoch, poison=True, evidence=exc.evidence)
+        except ModelError as exc:
+            self._say(str(exc))
+            await self._report_failure(str(exc), epoch=self._task_epoch, model=True)
         except (RunRefused, asyncio.TimeoutError) as exc:
             await self._report_failure(str(exc) or "timed out waiting for a message", epoch=self._task_epoch)
         except Exception as exc:  # anything else this peer cannot go on with: the coordinator re-plans
@@ -380,13 +390,19 @@ class PeerNode:
             await self.run_compute(lambda: None)
 
     async def _report_failure(
-        self, reason: str, suspect: str = "", epoch: int = -1, poison: bool = False, evidence: list[Any] | None = None
+        self,
+        reason: str,
+        suspect: str = "",
+        epoch: int = -1,
+        poison: bool = False,
+        evidence: list[Any] | None = None,
+        model: bool = False,
     ) -> None:
         assert self.transport is not None and self.coordinator is not None
         logger.error("%s", reason)
         stage = self.checks.assign.stage if self.checks and self.checks.assign else -1
         try:
-            msg = PeerFailure(self.config.run_id, stage, reason, epoch, suspect, poison)
+            msg = PeerFailure(self.config.run_id, stage, reason, epoch, suspect, poison, model)
             await asyncio.wait_for(self.transport.send(self.coordinator.peer_id, msg, evidence), 30)
         except (PeerUnreachable, asyncio.TimeoutError):
             pass

@@ -29,7 +29,7 @@ import math
 import struct
 import time
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +72,7 @@ class Reject(enum.Enum):
     NON_FINITE = "non_finite"  # decoded activations or gradients hold NaN or infinity (the sender is excluded)
     PROBE_LIMIT = "probe_limit"  # a bandwidth probe asking back more than it sent, or over the sender's budget
     BAD_ADVERT = "bad_advert"  # a DHT advert with non-finite or out-of-range claims or unparseable addresses
+    MUTED = "muted"  # a stream from a sender muted for too many rejections, closed unread (counted, never logged each)
 
 
 class Rejected(Exception):
@@ -240,13 +241,24 @@ Expectation = Callable[[Envelope, Message, str], None]
 #: rejections logged per sender per window (the rest are counted, and said in the next line)
 LOG_BURST = 5
 LOG_WINDOW_S = 10.0
+#: an abusive sender: more than MUTE_REJECTS rejections (stale-epoch ones aside, which an
+#: honest peer sends after a re-plan) within MUTE_WINDOW_S get it muted for MUTE_S: every
+#: stream it opens is closed unread, and counted as one MUTED rejection
+MUTE_REJECTS = 200
+MUTE_WINDOW_S = 10.0
+MUTE_S = 60.0
+#: per-sender tables hold at most this many senders (fresh identities: they start over)
+MAX_SENDERS = 10_000
 
 
 class Gate:
     """A receiver's checks on incoming signed frames, and their tally."""
 
-    def __init__(self, run_id: str, max_payload: int = 4 << 30, window: int = 4096) -> None:
+    def __init__(
+        self, run_id: str, max_payload: int = 4 << 30, window: int = 4096, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.run_id = run_id
+        self.clock = clock
         self.max_payload = max_payload
         self.window = window
         self.keys: dict[str, Ed25519PublicKey] = {}
@@ -261,10 +273,15 @@ class Gate:
         self.refused: set[str] = set()
         self.counts: collections.Counter[Reject] = collections.Counter()
         self.recent: collections.deque[tuple[float, str, str, str]] = collections.deque(maxlen=200)
-        #: called with (sender, code, detail) on every rejection, e.g. by the status page
+        #: called with (sender, code, detail) on every rejection, e.g. by the status page; a
+        #: muted sender's refused streams are only counted: listeners hear once, when it is muted
         self.listeners: list[Callable[[str, str, str], None]] = []
+        #: called with the sender when it gets muted (e.g. to disconnect it)
+        self.on_mute: list[Callable[[str], None]] = []
         self._windows: dict[str, _Window] = {}
         self._log_window: dict[str, tuple[float, int, int]] = {}  # sender -> (window start, logged, not logged)
+        self._abuse: dict[str, tuple[float, int]] = {}  # sender -> (window start, rejections in it)
+        self._muted: dict[str, tuple[float, int]] = {}  # sender -> (muted until, streams refused since)
 
     def admit(self, peer_id: str, key: Ed25519PublicKey) -> None:
         self.keys[peer_id] = key
@@ -280,8 +297,13 @@ class Gate:
         stripped; the rest are counted and said in the next line."""
         self.counts[exc.code] += 1
         self.recent.append((time.time(), sender, exc.code.value, exc.detail))
-        now = time.monotonic()
-        if len(self._log_window) > 10_000:  # many senders (fresh identities): start over
+        now = self.clock()
+        if exc.code is not Reject.STALE_EPOCH:
+            if len(self._abuse) > MAX_SENDERS:
+                self._abuse.clear()
+            begun, n = self._abuse.get(sender, (now, 0))
+            self._abuse[sender] = (begun, n + 1) if now - begun <= MUTE_WINDOW_S else (now, 1)
+        if len(self._log_window) > MAX_SENDERS:  # many senders (fresh identities): start over
             self._log_window.clear()
         start, logged, quiet = self._log_window.get(sender, (now, 0, 0))
         if now - start > LOG_WINDOW_S:
@@ -295,6 +317,50 @@ class Gate:
         self._log_window[sender] = (start, logged, quiet)
         for listener in self.listeners:
             listener(sender, exc.code.value, exc.detail)
+
+    def muted(self, sender: str) -> bool:
+        """Whether ``sender``'s streams are to be closed unread: it is muted, or its
+        rejections just crossed ``MUTE_REJECTS`` in ``MUTE_WINDOW_S``, which mutes it for
+        ``MUTE_S`` (one log line, one event for the listeners, and ``on_mute``)."""
+        now = self.clock()
+        if sender in self._muted:
+            until, refused = self._muted[sender]
+            if now < until:
+                return True
+            del self._muted[sender]
+            logger.info("%s is no longer muted (%d streams were refused while it was)", clean(sender)[:80], refused)
+        begun, n = self._abuse.get(sender, (now, 0))
+        if n <= MUTE_REJECTS or now - begun > MUTE_WINDOW_S:
+            return False
+        self._abuse.pop(sender, None)
+        if len(self._muted) >= MAX_SENDERS:
+            self._muted = {s: m for s, m in self._muted.items() if m[0] > now}
+            if len(self._muted) >= MAX_SENDERS:  # that many abusive identities at once: start over
+                self._muted.clear()
+        self._muted[sender] = (now + MUTE_S, 0)
+        detail = f"{n} rejected messages within {MUTE_WINDOW_S:.0f} s: its streams are closed unread for {MUTE_S:.0f} s"
+        logger.warning(
+            "muting %s until %s: %s",
+            clean(sender)[:80],
+            time.strftime("%H:%M:%S", time.localtime(time.time() + MUTE_S)),
+            detail,
+        )
+        for listener in self.listeners:
+            listener(sender, Reject.MUTED.value, detail)
+        for callback in self.on_mute:
+            callback(sender)
+        return True
+
+    def refuse_stream(self, sender: str) -> bool:
+        """Whether a new stream from ``sender`` is to be closed unread because it is muted;
+        each such stream is counted as a ``MUTED`` rejection (nothing else: no log line,
+        no event)."""
+        if not self.muted(sender):
+            return False
+        self.counts[Reject.MUTED] += 1
+        until, refused = self._muted[sender]
+        self._muted[sender] = (until, refused + 1)
+        return True
 
     def check_head(self, head: bytes, sender: str) -> tuple[Envelope, Message]:
         """Check everything but the payload's digest; ``head`` is magic, length,
@@ -493,21 +559,30 @@ def _strip(d: Any) -> Any:
     return d
 
 
-def poisoned_frame(run_id: str, sender: str, key: Ed25519PublicKey | None, evidence: list[Any]) -> bool:
-    """Whether ``evidence`` (a signed head and its payload, as two uint8 tensors) is a
-    frame that ``sender`` signed with ``key`` for this run, whose tensors hold NaN or
-    infinity: proof of poison, which a reporter cannot forge about an honest peer."""
+def signed_frame(
+    run_id: str, sender: str, key: Ed25519PublicKey | None, evidence: Sequence[Any]
+) -> tuple[Message, list[Any]] | None:
+    """The message and values of ``evidence`` (a signed head and its payload, as two
+    uint8 tensors) if it is a frame that ``sender`` signed with ``key`` for this run;
+    else None. What a frame says about its sender, no one else can forge."""
     if key is None or len(evidence) != 2:
-        return False
+        return None
     if not all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1 for t in evidence):
-        return False
-    head, payload = evidence[0].numpy().tobytes(), memoryview(evidence[1].numpy().tobytes())
+        return None
+    head, payload = evidence[0].numpy().tobytes(), memoryview(bytearray(evidence[1].numpy().tobytes()))
     gate = Gate(run_id)
     gate.admit(sender, key)
     try:
-        env, _ = gate.check_head(head, sender)
+        env, message = gate.check_head(head, sender)
         gate.check_payload(env, payload, sender)
-        values = Frame({"values": env.values}, payload).values()
+        return message, Frame({"values": env.values}, payload).values()
     except (Rejected, WireError, ValueError, TypeError):
-        return False
-    return not all(all_finite(v) for v in values)
+        return None
+
+
+def poisoned_frame(run_id: str, sender: str, key: Ed25519PublicKey | None, evidence: list[Any]) -> bool:
+    """Whether ``evidence`` is a frame ``sender`` signed (``signed_frame``) whose tensors
+    hold NaN or infinity: proof of poison, which a reporter cannot forge about an
+    honest peer."""
+    found = signed_frame(run_id, sender, key, evidence)
+    return found is not None and not all(all_finite(v) for v in found[1])

@@ -201,6 +201,17 @@ class JobSpec(RecipeFields):
         return split_batch(next(iter(self.batches())), self.micro_batches)[0]
 
 
+class ModelError(RuntimeError):
+    """The model's own code raised while a stage ran it; ``str()`` is one line with the
+    model's ``file:line`` and the exception."""
+
+
+def model_error(exc: BaseException) -> ModelError:
+    """``exc``, raised inside the model, as a one-line :class:`ModelError`."""
+    first = (str(exc).strip().splitlines() or [""])[0][:200]
+    return ModelError(f"the model fails at {_model_frame(exc)}: {type(exc).__name__}: {first}")
+
+
 def _model_frame(exc: BaseException) -> str:
     """``file:line`` of the innermost frame of the failure outside torch and this
     package: the model's own code."""

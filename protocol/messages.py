@@ -262,6 +262,7 @@ class PeerFailure(Message):
     epoch: int = 0
     suspect: str = ""  # the peer id the reporter could not reach, if that was the failure
     poison: bool = False  # the suspect sent values that are not finite (not: could not be reached)
+    model: bool = False  # the model's own code raised (reason: its file:line and the exception)
 
 
 @dataclass(frozen=True)
@@ -318,6 +319,73 @@ class Commit(Message):
     skip: bool = False  # do not update (fp16: the gradients were not finite)
     loss_scale: float = 1.0  # the next step's loss scale
     evaluate: int = 0  # then run this many validation micro-batches forward (EvalActivations)
+
+
+@dataclass(frozen=True)
+class Audit(Message):
+    """Coordinator -> peer, between ``StepDone`` and ``Commit``: send back the signed
+    frames you received for micro-batch ``mb`` of ``step`` (``kinds``: ``act``,
+    ``grad``), as they arrived: evidence for a spot check (see ``Recheck``)."""
+
+    KIND: ClassVar[str] = "audit"
+    run_id: str
+    step: int
+    mb: int
+    kinds: list[str]
+    epoch: int = 0
+
+
+@dataclass(frozen=True)
+class Evidence(Message):
+    """Peer -> coordinator: the frames an ``Audit`` asked for; the payload holds each
+    one's signed head and payload (two uint8 tensors per kind, in ``kinds`` order).
+    The kind ``weights`` is the stage's weights and buffers instead, by ``names``."""
+
+    KIND: ClassVar[str] = "evidence"
+    run_id: str
+    step: int
+    mb: int
+    kinds: list[str]
+    epoch: int = 0
+    names: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Recheck(Message):
+    """Coordinator -> a replica of ``suspect``'s stage: re-execute micro-batch ``mb``
+    of ``step`` from the signed frames in the payload (``roles`` of
+    ``protocol.spotcheck``; head and payload each) with this step's weights, and
+    compare with what ``suspect`` signed and reported (``loss``, last stage), within
+    ``tolerance`` (relative). An arbiter of another stage gets ``stage`` and the
+    ``weights`` (by name, after the evidence) to rebuild it."""
+
+    KIND: ClassVar[str] = "recheck"
+    run_id: str
+    step: int
+    mb: int
+    suspect: str
+    roles: list[str]
+    signers: list[str]  # who signed each role's frame
+    epoch: int = 0
+    loss: float | None = None
+    tolerance: float = 0.0
+    stage: int = -1  # an arbiter's: the stage to rebuild (-1: the checker's own)
+    weights: list[str] = field(default_factory=list)  # an arbiter's: the weights that follow the evidence
+
+
+@dataclass(frozen=True)
+class Verdict(Message):
+    """Replica -> coordinator: the result of a ``Recheck``; ``detail`` says what differed."""
+
+    KIND: ClassVar[str] = "verdict"
+    run_id: str
+    step: int
+    mb: int
+    suspect: str
+    agree: bool
+    detail: str = ""
+    epoch: int = 0
+    checked: bool = True  # False: the evidence did not hold up, so nothing was compared
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,9 @@
 Each process registers one binary stream handler; a sender keeps one persistent
 stream per destination and writes frames on it (no size cap, no protobuf
 chunking). Received frames land in an inbox queue with the sender's libp2p peer
-id, which the libp2p handshake authenticated.
+id, which the libp2p handshake authenticated. A sender that the gate mutes (too
+many rejections: ``protocol.envelope.MUTE_REJECTS``) is disconnected once, and
+every stream it opens until the mute ends is closed before a byte is read.
 """
 
 from __future__ import annotations
@@ -135,6 +137,8 @@ class Transport:
         #: large frame is not silent, though no whole message of it has arrived yet
         self.last_activity: dict[str, float] = {}
         self._laned: set[asyncio.Task[None]] = set()  # frames whose payload is still on the lanes
+        self._cutting: set[asyncio.Task[None]] = set()  # disconnects of muted senders
+        gate.on_mute.append(self._cut_off)
 
     @property
     def peer_id(self) -> str:
@@ -145,9 +149,9 @@ class Transport:
         return self.gate.max_payload
 
     async def start(self) -> None:
-        await self.p2p.add_binary_stream_handler(MSG_PROTOCOL, self._handle)
-        await self.p2p.add_binary_stream_handler(BW_PROTOCOL, self._handle_bandwidth)
-        await self.p2p.add_binary_stream_handler(LANE_PROTOCOL, self._handle_lane)
+        await self.p2p.add_binary_stream_handler(MSG_PROTOCOL, _ends_quietly(self._handle))
+        await self.p2p.add_binary_stream_handler(BW_PROTOCOL, _ends_quietly(self._handle_bandwidth))
+        await self.p2p.add_binary_stream_handler(LANE_PROTOCOL, _ends_quietly(self._handle_lane))
 
     def learn(self, peer_id: str, maddrs: list[str]) -> None:
         """Remember where a peer listens (from its advert or assignment)."""
@@ -256,6 +260,8 @@ class Transport:
     async def _handle_lane(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sender = info.peer_id.to_base58()
         try:
+            if self.gate.refuse_stream(sender):
+                return
             if sender not in self.gate.keys:
                 raise Rejected(Reject.NOT_ADMITTED, f"lane stream from {sender}, who is not admitted")
             while True:
@@ -316,6 +322,8 @@ class Transport:
     async def _handle(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sender = info.peer_id.to_base58()
         try:
+            if self.gate.refuse_stream(sender):
+                return
             while True:
                 try:
                     first = await reader.readexactly(HEAD.size)
@@ -337,6 +345,8 @@ class Transport:
                     if exc.code in _FATAL or skip is None or skip > self.max_payload:
                         raise
                     self.gate.reject(sender, exc)
+                    if self.gate.muted(sender):
+                        break
                     dropped = lane_id(head)
                     if dropped is not None:  # its parts on the lane streams are dropped too
                         self._drop_lanes(sender, dropped)
@@ -354,6 +364,8 @@ class Transport:
                     if exc.code is Reject.TRUNCATED:
                         raise
                     self.gate.reject(sender, exc)
+                    if self.gate.muted(sender):
+                        break
                     continue
                 await self.inbox.put(Inbound(sender, message, Frame({"values": env.values}, payload), env, head))
         except Rejected as exc:
@@ -362,6 +374,23 @@ class Transport:
             pass
         finally:
             writer.close()
+
+    def _cut_off(self, sender: str) -> None:
+        """A sender just muted: close our streams to it and drop its libp2p connection
+        (it may dial again; its streams are then closed unread until the mute ends)."""
+        self.forget(sender)
+        try:
+            task = asyncio.get_running_loop().create_task(self._disconnect(sender))
+        except RuntimeError:  # no loop running (a gate used on its own)
+            return
+        self._cutting.add(task)
+        task.add_done_callback(self._cutting.discard)
+
+    async def _disconnect(self, sender: str) -> None:
+        try:
+            await self.p2p._client.disconnect(PeerID.from_base58(sender))
+        except Exception as exc:
+            logger.debug("could not disconnect %s: %s", sender, exc)
 
     def _active(self, sender: str) -> None:
         self.last_activity[sender] = time.monotonic()
@@ -382,6 +411,8 @@ class Transport:
         the sender's budget (so a probe cannot amplify traffic or hold memory)."""
         sender = info.peer_id.to_base58()
         try:
+            if self.gate.refuse_stream(sender):
+                return
             if not await self._admitted_soon(sender):
                 raise Rejected(Reject.NOT_ADMITTED, f"bandwidth probe from {sender}, who is not admitted")
             header = await read_head(reader, MAX_PROBE_BYTES)
@@ -458,11 +489,24 @@ class Transport:
         return {info.peer_id.to_base58() for info in await self.p2p.list_peers()}
 
     async def aclose(self) -> None:
-        for task in list(self._laned):
+        for task in [*self._laned, *self._cutting]:
             task.cancel()
         for _, writer in self._streams.values():  # main and lane streams
             writer.close()
         self._streams.clear()
+
+
+def _ends_quietly(handler: Any) -> Any:
+    """A stream handler whose cancellation (the transport closing while a stream is
+    open) ends it quietly: hivemind logs a cancelled handler as an error traceback."""
+
+    async def run(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await handler(info, reader, writer)
+        except asyncio.CancelledError:
+            writer.close()
+
+    return run
 
 
 async def _read_payload(

@@ -5,13 +5,18 @@ publishes an advert with a bad claim, then waits to be used.
 with MODE ``nan`` / ``inf`` / ``negative`` (its FLOP/s), ``maddr`` (an address
 that does not parse), or ``poison``: an honest advert, but every value its stage
 computes (activations or loss forward, gradients backward) is NaN; or ``framer``:
-it reports every sender's (finite) values as poison."""
+it reports every sender's (finite) values as poison; or ``noisy``: wrong but finite work,
+small noise on a fraction ``FUSIONLLM_CHEAT_FRACTION`` (default 1) of the values its
+stage computes forward (its activations, or its loss); or ``fakeloss``: it computes
+honestly but reports a loss of 0.01 (on the last stage)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import dataclasses
+import os
+import random
 from typing import Any
 
 import torch
@@ -20,7 +25,8 @@ from peer import epoch
 from peer.executor import StageExecutor
 from peer.node import PeerConfig, PeerNode
 
-CLAIMS = {"nan": float("nan"), "inf": float("inf"), "negative": -1e12, "maddr": None, "poison": None, "framer": None}
+CLAIMS = {"nan": float("nan"), "inf": float("inf"), "negative": -1e12, "maddr": None}
+CLAIMS |= dict.fromkeys(("poison", "framer", "noisy", "fakeloss"))
 
 
 def _nan(value: Any) -> Any:
@@ -50,6 +56,31 @@ def poison() -> None:
     StageExecutor.backward = lambda self, *a, **k: _nan(backward(self, *a, **k))  # type: ignore[method-assign]
 
 
+def _noisy(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value + 1e-3 * torch.randn_like(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_noisy(v) for v in value)
+    return value
+
+
+def cheat(mode: str) -> None:
+    """Wrong but finite work: noise on a fraction of the forward outputs, or a fake loss."""
+    forward = StageExecutor.forward
+    fraction = float(os.environ.get("FUSIONLLM_CHEAT_FRACTION", "1"))
+    rng = random.Random()
+
+    def noisy(self: StageExecutor, *a: Any, **k: Any) -> Any:
+        out = forward(self, *a, **k)
+        return _noisy(out) if rng.random() < fraction else out
+
+    def fake(self: StageExecutor, *a: Any, **k: Any) -> Any:
+        out = forward(self, *a, **k)
+        return torch.full_like(out, 0.01) if self.is_last else out
+
+    StageExecutor.forward = noisy if mode == "noisy" else fake  # type: ignore[method-assign]
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=sorted(CLAIMS))
@@ -60,7 +91,10 @@ async def main() -> None:
     args = ap.parse_args()
     if args.mode == "poison":
         poison()
-    node = PeerNode(PeerConfig(args.initial_peers, args.run, identity=args.identity, advertise_flops=CLAIMS[args.mode]))
+    if args.mode in ("noisy", "fakeloss"):
+        cheat(args.mode)
+    claim = CLAIMS[args.mode] or float(os.environ.get("FUSIONLLM_CLAIM_FLOPS", "0")) or None
+    node = PeerNode(PeerConfig(args.initial_peers, args.run, identity=args.identity, advertise_flops=claim))
     if args.mode == "framer":
         frame_others(node)
     await node.start()

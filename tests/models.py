@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 import torch
@@ -77,3 +78,33 @@ def branchy_wide() -> nn.Module:
     from fusionllm.zoo import Branchy
 
     return Branchy(dim=32, depth=8)
+
+
+@torch.fx.wrap
+def _fails_late(x: torch.Tensor) -> torch.Tensor:
+    if float(x.sum()) > 10:  # data-dependent: the first batches pass, a later one fails
+        raise RuntimeError("late failure in the model")
+    return x
+
+
+class Late(nn.Module):
+    """Traceable, fine on the first batch (so ``checked_model`` passes), raises on the fourth."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.a(_fails_late(x))
+        return ((self.b(h).squeeze(-1) - y) ** 2).mean()
+
+
+def late() -> Late:
+    return Late()
+
+
+def late_data(seed: int, split: str = "train") -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    for i in itertools.count():
+        yield torch.randn(8, 8, generator=gen) + (1.0 if i >= 3 else 0.0), torch.randn(8, generator=gen)

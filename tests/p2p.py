@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import hivemind
+import torch
 
-from protocol.envelope import Gate
+from protocol.envelope import HEAD, MAGIC, Gate, Sealer
 from protocol.identity import Identity
+from protocol.messages import Activations
 from protocol.transport import Transport
+from protocol.wire import encode_values
 
 
 @asynccontextmanager
@@ -30,3 +34,16 @@ async def transport_pair(run_id: str = "r", max_payload: int = 4 << 30) -> Async
         await b.aclose()
         d1.shutdown()
         d2.shutdown()
+
+
+def claiming(sealer: Sealer, nbytes: int) -> bytes:
+    """A validly signed head whose header claims an ``nbytes`` payload (a float32
+    tensor of that size) that never follows."""
+    small, _ = sealer.seal(Activations("r", 0, 0, 1), *encode_values([torch.zeros(4)]))
+    header = json.loads(small[HEAD.size : HEAD.size + HEAD.unpack_from(small)[1]])
+    header["payload_bytes"] = nbytes
+    header["values"][0]["shape"] = [nbytes // 4]
+    header["values"][0]["nbytes"] = nbytes
+    data = json.dumps(header, separators=(",", ":")).encode()
+    head = HEAD.pack(MAGIC, len(data)) + data
+    return head + sealer.identity.sign(head)

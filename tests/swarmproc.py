@@ -26,8 +26,8 @@ SMALL = ["--model-args", "n_layer=2,n_embd=64,n_head=4"]
 class Proc:
     """One ``fusionllm`` process, its output lines, and every PID it ever started."""
 
-    def __init__(self, *args: str, module: str = "fusionllm") -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    def __init__(self, *args: str, module: str = "fusionllm", env: dict[str, str] | None = None) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
         self.args = args
         self.popen = subprocess.Popen(
             [sys.executable, "-m", module, *args],
@@ -166,6 +166,12 @@ class Swarm:
         pid = p.wait_line(r"joined run '.*' as (\w+)").group(1)
         self.peers[pid] = p
         return pid
+
+    def add_hostile(self, mode: str, key: str, env: dict[str, str] | None = None) -> str:
+        """A ``tests.hostile_peer`` of ``mode`` joined; returns its peer id."""
+        p = Proc(mode, *self.join_args, "--identity", str(self.tmp / key), module="tests.hostile_peer", env=env)
+        self.procs.append(p)
+        return p.wait_line(r"joined run '.*' as (\w+)", 120).group(1)
 
     def serving(self, state: dict[str, Any]) -> dict[str, tuple[int, int]]:
         """Peer id -> (stage, replica) of the peers serving now."""

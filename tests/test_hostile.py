@@ -14,7 +14,7 @@ from fusionllm.local import compare_checkpoints
 from protocol.advert_check import MAX_FLOPS, advert_problem
 from protocol.messages import PROTOCOL_VERSION, Advert
 from tests.conftest import run_cli
-from tests.swarmproc import SMALL, Proc, Swarm
+from tests.swarmproc import SMALL, Swarm
 
 
 def _advert(**kw: object) -> Advert:
@@ -22,6 +22,12 @@ def _advert(**kw: object) -> Advert:
                 memory_bytes=1 << 30, up_mbps=100.0, down_mbps=100.0, torch_version="2",
                 protocol_version=PROTOCOL_VERSION, expires_at=1.0)  # fmt: skip
     return Advert(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def _equals_reference(tmp_path: Path, common: list[str], save: Path) -> None:
+    ref = tmp_path / "ref.safetensors"
+    assert run_cli("train", "--reference", *common, "--save", str(ref)).returncode == 0
+    assert compare_checkpoints(save, ref) <= 1e-5
 
 
 @pytest.mark.parametrize(
@@ -61,11 +67,8 @@ def test_hostile_peers_are_left_out_and_the_run_ends_equal_to_a_clean_one(tmp_pa
     args = [*common, "--min-peers", "5", "--stages", "5", "--save", str(save), "--run-dir", str(tmp_path / "run")]
     swarm = Swarm(tmp_path, args, peers=0)
     try:
-        hostile = {}
-        for i, mode in enumerate(("nan", "negative", "maddr", "poison", "framer")):
-            p = Proc(mode, *swarm.join_args, "--identity", str(tmp_path / f"h{i}.key"), module="tests.hostile_peer")
-            swarm.procs.append(p)
-            hostile[mode] = p.wait_line(r"joined run '.*' as (\w+)", 120).group(1)
+        modes = ("nan", "negative", "maddr", "poison", "framer")
+        hostile = {mode: swarm.add_hostile(mode, f"h{i}.key") for i, mode in enumerate(modes)}
         honest = {swarm.add_peer(i) for i in range(3)}
         assert swarm.coord.wait(300) == 0, swarm.coord.output[-3000:]
         out = swarm.coord.output
@@ -88,6 +91,60 @@ def test_hostile_peers_are_left_out_and_the_run_ends_equal_to_a_clean_one(tmp_pa
     ref = tmp_path / "ref.safetensors"
     assert run_cli("train", "--reference", *common, "--save", str(ref)).returncode == 0
     assert compare_checkpoints(save, ref) <= 1e-5
+
+
+def test_wrong_but_finite_work_is_caught_by_re_execution(tmp_path: Path) -> None:
+    """Accountable compute: one stage served by four replicas, two of them cheats whose
+    values stay finite: one adds noise to what it computes, one reports a fake loss
+    while computing honestly. Every micro-batch is re-executed by another replica
+    (``--spot-check 1``): each cheat is excluded by the majority, its signed frames are
+    kept as evidence, no honest peer is blamed, and the run ends equal to a clean one."""
+    steps = 4
+    save, run_dir = tmp_path / "swarm.safetensors", tmp_path / "run"
+    common = ["--steps", str(steps), "--seed", "0", *SMALL]
+    args = [*common, "--min-peers", "4", "--stages", "1", "--spot-check", "1", "--save", str(save)]
+    swarm = Swarm(tmp_path, [*args, "--run-dir", str(run_dir)], peers=0)
+    try:
+        cheats = {mode: swarm.add_hostile(mode, f"c{i}.key") for i, mode in enumerate(("noisy", "fakeloss"))}
+        honest = {swarm.add_peer(i) for i in range(2)}
+        assert swarm.coord.wait(300) == 0, swarm.coord.output[-3000:]
+        out = swarm.coord.output
+        for mode, pid in cheats.items():
+            assert re.search(rf"peer {pid} .*failed: excluded: ", out), (mode, out[-3000:])
+        assert "0.0099" in out, "the fake loss is named (as reported, or as its own re-execution gave it)"
+        assert not any(re.search(rf"peer {h} .*failed", out) for h in honest), "no honest peer was blamed"
+        assert set(re.findall(r"stage \d replica \d: peer (\w+)", out)) == honest
+        assert re.search(r"(\d+) spot checks", out) and int(re.search(r"(\d+) spot checks", out).group(1)) >= 4 * steps
+        assert list((run_dir / "evidence").glob("*.safetensors")), "the disputed frames are kept"
+        assert "Traceback" not in out
+    finally:
+        swarm.close()
+    _equals_reference(tmp_path, common, save)
+
+
+def test_two_replicas_that_disagree_are_arbitrated_by_a_peer_of_another_stage(tmp_path: Path) -> None:
+    """Two stages; the noisy cheat (claiming a low FLOP/s, so that OP-Fence pairs it
+    with an honest replica) and its honest twin disagree on a spot check: a peer of
+    the other stage rebuilds their stage with the weights both show, re-executes the
+    micro-batch and sides with the honest one. The cheat is excluded and the run ends
+    equal to a clean one."""
+    steps = 4
+    save = tmp_path / "swarm.safetensors"
+    common = ["--steps", str(steps), "--seed", "0", *SMALL]
+    args = [*common, "--min-peers", "3", "--stages", "2", "--spot-check", "1", "--save", str(save)]
+    args += ["--run-dir", str(tmp_path / "run")]
+    swarm = Swarm(tmp_path, args, peers=0)
+    try:
+        cheat = swarm.add_hostile("noisy", "c.key", {"FUSIONLLM_CLAIM_FLOPS": "1e9"})
+        honest = {swarm.add_peer(i) for i in range(2)}
+        assert swarm.coord.wait(300) == 0, swarm.coord.output[-3000:]
+        out = swarm.coord.output
+        assert re.search(rf"peer {cheat} .*failed: excluded: .*re-executed", out), out[-3000:]
+        assert not any(re.search(rf"peer {h} .*failed", out) for h in honest), "no honest peer was blamed"
+        assert "Traceback" not in out
+    finally:
+        swarm.close()
+    _equals_reference(tmp_path, common, save)
 
 
 def test_a_flood_of_rejects_is_counted_but_logged_a_few_lines_without_escapes(caplog: pytest.LogCaptureFixture) -> None:
@@ -140,3 +197,23 @@ def test_fp16_codecs_saturate_so_a_finite_value_never_arrives_as_poison() -> Non
     assert all_finite(got) and got.tolist() == [FP16_MAX, -FP16_MAX, 3.0]
     descs, chunks = encode_values([x], Link(Codec.parse("fp16")))
     assert not all_finite(Frame({"values": descs}, memoryview(b"".join(bytes(c) for c in chunks))).values()[0])
+
+
+LATE = ["--model", "tests/models.py:late", "--data", "tests/models.py:late_data", "--steps", "6"]
+
+
+@pytest.mark.parametrize("how", [["--reference"], ["--stages", "2"]])
+def test_a_model_that_raises_in_training_is_one_line_with_its_file_and_line(how: list[str]) -> None:
+    r = run_cli("train", *how, *LATE)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "error: the model fails at " in r.stderr and "models.py:" in r.stderr and "late failure" in r.stderr
+
+
+def test_a_swarm_stops_on_a_model_failure_two_peers_report(tmp_path: Path) -> None:
+    """One peer saying the model raised is dropped (it may lie); when a second peer
+    running the same stage says the same, the run stops with that one line."""
+    r = run_cli("demo", "--peers", "2", *LATE, "--save", str(tmp_path / "m.safetensors"), timeout=240)
+    assert r.returncode != 0
+    said = [line for line in r.stdout.splitlines() + r.stderr.splitlines() if line.startswith("fusionllm: run failed")]
+    assert len(said) == 1 and "the model fails at " in said[0] and "(reported by 2 peers)" in said[0], r.stderr
+    assert "Traceback" not in r.stdout + r.stderr

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.exposition import generate_latest
 
-from coordinator.status import MAX_REJECTED_EVENTS, StatusBoard
+from coordinator.status import CLAIM_SLACK, MAX_REJECTED_EVENTS, StatusBoard
 from coordinator.web import StatusServer
 from fusionllm.commands import render_status
 from tests.conftest import ROOT, run_cli
@@ -112,6 +112,7 @@ def test_board_plan_marks_peers_serving_or_standby() -> None:
         "failures": 0,
         "rollbacks": 0,
         "steps_redone": 0,
+        "spot_checks": 0,
     }
     assert st["checkpoint"] is None
     assert [e["kind"] for e in st["events"]] == ["join"] * 4 + ["epoch", "plan", "links"]
@@ -143,7 +144,7 @@ def test_board_failure_replace_rollback_checkpoint() -> None:
     assert st["plan"]["stages"][1]["peers"] == ["d", "c"]
     assert st["training"]["step"] == 4 and st["training"]["epoch"] == 2
     assert [p[0] for p in st["training"]["losses"]] == [0, 1, 2, 3] and st["training"]["loss"] == 2.7
-    assert st["recovery"] == {"epoch": 2, "failures": 1, "rollbacks": 1, "steps_redone": 2}
+    assert st["recovery"] == {"epoch": 2, "failures": 1, "rollbacks": 1, "steps_redone": 2, "spot_checks": 0}
     assert [e["kind"] for e in st["events"]][-5:] == ["checkpoint", "failure", "replace", "rollback", "epoch"]
     assert "connection reset" in st["events"][-4]["text"]
     for step in range(4, 8):  # the redone steps come back on the chart, once each
@@ -524,3 +525,16 @@ def test_state_is_strict_json_while_the_loss_is_nan() -> None:
     assert state["training"]["losses"][-1] == [6, "NaN"]
     text = render_status(state)
     assert "loss NaN" in text and "validation loss Infinity" in text
+
+
+def test_a_claim_far_above_the_measured_speed_is_flagged() -> None:
+    """A peer that advertises far more FLOP/s than its steps show is flagged (rebalancing
+    plans it by the measurement); honest overheads (a few times) are not."""
+    board = StatusBoard("r", 10)
+    board.saw_adverts({"liar": _ad(), "honest": _ad()})
+    claim = board.peers["liar"]["flops"]
+    board.measured("liar", claim / (CLAIM_SLACK * 4))
+    board.measured("honest", claim / 4)
+    peers = {p["id"]: p for p in board.state()["peers"]}
+    assert peers["liar"]["claim_contradicted"] and not peers["honest"]["claim_contradicted"]
+    assert peers["honest"]["measured_flops"] == claim / 4

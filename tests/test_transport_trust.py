@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 import torch
-from p2p import transport_pair
+from p2p import claiming, transport_pair
 
 from protocol.envelope import HEAD, Reject
 from protocol.identity import Identity
@@ -147,23 +147,6 @@ def test_broken_bandwidth_probe_is_peer_unreachable() -> None:
     asyncio.run(go())
 
 
-def _claiming(t: Transport, nbytes: int) -> bytes:
-    """A correctly signed head whose header claims an ``nbytes`` payload (a float32
-    tensor of that size), which never follows."""
-    import json
-
-    from protocol.envelope import HEAD, MAGIC
-
-    small, _ = t.sealer.seal(Activations("r", 0, 0, 1), *_described(torch.zeros(4)))
-    length = HEAD.unpack_from(small)[1]
-    header = json.loads(small[HEAD.size : HEAD.size + length])
-    header["payload_bytes"] = nbytes
-    header["values"][0]["shape"] = [nbytes // 4]
-    data = json.dumps(header, separators=(",", ":")).encode()
-    head = HEAD.pack(MAGIC, len(data)) + data
-    return head + t.identity.sign(head)
-
-
 def _described(x: torch.Tensor) -> tuple[list, list]:
     from protocol.wire import encode_values
 
@@ -177,7 +160,7 @@ def test_a_claimed_4gib_payload_allocates_nothing_until_bytes_arrive() -> None:
 
     async def go() -> None:
         async with transport_pair("r") as (a, b):
-            head = _claiming(a, 4 << 30)
+            head = claiming(a.sealer, 4 << 30)
             rss = psutil.Process().memory_info().rss
             await a._write("claim", b.peer_id, MSG_PROTOCOL, [head, bytes(1 << 20)])
             await asyncio.sleep(1.0)

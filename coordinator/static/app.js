@@ -120,7 +120,10 @@ function render(st) {
     const state = known(p.state, STATES), health = known(p.health, HEALTHS);
     const tr = el("tr", { "data-peer": p.id, "data-stage": p.stage === null ? "" : p.stage, "data-state": state,
       class: `peer-${state}` });
-    const cells = [[short(p.id), { title: p.id }], [p.device], [num(p.flops / 1e9, 1)],
+    const speed = p.measured_flops === undefined ? num(p.flops / 1e9, 1)
+      : `${num(p.flops / 1e9, 1)} (measured ${num(p.measured_flops / 1e9, 1)})`;
+    const cells = [[short(p.id), { title: p.id }], [p.device],
+      [p.claim_contradicted ? `${speed}: claim contradicted` : speed, { class: p.claim_contradicted ? "bad" : "" }],
       [`${p.up_mbps} / ${p.down_mbps}`], [p.connection], [state, { class: `state state-${state}` }],
       [p.stage === null ? "–" : p.stage], [p.replica === null ? "–" : p.replica],
       [`${fmtSecs(st.now - p.last_seen)} ago`], [health, { class: health }]];

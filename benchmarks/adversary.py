@@ -1,0 +1,183 @@
+"""What hostile peers and outsiders cost an honest swarm, measured in one run.
+Prints one JSON object:
+
+- ``flood_throughput_ratio``: training tokens/s while an outsider floods the
+  coordinator with frames it was never admitted to send, over tokens/s without
+  (goal >= 0.9). ``flood_sustained_throughput_ratio``: the same while the outsider
+  floods for the whole window (it is muted, disconnected and redials: its streams
+  are closed unread, but the p2p daemon still decrypts what each one pushes).
+- ``max_rss_mb_under_alloc_attack``: the receiving process's highest RSS while an
+  admitted sender claims a 4 GiB payload, asks 256 MiB probes back and sends lane
+  parts no head claims, next to ``idle_rss_mb`` before (goal <= 2x idle).
+- ``probe_amplification``: the most bytes any probe drew back per byte sent
+  (unadmitted, over-asking and honest probes; goal <= 1).
+- ``spot_check_overhead``: 1 - tokens/s with the default ``--spot-check`` over
+  tokens/s with none, the same replicated swarm side by side (goal <= 0.05).
+- ``cheater_caught_within_steps``: the step at which a replica corrupting 10% of
+  its micro-batches (finite noise) was excluded by spot checks at the default
+  rate (goal <= 20); ``cheater_survival_20_steps`` is the formula's chance that
+  such a cheater passes 20 steps (``protocol.spotcheck.survival``).
+
+``--short`` runs each smaller, for the test suite."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from p2p import claiming, transport_pair  # noqa: E402
+
+from protocol.spotcheck import DEFAULT_SPOT_CHECK, survival  # noqa: E402
+from protocol.transport import _LANE_HEAD, BW_PROTOCOL, LANE_PROTOCOL, MAX_WAITING_PARTS, MSG_PROTOCOL, PeerUnreachable  # noqa: E402
+from protocol.wire import write_frame  # noqa: E402
+from tests.swarmproc import SMALL, Swarm  # noqa: E402
+
+CHEAT_FRACTION = 0.1
+
+
+# ---------------------------------------------------------------- memory and probes
+async def _probe(a: object, peer: str, up: int, down: int) -> tuple[int, int]:
+    """One raw probe: (bytes sent, bytes that came back)."""
+    reader, writer = await a._open(peer, BW_PROTOCOL)  # type: ignore[attr-defined]
+    await write_frame(writer, {"down_bytes": down}, [torch.zeros(up, dtype=torch.uint8)])
+    got = 0
+    try:
+        while chunk := await asyncio.wait_for(reader.read(1 << 20), 15):
+            got += len(chunk)
+    except (asyncio.TimeoutError, ConnectionError):
+        pass
+    writer.close()
+    return up, got
+
+
+async def _refused(write: Any) -> None:
+    """An attack's write; the receiver may cut the stream (that is the defence)."""
+    try:
+        await write
+    except PeerUnreachable:
+        pass
+
+
+async def _attacks(short: bool) -> dict[str, float]:
+    me = psutil.Process()
+    async with transport_pair("r") as (a, b):
+        await asyncio.sleep(0.5)
+        idle = me.memory_info().rss
+        peak = idle
+        sealer = a.sealer
+        for _ in range(2 if short else 8):  # 4 GiB claimed, 1 MiB sent, each
+            await _refused(a._write("claim", b.peer_id, MSG_PROTOCOL, [claiming(sealer, 4 << 30), bytes(1 << 20)]))
+            peak = max(peak, me.memory_info().rss)
+        parts = [_LANE_HEAD.pack(1000 + i, 0, 1 << 20) + bytes(1 << 20) for i in range(MAX_WAITING_PARTS * 4)]
+        await _refused(a._write("orphans", b.peer_id, LANE_PROTOCOL, parts))
+        await asyncio.sleep(0.5)
+        peak = max(peak, me.memory_info().rss)
+        ratios = []
+        for up, down in [(1 << 10, 256 << 20)] * (4 if short else 16) + [(1 << 20, 1 << 20)]:
+            sent, got = await _probe(a, b.peer_id, up, down)  # admitted: over-asking, then honest
+            ratios.append(got / sent)
+            peak = max(peak, me.memory_info().rss)
+        b.gate.keys.pop(a.peer_id, None)
+        sent, got = await _probe(a, b.peer_id, 1 << 10, 256 << 20)  # not admitted
+        ratios.append(got / sent)
+        peak = max(peak, me.memory_info().rss)
+    return {
+        "idle_rss_mb": round(idle / 2**20, 1),
+        "max_rss_mb_under_alloc_attack": round(peak / 2**20, 1),
+        "probe_amplification": round(max(ratios), 3),
+    }
+
+
+# ---------------------------------------------------------------- swarms
+def _tokens_per_s(flags: list[str], steps: int) -> float:
+    argv = [sys.executable, "-m", "fusionllm", "demo", "--steps", str(steps), *SMALL, *flags]
+    out = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=600, check=True).stdout
+    found = re.search(r"([\d,]+) tokens/s", out)
+    assert found, out
+    return float(found.group(1).replace(",", ""))
+
+
+def spot_check_overhead(short: bool) -> float:
+    """1 - throughput with spot checks over without: a replicated swarm (4 peers on
+    2 stages), runs alternated so that machine noise hits both alike."""
+    steps, rounds = (30, 1) if short else (150, 3)
+    base = ["--peers", "4", "--stages", "2", "--micro-batches", "8", "--data-args", "batch_size=16"]
+    on, off = [], []
+    for _ in range(rounds):
+        off.append(_tokens_per_s([*base, "--spot-check", "0"], steps))
+        on.append(_tokens_per_s([*base, "--spot-check", str(DEFAULT_SPOT_CHECK)], steps))
+    return max(0.0, 1.0 - statistics.median(on) / statistics.median(off))
+
+
+def cheater_caught(short: bool) -> tuple[int, float]:
+    """(the step at which a noisy cheat was excluded, or steps + 1 if never; its
+    survival chance over 20 steps by the formula) in a swarm of one stage on two
+    honest replicas and the cheat, at the default spot-check rate."""
+    steps, mbs = (25, 32) if short else (60, 64)
+    args = ["--steps", str(steps), "--seed", "0", *SMALL, "--micro-batches", str(mbs), "--data-args",
+            f"batch_size={mbs}", "--min-peers", "3", "--stages", "1"]  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        swarm = Swarm(Path(tmp), args, peers=0)
+        try:
+            cheater = swarm.add_hostile("noisy", "x.key", {"FUSIONLLM_CHEAT_FRACTION": str(CHEAT_FRACTION)})
+            for i in range(2):
+                swarm.add_peer(i)
+            swarm.coord.wait(600)
+            out = swarm.coord.output
+        finally:
+            swarm.close()
+    alive = survival(CHEAT_FRACTION, DEFAULT_SPOT_CHECK, round(mbs / 3), 20)
+    return _step_excluded(out, cheater) or steps + 1, alive
+
+
+def _step_excluded(out: str, peer: str) -> int | None:
+    """The step of the spot check after which ``peer`` was excluded (the coordinator's
+    lines: a spot check's finding, then the exclusion)."""
+    step = None
+    for line in out.splitlines():
+        found = re.search(r"spot check of step (\d+)", line)
+        if found:
+            step = int(found.group(1))
+        elif re.search(rf"peer {peer} .*failed: excluded: ", line):
+            return None if step is None else step + 1  # steps are counted from 0
+    return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--short", action="store_true", help="smaller runs, for the test suite")
+    short = ap.parse_args().short
+    from flooder import flood_ratio
+
+    out: dict[str, object] = {"flood_throughput_ratio": round(flood_ratio(short), 3)}
+    out["flood_sustained_throughput_ratio"] = round(flood_ratio(short, sustained=True), 3)
+    out.update(asyncio.run(_attacks(short)))
+    t0 = time.perf_counter()
+    out["spot_check_overhead"] = round(spot_check_overhead(short), 3)
+    step, alive = cheater_caught(short)
+    out["cheater_caught_within_steps"] = step
+    out["cheater_survival_20_steps"] = round(alive, 4)
+    out["spot_check_rate"] = DEFAULT_SPOT_CHECK
+    out["swarm_s"] = round(time.perf_counter() - t0, 1)
+    if short:
+        out["short"] = True
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

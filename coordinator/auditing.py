@@ -1,0 +1,220 @@
+"""The coordinator driver's spot checks (``protocol.spotcheck``): after every peer's
+``StepDone`` and before the ``Commit``, each micro-batch of a replicated stage is
+re-executed by another replica of that stage with probability ``spot_check``.
+
+The coordinator asks the peers around the checked one (the *suspect*) for the
+signed frames they received (``Audit``), checks that each is what its signer sent
+for that micro-batch, and sends them to a replica (``Recheck``), which runs the
+micro-batch from the same inputs with the same weights and compares with the
+suspect's signed outputs, its parameter gradients and (last stage) its loss.
+
+On a mismatch a third peer re-executes it too: another replica (three or more),
+or else a peer of another stage, which rebuilds the stage from the job with the
+weights both replicas show (they must be the same, bit for bit). The peer the
+third disagrees with is excluded, the step is redone without it, and the signed
+frames are kept in the run directory (``evidence/``) and named on the status page.
+When no third opinion can be had (one stage; or the two show different weights)
+both leave the plan, not excluded (they may come back as standby peers), and the
+step is redone. A peer that cannot show the frames it received, or shows frames
+their signers did not send, is excluded."""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from coordinator.runstate import EXCLUDED, DriverParts, PeerLost
+from protocol.envelope import signed_frame
+from protocol.messages import Audit, Evidence, Recheck, Verdict
+from protocol.spotcheck import ROLES, roles_for, tolerance, wrong_frame
+
+logger = logging.getLogger(__name__)
+
+
+class Auditing(DriverParts):
+    """Mixed into :class:`coordinator.run.Driver`."""
+
+    mb_losses: dict[str, float]  # the step's losses by micro-batch, as the last stage reported them
+    auditing: set[str]  # peers asked for evidence (their payloads are expected)
+    _audit_rng = random.Random()  # seeded from the OS: peers cannot predict which micro-batch is checked
+
+    async def _spot_check(self, step: int) -> None:
+        """Re-execute this step's sampled micro-batches (``PeerLost`` on a mismatch)."""
+        st, rate = self.st, self.cfg.spot_check
+        assert st.plan is not None
+        if rate <= 0:
+            return
+        for s, group in enumerate(st.plan.stages):
+            if len(group) < 2:
+                continue
+            for mb in range(self.job.micro_batches):
+                if self._audit_rng.random() < rate:
+                    st.spot_checks += 1
+                    self.coord.board.spot_checks = st.spot_checks
+                    await self._check_one(step, s, mb)
+
+    def _route(self, s: int, mb: int) -> dict[str, str]:
+        """Who took part in micro-batch ``mb`` around stage ``s``: the suspect, and the
+        peers it received from and sent to (``coordinator`` for the first stage's input)."""
+        stages = self.st.plan.stages  # type: ignore[union-attr]
+        at = {"suspect": stages[s][mb % len(stages[s])]}
+        at["prev"] = stages[s - 1][mb % len(stages[s - 1])] if s > 0 else self.coord.transport.peer_id
+        if s < len(stages) - 1:
+            at["next"] = stages[s + 1][mb % len(stages[s + 1])]
+        return at
+
+    async def _check_one(self, step: int, s: int, mb: int) -> None:
+        st = self.st
+        assert st.plan is not None
+        at, roles = self._route(s, mb), roles_for(s, len(st.plan.stages))
+        nxt = at.get("next", "")
+        signers = {"input": at["prev"], "grad_out": nxt, "output": at["suspect"], "grad_in": at["suspect"]}
+        holders = {"input": at["suspect"], "grad_out": at["suspect"], "output": nxt, "grad_in": at["prev"]}
+        evidence = await self._gather(step, s, mb, roles, holders, signers)
+        suspect, group = at["suspect"], st.plan.stages[s]
+        others = [p for p in group if p != suspect]
+        self._audit_rng.shuffle(others)
+        first = await self._recheck(step, s, mb, roles, signers, evidence, others[0])
+        if first.agree:
+            return
+        self._keep_evidence(step, mb, suspect, roles, evidence)
+        text = f"spot check of step {step}, micro-batch {mb} (stage {s}): {others[0]} says {suspect} is wrong: "
+        self.coord.board.event("audit", text + first.detail)
+        self.on_event(text + first.detail)
+        if len(others) > 1:
+            third, second = others[1], await self._recheck(step, s, mb, roles, signers, evidence, others[1])
+        else:
+            found = await self._arbitrate(step, s, mb, (roles, signers, evidence), others[0])
+            if found is None:
+                why = f"disputed a spot check with {{}} (step {step}, micro-batch {mb}), and no one could arbitrate"
+                raise PeerLost({suspect: why.format(others[0]), others[0]: why.format(suspect)})
+            third, second = found
+        if second.agree:  # the third re-executed it as the suspect did: the first checker lied
+            raise PeerLost({others[0]: f"{EXCLUDED}it disputed {suspect}'s work that {third} re-executed the same"})
+        found = f"{first.detail} (re-executed by {others[0]}; and by {third}: {second.detail})"
+        raise PeerLost({suspect: f"{EXCLUDED}spot check: {found}"})
+
+    async def _arbitrate(
+        self, step: int, s: int, mb: int, case: tuple[list[str], dict[str, str], list[torch.Tensor]], checker: str
+    ) -> tuple[str, Verdict] | None:
+        """Two replicas disagree: a peer of another stage re-executes the micro-batch on
+        the stage rebuilt with the weights both show (None if they differ, or there is
+        no other stage)."""
+        st, (roles, signers, evidence) = self.st, case
+        assert st.plan is not None
+        suspect = self._route(s, mb)["suspect"]
+        arbiters = [p for i, group in enumerate(st.plan.stages) if i != s for p in group]
+        if not arbiters:
+            return None
+        shown = [await self._weights_of(step, mb, p) for p in (suspect, checker)]
+        if shown[0] is None or shown[1] is None or not _same(shown[0], shown[1]):
+            return None
+        names, weights = shown[0]
+        grads = await self._gather(step, s, mb, ["param_grads"], {"param_grads": checker}, {"param_grads": suspect})
+        arbiter = self._audit_rng.choice(arbiters)
+        case = ([*roles, "param_grads"], {**signers, "param_grads": suspect}, [*evidence, *grads, *weights])
+        return arbiter, await self._recheck(step, s, mb, *case, arbiter, names)
+
+    async def _weights_of(self, step: int, mb: int, peer: str) -> tuple[list[str], list[torch.Tensor]] | None:
+        """The stage weights ``peer`` holds (this step's, not yet updated)."""
+        self.auditing.add(peer)
+        try:
+            await self._send(peer, Audit(self.cfg.run_id, step, mb, ["weights"], self.st.epoch))  # type: ignore[attr-defined]
+            inbound = await self._next((Evidence,), {peer})  # type: ignore[attr-defined]
+        finally:
+            self.auditing.discard(peer)
+        msg, values = inbound.message, inbound.values()
+        if msg.kinds != ["weights"] or len(values) != len(msg.names):
+            return None
+        return list(msg.names), values
+
+    async def _gather(
+        self, step: int, s: int, mb: int, roles: list[str], holders: dict[str, str], signers: dict[str, str]
+    ) -> list[torch.Tensor]:
+        """The signed frames of ``roles``, asked of the peers that received them, each
+        checked to be what its signer sent for this micro-batch."""
+        st = self.st
+        asked: dict[str, list[str]] = {}
+        for role in roles:
+            asked.setdefault(holders[role], []).append(role)
+        got: dict[str, list[torch.Tensor]] = {}
+        for holder, held in asked.items():
+            kinds = [ROLES[r][0].KIND for r in held]
+            self.auditing.add(holder)
+            try:
+                await self._send(holder, Audit(self.cfg.run_id, step, mb, kinds, st.epoch))  # type: ignore[attr-defined]
+                inbound = await self._next((Evidence,), {holder})  # type: ignore[attr-defined]
+            finally:
+                self.auditing.discard(holder)
+            for role in held:
+                got[role] = self._checked_evidence(inbound, role, signers[role], (step, mb, s))
+        return [t for role in roles for t in got[role]]
+
+    def _checked_evidence(
+        self, inbound: Any, role: str, signer: str, where: tuple[int, int, int]
+    ) -> list[torch.Tensor]:
+        """The frame of ``role`` in an ``Evidence`` answer, if its signer sent it for this
+        (step, micro-batch, stage); else the peer that showed it is excluded."""
+        coord, msg, values = self.coord, inbound.message, inbound.values()
+        kind = ROLES[role][0].KIND
+        i = msg.kinds.index(kind) if kind in msg.kinds and len(values) == 2 * len(msg.kinds) else -1
+        key = coord.identity.public_key if signer == coord.transport.peer_id else coord.gate.keys.get(signer)
+        pair = values[2 * i : 2 * i + 2] if i >= 0 else []
+        found = signed_frame(self.cfg.run_id, signer, key, pair)
+        step, mb, s = where
+        problem = (
+            "none came" if found is None else wrong_frame(role, found[0], self.cfg.run_id, step, mb, s, self.st.epoch)
+        )
+        if problem:
+            raise PeerLost({inbound.sender: f"{EXCLUDED}it could not show the {role} frame of a spot check: {problem}"})
+        return pair
+
+    async def _recheck(
+        self,
+        step: int,
+        s: int,
+        mb: int,
+        roles: list[str],
+        signers: dict[str, str],
+        evidence: list[torch.Tensor],
+        checker: str,
+        weights: list[str] | None = None,
+    ) -> Verdict:
+        """``checker``'s verdict on the suspect's micro-batch (an arbiter of another
+        stage gets the stage's ``weights`` by name, after the evidence)."""
+        st, cfg = self.st, self.cfg
+        suspect = self._route(s, mb)["suspect"]
+        devices = [self.coord.adverts[p].device if p in self.coord.adverts else "" for p in (suspect, checker)]
+        loss = self.mb_losses.get(str(mb)) if s == len(st.plan.stages) - 1 else None  # type: ignore[union-attr]
+        msg = Recheck(cfg.run_id, step, mb, suspect, roles, [signers[r] for r in roles], st.epoch, loss,
+                      tolerance(*devices, self.job.precision), s if weights else -1, weights or [])  # fmt: skip
+        await self._send(checker, msg, evidence)  # type: ignore[attr-defined]
+        while True:
+            verdict: Verdict = (await self._next((Verdict,), {checker})).message  # type: ignore[attr-defined]
+            if (verdict.step, verdict.mb, verdict.suspect) != (step, mb, suspect):
+                continue
+            if not verdict.checked:  # the coordinator checked that evidence: the checker could not use it
+                raise PeerLost({checker: f"it could not run a spot check: {verdict.detail[:200]}"})
+            return verdict
+
+    def _keep_evidence(self, step: int, mb: int, suspect: str, roles: list[str], evidence: list[torch.Tensor]) -> None:
+        """The disputed micro-batch's signed frames, in the run directory."""
+        folder = Path(self.run_dir.path) / "evidence"
+        try:
+            folder.mkdir(exist_ok=True)
+            tensors = {f"{role}/{part}": t.contiguous() for i, role in enumerate(roles)
+                       for part, t in zip(("head", "payload"), evidence[2 * i : 2 * i + 2], strict=True)}  # fmt: skip
+            save_file(tensors, str(folder / f"step{step}-mb{mb}-{suspect[:16]}.safetensors"))
+        except OSError as exc:
+            logger.warning("could not keep the evidence of a spot check: %s", exc)
+
+
+def _same(a: tuple[list[str], list[torch.Tensor]], b: tuple[list[str], list[torch.Tensor]]) -> bool:
+    """Whether two replicas showed the same weights, bit for bit."""
+    same = (x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))
+    return a[0] == b[0] and all(same)

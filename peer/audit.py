@@ -1,0 +1,120 @@
+"""A peer's side of spot checks (``protocol.spotcheck``): between its ``StepDone``
+and the coordinator's ``Commit`` it shows the signed frames it received for a
+micro-batch (``Audit``), or re-executes a replica's micro-batch from such frames
+and says whether the replica's signed work matches (``Recheck``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from peer.executor import StageExecutor
+from protocol.codecs import Codec
+from protocol.envelope import signed_frame
+from protocol.messages import Audit, Evidence, Recheck, Verdict
+from protocol.spotcheck import differs, loss_differs, wrong_frame
+from protocol.transport import Inbound
+from protocol.wire import Frame, Link, encode_values
+
+
+def as_evidence(inbound: Inbound) -> list[torch.Tensor]:
+    """A received frame as evidence: its signed head and its payload, as uint8 tensors."""
+    return [_bytes(inbound.head), _bytes(inbound.frame.payload)]
+
+
+def _bytes(data: bytes | memoryview) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+
+
+def evidence_for(
+    msg: Audit, kept: dict[tuple[str, int], Inbound], ex: StageExecutor
+) -> tuple[Evidence, list[torch.Tensor]]:
+    """The answer to an ``Audit``: the kept frames it names (those this peer has), or
+    the stage's weights and buffers (``weights``: not changed before the commit)."""
+    if msg.kinds == ["weights"]:
+        state = ex.module.state_dict()
+        names = sorted(state)
+        return Evidence(msg.run_id, msg.step, msg.mb, ["weights"], msg.epoch, names), [state[n] for n in names]
+    kinds = [k for k in msg.kinds if (k, msg.mb) in kept]
+    values = [t for k in kinds for t in as_evidence(kept[(k, msg.mb)])]
+    return Evidence(msg.run_id, msg.step, msg.mb, kinds, msg.epoch), values
+
+
+@dataclass
+class Rechecker:
+    """What a replica needs to re-execute a micro-batch of its stage."""
+
+    ex: StageExecutor
+    stage: int
+    keys: dict[str, Any]  # peer id -> Ed25519 public key (the plan's peers and the coordinator)
+    forward: Codec | None  # the codec of the activations this stage sends on (None: last stage)
+    backward: Codec | None  # the codec of the gradients it sends back (None: first stage)
+    divisor: int  # micro-batches per step
+
+    def verdict(self, msg: Recheck, evidence: list[torch.Tensor], own_grads: Inbound | None) -> Verdict:
+        """Re-execute ``msg``'s micro-batch and compare; ``own_grads`` is the suspect's
+        signed ``ReplicaGrads`` of it, which this replica received during the step."""
+        found = self._frames(msg, evidence)
+        if isinstance(found, str):
+            return Verdict(
+                msg.run_id, msg.step, msg.mb, msg.suspect, False, f"bad evidence: {found}"[:400], msg.epoch, False
+            )
+        detail = self._compare(msg, found, own_grads)
+        return Verdict(msg.run_id, msg.step, msg.mb, msg.suspect, not detail, detail[:400], msg.epoch)
+
+    def _frames(self, msg: Recheck, evidence: list[torch.Tensor]) -> dict[str, tuple[Any, list[Any]]] | str:
+        if len(evidence) != 2 * len(msg.roles):
+            return f"{len(evidence)} evidence tensors for {len(msg.roles)} roles"
+        if len(msg.signers) != len(msg.roles):
+            return f"{len(msg.signers)} signers for {len(msg.roles)} roles"
+        out = {}
+        for i, (role, signer) in enumerate(zip(msg.roles, msg.signers, strict=True)):
+            found = signed_frame(msg.run_id, signer, self.keys.get(signer), evidence[2 * i : 2 * i + 2])
+            if found is None:
+                return f"the {role} frame is not signed by {signer}"
+            problem = wrong_frame(role, found[0], msg.run_id, msg.step, msg.mb, self.stage, msg.epoch)
+            if problem:
+                return problem
+            out[role] = found
+        return out
+
+    def _compare(self, msg: Recheck, found: dict[str, tuple[Any, list[Any]]], own_grads: Inbound | None) -> str:
+        frames = {role: values for role, (_, values) in found.items()}
+        grad_out = frames.get("grad_out")
+        out, grads_in, params = self.ex.replay(frames["input"], grad_out, self.divisor)
+        if self.forward is None:
+            problem = loss_differs(float(out), msg.loss, msg.tolerance)
+        else:
+            problem = differs(_through(list(out), self.forward), frames["output"], msg.tolerance)
+            problem = problem and f"its activations: {problem}"
+        if not problem and "grad_in" in frames and self.backward is not None and self.backward.lossless:
+            problem = differs(_through(grads_in, self.backward), frames["grad_in"], msg.tolerance)
+            problem = problem and f"its input gradients: {problem}"
+        if not problem:
+            shown = found.get("param_grads")
+            theirs = (list(shown[0].names), shown[1]) if shown else _named(own_grads)
+            problem = _param_grads_differ(params, theirs, msg.tolerance)
+        return problem
+
+
+def _through(values: list[Any], codec: Codec) -> list[Any]:
+    """``values`` as a receiver decodes them after ``codec`` (activations carry no
+    error feedback, so a deterministic codec encodes them the same on every peer)."""
+    descs, chunks = encode_values(values, Link(codec))
+    return Frame({"values": descs}, memoryview(bytearray(b"".join(bytes(c) for c in chunks)))).values()
+
+
+def _named(own: Inbound | None) -> tuple[list[str], list[Any]] | None:
+    return None if own is None else (list(own.message.names), own.values())  # type: ignore[attr-defined]
+
+
+def _param_grads_differ(ours: dict[str, torch.Tensor], theirs: tuple[list[str], list[Any]] | None, rtol: float) -> str:
+    if theirs is None:
+        return "its parameter gradients of this micro-batch never arrived"
+    names, values = theirs
+    if sorted(names) != sorted(ours):
+        return "its parameter gradients name other parameters"
+    problem = differs([ours[n] for n in names], values, rtol)
+    return problem and f"its parameter gradients: {problem}"

@@ -1,0 +1,133 @@
+"""Spot checks (accountable compute): what a re-execution of one micro-batch on one
+stage needs, and how its results are compared.
+
+A step's frames are signed by their senders, so the frames around one stage's work
+on one micro-batch are evidence no one can forge: the inputs it received (signed by
+the previous stage, or the coordinator), the output gradients it received (signed
+by the next stage), and what it sent on (its activations and input gradients,
+signed by itself). A replica of the stage holds the same weights until the step is
+committed; it runs the micro-batch again from those inputs and compares.
+
+Roles of the evidence, for the stage ``s`` of the peer checked (the *suspect*):
+
+=========  ======  ========================  ============  ==================
+role       kind    signed by                 kept by        its message's stage
+=========  ======  ========================  ============  ==================
+input      act     previous stage / coord.   the suspect    s
+grad_out   grad    next stage                the suspect    s
+output     act     the suspect               next stage     s + 1
+grad_in    grad    the suspect               previous st.   s - 1
+param_gr.  rgrad   the suspect               its replicas   s
+=========  ======  ========================  ============  ==================
+
+A replica re-executing compares the parameter gradients with the suspect's
+``ReplicaGrads`` it received itself; an arbiter of another stage (two replicas
+disagreed) gets them as the ``param_grads`` evidence.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from protocol.messages import Activations, Gradients, Message, ReplicaGrads
+
+#: role -> (message class, offset of its stage from the suspect's stage)
+ROLES: dict[str, tuple[type[Message], int]] = {
+    "input": (Activations, 0),
+    "grad_out": (Gradients, 0),
+    "output": (Activations, 1),
+    "grad_in": (Gradients, -1),
+    "param_grads": (ReplicaGrads, 0),
+}
+#: how far (relative to the norm) a re-execution may land from the suspect's values. Not
+#: bit for bit even on one device kind: CPU reductions change their order with the thread
+#: count and some CUDA backward kernels add with atomics, and an honest peer must never be
+#: excluded for that. Tampering smaller than this goes unseen (it is also below what
+#: training notices). Different device kinds, and half-precision autocast, get more.
+SAME_KIND_RTOL = 1e-5
+CROSS_DEVICE_RTOL = 1e-3
+HALF_PRECISION_FACTOR = 100.0
+#: the chance that a micro-batch of a replicated stage is re-executed (``--spot-check``)
+DEFAULT_SPOT_CHECK = 0.05
+
+
+def roles_for(stage: int, num_stages: int) -> list[str]:
+    """The evidence a re-execution of ``stage`` uses (the first stage has no previous
+    stage, the last no next one)."""
+    roles = ["input"]
+    if stage < num_stages - 1:
+        roles += ["grad_out", "output"]
+    if stage > 0:
+        roles.append("grad_in")
+    return roles
+
+
+def wrong_frame(role: str, msg: Message, run_id: str, step: int, mb: int, stage: int, epoch: int) -> str:
+    """Why a signed frame is not the one ``role`` names ('' when it is)."""
+    cls, offset = ROLES[role]
+    if type(msg) is not cls:
+        return f"{role} is a '{msg.KIND}' frame, not '{cls.KIND}'"
+    got = (msg.run_id, msg.step, msg.mb, msg.stage, msg.epoch)  # type: ignore[attr-defined]
+    want = (run_id, step, mb, stage + offset, epoch)
+    if got != want:
+        return f"{role} is the frame of (run, step, micro-batch, stage, epoch) {got!r}, not {want!r}"
+    return ""
+
+
+def tolerance(device_a: str, device_b: str, precision: str = "fp32") -> float:
+    """The relative tolerance of a re-execution on ``device_b`` of work done on ``device_a``."""
+    same = device_a.split(":")[0] == device_b.split(":")[0]
+    return (SAME_KIND_RTOL if same else CROSS_DEVICE_RTOL) * (1.0 if precision == "fp32" else HALF_PRECISION_FACTOR)
+
+
+def _tensors(value: Any) -> list[torch.Tensor | None]:
+    if value is None or isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return [None]
+
+
+def differs(ours: Sequence[Any], theirs: Sequence[Any], rtol: float) -> str:
+    """Where two value lists (tensors, nested tuples of them, None) differ ('' when
+    they agree): bit for bit when ``rtol`` is 0, else within ``rtol`` of the norm."""
+    a, b = _tensors(list(ours)), _tensors(list(theirs))
+    if len(a) != len(b):
+        return f"{len(b)} values where {len(a)} were computed"
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        if x is None or y is None:
+            if x is not y:
+                return f"value {i} is {'missing' if y is None else 'extra'}"
+            continue
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return f"value {i} is {y.dtype} {tuple(y.shape)}, computed {x.dtype} {tuple(x.shape)}"
+        if rtol == 0.0:
+            if not torch.equal(x, y):
+                return f"value {i} differs in {int((x != y).sum())} of {x.numel()} elements"
+        elif x.is_floating_point():
+            gap = float(torch.linalg.vector_norm((x - y).double()))
+            scale = float(torch.linalg.vector_norm(x.double()))
+            if not gap <= rtol * scale + 1e-12:
+                return f"value {i} is off by {gap:.3g} (norm {scale:.3g}, tolerance {rtol:g})"
+        elif not torch.equal(x, y):
+            return f"value {i} differs"
+    return ""
+
+
+def loss_differs(ours: float, theirs: float | None, rtol: float) -> str:
+    if theirs is None or not math.isfinite(theirs):
+        return f"it reported no finite loss ({theirs!r})"
+    if ours == theirs or (rtol and abs(ours - theirs) <= rtol * abs(ours)):
+        return ""
+    return f"it reported a loss of {theirs!r}; its inputs give {ours!r}"
+
+
+def survival(f: float, checked: float, micro_batches: int, steps: int) -> float:
+    """The probability that a peer corrupting a fraction ``f`` of its micro-batches,
+    ``micro_batches`` of them a step, each re-executed with probability ``checked``,
+    passes ``steps`` steps uncaught: ``(1 - f * checked) ** (micro_batches * steps)``."""
+    return (1.0 - f * checked) ** (micro_batches * steps)

@@ -1,0 +1,274 @@
+"""An outsider that floods a coordinator (issue 14), and the measurement of what
+the flood costs a training swarm.
+
+``python -m tests.flooder --initial-peers MADDR [--run RUN] [--frames N]
+[--min-seconds S] [--mode wrong_run|unadmitted]`` starts a fresh hivemind P2P
+node with an identity of its own that was never admitted, and sends the
+coordinator at least N small signed frames (of another run, or of this run from
+a sender nobody admitted) as fast as it can, for at least S seconds, reopening
+a stream whenever one is closed on it (or held unread for a second). It prints
+``flooding`` when its first stream is open and one JSON line when done: frames
+sent, seconds, streams opened and refused; then it stays up ``--linger`` seconds.
+
+:func:`measure_flood` runs a loopback swarm, trains, and compares the steps per
+second of a window without flood with those of a window of the same length
+during the flood; :func:`flood_ratio` is its one number for a benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: the frames of one flood, and how long it lasts at least
+FRAMES = 100_000
+FLOOD_S = 8.0
+_STEP = re.compile(r"\|\s*(\d+)/\d+ \[")
+
+
+async def flood(
+    maddrs: list[str], run_id: str, frames: int, min_seconds: float, mode: str, workers: int, linger: float = 0.0
+) -> None:
+    from hivemind.p2p import P2P, PeerID
+
+    from protocol.envelope import Sealer
+    from protocol.identity import Identity
+    from protocol.messages import Beat
+    from protocol.transport import MSG_PROTOCOL, peer_id_of
+
+    target = peer_id_of(maddrs[0])
+    assert target is not None, f"no /p2p/ peer id in {maddrs[0]}"
+    p2p = await P2P.create(initial_peers=maddrs)
+    sealer = Sealer(Identity.generate(), p2p.peer_id.to_base58())
+    run = "elsewhere" if mode == "wrong_run" else run_id
+    batch = [sealer.seal(Beat(run, step), [], [])[0] for step in range(100)]
+    pid = PeerID.from_base58(target)
+    tally = {"sent": 0, "streams": 0, "refused": 0}
+    start = time.monotonic()
+
+    def done() -> bool:
+        return tally["sent"] >= frames and time.monotonic() - start >= min_seconds
+
+    async def worker() -> None:
+        while not done():
+            try:
+                _, reader, writer = await asyncio.wait_for(p2p.call_binary_stream_handler(pid, MSG_PROTOCOL), 10)
+            except Exception:
+                tally["refused"] += 1
+                await asyncio.sleep(0.01)
+                continue
+            if tally["streams"] == 0:
+                print("flooding", flush=True)
+            tally["streams"] += 1
+            try:
+                while not done() and not reader.at_eof():
+                    writer.writelines(batch)
+                    await asyncio.wait_for(writer.drain(), 1.0)  # a stream held unread: open another
+                    tally["sent"] += len(batch)
+            except (ConnectionError, OSError, asyncio.TimeoutError):
+                pass
+            finally:
+                writer.close()
+
+    await asyncio.gather(*(worker() for _ in range(workers)))
+    seconds = time.monotonic() - start
+    out = {**tally, "seconds": round(seconds, 2), "frames_per_s": round(tally["sent"] / seconds)}
+    print(json.dumps(out), flush=True)
+    await asyncio.sleep(linger)  # still counted as the test's own processes
+    await p2p.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--initial-peers", nargs="+", required=True)
+    ap.add_argument("--run", default="fusionllm")
+    ap.add_argument("--coordinator-key", default=None)  # as printed in the join command; unused
+    ap.add_argument("--frames", type=int, default=FRAMES)
+    ap.add_argument("--min-seconds", type=float, default=0.0)
+    ap.add_argument("--mode", choices=("wrong_run", "unadmitted"), default="wrong_run")
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--cpus", default="", help="run on these CPUs only, e.g. 1 or 2,3")
+    ap.add_argument("--linger", type=float, default=0.0, help="seconds to stay up after the flood")
+    args = ap.parse_args()
+    if args.cpus:
+        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})  # the p2p daemon inherits it
+    a = args
+    asyncio.run(flood(a.initial_peers, a.run, a.frames, a.min_seconds, a.mode, a.workers, a.linger))
+
+
+# ---------------------------------------------------------------- measurement
+#: CPU-seconds per second that the machine may spend on anything but this process and
+#: its descendants in a window (another job on the machine) before both windows are
+#: measured again, at most ATTEMPTS times in all
+OTHERS_MAX = 0.15
+ATTEMPTS = 3
+
+
+@dataclass
+class FloodResult:
+    clean_steps_per_s: float
+    flood_steps_per_s: float
+    flood: dict[str, Any]  # the (last) flooder's own tally
+    state: dict[str, Any]  # /api/v1/state after the flood
+    output: str  # the coordinator's output
+    window_s: float  # the length of the flood's window
+    others: tuple[float, float]  # CPU-seconds per second other processes used in each window
+    attempts: int  # pairs of windows measured (each with a flooder of its own)
+    tries: list[tuple[float, float, float]]  # each attempt's (ratio, others' CPUs in either window)
+    cpus: str = ""  # how the CPUs were split, if they were
+
+    @property
+    def ratio(self) -> float:
+        return self.flood_steps_per_s / self.clean_steps_per_s
+
+    def __str__(self) -> str:
+        return (
+            f"{self.clean_steps_per_s:.1f} steps/s without flood, {self.flood_steps_per_s:.1f} with "
+            f"(ratio {self.ratio:.3f}; {self.window_s:.1f} s windows; {self.cpus or 'CPUs shared'}; other "
+            f"processes used {self.others[0]:.2f} and {self.others[1]:.2f} CPUs; attempts {self.tries}); "
+            f"flooder: {self.flood}"
+        )
+
+
+def steps_at(lines: list[str], times: list[float], t: float) -> int:
+    """Steps done by time ``t``, from the coordinator's progress lines and when they were read."""
+    done = 0
+    for line, at in zip(lines, times, strict=False):
+        if at > t:
+            break
+        m = _STEP.search(line)
+        if m:
+            done = max(done, int(m.group(1)))
+    return done
+
+
+def _cpu() -> tuple[float, dict[int, float]]:
+    """CPU-seconds so far: the machine's busy time, and each of this process and its
+    descendants."""
+    import psutil
+
+    t = psutil.cpu_times()
+    busy = t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+    me = psutil.Process()
+    ours = {}
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            c = p.cpu_times()
+        except psutil.Error:
+            continue
+        ours[p.pid] = c.user + c.system
+    return busy, ours
+
+
+class _Window:
+    """A span of time: steps done in it, and the CPU the rest of the machine used."""
+
+    def __init__(self) -> None:
+        self.start, self.cpu = time.monotonic(), _cpu()
+
+    def end(self, at: float | None = None) -> None:
+        self.stop = at if at is not None else time.monotonic()
+        time.sleep(max(0.0, self.stop + 0.2 - time.monotonic()))  # its last progress lines
+        busy, ours = _cpu()
+        mine = sum(v - self.cpu[1].get(pid, 0.0) for pid, v in ours.items())
+        self.others = max(0.0, busy - self.cpu[0] - mine) / (time.monotonic() - self.start)
+
+    def rate(self, lines: list[str], times: list[float]) -> float:
+        return (steps_at(lines, times, self.stop) - steps_at(lines, times, self.start)) / (self.stop - self.start)
+
+
+def measure_flood(
+    tmp: Path,
+    frames: int = FRAMES,
+    seconds: float = FLOOD_S,
+    split_cpus: bool = True,
+    mode: str = "wrong_run",
+    sustained: bool = False,
+) -> FloodResult:
+    """Train a 2-peer loopback swarm and measure its steps per second over ``seconds``
+    without flood, then over as long from the start of a flood of ``frames`` frames,
+    sent as fast as an outsider can (or longer, if the flood lasts longer; with
+    ``sustained``, the outsider goes on flooding for the whole window). With
+    ``split_cpus`` (and at least 2 CPUs) the swarm runs on every CPU but the last and
+    the flooder on the last, in both windows: the attacker's own CPU time is not the
+    victim's cost (a real one floods from its own machine). When other processes on
+    the machine used more than ``OTHERS_MAX`` CPUs in a window, both windows are
+    measured again with a new flooder (a fresh identity)."""
+    from tests.swarmproc import SMALL, Proc, Swarm, api, wait_for
+
+    cpus = sorted(os.sched_getaffinity(0))
+    swarm_cpus, flood_cpus = cpus, cpus
+    if split_cpus and len(cpus) >= 2:
+        swarm_cpus, flood_cpus = cpus[:-1], cpus[-1:]
+    os.sched_setaffinity(0, set(swarm_cpus))  # the swarm's processes inherit it
+    try:
+        args = ["--steps", "100000", "--seed", "0", *SMALL, "--min-peers", "2", "--checkpoint-every", "0",
+                "--step-timeout", "60", "--run-dir", str(tmp / "run")]  # fmt: skip
+        swarm = Swarm(tmp, args, peers=2)
+    finally:
+        os.sched_setaffinity(0, set(cpus))
+    coord = swarm.coord
+    cpu_arg = ["--cpus", ",".join(map(str, flood_cpus))] if flood_cpus != cpus else []
+    flood_args = ["--frames", str(frames), "--min-seconds", str(seconds if sustained else 0), "--mode", mode,
+                  "--linger", str(seconds + 5), *cpu_arg]  # fmt: skip
+    tries: list[tuple[float, float, float]] = []
+    try:
+        wait_for(swarm.url, lambda s: s["training"]["step"] >= 20, timeout=120)
+        time.sleep(1.0)  # past the first steps' warm-up
+        while True:
+            clean = _Window()
+            time.sleep(seconds)
+            clean.end()
+            flooder = Proc(*swarm.join_args, *flood_args, module="tests.flooder")
+            swarm.procs.append(flooder)
+            flooder.wait_line(r"^flooding$", 60)
+            flood = _Window()
+            flood.start = flooder.last_time
+            tally = json.loads(flooder.wait_line(r"^\{.*\}$", 120 + seconds + frames / 1000).group(0))
+            time.sleep(max(0.0, flood.start + seconds - time.monotonic()))
+            flood.end(max(flooder.last_time, flood.start + seconds))
+            flooder.kill_all()
+            lines, times = list(coord.lines), list(coord.times)
+            ratio = flood.rate(lines, times) / clean.rate(lines, times)
+            tries.append((round(ratio, 3), round(clean.others, 2), round(flood.others, 2)))
+            if max(clean.others, flood.others) <= OTHERS_MAX or len(tries) == ATTEMPTS:
+                break
+        state = api(swarm.url)
+        assert coord.popen.poll() is None, coord.output[-3000:]
+    finally:
+        swarm.close()
+    split = f"swarm on CPUs {swarm_cpus}, flooder on {flood_cpus}" if flood_cpus != cpus else ""
+    return FloodResult(
+        clean.rate(lines, times),
+        flood.rate(lines, times),
+        tally,
+        state,
+        coord.output,
+        flood.stop - flood.start,
+        (clean.others, flood.others),
+        len(tries),
+        tries,
+        split,
+    )
+
+
+def flood_ratio(short: bool, sustained: bool = False) -> float:
+    """Training throughput during a flood of ``FRAMES`` frames over throughput without:
+    the goal is >= 0.9 (``short``: 4-second windows instead of 8; ``sustained``: the
+    outsider floods for the whole window, not only ``FRAMES`` frames)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return measure_flood(Path(tmp), seconds=FLOOD_S / 2 if short else FLOOD_S, sustained=sustained).ratio
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Spot checks (issue 14, accountable compute): a replica re-executes a micro-batch
+from the signed frames around it and compares with what the suspect signed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from peer.audit import Rechecker
+from peer.executor import StageExecutor
+from protocol.codecs import Codec
+from protocol.envelope import Sealer
+from protocol.graph import Cut, build_stage, operators, partition, trace
+from protocol.identity import Identity
+from protocol.job import JobSpec, split_batch
+from protocol.messages import Activations, Gradients, Recheck, ReplicaGrads
+from protocol.spotcheck import CROSS_DEVICE_RTOL, SAME_KIND_RTOL, differs, roles_for, survival, tolerance
+from protocol.transport import Inbound
+from protocol.wire import Frame, encode_values
+
+RUN = "r"
+JOB = JobSpec(model_args="n_layer=2,n_embd=32,n_head=4", steps=1, micro_batches=2)
+IDS = {name: Identity.generate() for name in ("coord", "suspect", "checker", "next")}
+
+
+def _stage(cut: Any, s: int) -> StageExecutor:
+    module = build_stage(partition(trace(JOB.build_model()), cut), s)
+    return StageExecutor(module, JOB.recipe(), s == cut.num_stages - 1)
+
+
+def _signed(who: str, message: Any, values: list[Any]) -> tuple[list[torch.Tensor], Inbound]:
+    descs, chunks = encode_values(values)
+    head, _ = Sealer(IDS[who], who).seal(message, descs, chunks)
+    payload = b"".join(bytes(c) for c in chunks)
+    as_u8 = [torch.frombuffer(bytearray(x), dtype=torch.uint8) for x in (head, payload)]
+    return as_u8, Inbound(who, message, Frame({"values": descs}, memoryview(bytearray(payload))), head=head)
+
+
+def _evidence(noise: float) -> tuple[Recheck, list[torch.Tensor], Inbound, Rechecker]:
+    """Stage 0 of two on micro-batch 0, worked by the suspect (with ``noise`` added to
+    its activations); the frames around it signed by their senders."""
+    cut = Cut((len(operators(trace(JOB.build_model()))) // 2,))
+    suspect, checker, nxt = _stage(cut, 0), _stage(cut, 0), _stage(cut, 1)
+    mb = split_batch(next(iter(JOB.batches())), JOB.micro_batches)[0]
+    out = suspect.forward(0, list(mb))
+    sent = tuple(o + noise * torch.randn_like(o) if o.is_floating_point() else o for o in out)
+    nxt.forward(0, list(sent))
+    grad_out = nxt.backward(0, None, JOB.micro_batches)
+    suspect.backward(0, grad_out, JOB.micro_batches)
+    names = sorted(n for n, p in suspect.module.named_parameters() if p.grad is not None)
+    params = dict(suspect.module.named_parameters())
+    pieces = [
+        _signed("coord", Activations(RUN, 0, 0, 0), list(mb))[0],
+        _signed("next", Gradients(RUN, 0, 0, 0), list(grad_out))[0],
+        _signed("suspect", Activations(RUN, 0, 0, 1), list(sent))[0],
+    ]
+    _, own = _signed("suspect", ReplicaGrads(RUN, 0, 0, 1, names), [params[n].grad for n in names])
+    roles = roles_for(0, 2)
+    keys = {who: ident.public_key for who, ident in IDS.items()}
+    msg = Recheck(RUN, 0, 0, "suspect", roles, ["coord", "next", "suspect"], 0, None, SAME_KIND_RTOL)
+    checker_view = Rechecker(checker, 0, keys, Codec(), None, JOB.micro_batches)
+    return msg, [t for pair in pieces for t in pair], own, checker_view
+
+
+def test_honest_work_agrees_and_noisy_activations_are_caught() -> None:
+    msg, evidence, own, checker = _evidence(noise=0.0)
+    verdict = checker.verdict(msg, evidence, own)
+    assert verdict.agree, verdict.detail
+    msg, evidence, own, checker = _evidence(noise=1e-3)
+    verdict = checker.verdict(msg, evidence, own)
+    assert not verdict.agree and "its activations" in verdict.detail
+
+
+def test_evidence_a_signer_did_not_sign_or_of_another_micro_batch_is_refused() -> None:
+    msg, evidence, own, checker = _evidence(noise=0.0)
+    forged = list(evidence)
+    forged[4] = forged[4].clone()
+    forged[4][-1] ^= 1  # the output frame's signature
+    assert "not signed by suspect" in checker.verdict(msg, forged, own).detail
+    other = Recheck(RUN, 0, 1, "suspect", msg.roles, msg.signers, 0, None, SAME_KIND_RTOL)
+    assert "is the frame of" in checker.verdict(other, evidence, own).detail
+
+
+@pytest.mark.parametrize("noise, rtol, caught", [(1e-7, SAME_KIND_RTOL, False), (1e-3, SAME_KIND_RTOL, True)])
+def test_the_tolerance_absorbs_last_bits_not_tampering(noise: float, rtol: float, caught: bool) -> None:
+    x = torch.randn(64, 64)
+    assert bool(differs([x], [x + noise * torch.randn_like(x)], rtol)) is caught
+    assert differs([x], [x.clone()], 0.0) == ""
+
+
+def test_tolerances_and_the_survival_formula() -> None:
+    assert tolerance("cpu", "cpu") == SAME_KIND_RTOL
+    assert tolerance("cuda:NVIDIA A100", "cpu") == CROSS_DEVICE_RTOL
+    assert tolerance("cpu", "cpu", "bf16") > SAME_KIND_RTOL
+    # a cheat corrupting 10% of 8 micro-batches a step, each checked with chance 0.05
+    assert survival(0.1, 0.05, 8, 20) == pytest.approx((1 - 0.005) ** 160)
+    assert survival(0.1, 1.0, 8, 1) == pytest.approx(0.9**8)
