@@ -143,16 +143,21 @@ class Auditing(DriverParts):
         for role in roles:
             asked.setdefault(holders[role], []).append(role)
         got: dict[str, list[torch.Tensor]] = {}
-        for holder, held in asked.items():
-            kinds = [ROLES[r][0].KIND for r in held]
-            self.auditing.add(holder)
-            try:
+        self.auditing.update(asked)
+        try:  # every holder asked at once: one round trip
+            for holder, held in asked.items():
+                kinds = [ROLES[r][0].KIND for r in held]
                 await self._send(holder, Audit(self.cfg.run_id, step, mb, kinds, st.epoch))  # type: ignore[attr-defined]
-                inbound = await self._next((Evidence,), {holder})  # type: ignore[attr-defined]
-            finally:
-                self.auditing.discard(holder)
-            for role in held:
-                got[role] = self._checked_evidence(inbound, role, signers[role], (step, mb, s))
+            pending = set(asked)
+            while pending:
+                inbound = await self._next((Evidence,), pending)  # type: ignore[attr-defined]
+                if (inbound.message.step, inbound.message.mb) != (step, mb):
+                    continue
+                pending.discard(inbound.sender)
+                for role in asked[inbound.sender]:
+                    got[role] = self._checked_evidence(inbound, role, signers[role], (step, mb, s))
+        finally:
+            self.auditing.difference_update(asked)
         return [t for role in roles for t in got[role]]
 
     def _checked_evidence(
