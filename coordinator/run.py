@@ -444,12 +444,18 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
             raise SwarmError(f"writing the final checkpoint failed: {exc}") from None
 
     async def _release(self) -> None:
+        """Tell every admitted peer the run is over: the plan's, the standby peers with
+        an advert, and those whose advert the DHT did not return just now (a peer never
+        told would wait for a coordinator that is gone)."""
         st = self.st
-        await self._refresh_adverts()  # standby peers that came (back) since
-        for p in st.planned | set(self._standby()):
-            await self._send_quietly(p, Finish(self.cfg.run_id, False, st.epoch))
-        for p in st.planned:
-            await self._send_quietly(p, Release(self.cfg.run_id))
+        try:
+            await self._refresh_adverts()  # standby peers that came (back) since
+        except Exception as exc:  # the DHT may hiccup: the admitted peers are told anyway
+            logger.info("the last advert refresh failed: %s", exc)
+        told = (st.planned | set(self._standby()) | set(self.coord.gate.keys)) - set(st.lost)
+        finish = Finish(self.cfg.run_id, False, st.epoch)
+        await asyncio.gather(*(self._send_quietly(p, finish) for p in told if p != self.coord.transport.peer_id))
+        await asyncio.gather(*(self._send_quietly(p, Release(self.cfg.run_id)) for p in st.planned))
 
     # ------------------------------------------------------------------ recover
     async def _recover(self, lost: dict[str, str]) -> None:

@@ -190,7 +190,10 @@ class Swarm:
         self.note_children()
         for p in self.procs:
             if p.popen.poll() is None:
-                p.wait(60)
+                try:
+                    p.wait(60)
+                except subprocess.TimeoutExpired:
+                    raise AssertionError(f"{' '.join(p.args[:1])} did not exit within 60 s:\n{p.output[-3000:]}") from None
         return wait_gone(self.all_pids())
 
     def close(self) -> None:

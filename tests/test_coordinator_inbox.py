@@ -369,3 +369,27 @@ def test_a_move_is_not_a_level_change_of_the_peers(tmp_path: Path) -> None:
     driver._record_levels()
     assert st.levels["p0"] == [None, 1.0, None, 2.0, 0.5]
     assert not replan.volatile(st.levels["p0"]) and st.rebalance_doubt == 0.0
+
+
+def test_the_end_of_the_run_reaches_peers_the_dht_did_not_return(tmp_path: Path) -> None:
+    """Every admitted peer is told the run is finished, also a standby peer whose advert
+    the last DHT read missed (CI once saw such a peer wait two minutes for a gone
+    coordinator), and a failing DHT read does not stop the others being told."""
+    driver = _driver(tmp_path, [["p0"], ["p1"]])
+    sent: list[tuple[str, str]] = []
+
+    async def send(peer: str, msg: object, values: object = None) -> None:
+        sent.append((peer, type(msg).__name__))
+
+    async def dht_down() -> dict[str, Advert]:
+        raise asyncio.TimeoutError
+
+    driver.coord.transport.send = send  # type: ignore[union-attr]
+    driver.coord.transport.peer_id = "coordinator"  # type: ignore[union-attr]
+    driver.coord.live_adverts = dht_down  # type: ignore[method-assign]
+    driver.coord.gate.keys = {p: None for p in ("p0", "p1", "standby", "lost")}  # type: ignore[misc]
+    driver.st.lost = {"lost": "excluded"}
+    asyncio.run(driver._release())
+    finished = {p for p, kind in sent if kind == "Finish"}
+    assert finished == {"p0", "p1", "standby"}
+    assert {p for p, kind in sent if kind == "Release"} == {"p0", "p1"}
