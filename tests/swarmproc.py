@@ -193,7 +193,7 @@ class Swarm:
                 try:
                     p.wait(60)
                 except subprocess.TimeoutExpired:
-                    raise AssertionError(f"{' '.join(p.args[:1])} did not exit within 60 s:\n{p.output[-3000:]}") from None
+                    raise AssertionError(f"'{p.args[0]}' did not exit within 60 s:\n{p.output[-3000:]}") from None
         return wait_gone(self.all_pids())
 
     def close(self) -> None:
