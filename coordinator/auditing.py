@@ -196,9 +196,11 @@ class Auditing(DriverParts):
         suspect = self._route(s, mb)["suspect"]
         devices = [self.coord.adverts[p].device if p in self.coord.adverts else "" for p in (suspect, checker)]
         loss = self.mb_losses.get(str(mb)) if s == len(st.plan.stages) - 1 else None  # type: ignore[union-attr]
+        program = self._program_payloads(st.plan.cut)[s] if weights and self.as_programs else []  # type: ignore[attr-defined,union-attr]
         msg = Recheck(cfg.run_id, step, mb, suspect, roles, [signers[r] for r in roles], st.epoch, loss,
-                      tolerance(*devices, self.job.precision), s if weights else -1, weights or [])  # fmt: skip
-        await self._send(checker, msg, evidence)  # type: ignore[attr-defined]
+                      tolerance(*devices, self.job.precision), s if weights else -1, weights or [],
+                      len(program))  # fmt: skip
+        await self._send(checker, msg, [*evidence, *program])  # type: ignore[attr-defined]
         while True:
             verdict: Verdict = (await self._next((Verdict,), {checker})).message  # type: ignore[attr-defined]
             if (verdict.step, verdict.mb, verdict.suspect) != (step, mb, suspect):

@@ -34,6 +34,7 @@ from coordinator.rebalancing import Rebalancing
 from coordinator.runstate import EXCLUDED, PeerLost, RunState
 from coordinator.weights import InitError, read_init
 from protocol.envelope import Rejected, match_values
+from protocol.graph import Cut
 from protocol.job import mean_loss, split_batch
 from protocol.messages import (
     Activations,
@@ -46,10 +47,12 @@ from protocol.messages import (
     LinkPlan,
     Ready,
     Release,
+    StageProgram,
     StageState,
     Standby,
     StepDone,
 )
+from protocol.program import ProgramError, export_stages
 from protocol.recipe import LossScale, Update, decide_update, in_model_order, initial_scale
 from protocol.wire import encode_values
 
@@ -93,6 +96,13 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
         self.st.scale = initial_scale(self.recipe)
         self._param_order = [n for n, _ in model.named_parameters()]
         self.init_state = self._read_init()
+        self._programs: dict[tuple[int, ...], list[list[torch.Tensor]]] = {}
+        #: stages travel as programs of ATen operators (peers import no model code), unless the model has an
+        #: operation that cannot be traced to them; then peers build stages from the model's Python (--allow-code)
+        self.as_programs = self._exportable()
+        coord.board.stages_as = "program" if self.as_programs else "code"
+        if self.as_programs and self.init_state is None:
+            self.init_state = model.state_dict()  # peers cannot seed what they do not build: they get the weights
         self._eval_set: list[tuple[torch.Tensor, ...]] | None = None
         weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         activations = sum(op.out_bytes for op in self.dag.ops)  # all of one micro-batch's: what any boundary carries
@@ -195,12 +205,16 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
             board.peer_state(p, "standby")
         for p in st.planned:
             tp.learn(p, self.coord.adverts[p].maddrs if p in self.coord.adverts else [])
-        states = None
+        states = programs = None
         if st.restore == "state":
             states = await asyncio.get_running_loop().run_in_executor(None, self._stage_states, plan.cut)
+        if self.as_programs and st.restore != "keep":
+            programs = await asyncio.get_running_loop().run_in_executor(None, self._program_payloads, plan.cut)
         for s, group in enumerate(plan.stages):
             for r, p in enumerate(group):
                 await self._send(p, self._assign_msg(s, r))
+                if programs is not None:
+                    await self._send(p, StageProgram(cfg.run_id, s, plan.cut.to_list(), st.epoch), programs[s])
                 if states is not None:
                     names = sorted(states[s])
                     msg = StageState(cfg.run_id, s, names, st.epoch, st.step)
@@ -239,6 +253,7 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
             loss_scale=st.scale.scale,
             pending_factor=st.last_update.factor,
             pending_skip=st.last_update.skip,
+            program=self.as_programs,
         )
 
     async def _await_ready(self) -> None:
@@ -351,6 +366,22 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
             return read_init(self.job.init, self.model)
         except InitError as exc:
             raise SwarmError(str(exc)) from None
+
+    def _exportable(self) -> bool:
+        """Whether the model traces to ATen operators (then every stage of every cut does)."""
+        try:
+            export_stages(self.model, Cut(()), self.example, self.recipe)
+        except ProgramError as exc:
+            self.on_event(f"stages run the model's own Python on the peers: {exc}")
+            return False
+        return True
+
+    def _program_payloads(self, cut: Cut) -> list[list[torch.Tensor]]:
+        """Each stage's program of ``cut``, as a message carries it (made once per cut)."""
+        if cut.boundaries not in self._programs:
+            programs = export_stages(self.model, cut, self.example, self.recipe)
+            self._programs[cut.boundaries] = [p.to_payload() for p in programs]
+        return self._programs[cut.boundaries]
 
     def _restore_at(self, step: int) -> str:
         """How stages get the state of ``step``: the seeded initialisation at step 0, or

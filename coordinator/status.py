@@ -94,6 +94,7 @@ class StatusBoard:
         self.failures = 0
         self.rollbacks = 0
         self.steps_redone = 0
+        self.stages_as = ""  # "program" (ATen programs) or "code" (the model's Python, on peers that opted in)
         self.spot_checks = 0  # micro-batches re-executed by a replica (coordinator.auditing)
         self.last_checkpoint: dict[str, Any] | None = None
         self._seq = itertools.count()  # orders events across the two histories
@@ -317,6 +318,7 @@ class StatusBoard:
             "now": now,
             "peers": sorted(peers, key=lambda p: (p["stage"] is None, p["stage"] or 0, p["replica"] or 0, p["id"])),
             "plan": self.plan,
+            "stages_as": self.stages_as,
             "training": {
                 "step": self.step,
                 "steps": self.steps,

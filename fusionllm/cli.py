@@ -352,6 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-code", action="append", default=[], metavar="MODULE",
                    help="also run models from this module (pkg.mod or path/file.py; repeatable): their Python is "
                    "imported here (default: only FusionLLM's built-in models)")  # fmt: skip
+    p.add_argument("--allow-ops", action="append", default=[], metavar="NAMESPACE",
+                   help="also run stage programs that call operators of this torch.ops namespace (repeatable; "
+                   "default: aten only); its operators must be registered here, e.g. by --allow-code")  # fmt: skip
     p.add_argument("--coordinator-key", type=_key_hex, default=None, metavar="HEX",
                    help="the coordinator's public key, as its join command prints it: only it is trusted "
                    "(without it: the only coordinator of the run, trusted on first use)")  # fmt: skip

@@ -140,7 +140,9 @@ async def _coordinate(args: argparse.Namespace, on_ready: Any = None) -> int:
         code = foreign_code(cfg.job.model)
         if code:
             print(
-                f"the model is code from '{code}': volunteers run it only if they add --allow-code {code}", flush=True
+                f"the model is code from '{code}': volunteers get its stages as programs of ATen operators and "
+                f"import nothing (a model that does not trace to them needs volunteers with --allow-code {code})",
+                flush=True,
             )
         if coord.status is not None:
             print(f"status page: {coord.status.url}", flush=True)
@@ -219,6 +221,7 @@ async def _join(args: argparse.Namespace) -> int:
             advertise_flops=args.advertise_flops,
             coordinator_key=args.coordinator_key,
             allow_code=list(args.allow_code),
+            allow_ops=list(args.allow_ops),
             swarm_secret=args.swarm_secret,
             throttle_file=os.path.expanduser(args.throttle_file) if args.throttle_file else None,
         )
@@ -230,7 +233,8 @@ async def _join(args: argparse.Namespace) -> int:
         throttled = f" (throttled to {f:g} of its speed)" if f < 1 else ""
         print(
             f"joined run '{args.run}' as {node.advert.peer_id}: {node.advert.device}, "
-            f"{node.advert.flops / 1e9:.1f} GFLOP/s{throttled}; waiting for a stage",
+            f"{node.advert.flops / 1e9:.1f} GFLOP/s{throttled}; coordinator key {node.coordinator_fingerprint}; "
+            "waiting for a stage",
             flush=True,
         )
         return await node.serve()

@@ -13,8 +13,12 @@ from protocol.messages import Assign, Message
 
 #: control messages only the coordinator sends
 _FROM_COORDINATOR = (
-    "assign", "links", "finish", "release", "abort", "commit", "stagestate", "evict", "standby", "audit", "recheck"
+    "assign", "links", "finish", "release", "abort", "commit", "stagestate", "program", "evict", "standby", "audit",
+    "recheck",
 )  # fmt: skip
+
+#: what the coordinator may send before the dispatcher has taken an assignment in
+_BEFORE_ASSIGN = ("assign", "stagestate", "program", "abort", "evict", "standby", "finish", "release")
 
 
 @dataclass
@@ -33,7 +37,7 @@ class PlanChecks:
         if env.kind in _FROM_COORDINATOR and sender == self.coordinator:
             # a stage's state follows its assignment at once: the gate may check it before
             # the dispatcher has taken the assignment in (the two are in order on one stream)
-            if a is None and env.kind not in ("assign", "stagestate", "abort", "evict", "standby", "finish", "release"):
+            if a is None and env.kind not in _BEFORE_ASSIGN:
                 raise Rejected(Reject.UNEXPECTED, f"{env.kind} before an assignment")
             return
         if a is None:

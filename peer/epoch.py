@@ -40,9 +40,10 @@ from protocol.messages import (
     StepDone,
     Verdict,
 )
+from protocol.program import Program, ProgramError, check_operators, dry_run, load_stage
 from protocol.recipe import LossScale, Recipe, Update
 from protocol.transport import Inbound
-from protocol.wire import Link, all_finite
+from protocol.wire import Link, all_finite, raw_bytes
 
 if TYPE_CHECKING:
     from peer.node import PeerNode
@@ -89,7 +90,7 @@ class EpochRunner:
         except SpecError as exc:
             raise RunRefused(f"the assignment's job: {exc}") from None
         code = foreign_code(self.job.model)
-        if code is not None and code not in node.config.allow_code:
+        if not a.program and code is not None and code not in node.config.allow_code:
             raise ForeignCode(
                 f"the run's model '{self.job.model[:120]}' is code this peer would have to import; it runs only "
                 f"built-in models unless joined with --allow-code {code[:120]}"
@@ -105,6 +106,7 @@ class EpochRunner:
         self.mb_grads: dict[int, dict[str, torch.Tensor]] = {}  # replicated stages: own gradients per micro-batch
         self.busy_s = 0.0  # compute and throttle pauses (not waits for messages) since the step began
         self.kept: dict[tuple[str, int], Inbound] = {}  # this step's received frames: evidence for spot checks
+        self.activation_bytes = 0  # what the stage's program computes per micro-batch (its dry run's count)
 
     async def run(self) -> None:
         """Serve the epoch through the run's last step (and its final state)."""
@@ -163,7 +165,16 @@ class EpochRunner:
         if a.restore not in ("init", "state"):
             raise RunRefused(f"unknown restore mode '{a.restore}'")
         node.held = None
-        ex = await node.run_compute(self._build)
+        if a.program:
+            if a.restore != "state":
+                raise RunRefused("a stage program comes with its state; the assignment sends none")
+            inb = await self.mailbox.get("program", self.timeout)
+            if inb.message.stage != a.stage or inb.message.cut != a.cut:
+                raise RunRefused(f"got the program of stage {inb.message.stage} of cut {inb.message.cut}")
+            ex = await node.run_compute(self._build_program, inb.values())
+            node._say(self._lending(ex, inb.values()))
+        else:
+            ex = await node.run_compute(self._build)
         if a.restore == "state":
             inb = await self.mailbox.get("stagestate", self.timeout)
             if inb.message.stage != a.stage or inb.message.step != a.start_step:
@@ -179,6 +190,39 @@ class EpochRunner:
         ex.loss_scale = LossScale(a.loss_scale)
         node.held = HeldStage(key, ex)
         return node.held
+
+    def _build_program(self, values: list[Any]) -> StageExecutor:
+        """The stage from its program: operators checked against this peer's allowed
+        namespaces and the program run on the meta device against the plan's shapes
+        before it is built (nothing of it runs on real data before both pass)."""
+        a, allowed = self.a, self.node.namespaces
+        last = self.s == self.k - 1
+        try:
+            prog = Program.from_payload(values)
+            check_operators(prog, allowed)
+            self.activation_bytes = dry_run(prog, a.specs[self.s], None if last else a.specs[self.s + 1], allowed)
+            module = load_stage(prog, self.node.device, allowed)
+        except ProgramError as exc:
+            raise ForeignCode(str(exc)) from None
+        return StageExecutor(module, self.job.recipe(), last, casts_inside=True)
+
+    def _lending(self, ex: StageExecutor, program: list[Any]) -> str:
+        """What this peer is about to lend to the stage: operators, parameters, memory
+        (weights, gradients and AdamW's two moments in fp32, plus the activations of
+        the micro-batches 1F1B keeps in flight) and traffic per step before compression."""
+        a, prog = self.a, Program.from_payload(program)
+        ops = prog.operators()
+        params = sum(p.numel() for p in ex.params)
+        in_flight = min(len(self.my_mbs), self.k - self.s)
+        memory = 4 * 4 * params + in_flight * self.activation_bytes
+        inputs = raw_bytes(a.specs[self.s]) if self.s else 0
+        outputs = raw_bytes(a.specs[self.s + 1]) if self.s < self.k - 1 else 0
+        traffic = 2 * len(self.my_mbs) * (inputs + outputs)  # values one way, their gradients back
+        return (
+            f"stage {self.s}: a program of {len(prog.graph['nodes'])} calls to {len(ops)} ATen operators, "
+            f"{params / 1e6:.2f}M parameters; lending about {memory / 2**20:.0f} MiB of memory and "
+            f"{traffic / 2**20:.1f} MiB of traffic per step (before compression)"
+        )
 
     def _build(self) -> StageExecutor:
         model = self.job.build_model()
@@ -339,17 +383,35 @@ class EpochRunner:
     def _arbitrate(self, ex: StageExecutor, msg: Recheck, values: list[Any]) -> Verdict:
         """Re-execute a micro-batch of another stage (two of its replicas disagreed):
         that stage rebuilt from the job, with the weights both replicas showed."""
-        evidence, weights = values[: 2 * len(msg.roles)], values[2 * len(msg.roles) :]
-        if not 0 <= msg.stage < self.k or len(weights) != len(msg.weights):
+        n = 2 * len(msg.roles)
+        evidence, weights, program = (
+            values[:n],
+            values[n : len(values) - msg.program],
+            values[len(values) - msg.program :],
+        )
+        if not 0 <= msg.stage < self.k or len(weights) != len(msg.weights) or msg.program < 0:
             return Verdict(msg.run_id, msg.step, msg.mb, msg.suspect, False, "a malformed arbitration", msg.epoch)
-        module = build_stage(partition(trace(self.job.build_model()), self.cut), msg.stage).to(self.node.device)
-        other = StageExecutor(module, self.recipe, msg.stage == self.k - 1)
+        try:
+            other = self._other_stage(msg.stage, program)
+        except (ProgramError, SpecError) as exc:
+            return Verdict(msg.run_id, msg.step, msg.mb, msg.suspect, False, f"the stage: {exc}", msg.epoch)
         try:
             other.load_state_tensors(dict(zip(msg.weights, weights, strict=True)))
         except ValueError as exc:
             return Verdict(msg.run_id, msg.step, msg.mb, msg.suspect, False, f"the weights: {exc}", msg.epoch)
         other.loss_scale = ex.loss_scale
         return self._rechecker(other, msg.stage).verdict(msg, evidence, None)
+
+    def _other_stage(self, s: int, program: list[Any]) -> StageExecutor:
+        """Another stage of this cut, to arbitrate: from its program, or (a run whose
+        stages are the model's code) rebuilt from the job."""
+        last = s == self.k - 1
+        if self.a.program:
+            prog = Program.from_payload(program)
+            module = load_stage(prog, self.node.device, self.node.namespaces)
+            return StageExecutor(module, self.recipe, last, casts_inside=True)
+        module = build_stage(partition(trace(self.job.build_model()), self.cut), s).to(self.node.device)
+        return StageExecutor(module, self.recipe, last)
 
     async def _evaluate(self, ex: StageExecutor, step: int, count: int) -> None:
         """Run this replica's share of ``count`` validation micro-batches forward; the

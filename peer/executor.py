@@ -4,6 +4,7 @@ executors and a peer can drive one from the network."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -117,8 +118,11 @@ class StageExecutor:
     """Runs one stage. ``forward`` keeps what backward needs per micro-batch;
     ``backward`` frees it and returns the gradients of the stage's inputs."""
 
-    def __init__(self, module: nn.Module, recipe: Recipe, is_last: bool) -> None:
+    def __init__(self, module: nn.Module, recipe: Recipe, is_last: bool, casts_inside: bool = False) -> None:
+        """``casts_inside``: the module already holds the recipe's casts (a stage
+        program traced under autocast), so it runs without autocast."""
         self.module = module
+        self.casts_inside = casts_inside
         self.is_last = is_last
         self.recipe = recipe
         self.params = [p for p in module.parameters() if p.requires_grad]
@@ -140,7 +144,7 @@ class StageExecutor:
         # Values may be tensors or (nested) tuples of them, e.g. the result of split().
         leaves = [_as_leaf(x) for x in inputs]
         try:
-            with torch.enable_grad(), autocast(self.recipe, self.device):
+            with torch.enable_grad(), self._autocast():
                 out = self.module(*leaves)
         except Exception as exc:  # the model's own code: one line with its file:line
             raise model_error(exc) from None
@@ -196,11 +200,14 @@ class StageExecutor:
         """The stage's forward in eval mode, without autograd (validation batches)."""
         self.module.eval()
         try:
-            with torch.no_grad(), autocast(self.recipe, self.device):
+            with torch.no_grad(), self._autocast():
                 out = self.module(*inputs)
         finally:
             self.module.train()
         return out if self.is_last else tuple(out)
+
+    def _autocast(self) -> Any:
+        return contextlib.nullcontext() if self.casts_inside else autocast(self.recipe, self.device)
 
     def grad_norms(self) -> dict[str, float]:
         """Unscale this step's gradients and return each parameter's gradient norm by

@@ -44,10 +44,12 @@ from protocol.messages import (
     Recheck,
     Release,
     ReplicaGrads,
+    StageProgram,
     StageState,
     Standby,
     dht_key,
 )
+from protocol.program import DEFAULT_NAMESPACES
 from protocol.transport import Inbound, PeerUnreachable, Transport
 
 #: the longest a DHT store or get may take (awaited as futures: see coordinator.swarm)
@@ -85,6 +87,7 @@ class PeerConfig:
     advertise_flops: float | None = None  # advertise this instead of the measured FLOP/s (a lying peer, for tests)
     coordinator_key: str | None = None  # the coordinator's Ed25519 key (hex), pinned; None: trust on first use
     allow_code: list[str] = field(default_factory=list)  # model modules (MODULE or file.py) this peer may import
+    allow_ops: list[str] = field(default_factory=list)  # operator namespaces a stage program may call beyond aten
     swarm_secret: str = ""  # a private swarm's secret (hex, from its join token): proven in the hello
 
 
@@ -266,7 +269,7 @@ class PeerNode:
                 continue
             elif getattr(msg, "epoch", self.epoch) != self.epoch:
                 logger.info("dropping a %s of epoch %d (this peer is at %d)", msg.KIND, msg.epoch, self.epoch)
-            elif isinstance(msg, (LinkPlan, StageState)):
+            elif isinstance(msg, (LinkPlan, StageState, StageProgram)):
                 self.mailbox.put(msg.KIND, inbound)
             elif isinstance(msg, Commit):
                 self.mailbox.put(("commit", msg.step), inbound)
@@ -311,7 +314,9 @@ class PeerNode:
             done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             if getter not in done:
                 getter.cancel()
-                await self._epoch_ended()
+                code = await self._epoch_ended()
+                if code is not None:
+                    return code
                 continue
             kind, item = getter.result()
             code = await self._control(kind, item)
@@ -356,13 +361,28 @@ class PeerNode:
             return await self._reattach(item)
         return None
 
-    async def _epoch_ended(self) -> None:
+    @property
+    def coordinator_fingerprint(self) -> str:
+        """The first 16 hex digits of the coordinator's key: who this peer works for."""
+        return key_hex(self.coordinator_key)[:16] if self.coordinator_key is not None else "unknown"
+
+    @property
+    def namespaces(self) -> tuple[str, ...]:
+        """The operator namespaces this peer runs stage programs from."""
+        return (*DEFAULT_NAMESPACES, *self.config.allow_ops)
+
+    async def _epoch_ended(self) -> int | None:
         """The epoch task ended: done with the run's steps (wait for Finish), or failed
-        (report it to the coordinator, who starts a new epoch)."""
+        (report it to the coordinator, who starts a new epoch); a stage this peer will
+        not run ends its serving (exit code 2)."""
         task, self._epoch_task = self._epoch_task, None
         assert task is not None
         try:
             task.result()
+        except ForeignCode as exc:
+            self._say(f"refused the stage: {exc}")
+            await self._report_failure(f"refused the stage: {exc}", epoch=self._task_epoch)
+            return 2
         except PeerUnreachable as exc:
             await self._report_failure(str(exc), exc.peer_id, self._task_epoch)
         except Poisoned as exc:
@@ -375,6 +395,7 @@ class PeerNode:
         except Exception as exc:  # anything else this peer cannot go on with: the coordinator re-plans
             logger.exception("the epoch failed")
             await self._report_failure(f"{type(exc).__name__}: {exc}", epoch=self._task_epoch)
+        return None
 
     async def _stop_epoch(self) -> None:
         """Cancel the running epoch and wait for its compute to finish (the stage's

@@ -136,6 +136,7 @@ class Assign(Message):
     loss_scale: float = 1.0  # the loss scale of start_step (fp16; recipe.LossScale)
     pending_factor: float = 1.0  # the committed update of step start_step - 1, for a peer still to apply it
     pending_skip: bool = False
+    program: bool = False  # the stage comes as a StageProgram (ATen operators), not from the job's model code
 
 
 @dataclass(frozen=True)
@@ -371,6 +372,7 @@ class Recheck(Message):
     tolerance: float = 0.0
     stage: int = -1  # an arbiter's: the stage to rebuild (-1: the checker's own)
     weights: list[str] = field(default_factory=list)  # an arbiter's: the weights that follow the evidence
+    program: int = 0  # an arbiter's: how many tensors of the stage's program follow the weights
 
 
 @dataclass(frozen=True)
@@ -399,6 +401,19 @@ class StageState(Message):
     names: list[str]
     epoch: int = 0
     step: int = 0
+
+
+@dataclass(frozen=True)
+class StageProgram(Message):
+    """Coordinator -> peer: the program of ATen operators its assigned stage runs
+    (``protocol.program``; the graph and constants in the frame). Sent before the
+    stage's state whenever the peer builds the stage."""
+
+    KIND: ClassVar[str] = "program"
+    run_id: str
+    stage: int
+    cut: list[int]
+    epoch: int = 0
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ DEFAULT_MAX_PAYLOAD_BYTES = 4 << 30
 READ_CHUNK = 1 << 22
 _HEAD = struct.Struct(">4sI")
 
-_DTYPES: dict[str, torch.dtype] = {
+DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float64": torch.float64,
     "float16": torch.float16,
@@ -41,8 +41,8 @@ _DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8,
     "bool": torch.bool,
 }
-_NAMES = {v: k for k, v in _DTYPES.items()}
-_ITEMSIZE = {v: torch.empty((), dtype=v).element_size() for v in _DTYPES.values()}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+_ITEMSIZE = {v: torch.empty((), dtype=v).element_size() for v in DTYPES.values()}
 #: integer types a wider integer tensor may travel as, narrowest first, with their ranges
 _NARROW = ((torch.uint8, 0, 255), (torch.int8, -128, 127), (torch.int16, -(1 << 15), (1 << 15) - 1),
            (torch.int32, -(1 << 31), (1 << 31) - 1))  # fmt: skip
@@ -76,9 +76,9 @@ def encode_value(value: Any, chunks: list[memoryview], link: Link | None = None)
         t = value.detach()
         if t.device.type != "cpu":
             t = t.cpu()
-        if t.dtype not in _NAMES:
+        if t.dtype not in DTYPE_NAMES:
             raise WireError(f"dtype {t.dtype} cannot travel on the wire")
-        desc: dict[str, Any] = {"t": "tensor", "dtype": _NAMES[t.dtype], "shape": list(t.shape)}
+        desc: dict[str, Any] = {"t": "tensor", "dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape)}
         if link is not None and link.codec.applies_to(t):
             parts = link.encode(t)
             chunks.extend(parts)
@@ -90,7 +90,7 @@ def encode_value(value: Any, chunks: list[memoryview], link: Link | None = None)
             narrow = _narrowest(t)
             if narrow is not None:
                 t = t.to(narrow)
-                desc["narrow"] = _NAMES[narrow]
+                desc["narrow"] = DTYPE_NAMES[narrow]
         t = t.contiguous()
         buf = memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() > 0 else memoryview(b"")
         chunks.append(buf)
@@ -103,7 +103,7 @@ def encode_value(value: Any, chunks: list[memoryview], link: Link | None = None)
     if isinstance(value, torch.device):
         return {"t": "device", "v": str(value)}
     if isinstance(value, torch.dtype):
-        return {"t": "dtype", "v": _NAMES.get(value, "")}
+        return {"t": "dtype", "v": DTYPE_NAMES.get(value, "")}
     if value is None or isinstance(value, (bool, int, float, str)):
         return {"t": "py", "v": value}
     raise WireError(f"values of type {type(value).__name__} cannot travel on the wire")
@@ -149,7 +149,7 @@ def _shape_numel(shape: Any) -> int:
 def _tensor_desc(desc: dict[str, Any]) -> tuple[torch.dtype, list[int], int, Codec | None, torch.dtype]:
     """(dtype, shape, bytes, codec, the dtype its bytes are in) of a tensor
     description, checked for consistency."""
-    dtype = _DTYPES.get(desc.get("dtype"))  # type: ignore[arg-type]
+    dtype = DTYPES.get(desc.get("dtype"))  # type: ignore[arg-type]
     if dtype is None:
         raise WireError(f"unknown dtype {str(desc.get('dtype'))[:32]!r}")
     shape = desc.get("shape")
@@ -167,11 +167,11 @@ def _tensor_desc(desc: dict[str, Any]) -> tuple[torch.dtype, list[int], int, Cod
         return dtype, shape, nbytes, codec, dtype
     stored = dtype
     if "narrow" in desc:
-        stored = _DTYPES.get(desc["narrow"]) if isinstance(desc["narrow"], str) else None  # type: ignore[assignment]
+        stored = DTYPES.get(desc["narrow"]) if isinstance(desc["narrow"], str) else None  # type: ignore[assignment]
         if dtype not in _WIDE_INTS or stored not in [n[0] for n in _NARROW] or _ITEMSIZE[stored] >= _ITEMSIZE[dtype]:
             raise WireError(f"a {desc['dtype']} tensor cannot travel as {str(desc['narrow'])[:16]!r}")
     if nbytes != numel * _ITEMSIZE[stored]:
-        raise WireError(f"tensor of shape {shape} and dtype {_NAMES[stored]} cannot be {nbytes} bytes")
+        raise WireError(f"tensor of shape {shape} and dtype {DTYPE_NAMES[stored]} cannot be {nbytes} bytes")
     return dtype, shape, nbytes, codec, stored
 
 
@@ -211,7 +211,7 @@ def raw_bytes(descs: list[Any]) -> int:
         if not isinstance(d, dict):
             continue
         if d.get("t") == "tensor":
-            total += math.prod(d["shape"]) * _ITEMSIZE[_DTYPES[d["dtype"]]]
+            total += math.prod(d["shape"]) * _ITEMSIZE[DTYPES[d["dtype"]]]
         elif d.get("t") in ("tuple", "list"):
             total += raw_bytes(d.get("items", []))
     return total
@@ -267,7 +267,7 @@ def decode_value(desc: Any, payload: memoryview, offset: int, device: torch.devi
     if kind == "device":
         return (device or torch.device("cpu")), offset
     if kind == "dtype":
-        dtype = _DTYPES.get(desc.get("v"))  # type: ignore[arg-type]
+        dtype = DTYPES.get(desc.get("v"))  # type: ignore[arg-type]
         if dtype is None:
             raise WireError(f"unknown dtype {desc.get('v')!r}")
         return dtype, offset

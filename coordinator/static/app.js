@@ -112,6 +112,11 @@ function render(st) {
   $("tps").textContent = tr.tokens_per_s === null ? "–" : Math.round(tr.tokens_per_s).toLocaleString();
   $("elapsed").textContent = fmtSecs(tr.elapsed_s);
   $("eta").textContent = fmtSecs(tr.eta_s);
+  const code = st.stages_as === "code";
+  $("stages-as").textContent = st.stages_as ? (code ? "the model's Python" : "ATen programs") : "–";
+  $("stages-as").title = code ? "peers import the model's code: only those who opted in with --allow-code serve"
+    : "peers run programs of ATen operators and import no model code";
+  $("stages-as").className = code ? "warn" : "";
   renderRecovery(st);
   drawLoss(tr.losses, st.checkpoint, tr.val_losses);
   drawPlan(st.plan);
