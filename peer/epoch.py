@@ -197,6 +197,11 @@ class EpochRunner:
         before it is built (nothing of it runs on real data before both pass)."""
         a, allowed = self.a, self.node.namespaces
         last = self.s == self.k - 1
+        if foreign_code(self.job.model) in self.node.config.allow_code:
+            try:
+                self.job.model_factory()  # the code this volunteer opted in to: its own operators register
+            except SpecError as exc:
+                raise RunRefused(str(exc)) from None
         try:
             prog = Program.from_payload(values)
             check_operators(prog, allowed)

@@ -127,19 +127,23 @@ def export_stage(stage: nn.Module, inputs: Sequence[Any], recipe: Recipe | None 
     names = list(state)
     paths = [p for p, _ in _leaves(list(inputs))]
     flat = [v for _, v in _leaves(list(inputs))]
+    tensors = [j for j, v in enumerate(flat) if isinstance(v, torch.Tensor)]  # traced; other leaves are constants
 
     returned: list[Any] = []
 
     def run(*args: Any) -> Any:
         values = dict(zip(names, args[: len(names)], strict=True))
-        rebuilt = _with_leaves(list(inputs), iter(args[len(names) :]))
+        leaves = list(flat)
+        for j, value in zip(tensors, args[len(names) :], strict=True):
+            leaves[j] = value
+        rebuilt = _with_leaves(list(inputs), iter(leaves))
         with autocast(recipe or Recipe()):
             out = torch.func.functional_call(stage, values, tuple(rebuilt))
         returned.append(out)
         return out
 
     args = [t.detach().requires_grad_(t.requires_grad) for t in state.values()]
-    args += [_as_input(v) for v in flat]
+    args += [_as_input(flat[j]) for j in tensors]
     try:
         with torch.enable_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -147,7 +151,7 @@ def export_stage(stage: nn.Module, inputs: Sequence[Any], recipe: Recipe | None 
     except Exception as exc:
         first = (str(exc).strip().split(" - ")[0].splitlines() or [""])[0][:200]
         raise ProgramError(f"the stage cannot be traced to ATen operators: {type(exc).__name__}: {first}") from None
-    program = _serialize(gm, stage, names, paths)
+    program = _serialize(gm, stage, names, paths, tensors)
     program.graph["output"] = _sizes_as_returned(program.graph["output"], returned[0])
     _verify(stage, program, inputs, recipe or Recipe())
     return program
@@ -157,7 +161,8 @@ def _verify(stage: nn.Module, program: Program, inputs: Sequence[Any], recipe: R
     """Refuse a program that does not compute what the stage computes, forward and
     backward, on the example (tracing runs below autograd: a custom autograd
     function's own backward, for one, would be lost)."""
-    module = load_stage(program)
+    own = tuple({op.split(".")[0] for op in program.operators() if op != "getitem"})  # the model's own code runs here
+    module = load_stage(program, namespaces=own)
     module.load_state_dict(stage.state_dict())
     runs = []
     for m, casts in ((stage, True), (module, False)):
@@ -205,18 +210,22 @@ def _sizes_as_returned(enc: Any, value: Any) -> Any:
 
 
 def _as_input(v: Any) -> Any:
+    """A stage input as a peer gets it: decoded from the wire, so contiguous (a view
+    traced with other strides could be recorded as an ``aten.view`` they do not allow)."""
     if isinstance(v, torch.Tensor):
-        return v.detach().requires_grad_(v.is_floating_point())
+        return v.detach().contiguous().requires_grad_(v.is_floating_point())
     return v
 
 
-def _serialize(gm: fx.GraphModule, stage: nn.Module, names: list[str], paths: list[tuple[int, ...]]) -> Program:
+def _serialize(
+    gm: fx.GraphModule, stage: nn.Module, names: list[str], paths: list[tuple[int, ...]], tensors: list[int]
+) -> Program:
     refs: dict[fx.Node, str] = {}
     nodes: list[dict[str, Any]] = []
     constants: dict[str, torch.Tensor] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for i, n in enumerate(placeholders):
-        refs[n] = f"s:{names[i]}" if i < len(names) else f"i:{i - len(names)}"
+        refs[n] = f"s:{names[i]}" if i < len(names) else f"i:{tensors[i - len(names)]}"
     output: Any = None
     for n in gm.graph.nodes:
         if n.op == "get_attr":

@@ -143,8 +143,9 @@ def wait_for(
 class Swarm:
     """A coordinator and ``peers`` joined peers; ``close`` kills what is left."""
 
-    def __init__(self, tmp: Any, coordinator_args: list[str], peers: int) -> None:
+    def __init__(self, tmp: Any, coordinator_args: list[str], peers: int, env: dict[str, str] | None = None) -> None:
         self.tmp = tmp
+        self.env = env  # the coordinator's environment, over the test's
         tmp.mkdir(parents=True, exist_ok=True)
         self.coord_args = ["coordinator", *coordinator_args, "--identity", str(tmp / "c.key"), "--status-port", "0"]
         self.procs: list[Proc] = []
@@ -156,7 +157,7 @@ class Swarm:
             self.add_peer(i)
 
     def start_coordinator(self, *extra: str) -> Proc:
-        proc = Proc(*self.coord_args, *extra)
+        proc = Proc(*self.coord_args, *extra, env=self.env)
         self.procs.append(proc)
         return proc
 

@@ -13,6 +13,7 @@ from hivemind.utils import get_dht_time
 
 from protocol.identity import Identity, sign_record
 from protocol.messages import CoordinatorRecord, dht_key
+from tests.conftest import ROOT
 from tests.swarmproc import SMALL, Proc, Swarm
 
 
@@ -57,16 +58,41 @@ def test_an_outsiders_coordinator_record_does_not_capture_a_pinned_peer(tmp_path
         swarm.close()
 
 
-def test_a_peer_imports_no_model_code_it_did_not_opt_in_to(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """The coordinator names a model in a Python file: a peer without --allow-code
-    refuses the assignment (and never imports the file); a peer that opted in trains.
-    (That peer joins unpinned: it trusts the run's only coordinator on first use.)"""
+def _model_args(tmp_path: Path, spec: str, peers: int = 2) -> list[str]:
+    return ["--steps", "2", "--seed", "0", "--model", spec, "--model-args", "n_layer=2,n_embd=64,n_head=4",
+            "--min-peers", str(peers), "--run-dir", str(tmp_path / "run")]  # fmt: skip
+
+
+def test_a_peer_trains_a_model_whose_code_it_cannot_import(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The model is a module on the coordinator's Python path only: the peers, which
+    did not opt in to any code, get their stages as programs of ATen operators, say
+    what they lend, and train; neither of them imports the module."""
     marker = tmp_path / "imported"
     monkeypatch.setenv("FUSIONLLM_IMPORT_MARKER", str(marker))
-    spec = "tests/marker_model.py:build"
-    args = ["--steps", "2", "--seed", "0", "--model", spec, "--model-args", "n_layer=2,n_embd=64,n_head=4",
-            "--min-peers", "2", "--run-dir", str(tmp_path / "run")]  # fmt: skip
-    swarm = Swarm(tmp_path, args, peers=0)
+    env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
+    swarm = Swarm(tmp_path, _model_args(tmp_path, "marker_model:build"), peers=2, env=env)
+    try:
+        assert swarm.coord.wait(300) == 0, swarm.coord.output[-3000:]
+        assert not swarm.reap()
+        for p in swarm.peers.values():
+            assert re.search(r"stage \d: a program of \d+ calls to \d+ ATen operators, .* MiB of memory", p.output)
+            assert re.search(r"coordinator key [0-9a-f]{16}", p.output)
+        importers = {int(p) for p in marker.read_text().split()}
+        assert swarm.coord.popen.pid in importers
+        assert not importers & {p.popen.pid for p in swarm.peers.values()}, "a peer imported the model's module"
+    finally:
+        swarm.close()
+
+
+def test_a_peer_imports_no_model_code_it_did_not_opt_in_to(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A model with data-dependent Python cannot travel as a program, so its stages
+    are the model's code: a peer without --allow-code refuses the assignment (and
+    never imports the file); a peer that opted in trains. (That peer joins unpinned:
+    it trusts the run's only coordinator on first use.)"""
+    marker = tmp_path / "imported"
+    monkeypatch.setenv("FUSIONLLM_IMPORT_MARKER", str(marker))
+    spec = "tests/marker_model.py:build_checked"
+    swarm = Swarm(tmp_path, _model_args(tmp_path, spec), peers=0)
     try:
         cautious = Proc("join", *swarm.join_args, "--threads", "1", "--identity", str(tmp_path / "c.key"))
         swarm.procs.append(cautious)
@@ -82,9 +108,31 @@ def test_a_peer_imports_no_model_code_it_did_not_opt_in_to(tmp_path: Path, monke
         line = cautious.wait_line(r"refused the assignment: (.*)", 120).group(1)
         assert f"the run's model '{spec}' is code" in line and "--allow-code tests/marker_model.py" in line
         assert swarm.coord.wait(300) == 0, swarm.coord.output[-3000:]
+        assert "stages run the model's own Python on the peers: " in swarm.coord.output
         assert re.search(rf"stage 0 replica 0: peer {willing}", swarm.coord.output)
         importers = {int(p) for p in marker.read_text().split()}
         assert cautious.popen.pid not in importers, "the cautious peer imported the model's file"
         assert willing_proc.popen.pid in importers and swarm.coord.popen.pid in importers
+    finally:
+        swarm.close()
+
+
+def test_a_program_calling_operators_outside_the_allowlist_is_refused(tmp_path: Path) -> None:
+    """The model registers its own operator: a peer that allows only ATen refuses the
+    stage program before it runs, in one line, and leaves; a peer that opted in to the
+    model's code and the operator's namespace trains it."""
+    args = ["--steps", "2", "--seed", "0", "--model", "tests/custom_op_model.py:build",
+            "--data", "tests/custom_op_model.py:data", "--min-peers", "2", "--stages", "1",
+            "--run-dir", str(tmp_path / "run")]  # fmt: skip
+    swarm = Swarm(tmp_path, args, peers=0)
+    try:
+        strict = Proc("join", *swarm.join_args, "--threads", "1", "--identity", str(tmp_path / "s.key"))
+        swarm.procs.append(strict)
+        strict.wait_line(r"joined run", 120)
+        swarm.add_peer(1, "--allow-code", "tests/custom_op_model.py", "--allow-ops", "fusiontest")
+        line = strict.wait_line(r"refused the stage: (.*)", 120).group(1)
+        assert "fusiontest.scaled.default, outside the allowed operator namespaces (aten)" in line
+        assert strict.wait(60) == 2 and "Traceback" not in strict.output
+        assert swarm.coord.wait(300) == 0, swarm.coord.output[-3000:]
     finally:
         swarm.close()

@@ -1,0 +1,241 @@
+"""Stages as programs of ATen operators (issue 16): they compute exactly what the
+model's stages compute, forward and backward, under every precision; they carry no
+Python; and a peer refuses a program outside its allowed operators, a malformed one,
+or one that does not fit the plan's shapes, in one line, before anything runs."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from coordinator.links import boundary_specs
+from peer.executor import StageExecutor
+from protocol.graph import Cut, forbidden_boundaries, operators, stage_modules, trace
+from protocol.job import JobSpec
+from protocol.program import (
+    DEFAULT_NAMESPACES,
+    Program,
+    ProgramError,
+    check_operators,
+    dry_run,
+    export_stage,
+    export_stages,
+    load_stage,
+)
+from protocol.recipe import Recipe
+
+GPT = JobSpec(model_args="n_layer=2,n_embd=64,n_head=4")
+BRANCHY = JobSpec(model="tests/models.py:branchy_wide", data="branchy")
+CUSTOM = JobSpec(model="tests/custom_op_model.py:build", data="tests/custom_op_model.py:data")
+
+
+def _stages(job: JobSpec, cut: Cut) -> tuple[list[nn.Module], list[Program]]:
+    model = job.build_model()
+    _, stages = stage_modules(model, cut)
+    return stages, export_stages(model, cut, job.first_micro_batch(), job.recipe())
+
+
+def _loaded(program: Program, stage: nn.Module) -> nn.Module:
+    module = load_stage(Program.from_payload(program.to_payload()))  # as a peer gets it: through the wire form
+    module.load_state_dict(stage.state_dict())
+    return module
+
+
+def _run(ex: StageExecutor, inputs: list[Any]) -> list[Any]:
+    """Forward and backward of one micro-batch: outputs, the inputs' and the parameters' gradients."""
+    out = ex.forward(0, inputs)
+    outs = [out] if ex.is_last else list(out)
+    gen = torch.Generator().manual_seed(1)
+    grads = None if ex.is_last else [torch.randn(o.shape, generator=gen).to(o.dtype) if _floating(o) else None
+                                     for o in outs]  # fmt: skip
+    in_grads = ex.backward(0, grads)
+    params = [p.grad for _, p in sorted(ex.module.named_parameters())]
+    return [*outs, *in_grads, *params]
+
+
+def _floating(v: Any) -> bool:
+    return isinstance(v, torch.Tensor) and v.is_floating_point()
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("job,cut", [(GPT, Cut((10, 30))), (BRANCHY, Cut((6, 14)))], ids=["gpt", "branchy"])
+def test_a_program_computes_exactly_what_its_stage_computes(job: JobSpec, cut: Cut, precision: str) -> None:
+    """Outputs, input gradients and parameter gradients bit for bit, stage by stage
+    (the branchy model's skips cross two boundaries; the GPT passes sizes along)."""
+    job = JobSpec(**{**job.__dict__, "precision": precision})
+    recipe = job.recipe()
+    stages, programs = _stages(job, cut)
+    inputs: list[Any] = list(job.first_micro_batch())
+    for s, (stage, program) in enumerate(zip(stages, programs, strict=True)):
+        last = s == len(stages) - 1
+        ours = StageExecutor(_loaded(program, stage), recipe, last, casts_inside=True)
+        theirs = StageExecutor(stage, recipe, last)
+        mine, reference = _run(ours, inputs), _run(theirs, inputs)
+        assert _equal(mine, reference), f"stage {s} under {precision}"
+        if not last:
+            inputs = list(theirs.evaluate(inputs))
+
+
+def test_a_program_is_data_not_python() -> None:
+    """The wire form is JSON of ATen operator names and plain values, and the tensors
+    it needs; the state it names is the stage's own, tied names included."""
+    job = JobSpec(model="tests/models.py:tied", data="tests/models.py:tied_data")
+    stages, programs = _stages(job, Cut(()))
+    payload = programs[0].to_payload()
+    graph = json.loads(payload[0].numpy().tobytes())
+    assert all(op.startswith("aten.") or op == "getitem" for op in programs[0].operators())
+    assert "import" not in payload[0].numpy().tobytes().decode()
+    module = load_stage(Program.from_payload(payload))
+    assert set(module.state_dict()) == set(stages[0].state_dict()), "tied weights keep both names"
+    assert {n for e in graph["state"] for n in e["names"]} >= set(stages[0].state_dict())
+
+
+def _edited(program: Program, edit: Any) -> list[torch.Tensor]:
+    graph = json.loads(json.dumps(program.graph))
+    edit(graph)
+    return Program(graph, dict(program.constants)).to_payload()
+
+
+def _gpt_last() -> Program:
+    return _stages(GPT, Cut((10,)))[1][1]
+
+
+def _set_op(graph: dict[str, Any], op: str) -> None:
+    graph["nodes"][0]["op"] = op
+
+
+REFUSALS = {
+    "an operator outside the allowed namespaces": (
+        lambda g: _set_op(g, "prims.mul.default"),
+        "calls prims.mul.default, outside the allowed operator namespaces (aten)",
+    ),
+    "an ATen operator that reads files": (lambda g: _set_op(g, "aten.from_file.default"), "which no program may call"),
+    "an operator this torch lacks": (lambda g: _set_op(g, "aten.no_such_op.default"), "which this torch does not have"),
+    "a name that is not an operator": (lambda g: _set_op(g, "aten.__class__.x"), "which is not ns.op.overload"),
+    "a tensor named like a method": (lambda g: g["state"][0]["names"].append("forward"), "cannot be an attribute"),
+    "a reference to nothing": (
+        lambda g: g["nodes"][0]["args"]["tuple"].insert(0, {"ref": "elsewhere"}),
+        "refers to 'elsewhere' before it is computed",
+    ),
+    "an argument of an unknown kind": (
+        lambda g: g["nodes"][0]["args"]["tuple"].append({"pickle": "x"}),
+        "a node argument of the stage program is malformed",
+    ),
+    "a negative shape": (lambda g: g["state"][0].update(shape=[-1]), "a malformed shape"),
+    "another format": (lambda g: g.update(format=99), "is not of format 1"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_a_bad_program_is_refused_in_one_line(case: str) -> None:
+    edit, expected = REFUSALS[case]
+    payload = _edited(_gpt_last(), edit)
+    with pytest.raises(ProgramError) as err:
+        load_stage(Program.from_payload(payload))
+    assert expected in str(err.value) and "\n" not in str(err.value)
+
+
+def test_bytes_that_are_not_a_program_are_refused() -> None:
+    junk = torch.frombuffer(bytearray(b"\x80not json"), dtype=torch.uint8)
+    for values, expected in [
+        ([], "missing its graph"),
+        ([junk], "not JSON"),
+        ([torch.zeros(3)], "missing its graph"),
+        ([*_gpt_last().to_payload(), torch.zeros(1)], "constants do not match"),
+    ]:
+        with pytest.raises(ProgramError, match=expected):
+            Program.from_payload(values)
+
+
+def test_a_program_outside_the_allowlist_is_refused_before_it_runs() -> None:
+    """The custom-operator model's first stage calls ``fusiontest.scaled``: refused
+    unless the namespace is allowed (and then it runs)."""
+    _, programs = _stages(CUSTOM, Cut((2,)))
+    with pytest.raises(ProgramError, match="fusiontest.scaled.default, outside the allowed"):
+        check_operators(programs[0], DEFAULT_NAMESPACES)
+    module = load_stage(programs[0], namespaces=("aten", "fusiontest"))
+    assert isinstance(module(*CUSTOM.first_micro_batch()), tuple)
+
+
+def test_a_program_is_checked_against_the_plans_shapes() -> None:
+    model = GPT.build_model()
+    cut = Cut((10,))
+    specs = boundary_specs(model, cut, GPT.first_micro_batch())
+    first, last = export_stages(model, cut, GPT.first_micro_batch())
+    assert dry_run(first, specs[0], specs[1]) > 0
+    assert dry_run(last, specs[1], None) > 0
+    wrong = json.loads(json.dumps(specs[1]))
+    wrong[1]["shape"] = [4, 64, 65]
+    with pytest.raises(ProgramError, match="does not run on its inputs"):
+        dry_run(last, wrong, None)
+    with pytest.raises(ProgramError, match="does not return the values the next stage takes"):
+        dry_run(first, specs[0], wrong)
+    with pytest.raises(ProgramError, match="does not return a scalar loss"):
+        dry_run(first, specs[0], None)
+
+
+class _Clipped(torch.autograd.Function):
+    """A custom backward (straight-through): tracing below autograd would lose it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clamp(-0.1, 0.1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+@torch.fx.wrap
+def _clipped(x: torch.Tensor) -> torch.Tensor:
+    return _Clipped.apply(x)
+
+
+class _CustomBackward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _clipped(self.a(x)).sum()
+
+
+def test_a_model_whose_program_would_differ_is_not_sent_as_one() -> None:
+    """A custom autograd function, or data-dependent Python: the export refuses, and
+    the coordinator falls back to the model's code (for peers that opt in)."""
+    torch.manual_seed(0)
+    with pytest.raises(ProgramError, match="does not compute what the stage computes"):
+        export_stage(torch.fx.symbolic_trace(_CustomBackward()), [torch.randn(4, 8) * 10], Recipe())
+    late = JobSpec(model="tests/models.py:late", data="tests/models.py:late_data")
+    with pytest.raises(ProgramError, match="cannot be traced to ATen operators"):
+        export_stages(late.build_model(), Cut(()), late.first_micro_batch())
+
+
+def test_every_cut_gives_programs_that_run_on_what_the_wire_delivers() -> None:
+    """Boundary values arrive contiguous: a program traced on a transposed view once
+    recorded an ``aten.view`` that only those strides allow (a 2-peer swarm cut there)."""
+    model = GPT.build_model()
+    gm = trace(model)
+    forbidden = forbidden_boundaries(gm)
+    for b in [b for b in range(1, len(operators(gm)), 2) if b not in forbidden]:  # every other: half the time
+        cut = Cut((b,))
+        first, last = stage_modules(model, cut)[1]
+        program = export_stages(model, cut, GPT.first_micro_batch())[1]
+        with torch.no_grad():
+            values = list(first(*GPT.first_micro_batch()))
+        arrived = [v.contiguous().requires_grad_(v.is_floating_point()) if _floating(v) else v for v in values]
+        loss = _loaded(program, last)(*arrived)
+        loss.backward()
+        assert torch.equal(loss, last(*values)), f"boundary {b}"
