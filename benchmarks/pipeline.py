@@ -1,8 +1,10 @@
 """Swarm throughput against one process, the RAD data path (hivemind libp2p
 streams carrying signed FusionLLM frames) against a plain TCP socket, and the
 step-time cost of the recipe's global gradient-norm clip and of bf16 against
-fp32 (the same swarm, median step times), measured in one run. Prints one JSON
-object.
+fp32 (the same swarm, median step times), and the swarm whose stages travel as
+programs of ATen operators (the default) against the same swarm rebuilding its
+stages from the model's code (``code_*``, ``programs_vs_code``), measured in one
+run. Prints one JSON object.
 
 ``--short`` runs the same paths smaller, for the test suite: 2 peers instead of
 4, 12 training steps instead of 60 and 16 MiB messages instead of 64 MiB (still
@@ -49,6 +51,8 @@ SHORT = Sizes(steps=12, message=16 << 20, repeats=2, peers=2)
 
 #: the recipes whose step time is set against plain fp32
 RECIPES = {"fp32": [], "clip": ["--clip-grad-norm", "1.0"], "bf16": ["--precision", "bf16"]}
+#: the same fp32 swarm with its stages rebuilt from the model's code, as before stages travelled as programs
+CODE = ["--stages-as", "code"]
 
 
 def swarm_run(sizes: Sizes, flags: list[str]) -> tuple[float, float]:
@@ -136,7 +140,7 @@ def main() -> None:
     rad = asyncio.run(_rad(sizes))
     tcp = asyncio.run(_tcp(sizes))
     ref = reference_tokens_per_s(sizes)
-    runs = {name: swarm_run(sizes, flags) for name, flags in RECIPES.items()}
+    runs = {name: swarm_run(sizes, flags) for name, flags in {**RECIPES, "code": CODE}.items()}
     swarm = runs["fp32"][0]
     ms = {name: step_ms for name, (_, step_ms) in runs.items()}
     staged = staged_step_ms(sizes)
@@ -144,6 +148,9 @@ def main() -> None:
         "swarm_tokens_per_s": round(swarm, 1),
         "reference_tokens_per_s": round(ref, 1),
         "swarm_vs_reference": round(swarm / ref, 3),
+        "code_swarm_vs_reference": round(runs["code"][0] / ref, 3),
+        "programs_vs_code": round(swarm / runs["code"][0], 3),
+        "step_ms_code": ms["code"],
         "rad_64mib_mb_per_s": round(rad, 1),
         "tcp_64mib_mb_per_s": round(tcp, 1),
         "rad_vs_tcp": round(rad / tcp, 3),

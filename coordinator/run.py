@@ -99,7 +99,7 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
         self._programs: dict[tuple[int, ...], list[list[torch.Tensor]]] = {}
         #: stages travel as programs of ATen operators (peers import no model code), unless the model has an
         #: operation that cannot be traced to them; then peers build stages from the model's Python (--allow-code)
-        self.as_programs = self._exportable()
+        self.as_programs = self.cfg.stages_as == "program" and self._exportable()
         coord.board.stages_as = "program" if self.as_programs else "code"
         if self.as_programs and self.init_state is None:
             self.init_state = model.state_dict()  # peers cannot seed what they do not build: they get the weights
@@ -254,6 +254,7 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
             pending_factor=st.last_update.factor,
             pending_skip=st.last_update.skip,
             program=self.as_programs,
+            certs={p: self.coord.gate.until[p] for p in st.planned if p in self.coord.gate.until},
         )
 
     async def _await_ready(self) -> None:

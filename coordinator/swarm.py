@@ -29,12 +29,13 @@ from coordinator.run import Driver
 from coordinator.runstate import EXCLUDED, RunState
 from coordinator.status import StatusBoard
 from coordinator.web import StatusServer
+from protocol.admission import RENEW_EVERY_S, RunRecords, issue_certificate
 from protocol.advert_check import advert_problem
 from protocol.codecs import Codec
 from protocol.envelope import Envelope, Gate, Reject, Rejected
 from protocol.identity import Identity, IdentityError, check_record, key_hex, sign_record
 from protocol.job import JobSpec
-from protocol.messages import Abort, Advert, CoordinatorRecord, Message, dht_key
+from protocol.messages import Abort, Advert, Certificate, CoordinatorRecord, Message, dht_key
 from protocol.ports import PortTaken, check_listen_ports
 from protocol.spotcheck import DEFAULT_SPOT_CHECK
 from protocol.transport import PeerUnreachable, Transport
@@ -84,6 +85,7 @@ class CoordinatorConfig:
     send_timeout_s: float = 30.0  # a send to a peer that takes longer counts as a lost peer
     private: bool = False  # admit only peers whose hello proves the swarm's secret (coordinator.private)
     spot_check: float = DEFAULT_SPOT_CHECK  # each replicated micro-batch re-executed with this chance (auditing)
+    stages_as: str = "program"  # STAGE_FORMS: how peers get their stages
 
     def job_fields(self) -> dict[str, Any]:
         """The job as it travels and is stored: JSON (a tuple of betas comes back a list)."""
@@ -140,6 +142,7 @@ class Coordinator:
         self.dht: hivemind.DHT | None = None
         self.transport: Transport | None = None
         self._tasks: list[asyncio.Task[Any]] = []
+        self._certifying: set[asyncio.Task[None]] = set()
         self.adverts: dict[str, Advert] = {}
         self.identity: Identity | None = None
         self.gate = Gate(config.run_id)
@@ -203,12 +206,18 @@ class Coordinator:
         self.dht = await loop.run_in_executor(
             None,
             lambda: hivemind.DHT(
-                initial_peers=initial_peers, host_maddrs=host_maddrs, identity_path=str(identity_path), start=True
+                initial_peers=initial_peers,
+                host_maddrs=host_maddrs,
+                identity_path=str(identity_path),
+                record_validators=[RunRecords(cfg.run_id, self.identity.public_hex)] if self.private else [],
+                start=True,
             ),
         )
         self.transport = Transport(await self.dht.replicate_p2p(), self.identity, self.gate)
         self.transport.lane_ok = self._lane_ok
+        self.gate.on_admit.append(lambda peer: self._certifying.add(asyncio.create_task(self._certify([peer]))))
         await self.transport.start()
+        self._tasks.append(asyncio.create_task(self._renew_certificates()))
         self.run_dir.set_meta("ports", _tcp_ports(self.visible_maddrs))
         self.run_dir.set_meta("join", {"key": self.identity.public_hex, "maddrs": self.visible_maddrs})
         await self._publish_record()
@@ -394,6 +403,47 @@ class Coordinator:
         the coordinator accepts from them (``_expect``)."""
         driver = self.driver
         return driver is not None and sender in driver.st.planned and nbytes <= driver.max_payload_bytes
+
+    async def _certify(self, peers: list[str]) -> None:
+        """Issue ``peers`` fresh admission certificates (their senders are refused past
+        the end of the last one), and send each its own with when every planned peer's
+        ends (for their gates)."""
+        assert self.transport is not None
+        now = time.time()
+        certs = {}
+        for p in peers:
+            key = self.gate.keys.get(p)
+            if key is not None:
+                certs[p] = issue_certificate(self.identity, self.config.run_id, p, key_hex(key), now)
+                self.gate.until[p] = certs[p]["expires_at"]
+        planned = self.driver.st.planned if self.driver is not None else set()
+        ends = {p: self.gate.until[p] for p in planned if p in self.gate.until}
+        await asyncio.gather(
+            *(self._send_certificate(p, Certificate(self.config.run_id, c, ends)) for p, c in certs.items())
+        )
+        self._certifying = {t for t in self._certifying if not t.done()}
+
+    async def _send_certificate(self, peer: str, msg: Certificate) -> None:
+        assert self.transport is not None
+        try:
+            await asyncio.wait_for(self.transport.send(peer, msg), RENEW_EVERY_S / 2)
+        except (PeerUnreachable, asyncio.TimeoutError) as exc:  # it may be gone; its certificate runs out
+            logger.debug("could not send %s its certificate: %s", peer, exc)
+
+    async def _renew_certificates(self) -> None:
+        """Every renewal period, renew the certificates of the peers still admitted (not
+        banned, not excluded): one that is not renewed is refused everywhere once its
+        certificate ends."""
+        assert self.transport is not None
+        while True:
+            await asyncio.sleep(RENEW_EVERY_S)
+            st = self.driver.st if self.driver is not None else None
+            excluded = {p for p, why in st.lost.items() if why.startswith(EXCLUDED)} if st is not None else set()
+            peers = [p for p in self.gate.keys if p != self.transport.peer_id and p not in excluded]
+            try:
+                await self._certify(peers)
+            except Exception as exc:  # never lose the renewals to one failure
+                logger.warning("renewing certificates failed: %s", exc)
 
     def _enforce_bans(self) -> None:
         """Banned peers lose their admission at once; a planned one is dropped from the

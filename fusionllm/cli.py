@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from coordinator.replan import POLICIES
+from protocol.program import STAGE_FORMS
 from protocol.recipe import PRECISIONS, SCHEDULES, RecipeError, parse_betas
 from protocol.spotcheck import DEFAULT_SPOT_CHECK
 
@@ -158,6 +159,14 @@ def _add_swarm_flags(p: argparse.ArgumentParser) -> None:
         metavar="P",
         help="re-execute each micro-batch of a replicated stage on another replica with chance P, and exclude "
         f"a peer whose signed work differs (0: off; default: {DEFAULT_SPOT_CHECK})",
+    )
+    p.add_argument(
+        "--stages-as",
+        choices=STAGE_FORMS,
+        default="program",
+        help="send stages to peers as programs of ATen operators (default; peers import no model code; a model "
+        "that does not trace to them falls back to code) or as the model's code (peers need --allow-code for a "
+        "model that is not built in)",
     )
     p.add_argument("--standby", type=_natural, default=0, metavar="N", help="keep the N slowest peers as standby")
     p.add_argument(

@@ -123,6 +123,7 @@ async def _coordinate(args: argparse.Namespace, on_ready: Any = None) -> int:
         status_port=args.status_port,
         private=getattr(args, "private", False),
         spot_check=args.spot_check,
+        stages_as=args.stages_as,
         **_recovery_options(args),
     )
     if args.stages and args.link_mbps and len(args.link_mbps) != args.stages - 1:

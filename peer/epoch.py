@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -140,6 +141,7 @@ class EpochRunner:
         coordinator = self.node.coordinator
         assert coordinator is not None
         tp.gate.keys = {coordinator.peer_id: self.node.coordinator_key, **keys}
+        tp.gate.until = {p: end for p, end in a.certs.items() if p in keys and math.isfinite(end)}
         self.node.checks.my_mbs = frozenset(self.my_mbs)
         evals = self.job.eval_batches * self.job.micro_batches if self.job.eval_every else 0
         self.node.checks.eval_mbs = range(a.replica, evals, len(a.stages[a.stage]))

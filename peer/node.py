@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +21,7 @@ from peer.checks import PlanChecks
 from peer.epoch import EpochRunner, ForeignCode, HeldStage, Poisoned, RunRefused
 from peer.mailbox import Mailbox
 from peer.throttle import Throttle
-from protocol.admission import hello_proof
+from protocol.admission import CertificateError, RunRecords, check_certificate, hello_proof
 from protocol.envelope import Gate
 from protocol.identity import Identity, IdentityError, check_record, key_hex, public_key, sign_record
 from protocol.job import ModelError
@@ -32,6 +33,7 @@ from protocol.messages import (
     Assign,
     Audit,
     Beat,
+    Certificate,
     Commit,
     CoordinatorRecord,
     EvalActivations,
@@ -61,6 +63,8 @@ logger = logging.getLogger(__name__)
 BEAT_S = 1.0
 #: the coordinator counts as lost when it cannot be reached for this long
 LOST_AFTER_S = 3.0
+#: how long a peer in a private swarm waits for its admission certificate after its hello
+CERT_WAIT_S = 20.0
 
 __all__ = ["JoinError", "PeerConfig", "PeerNode", "RunRefused"]
 
@@ -106,6 +110,7 @@ class PeerNode:
         self.identity: Identity | None = None
         self.checks: PlanChecks | None = None
         self.coordinator_key: Any = None  # pinned at the first contact (trust on first use)
+        self.certificate: dict[str, Any] | None = None  # this peer's admission certificate, renewed by the coordinator
         self.control: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self.epoch = -1
         self.step = 0
@@ -131,7 +136,12 @@ class PeerNode:
             self.dht = await asyncio.wait_for(
                 loop.run_in_executor(
                     None,
-                    lambda: hivemind.DHT(initial_peers=cfg.initial_peers, host_maddrs=cfg.host_maddrs, start=True),
+                    lambda: hivemind.DHT(
+                        initial_peers=cfg.initial_peers,
+                        host_maddrs=cfg.host_maddrs,
+                        record_validators=self._validators(),
+                        start=True,
+                    ),
                 ),
                 cfg.join_timeout,
             )
@@ -175,6 +185,7 @@ class PeerNode:
             protocol_version=PROTOCOL_VERSION,
             expires_at=0.0,
         )
+        await self._certified()
         await self._publish()
         self._tasks.append(asyncio.create_task(self._refresh_adverts()))
         logger.info(
@@ -231,10 +242,40 @@ class PeerNode:
                 out[signer] = rec
         return out
 
+    def _validators(self) -> list[RunRecords]:
+        """A private swarm's DHT rule (the coordinator's key is pinned by the token)."""
+        cfg = self.config
+        return [RunRecords(cfg.run_id, cfg.coordinator_key)] if cfg.swarm_secret and cfg.coordinator_key else []
+
+    async def _certified(self) -> None:
+        """Wait (a private swarm: the DHT stores only adverts with one) for the admission
+        certificate the coordinator sends after the hello."""
+        deadline = time.monotonic() + CERT_WAIT_S
+        while self.config.swarm_secret and self.certificate is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.config.swarm_secret and self.certificate is None:
+            raise JoinError(f"the coordinator sent no admission certificate within {CERT_WAIT_S:.0f} s")
+
+    def _take_certificate(self, msg: Certificate) -> None:
+        """Keep this peer's renewed certificate (for its advert), and take when the
+        planned peers' certificates end (the gate refuses senders past theirs)."""
+        assert self.transport is not None and self.coordinator is not None
+        try:
+            check_certificate(msg.cert, key_hex(self.coordinator_key), self.config.run_id, time.time())
+        except CertificateError as exc:
+            logger.warning("ignoring a certificate: %s", exc)
+            return
+        if msg.cert.get("peer_id") == self.transport.peer_id:
+            self.certificate = msg.cert
+        gate = self.transport.gate
+        for p, end in msg.expires.items():
+            if p in gate.keys and p != self.coordinator.peer_id and math.isfinite(end):
+                gate.until[p] = end
+
     async def _publish(self) -> None:
         assert self.dht is not None and self.advert is not None and self.identity is not None
         expires = get_dht_time() + self.config.advert_ttl
-        ad = Advert(**{**self.advert.__dict__, "expires_at": expires})
+        ad = Advert(**{**self.advert.__dict__, "expires_at": expires, "cert": self.certificate or {}})
         record = sign_record(self.identity, ad.header())
         key = dht_key(self.config.run_id, "adverts")
         await asyncio.wait_for(
@@ -265,6 +306,8 @@ class PeerNode:
                 self.control.put_nowait((msg.KIND, inbound))
             elif isinstance(msg, (Abort, Evict, Finish)):
                 self.control.put_nowait((msg.KIND, inbound))
+            elif isinstance(msg, Certificate):
+                self._take_certificate(msg)
             elif isinstance(msg, Release):
                 continue
             elif getattr(msg, "epoch", self.epoch) != self.epoch:

@@ -73,6 +73,7 @@ class Reject(enum.Enum):
     PROBE_LIMIT = "probe_limit"  # a bandwidth probe asking back more than it sent, or over the sender's budget
     BAD_ADVERT = "bad_advert"  # a DHT advert with non-finite or out-of-range claims or unparseable addresses
     MUTED = "muted"  # a stream from a sender muted for too many rejections, closed unread (counted, never logged each)
+    EXPIRED = "expired"  # its admission certificate ended (not renewed: banned, or cut off from the coordinator)
 
 
 class Rejected(Exception):
@@ -262,6 +263,9 @@ class Gate:
         self.max_payload = max_payload
         self.window = window
         self.keys: dict[str, Ed25519PublicKey] = {}
+        #: sender -> when its admission certificate ends (wall-clock seconds; absent: it does not end)
+        self.until: dict[str, float] = {}
+        self.wall: Callable[[], float] = time.time
         #: the receiver's plan epoch: frames of an older one are refused (-1: no epochs yet)
         self.epoch = -1
         self.expect: Expectation | None = None
@@ -278,6 +282,8 @@ class Gate:
         self.listeners: list[Callable[[str, str, str], None]] = []
         #: called with the sender when it gets muted (e.g. to disconnect it)
         self.on_mute: list[Callable[[str], None]] = []
+        #: called with the sender when its hello admits it (e.g. to certify it)
+        self.on_admit: list[Callable[[str], None]] = []
         self._windows: dict[str, _Window] = {}
         self._log_window: dict[str, tuple[float, int, int]] = {}  # sender -> (window start, logged, not logged)
         self._abuse: dict[str, tuple[float, int]] = {}  # sender -> (window start, rejections in it)
@@ -290,6 +296,21 @@ class Gate:
     def revoke(self, peer_id: str) -> None:
         """Refuse ``peer_id``'s messages from now on (until admitted again)."""
         self.keys.pop(peer_id, None)
+        self.until.pop(peer_id, None)
+
+    def expired(self, peer_id: str) -> float | None:
+        """Seconds since ``peer_id``'s admission certificate ended, or None if it holds."""
+        until = self.until.get(peer_id)
+        late = self.wall() - until if until is not None else None
+        return late if late is not None and late >= 0 else None
+
+    def check_admitted(self, sender: str, what: str) -> None:
+        """Raise ``Rejected`` unless ``sender`` is admitted now (``what`` names the message)."""
+        if sender not in self.keys:
+            raise Rejected(Reject.NOT_ADMITTED, f"{what} from {sender}, who is not admitted")
+        late = self.expired(sender)
+        if late is not None:
+            raise Rejected(Reject.EXPIRED, f"{what} from {sender}, whose admission certificate ended {late:.0f} s ago")
 
     def reject(self, sender: str, exc: Rejected) -> None:
         """Count and log a rejection (the caller drops the message). The log takes at
@@ -390,7 +411,9 @@ class Gate:
         if env.sender != sender:
             raise Rejected(Reject.SENDER_MISMATCH, f"envelope names {env.sender[:64]} but the stream is {sender}")
         key = self.keys.get(sender)
-        hello = key is None and self.accept_hello and env.kind == "hello"
+        hello = (key is None or self.expired(sender) is not None) and self.accept_hello and env.kind == "hello"
+        if key is not None and not hello:
+            self.check_admitted(sender, env.kind)
         if hello:
             try:
                 key = public_key(str(env.body.get("pubkey", "")))
@@ -408,6 +431,9 @@ class Gate:
                 self.refused.add(sender)
                 raise Rejected(Reject.NOT_ADMITTED, why)
             self.admit(sender, key)
+            self.until.pop(sender, None)
+            for listener in self.on_admit:
+                listener(sender)
         self._windows.setdefault(sender, _Window(self.window)).check(env.seq)
         if 0 <= env.epoch < self.epoch:
             detail = f"{env.kind} of plan epoch {env.epoch}; this run is at epoch {self.epoch}"

@@ -111,6 +111,7 @@ class Advert(Message):
     protocol_version: int
     expires_at: float  # hivemind DHT time
     pubkey: str = ""  # Ed25519 public key (hex); the record is signed with it
+    cert: dict[str, Any] = field(default_factory=dict)  # its admission certificate (a private swarm's DHT checks it)
     sig: str = ""
 
 
@@ -137,6 +138,7 @@ class Assign(Message):
     pending_factor: float = 1.0  # the committed update of step start_step - 1, for a peer still to apply it
     pending_skip: bool = False
     program: bool = False  # the stage comes as a StageProgram (ATen operators), not from the job's model code
+    certs: dict[str, float] = field(default_factory=dict)  # peer id -> when its admission certificate ends
 
 
 @dataclass(frozen=True)
@@ -414,6 +416,18 @@ class StageProgram(Message):
     stage: int
     cut: list[int]
     epoch: int = 0
+
+
+@dataclass(frozen=True)
+class Certificate(Message):
+    """Coordinator -> an admitted peer, on admission and every renewal period: its own
+    signed admission certificate (``protocol.admission``; it goes into its advert),
+    and when each planned peer's certificate now ends (senders past theirs are refused)."""
+
+    KIND: ClassVar[str] = "cert"
+    run_id: str
+    cert: dict[str, Any]
+    expires: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

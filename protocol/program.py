@@ -33,6 +33,8 @@ from protocol.recipe import Recipe, autocast
 from protocol.wire import DTYPE_NAMES, DTYPES
 
 PROGRAM_FORMAT = 1
+#: how a coordinator sends stages: as programs (this module), or as the job's model code to rebuild
+STAGE_FORMS = ("program", "code")
 #: operator namespaces a peer runs unless told otherwise (``fusionllm join --allow-ops``)
 DEFAULT_NAMESPACES = ("aten",)
 #: ATen operators no program may call: they read files or print on the volunteer's machine

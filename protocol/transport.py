@@ -262,8 +262,7 @@ class Transport:
         try:
             if self.gate.refuse_stream(sender):
                 return
-            if sender not in self.gate.keys:
-                raise Rejected(Reject.NOT_ADMITTED, f"lane stream from {sender}, who is not admitted")
+            self.gate.check_admitted(sender, "a lane stream")
             while True:
                 try:
                     head = await reader.readexactly(_LANE_HEAD.size)
@@ -413,8 +412,8 @@ class Transport:
         try:
             if self.gate.refuse_stream(sender):
                 return
-            if not await self._admitted_soon(sender):
-                raise Rejected(Reject.NOT_ADMITTED, f"bandwidth probe from {sender}, who is not admitted")
+            await self._admitted_soon(sender)
+            self.gate.check_admitted(sender, "a bandwidth probe")
             header = await read_head(reader, MAX_PROBE_BYTES)
             if header is None:
                 return

@@ -37,7 +37,8 @@ BENCHMARKS = [
     ("opdag.py", {"trace_s_default", "trace_s_24layer", "stages4_vs_reference_steps_ratio"}),
     ("pipeline.py", {"swarm_tokens_per_s", "reference_tokens_per_s", "swarm_vs_reference", "rad_64mib_mb_per_s",
                      "tcp_64mib_mb_per_s", "rad_vs_tcp", "step_ms_fp32", "step_ms_clip", "step_ms_bf16",
-                     "clip_vs_fp32", "bf16_vs_fp32", "in_process_bf16_vs_fp32"}),
+                     "clip_vs_fp32", "bf16_vs_fp32", "in_process_bf16_vs_fp32", "code_swarm_vs_reference",
+                     "programs_vs_code", "step_ms_code"}),
     ("scheduler.py", {"testbeds", "plan_s_1000peers_1000ops", "sim_s_10000peers_100iters"}),
     ("elastic.py", {"steps", "detect_s", "resume_s", "steps_redone", "equal_to_reference", "processes_left",
                     "checkpoints_per_run", "tokens_per_s_with_checkpoints", "tokens_per_s_without",
@@ -116,6 +117,9 @@ def _pipeline(out: dict[str, Any]) -> None:
     # the clip's norms ride on messages every step sends anyway; bf16 autocast may be slower on a CPU
     assert 0.2 < out["clip_vs_fp32"] < 5 and 0.1 < out["bf16_vs_fp32"] < 10, out
     assert 0.1 < out["in_process_bf16_vs_fp32"] < 10, out
+    # the same operators, run from a program instead of the model's modules
+    _positive(out, "step_ms_code", "code_swarm_vs_reference")
+    assert 0.2 < out["programs_vs_code"] < 5, out
 
 
 def _scheduler(out: dict[str, Any]) -> None:

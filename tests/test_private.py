@@ -1,6 +1,8 @@
 """Private swarms (issue 16, item 2): the coordinator admits only peers whose hello
-proves the swarm's secret from its join token; the host bans peers and rotates the
-token from the run directory while the run goes on."""
+proves the swarm's secret from its join token, and certifies them for a renewal
+period at a time (a sender past its certificate is refused everywhere); the swarm's
+DHT keeps only records its coordinator stands behind; the host bans peers and
+rotates the token from the run directory while the run goes on."""
 
 from __future__ import annotations
 
@@ -8,10 +10,26 @@ import re
 from pathlib import Path
 
 import pytest
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
+from hivemind.utils.serializer import MSGPackSerializer
 
 from coordinator.private import Admission, write_secret
-from protocol.admission import Token, TokenError, hello_proof, new_secret, parse_token
-from protocol.identity import Identity
+from protocol.admission import (
+    CERT_TTL_S,
+    CertificateError,
+    RunRecords,
+    Token,
+    TokenError,
+    check_certificate,
+    hello_proof,
+    issue_certificate,
+    new_secret,
+    parse_token,
+)
+from protocol.envelope import Gate, Reject, Rejected, Sealer
+from protocol.identity import Identity, sign_record
+from protocol.messages import Beat, dht_key
 from tests.conftest import run_cli
 from tests.swarmproc import SMALL, Proc, Swarm, api, wait_for
 
@@ -61,9 +79,12 @@ def test_a_private_swarm_admits_token_holders_and_drops_a_banned_peer(tmp_path: 
         assert api(swarm.url)["rejected"].get("not_admitted", 0) >= 2, "both hellos counted as rejects"
         members = [swarm.add_peer(i) for i in range(2)]
         wait_for(swarm.url, lambda s: s["training"]["step"] >= 5, 120)
+        refused = api(swarm.url)["rejected"].get("not_admitted", 0)
         r = run_cli("ban", members[1], "--run-dir", str(run_dir))
         assert r.returncode == 0, r.stderr
         swarm.coord.wait_line(rf"peer {members[1]} .*failed: excluded: banned by the swarm's host", 60)
+        # what the banned peer sends from then on (heartbeats, a hello again) is refused and counted
+        wait_for(swarm.url, lambda s: s["rejected"].get("not_admitted", 0) > refused, 60)
         assert swarm.coord.wait(300) == 0, swarm.coord.output[-3000:]
         out = swarm.coord.output
         assert re.findall(r"stage \d replica \d: peer (\w+)", out) == [members[0]]
@@ -85,3 +106,73 @@ def test_a_token_and_conflicting_flags_are_refused_in_one_line() -> None:
     token = Token("run", Identity.generate().public_hex, new_secret(), ["/ip4/127.0.0.1/tcp/5"]).encode()
     r = run_cli("join", "--token", token, "--coordinator-key", Identity.generate().public_hex)
     assert r.returncode == 2 and "leave out --run and --coordinator-key" in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_a_certificate_admits_only_until_it_ends_and_only_if_the_coordinator_signed_it() -> None:
+    coordinator, outsider = Identity.generate(), Identity.generate()
+    key = coordinator.public_hex
+    cert = issue_certificate(coordinator, "run", "peer-1", "ab" * 32, now=1000.0)
+    assert check_certificate(cert, key, "run", 1000.0 + CERT_TTL_S - 1) == cert
+    cases = {
+        "an expired admission certificate (it expired 1 s ago)": (cert, 1000.0 + CERT_TTL_S + 1),
+        "a forged admission certificate": ({**cert, "expires_at": 1e12}, 1000.0),
+        "signed by someone other than the run's coordinator": (
+            issue_certificate(outsider, "run", "peer-1", "ab" * 32, 1000.0),
+            1000.0,
+        ),
+        "no admission certificate": ({"kind": "advert"}, 1000.0),
+    }
+    for expected, (bad, now) in cases.items():
+        with pytest.raises(CertificateError, match=re.escape(expected)):
+            check_certificate(bad, key, "run", now)
+    with pytest.raises(CertificateError, match="another run"):
+        check_certificate(issue_certificate(coordinator, "other", "peer-1", "ab" * 32, 1000.0), key, "run", 1000.0)
+
+
+def test_a_sender_past_its_certificate_is_refused_and_counted() -> None:
+    """The gate refuses frames (and lane streams and probes) from a sender whose
+    certificate ended, with its own code; renewing it admits the sender again."""
+    alice = Identity.generate()
+    clock = [1000.0]
+    gate = Gate("run")
+    gate.wall = lambda: clock[0]
+    gate.admit("alice", alice.public_key)
+    gate.until["alice"] = 1010.0
+    sealer = Sealer(alice, "alice")
+    head, _ = sealer.seal(Beat("run", 1), [], [], "none")
+    gate.open(head, "alice")
+    clock[0] = 1011.0
+    with pytest.raises(Rejected) as err:
+        gate.open(sealer.seal(Beat("run", 2), [], [], "none")[0], "alice")
+    assert err.value.code is Reject.EXPIRED and "ended 1 s ago" in str(err.value)
+    with pytest.raises(Rejected, match="expired: a bandwidth probe from alice"):
+        gate.check_admitted("alice", "a bandwidth probe")
+    gate.until["alice"] = 1040.0
+    gate.open(sealer.seal(Beat("run", 3), [], [], "none")[0], "alice")
+
+
+def _record(validator: RunRecords, what: str, value: dict[str, object], subkey: str) -> bool:
+    key = DHTID.generate(source=dht_key("run", what)).to_bytes()
+    record = DHTRecord(key, MSGPackSerializer.dumps(subkey), MSGPackSerializer.dumps(value), 0.0)
+    return validator.validate(record)
+
+
+def test_a_private_swarms_dht_keeps_only_records_its_coordinator_stands_behind() -> None:
+    coordinator, peer, outsider = Identity.generate(), Identity.generate(), Identity.generate()
+    validator = RunRecords("run", coordinator.public_hex)
+    cert = issue_certificate(coordinator, "run", "peer-1", peer.public_hex, now=0.0)  # long expired: still stored
+    advert = {"kind": "advert", "peer_id": "peer-1"}
+    assert _record(validator, "adverts", sign_record(peer, {**advert, "cert": cert}), "peer-1")
+    forged = issue_certificate(outsider, "run", "peer-1", outsider.public_hex, now=0.0)
+    refused = [
+        ("adverts", sign_record(outsider, advert), "peer-1"),  # no certificate
+        ("adverts", sign_record(outsider, {**advert, "cert": forged}), "peer-1"),  # not the coordinator's
+        ("adverts", sign_record(outsider, {**advert, "cert": cert}), "peer-1"),  # someone else's certificate
+        ("adverts", sign_record(peer, {**advert, "cert": cert}), "peer-2"),  # under another peer's subkey
+        ("coordinator", sign_record(outsider, {"kind": "coordinator"}), "x"),  # a hijack
+    ]
+    assert not any(_record(validator, *case) for case in refused)
+    assert validator.dropped == len(refused)
+    assert _record(validator, "coordinator", sign_record(coordinator, {"kind": "coordinator"}), "x")
+    other = DHTRecord(b"other key", b"", b"\xc1", 0.0)
+    assert validator.validate(other), "other runs' records are not this validator's business"
