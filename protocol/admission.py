@@ -72,10 +72,11 @@ def proof_ok(secret: str, run: str, peer_id: str, pubkey: str, proof: object) ->
     return isinstance(proof, str) and hmac.compare_digest(hello_proof(secret, run, peer_id, pubkey), proof)
 
 
-#: how long an admission certificate holds; the coordinator renews every third of it, so a
-#: peer it stops renewing (banned, or cut off from it) is refused everywhere within this time
-CERT_TTL_S = 30.0
-RENEW_EVERY_S = CERT_TTL_S / 3
+#: how long an admission certificate holds; the coordinator renews every sixth of it (slack for a busy
+#: coordinator or a slow link), so a peer it stops renewing (banned, excluded, or cut off from it) is
+#: refused everywhere within this time
+CERT_TTL_S = 60.0
+RENEW_EVERY_S = CERT_TTL_S / 6
 
 
 class CertificateError(ValueError):

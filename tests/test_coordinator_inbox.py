@@ -162,7 +162,8 @@ def test_recover_without_standby_replans_or_stops(tmp_path: Path) -> None:
     _recover(driver, {"p1": "gone"})
     st = driver.st
     assert st.plan is not None and sorted(p for g in st.plan.stages for p in g) == ["p0", "p2"]
-    assert (st.step, st.restore) == (0, "init"), "no checkpoint yet: back to the initial weights"
+    # no checkpoint yet: back to the initial weights, which the coordinator sends with the stage programs
+    assert (st.step, st.restore) == (0, "state") and driver.as_programs
     with pytest.raises(SwarmError, match="the run cannot go on: no peers are left; no checkpoint was written"):
         _recover(driver, {"p0": "gone", "p2": "gone"})
 
