@@ -1,6 +1,8 @@
 """The coordinator driver's spot checks (``protocol.spotcheck``): after every peer's
-``StepDone`` and before the ``Commit``, each micro-batch of a replicated stage is
-re-executed by another replica of that stage with probability ``spot_check``.
+``StepDone`` and before the ``Commit``, each micro-batch of a stage is re-executed
+with probability ``spot_check``: by another replica of a replicated stage, or (a
+stage served by one peer) by peers of other stages, from the weights the suspect
+shows (``_check_alone``).
 
 The coordinator asks the peers around the checked one (the *suspect*) for the
 signed frames they received (``Audit``), checks that each is what its signer sent
@@ -50,13 +52,13 @@ class Auditing(DriverParts):
         if rate <= 0:
             return
         for s, group in enumerate(st.plan.stages):
-            if len(group) < 2:
-                continue
+            if len(group) < 2 and len(st.plan.stages) < 2:
+                continue  # one peer, one stage: no one else can run it
             for mb in range(self.job.micro_batches):
                 if self._audit_rng.random() < rate:
                     st.spot_checks += 1
                     self.coord.board.spot_checks = st.spot_checks
-                    await self._check_one(step, s, mb)
+                    await (self._check_one if len(group) > 1 else self._check_alone)(step, s, mb)
 
     def _route(self, s: int, mb: int) -> dict[str, str]:
         """Who took part in micro-batch ``mb`` around stage ``s``: the suspect, and the
@@ -68,36 +70,70 @@ class Auditing(DriverParts):
             at["next"] = stages[s + 1][mb % len(stages[s + 1])]
         return at
 
-    async def _check_one(self, step: int, s: int, mb: int) -> None:
+    async def _evidence(self, step: int, s: int, mb: int) -> tuple[list[str], dict[str, str], list[torch.Tensor]]:
+        """The roles, signers and signed frames of micro-batch ``mb`` around stage ``s``."""
         st = self.st
         assert st.plan is not None
         at, roles = self._route(s, mb), roles_for(s, len(st.plan.stages))
         nxt = at.get("next", "")
         signers = {"input": at["prev"], "grad_out": nxt, "output": at["suspect"], "grad_in": at["suspect"]}
         holders = {"input": at["suspect"], "grad_out": at["suspect"], "output": nxt, "grad_in": at["prev"]}
-        evidence = await self._gather(step, s, mb, roles, holders, signers)
-        suspect, group = at["suspect"], st.plan.stages[s]
+        return roles, signers, await self._gather(step, s, mb, roles, holders, signers)
+
+    async def _check_alone(self, step: int, s: int, mb: int) -> None:
+        """A stage served by one peer: peers of other stages rebuild it with the weights
+        the suspect shows and re-execute the micro-batch (its parameter gradients, which
+        no one else saw, are not compared). If the first disagrees, a second decides;
+        with no second, both leave the plan, neither excluded."""
+        st = self.st
+        assert st.plan is not None
+        roles, signers, evidence = await self._evidence(step, s, mb)
+        suspect = st.plan.stages[s][0]
+        shown = await self._weights_of(step, mb, suspect)
+        if shown is None:
+            raise PeerLost({suspect: f"{EXCLUDED}it could not show its weights for a spot check"})
+        names, weights = shown
+        checkers = [p for i, group in enumerate(st.plan.stages) if i != s for p in group]
+        self._audit_rng.shuffle(checkers)
+        case = (roles, signers, [*evidence, *weights])
+        first = await self._recheck(step, s, mb, *case, checkers[0], names, grads=False)
+        if first.agree:
+            return
+        self._disputed(step, s, mb, suspect, checkers[0], (roles, evidence), first)
+        if len(checkers) < 2:
+            raise _undecided(step, mb, suspect, checkers[0])
+        second = await self._recheck(step, s, mb, *case, checkers[1], names, grads=False)
+        raise _judged(suspect, (checkers[0], first), (checkers[1], second))
+
+    def _disputed(
+        self, step: int, s: int, mb: int, suspect: str, checker: str, kept: tuple[list[str], list[torch.Tensor]],
+        verdict: Verdict,
+    ) -> None:  # fmt: skip
+        """Keep the evidence of a disagreement and say it on the page and the log."""
+        self._keep_evidence(step, mb, suspect, *kept)
+        text = f"spot check of step {step}, micro-batch {mb} (stage {s}): {checker} says {suspect} is wrong: "
+        self.coord.board.event("audit", text + verdict.detail)
+        self.on_event(text + verdict.detail)
+
+    async def _check_one(self, step: int, s: int, mb: int) -> None:
+        st = self.st
+        assert st.plan is not None
+        roles, signers, evidence = await self._evidence(step, s, mb)
+        suspect, group = self._route(s, mb)["suspect"], st.plan.stages[s]
         others = [p for p in group if p != suspect]
         self._audit_rng.shuffle(others)
         first = await self._recheck(step, s, mb, roles, signers, evidence, others[0])
         if first.agree:
             return
-        self._keep_evidence(step, mb, suspect, roles, evidence)
-        text = f"spot check of step {step}, micro-batch {mb} (stage {s}): {others[0]} says {suspect} is wrong: "
-        self.coord.board.event("audit", text + first.detail)
-        self.on_event(text + first.detail)
+        self._disputed(step, s, mb, suspect, others[0], (roles, evidence), first)
         if len(others) > 1:
             third, second = others[1], await self._recheck(step, s, mb, roles, signers, evidence, others[1])
         else:
             found = await self._arbitrate(step, s, mb, (roles, signers, evidence), others[0])
             if found is None:
-                why = f"disputed a spot check with {{}} (step {step}, micro-batch {mb}), and no one could arbitrate"
-                raise PeerLost({suspect: why.format(others[0]), others[0]: why.format(suspect)})
+                raise _undecided(step, mb, suspect, others[0])
             third, second = found
-        if second.agree:  # the third re-executed it as the suspect did: the first checker lied
-            raise PeerLost({others[0]: f"{EXCLUDED}it disputed {suspect}'s work that {third} re-executed the same"})
-        found = f"{first.detail} (re-executed by {others[0]}; and by {third}: {second.detail})"
-        raise PeerLost({suspect: f"{EXCLUDED}spot check: {found}"})
+        raise _judged(suspect, (others[0], first), (third, second))
 
     async def _arbitrate(
         self, step: int, s: int, mb: int, case: tuple[list[str], dict[str, str], list[torch.Tensor]], checker: str
@@ -189,6 +225,7 @@ class Auditing(DriverParts):
         evidence: list[torch.Tensor],
         checker: str,
         weights: list[str] | None = None,
+        grads: bool = True,
     ) -> Verdict:
         """``checker``'s verdict on the suspect's micro-batch (an arbiter of another
         stage gets the stage's ``weights`` by name, after the evidence)."""
@@ -199,7 +236,7 @@ class Auditing(DriverParts):
         program = self._program_payloads(st.plan.cut)[s] if weights and self.as_programs else []  # type: ignore[attr-defined,union-attr]
         msg = Recheck(cfg.run_id, step, mb, suspect, roles, [signers[r] for r in roles], st.epoch, loss,
                       tolerance(*devices, self.job.precision), s if weights else -1, weights or [],
-                      len(program))  # fmt: skip
+                      len(program), grads)  # fmt: skip
         await self._send(checker, msg, [*evidence, *program])  # type: ignore[attr-defined]
         while True:
             verdict: Verdict = (await self._next((Verdict,), {checker})).message  # type: ignore[attr-defined]
@@ -219,6 +256,21 @@ class Auditing(DriverParts):
             save_file(tensors, str(folder / f"step{step}-mb{mb}-{suspect[:16]}.safetensors"))
         except OSError as exc:
             logger.warning("could not keep the evidence of a spot check: %s", exc)
+
+
+def _undecided(step: int, mb: int, suspect: str, checker: str) -> PeerLost:
+    """Two disagree and no third can re-execute: both leave the plan, neither excluded."""
+    why = f"disputed a spot check with {{}} (step {step}, micro-batch {mb}), and no one could arbitrate"
+    return PeerLost({suspect: why.format(checker), checker: why.format(suspect)})
+
+
+def _judged(suspect: str, first: tuple[str, Verdict], second: tuple[str, Verdict]) -> PeerLost:
+    """The first checker disagreed with the suspect; the second decides who is excluded."""
+    (one, said), (other, verdict) = first, second
+    if verdict.agree:  # the second re-executed it as the suspect did: the first checker lied
+        return PeerLost({one: f"{EXCLUDED}it disputed {suspect}'s work that {other} re-executed the same"})
+    found = f"{said.detail} (re-executed by {one}; and by {other}: {verdict.detail})"
+    return PeerLost({suspect: f"{EXCLUDED}spot check: {found}"})
 
 
 def _same(a: tuple[list[str], list[torch.Tensor]], b: tuple[list[str], list[torch.Tensor]]) -> bool:

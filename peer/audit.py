@@ -92,7 +92,7 @@ class Rechecker:
         if not problem and "grad_in" in frames and self.backward is not None and self.backward.lossless:
             problem = differs(_through(grads_in, self.backward), frames["grad_in"], msg.tolerance)
             problem = problem and f"its input gradients: {problem}"
-        if not problem:
+        if not problem and msg.grads:
             shown = found.get("param_grads")
             theirs = (list(shown[0].names), shown[1]) if shown else _named(own_grads)
             problem = _param_grads_differ(params, theirs, msg.tolerance)

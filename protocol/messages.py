@@ -375,6 +375,7 @@ class Recheck(Message):
     stage: int = -1  # an arbiter's: the stage to rebuild (-1: the checker's own)
     weights: list[str] = field(default_factory=list)  # an arbiter's: the weights that follow the evidence
     program: int = 0  # an arbiter's: how many tensors of the stage's program follow the weights
+    grads: bool = True  # compare parameter gradients (False: a stage of one peer, whose gradients no one else saw)
 
 
 @dataclass(frozen=True)

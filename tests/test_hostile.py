@@ -147,6 +147,30 @@ def test_two_replicas_that_disagree_are_arbitrated_by_a_peer_of_another_stage(tm
     _equals_reference(tmp_path, common, save)
 
 
+def test_a_cheat_serving_a_stage_alone_is_caught_by_peers_of_other_stages(tmp_path: Path) -> None:
+    """Three stages of one peer each (the demo's plan), one of them a noisy cheat:
+    peers of the other stages rebuild its stage with the weights it shows and
+    re-execute its micro-batches; both say it is wrong, it is excluded (or, checking
+    another's stage with its noise, it disputes honest work and a second checker
+    exposes it), no honest peer is blamed, and the run ends equal to a clean one."""
+    steps = 3
+    save = tmp_path / "swarm.safetensors"
+    common = ["--steps", str(steps), "--seed", "0", *SMALL]
+    args = [*common, "--min-peers", "3", "--stages", "3", "--spot-check", "1", "--save", str(save)]
+    swarm = Swarm(tmp_path, [*args, "--run-dir", str(tmp_path / "run")], peers=0)
+    try:
+        cheat = swarm.add_hostile("noisy", "c.key")
+        honest = {swarm.add_peer(i) for i in range(2)}
+        assert swarm.coord.wait(300) == 0, swarm.coord.output[-3000:]
+        out = swarm.coord.output
+        assert re.search(rf"peer {cheat} .*failed: excluded: .*re-executed", out), out[-3000:]
+        assert not any(re.search(rf"peer {h} .*failed", out) for h in honest), "no honest peer was blamed"
+        assert "Traceback" not in out
+    finally:
+        swarm.close()
+    _equals_reference(tmp_path, common, save)
+
+
 def test_a_flood_of_rejects_is_counted_but_logged_a_few_lines_without_escapes(caplog: pytest.LogCaptureFixture) -> None:
     from protocol.envelope import LOG_BURST, Gate, Reject, Rejected
 
