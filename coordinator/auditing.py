@@ -233,9 +233,10 @@ class Auditing(DriverParts):
         suspect = self._route(s, mb)["suspect"]
         devices = [self.coord.adverts[p].device if p in self.coord.adverts else "" for p in (suspect, checker)]
         loss = self.mb_losses.get(str(mb)) if s == len(st.plan.stages) - 1 else None  # type: ignore[union-attr]
-        program = self._program_payloads(st.plan.cut)[s] if weights and self.as_programs else []  # type: ignore[attr-defined,union-attr]
+        arbiter = weights is not None  # of another stage: it rebuilds this one (a stage may hold no weights)
+        program = self._program_payloads(st.plan.cut)[s] if arbiter and self.as_programs else []  # type: ignore[attr-defined,union-attr]
         msg = Recheck(cfg.run_id, step, mb, suspect, roles, [signers[r] for r in roles], st.epoch, loss,
-                      tolerance(*devices, self.job.precision), s if weights else -1, weights or [],
+                      tolerance(*devices, self.job.precision), s if arbiter else -1, weights or [],
                       len(program), grads)  # fmt: skip
         await self._send(checker, msg, [*evidence, *program])  # type: ignore[attr-defined]
         while True:

@@ -370,7 +370,7 @@ class EpochRunner:
             return
         if isinstance(msg, Audit):
             reply, values = audit.evidence_for(msg, self.kept, ex)
-        elif msg.stage in (-1, self.s) and not msg.weights:
+        elif msg.stage in (-1, self.s):  # a replica of the suspect's stage (an arbiter names another)
             group = self.a.stages[self.s]
             mine = msg.suspect in group and msg.mb % len(group) == group.index(msg.suspect)
             own = self.kept.get(("rgrad", msg.mb)) if mine else None

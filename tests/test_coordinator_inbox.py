@@ -21,7 +21,7 @@ from coordinator.runstate import PeerLost
 from coordinator.swarm import Coordinator, CoordinatorConfig
 from protocol.graph import Cut
 from protocol.job import JobSpec
-from protocol.messages import Advert, Beat, Hello, PeerFailure, State, StepDone
+from protocol.messages import Advert, Beat, Hello, PeerFailure, Recheck, State, StepDone, Verdict
 from protocol.transport import Inbound
 from protocol.wire import Frame
 
@@ -394,3 +394,25 @@ def test_the_end_of_the_run_reaches_peers_the_dht_did_not_return(tmp_path: Path)
     finished = {p for p, kind in sent if kind == "Finish"}
     assert finished == {"p0", "p1", "standby"}
     assert {p for p, kind in sent if kind == "Release"} == {"p0", "p1"}
+
+
+def test_an_arbiter_is_told_the_stage_even_when_it_holds_no_weights(tmp_path: Path) -> None:
+    """A stage of only reshapes has no weights to show: the re-execution by a peer of
+    another stage still names that stage and carries its program (the checker once
+    took an empty weight list for a check of its own stage and refused the evidence)."""
+    driver = _driver(tmp_path, [["p0"], ["p1"]])
+    sent: list[tuple[object, list[object]]] = []
+
+    async def send(peer: str, msg: object, values: list[object] | None = None) -> None:
+        sent.append((msg, values or []))
+
+    async def answer(kinds: tuple[type, ...], peers: set[str], until: object = None) -> Inbound:
+        msg = sent[-1][0]
+        return _inbound("p0", Verdict("r", msg.step, msg.mb, msg.suspect, True))  # type: ignore[attr-defined]
+
+    driver._send = send  # type: ignore[method-assign]
+    driver._next = answer  # type: ignore[method-assign]
+    verdict = asyncio.run(driver._recheck(3, 1, 0, ["input"], {"input": "p0"}, [], "p0", []))
+    recheck, values = sent[0]
+    assert verdict.agree and isinstance(recheck, Recheck)
+    assert recheck.stage == 1 and recheck.weights == [] and recheck.program == len(values) > 0
