@@ -128,7 +128,9 @@ async def _tcp(sizes: Sizes) -> float:
         await done.get()
         best = max(best, size / (time.perf_counter() - start) / 1e6)
     writer.close()
+    await writer.wait_closed()
     server.close()
+    await server.wait_closed()  # the handler has read the end of the stream and returned
     return best
 
 

@@ -189,6 +189,8 @@ def run_short(script: str) -> dict[str, Any]:
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    # pipeline.py's TCP baseline once left its server's reader to be cancelled: a traceback on every run
+    assert "Traceback" not in proc.stderr, f"{script} printed a traceback:\n{proc.stderr[-3000:]}"
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert len(lines) == 1, f"{script} printed {len(lines)} lines, not one JSON object:\n{proc.stdout[-2000:]}"
     out = json.loads(lines[0])
