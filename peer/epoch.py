@@ -41,7 +41,7 @@ from protocol.messages import (
     StepDone,
     Verdict,
 )
-from protocol.program import Program, ProgramError, check_operators, dry_run, load_stage
+from protocol.program import Program, ProgramError, build_checked
 from protocol.recipe import LossScale, Recipe, Update
 from protocol.transport import Inbound
 from protocol.wire import Link, all_finite, raw_bytes
@@ -197,7 +197,6 @@ class EpochRunner:
         """The stage from its program: operators checked against this peer's allowed
         namespaces and the program run on the meta device against the plan's shapes
         before it is built (nothing of it runs on real data before both pass)."""
-        a, allowed = self.a, self.node.namespaces
         last = self.s == self.k - 1
         if foreign_code(self.job.model) in self.node.config.allow_code:
             try:
@@ -205,13 +204,22 @@ class EpochRunner:
             except SpecError as exc:
                 raise RunRefused(str(exc)) from None
         try:
-            prog = Program.from_payload(values)
-            check_operators(prog, allowed)
-            self.activation_bytes = dry_run(prog, a.specs[self.s], None if last else a.specs[self.s + 1], allowed)
-            module = load_stage(prog, self.node.device, allowed)
+            module, self.activation_bytes = self._checked_program(self.s, values)
         except ProgramError as exc:
             raise ForeignCode(str(exc)) from None
         return StageExecutor(module, self.job.recipe(), last, casts_inside=True)
+
+    def _checked_program(self, s: int, values: list[Any]) -> tuple[torch.nn.Module, int]:
+        """Stage ``s`` built from its program once every check passed (``build_checked``:
+        operators, memory against what this peer measured free, a dry run against the
+        plan's shapes); ``ProgramError`` otherwise."""
+        a, node = self.a, self.node
+        if not a.specs or len(a.specs) != self.k:
+            raise ProgramError("the assignment does not give the shapes to check the stage program against")
+        outputs = None if s == self.k - 1 else a.specs[s + 1]
+        memory = node.advert.memory_bytes if node.advert is not None else None
+        prog = Program.from_payload(values)
+        return build_checked(prog, a.specs[s], outputs, node.device, node.namespaces, memory)
 
     def _lending(self, ex: StageExecutor, program: list[Any]) -> str:
         """What this peer is about to lend to the stage: operators, parameters, memory
@@ -400,8 +408,9 @@ class EpochRunner:
             return Verdict(msg.run_id, msg.step, msg.mb, msg.suspect, False, "a malformed arbitration", msg.epoch)
         try:
             other = self._other_stage(msg.stage, program)
-        except (ProgramError, SpecError) as exc:
-            return Verdict(msg.run_id, msg.step, msg.mb, msg.suspect, False, f"the stage: {exc}", msg.epoch)
+        except (ProgramError, SpecError) as exc:  # it could not check: the coordinator drops it, blames no one
+            detail = f"could not build the stage: {exc}"[:400]
+            return Verdict(msg.run_id, msg.step, msg.mb, msg.suspect, False, detail, msg.epoch, False)
         try:
             other.load_state_tensors(dict(zip(msg.weights, weights, strict=True)))
         except ValueError as exc:
@@ -414,8 +423,7 @@ class EpochRunner:
         stages are the model's code) rebuilt from the job."""
         last = s == self.k - 1
         if self.a.program:
-            prog = Program.from_payload(program)
-            module = load_stage(prog, self.node.device, self.node.namespaces)
+            module, _ = self._checked_program(s, program)
             return StageExecutor(module, self.recipe, last, casts_inside=True)
         module = build_stage(partition(trace(self.job.build_model()), self.cut), s).to(self.node.device)
         return StageExecutor(module, self.recipe, last)

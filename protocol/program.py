@@ -37,8 +37,18 @@ PROGRAM_FORMAT = 1
 STAGE_FORMS = ("program", "code")
 #: operator namespaces a peer runs unless told otherwise (``fusionllm join --allow-ops``)
 DEFAULT_NAMESPACES = ("aten",)
-#: ATen operators no program may call: they read files or print on the volunteer's machine
-DENIED_OPS = frozenset({"from_file", "_print"})
+#: ATen operators no program may call: they read files or print on the volunteer's machine, change
+#: process-wide state, pin or record memory, assert on a device, or make or read sparse tensors (whose
+#: indices the kernels trust: a forged one writes out of bounds)
+DENIED_OPS = frozenset({
+    "from_file", "_print", "save", "warn", "wait", "set_", "set_data", "_pin_memory", "pin_memory",
+    "record_stream", "_assert_async", "_functional_assert_async", "_indices", "_values", "indices", "values",
+    "_to_dense", "to_dense", "_coalesce", "coalesce", "crow_indices", "col_indices", "ccol_indices", "row_indices",
+})  # fmt: skip
+#: parts of ATen operator names no program may call (sparse and quantized layouts, the FFT plan cache)
+DENIED_PARTS = ("sparse", "_cufft", "quantize", "mkldnn", "_nested")
+#: how deep a program's JSON and its arguments may nest
+MAX_DEPTH = 32
 MAX_PROGRAM_BYTES = 64 << 20
 MAX_PROGRAM_NODES = 500_000
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -76,10 +86,13 @@ class Program:
             raise ProgramError("the stage program is missing its graph")
         if values[0].numel() > MAX_PROGRAM_BYTES:
             raise ProgramError(f"the stage program's graph is over {MAX_PROGRAM_BYTES >> 20} MiB")
+        body = bytes(values[0].numpy().tobytes())
+        if _nesting(body) > MAX_DEPTH + 8:
+            raise ProgramError(f"the stage program's graph nests deeper than {MAX_DEPTH + 8}")
         try:
-            graph = json.loads(bytes(values[0].numpy().tobytes()).decode())
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise ProgramError(f"the stage program's graph is not JSON: {exc}") from None
+            graph = json.loads(body.decode())
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise ProgramError(f"the stage program's graph is not JSON: {str(exc)[:200]}") from None
         if not isinstance(graph, dict) or graph.get("format") != PROGRAM_FORMAT:
             raise ProgramError(f"the stage program is not of format {PROGRAM_FORMAT}")
         names = graph.pop("constants", None)
@@ -89,6 +102,15 @@ class Program:
         if not all(isinstance(t, torch.Tensor) for t in tensors):
             raise ProgramError("the stage program's constants are not all tensors")
         return cls(graph, dict(zip(names, tensors, strict=True)))
+
+
+def _nesting(body: bytes) -> int:
+    """How deep JSON text nests (brackets outside strings)."""
+    depth = deepest = 0
+    for c in re.findall(rb"[\[\]{}]", re.sub(rb'"(?:\\.|[^"\\])*"', b"", body)):
+        depth += 1 if c in (b"[", b"{") else -1
+        deepest = max(deepest, depth)
+    return deepest
 
 
 # ---------------------------------------------------------------------- export
@@ -341,12 +363,19 @@ def resolve_op(name: str, namespaces: Sequence[str] = DEFAULT_NAMESPACES) -> Any
     if ns not in namespaces:
         allowed = ", ".join(namespaces)
         raise ProgramError(f"the stage program calls {name}, outside the allowed operator namespaces ({allowed})")
-    if op in DENIED_OPS:
+    if op in DENIED_OPS or any(part in op for part in DENIED_PARTS):
         raise ProgramError(f"the stage program calls {name}, which no program may call")
     target = getattr(getattr(getattr(torch.ops, ns), op, None), overload, None)
     if not isinstance(target, torch._ops.OpOverload):
         raise ProgramError(f"the stage program calls {name}, which this torch does not have")
+    schema = target._schema
+    if not any(_is_tensor(a.type) for a in [*schema.arguments, *schema.returns]):
+        raise ProgramError(f"the stage program calls {name}, which takes and returns no tensor")
     return target
+
+
+def _is_tensor(t: Any) -> bool:
+    return "Tensor" in str(t)
 
 
 def check_operators(program: Program, namespaces: Sequence[str] = DEFAULT_NAMESPACES) -> dict[str, Any]:
@@ -354,6 +383,8 @@ def check_operators(program: Program, namespaces: Sequence[str] = DEFAULT_NAMESP
     nodes = program.graph.get("nodes")
     if not isinstance(nodes, list) or len(nodes) > MAX_PROGRAM_NODES:
         raise ProgramError(f"the stage program must list at most {MAX_PROGRAM_NODES} nodes")
+    if not all(isinstance(n, dict) and isinstance(n.get("op"), str) and isinstance(n.get("name"), str) for n in nodes):
+        raise ProgramError("a node of the stage program is malformed")
     return {op: resolve_op(op, namespaces) for op in program.operators()}
 
 
@@ -380,7 +411,10 @@ def load_stage(
             kwargs = _dec(node["kwargs"], env, device)
             if not isinstance(args, tuple) or not isinstance(kwargs, dict) or not isinstance(node["name"], str):
                 raise ProgramError("a node of the stage program is malformed")
-            env[node["name"]] = g.call_function(targets[node["op"]], args, kwargs)
+            target = targets[node["op"]]
+            _check_kwargs(node["op"], target, kwargs)
+            kwargs = _on_device(target, args, kwargs, device)
+            env[node["name"]] = g.call_function(_ZEROED.get(node["op"], target), args, kwargs)
         g.output(_dec(graph["output"], env, device))
         root = nn.Module()
         for name, (t, persistent) in tensors.items():
@@ -390,9 +424,53 @@ def load_stage(
             _install(gm, name, t, persistent)
         shape = graph["output"]
         gm.register_forward_hook(lambda module, args, out: _with_sizes(out, shape))
-    except (KeyError, TypeError, IndexError, AttributeError, RuntimeError) as exc:
-        raise ProgramError(f"the stage program is malformed: {type(exc).__name__}: {str(exc)[:200]}") from None
+    except ProgramError:
+        raise
+    except Exception as exc:  # anything a malformed graph makes fx or torch raise (SyntaxError, RecursionError, ...)
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise ProgramError(f"the stage program is malformed: {type(exc).__name__}: {first}") from None
     return gm
+
+
+def _check_kwargs(op: str, target: Any, kwargs: dict[str, Any]) -> None:
+    """Keyword arguments must be the operator's own (fx writes their names into code)."""
+    if target is operator.getitem:
+        known: set[str] = set()
+    else:
+        known = {a.name for a in target._schema.arguments}
+    if not set(kwargs) <= known:
+        raise ProgramError(f"the stage program passes {op} keyword arguments it does not take")
+
+
+def _on_device(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """A factory operator that names no device allocates on ``device`` (the meta
+    device for a dry run), never on the process's default one."""
+    if target is operator.getitem:
+        return kwargs
+    names = [a.name for a in target._schema.arguments]
+    if "device" in names and "device" not in kwargs and len(args) <= names.index("device"):
+        return {**kwargs, "device": device}
+    return kwargs
+
+
+def _zero_after(op: Any) -> Any:
+    """``op``, with its (uninitialised) result filled with zeros: no earlier contents of
+    the volunteer's memory can flow into a program's values."""
+
+    def zeroed(*args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad():
+            return op(*args, **kwargs).zero_()
+
+    zeroed.__name__ = f"zeroed_{op.__name__.replace('.', '_')}"
+    return zeroed
+
+
+#: operators that return uninitialised memory, replaced by ones that zero it
+_ZEROED = {
+    f"aten.{name}": _zero_after(getattr(getattr(torch.ops.aten, name.split(".")[0]), name.split(".")[1]))
+    for name in ("empty.memory_format", "empty_like.default", "new_empty.default", "empty_strided.default",
+                 "new_empty_strided.default")
+}  # fmt: skip
 
 
 def _with_sizes(value: Any, enc: Any) -> Any:
@@ -438,7 +516,7 @@ def _state(entries: Any, device: torch.device) -> dict[str, tuple[torch.Tensor, 
             raise ProgramError(f"the stage program gives '{names[0]}' a malformed shape")
         if e["dtype"] not in DTYPES:
             raise ProgramError(f"the stage program gives '{names[0]}' an unknown dtype")
-        t = torch.empty(shape, dtype=DTYPES[e["dtype"]], device=device)
+        t = torch.zeros(shape, dtype=DTYPES[e["dtype"]], device=device)
         if e["param"]:
             t = nn.Parameter(t, requires_grad=bool(e["grad"]))
         for name in names:
@@ -466,8 +544,10 @@ def _install(root: nn.Module, name: str, t: torch.Tensor, persistent: bool) -> N
         mod.register_buffer(leaf, t, persistent=persistent)
 
 
-def _dec(x: Any, env: dict[str, fx.Node], device: torch.device) -> Any:
+def _dec(x: Any, env: dict[str, fx.Node], device: torch.device, depth: int = 0) -> Any:
     """A node argument from its JSON (``_enc``'s inverse); devices become ``device``."""
+    if depth > MAX_DEPTH:
+        raise ProgramError(f"a node argument of the stage program nests deeper than {MAX_DEPTH}")
     if x is None or isinstance(x, (bool, int, float, str)):
         return x
     if isinstance(x, list) or not isinstance(x, dict) or len(x) != 1:
@@ -478,10 +558,10 @@ def _dec(x: Any, env: dict[str, fx.Node], device: torch.device) -> Any:
             raise ProgramError(f"the stage program refers to {str(v)[:80]!r} before it is computed")
         return env[v]
     if kind in ("list", "tuple") and isinstance(v, list):
-        items = [_dec(i, env, device) for i in v]
+        items = [_dec(i, env, device, depth + 1) for i in v]
         return items if kind == "list" else tuple(items)
-    if kind == "kwargs" and isinstance(v, dict):
-        return {str(k): _dec(i, env, device) for k, i in v.items()}
+    if kind == "kwargs" and isinstance(v, dict) and all(isinstance(k, str) and _NAME.match(k) for k in v):
+        return {k: _dec(i, env, device, depth + 1) for k, i in v.items()}
     if kind == "size" and isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in v):
         return torch.Size(v)
     if kind == "float" and v in ("inf", "-inf", "nan"):
@@ -498,30 +578,68 @@ def _dec(x: Any, env: dict[str, fx.Node], device: torch.device) -> Any:
 
 
 # ---------------------------------------------------------------------- check
+def build_checked(
+    program: Program,
+    inputs: list[Any],
+    outputs: list[Any] | None,
+    device: torch.device | str,
+    namespaces: Sequence[str] = DEFAULT_NAMESPACES,
+    memory: int | None = None,
+) -> tuple[fx.GraphModule, int]:
+    """The stage module of a program that passes every check, in order, before it
+    touches ``device``: its operators, the memory its state takes (four times: weights,
+    gradients and AdamW's two moments) and its largest value against ``memory``
+    bytes, and a dry run against the plan's shapes. Returns the module and the bytes
+    the dry run computed (``dry_run``)."""
+    check_operators(program, namespaces)
+    need = 4 * state_bytes(program)
+    if memory is not None and need > memory:
+        raise ProgramError(
+            f"the stage's state needs {need / 2**20:.0f} MiB, more than the {memory / 2**20:.0f} MiB lent"
+        )
+    activations = dry_run(program, inputs, outputs, namespaces, memory)
+    return load_stage(program, device, namespaces), activations
+
+
+def state_bytes(program: Program) -> int:
+    """What the program's parameters and buffers take (from their declared shapes)."""
+    try:
+        return sum(math.prod(e["shape"]) * DTYPES[e["dtype"]].itemsize for e in program.graph["state"])
+    except (KeyError, TypeError) as exc:
+        raise ProgramError(f"the stage program's state is malformed: {type(exc).__name__}") from None
+
+
 def dry_run(
-    program: Program, inputs: list[Any], outputs: list[Any] | None, namespaces: Sequence[str] = DEFAULT_NAMESPACES
+    program: Program,
+    inputs: list[Any],
+    outputs: list[Any] | None,
+    namespaces: Sequence[str] = DEFAULT_NAMESPACES,
+    memory: int | None = None,
 ) -> int:
     """Run the program on the meta device (no memory, no arithmetic) on values shaped
     as the plan's spec ``inputs`` says, and check it returns what the next stage
     expects (``outputs``; None: the last stage, a scalar loss). Returns the bytes of
     the values it computes for one micro-batch: what the stage holds for backward, at
     most."""
-    gm = load_stage(program, "meta", namespaces)
     total = 0
 
     class Counting(fx.Interpreter):
         def run_node(self, n: fx.Node) -> Any:
             nonlocal total
             out = super().run_node(n)
-            total += sum(t.numel() * t.element_size() for _, t in _leaves(out) if isinstance(t, torch.Tensor))
+            for _, t in _leaves(out):
+                if isinstance(t, torch.Tensor):
+                    _check_value(t, memory)
+                    total += t.numel() * t.element_size()
             return out
 
     try:
+        gm = load_stage(program, "meta", namespaces)
         values = [_meta_value(d) for d in inputs]
         with torch.no_grad():
             out = _with_sizes(Counting(gm).run(*values), program.graph["output"])
-    except ProgramError:
-        raise
+    except ProgramError as exc:  # fx adds lines about the node it was running
+        raise ProgramError(str(exc).splitlines()[0]) from None
     except Exception as exc:
         first = (str(exc).strip().splitlines() or [""])[0][:200]
         raise ProgramError(f"the stage program does not run on its inputs: {type(exc).__name__}: {first}") from None
@@ -531,6 +649,16 @@ def dry_run(
     elif not isinstance(out, (tuple, list)) or [_spec(v) for v in out] != outputs:
         raise ProgramError("the stage program does not return the values the next stage takes")
     return total
+
+
+def _check_value(t: torch.Tensor, memory: int | None) -> None:
+    """A value a program computes must be a plain (strided) tensor of a wire dtype, no
+    larger than the memory lent."""
+    if t.layout != torch.strided or t.dtype not in DTYPE_NAMES:
+        raise ProgramError(f"the stage program computes a {t.layout} {t.dtype} tensor, which programs may not")
+    size = t.numel() * t.element_size()
+    if memory is not None and size > memory:
+        raise ProgramError(f"the stage program computes a value of {size / 2**20:.0f} MiB, more than the memory lent")
 
 
 def _meta_value(d: Any) -> Any:

@@ -5,6 +5,7 @@ or one that does not fit the plan's shapes, in one line, before anything runs.""
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -20,6 +21,7 @@ from protocol.program import (
     DEFAULT_NAMESPACES,
     Program,
     ProgramError,
+    build_checked,
     check_operators,
     dry_run,
     export_stage,
@@ -239,3 +241,70 @@ def test_every_cut_gives_programs_that_run_on_what_the_wire_delivers() -> None:
         loss = _loaded(program, last)(*arrived)
         loss.backward()
         assert torch.equal(loss, last(*values)), f"boundary {b}"
+
+
+def _node(name: str, op: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    return {"name": name, "op": op, "args": {"tuple": list(args)}, "kwargs": {"kwargs": kwargs}}
+
+
+def _with_node(node: dict[str, Any]) -> Any:
+    return lambda g: g["nodes"].insert(0, node)
+
+
+def _checked(payload: list[torch.Tensor], memory: int | None = None) -> Any:
+    """A peer's whole check of the GPT's last stage, as ``_build_checked`` runs it."""
+    model, cut = GPT.build_model(), Cut((10,))
+    specs = boundary_specs(model, cut, GPT.first_micro_batch())
+    return build_checked(Program.from_payload(payload), specs[1], None, "cpu", DEFAULT_NAMESPACES, memory)
+
+
+HOSTILE = {  # what a review found a hostile coordinator could do with the first version
+    "Python in a keyword name": (
+        _with_node(_node("x", "aten.zeros.default", {"list": [1]}, **{"zz=0) if print('pwned') else (None": 0})),
+        "a node argument of the stage program is malformed",
+    ),
+    "a keyword the operator does not take": (
+        _with_node(_node("x", "aten.zeros.default", {"list": [1]}, evil=1)),
+        "keyword arguments it does not take",
+    ),
+    "sparse tensors (forged indices write out of bounds)": (
+        _with_node(_node("x", "aten._to_sparse.default", {"ref": "i:1"})),
+        "which no program may call",
+    ),
+    "process-wide state": (_with_node(_node("x", "aten.set_grad_enabled.default", False)), "returns no tensor"),
+    "a terabyte allocation": (
+        _with_node(_node("x", "aten.empty.memory_format", {"list": [1 << 38]})),
+        "more than the memory lent",
+    ),
+    "a giant parameter": (lambda g: g["state"][0].update(shape=[1 << 20, 1 << 20]), "more than the"),
+    "arguments nested 100 deep": (
+        _with_node(_node("x", "aten.zeros.default", functools.reduce(lambda a, _: {"list": [a]}, range(100), 1))),
+        "nests deeper than",
+    ),
+    "a node that is not one": (lambda g: g["nodes"].append(1), "a node of the stage program is malformed"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_a_hostile_program_is_refused_before_it_touches_the_device(case: str) -> None:
+    edit, expected = HOSTILE[case]
+    with pytest.raises(ProgramError) as err:
+        _checked(_edited(_gpt_last(), edit), memory=1 << 30)
+    assert expected in str(err.value) and "\n" not in str(err.value)
+
+
+def test_json_nested_past_any_program_is_refused_before_parsing() -> None:
+    deep = torch.frombuffer(bytearray(b"[" * 200_000 + b"]" * 200_000), dtype=torch.uint8)
+    with pytest.raises(ProgramError, match="nests deeper than"):
+        Program.from_payload([deep])
+
+
+def test_uninitialised_memory_never_reaches_a_program() -> None:
+    """``aten.empty`` gives zeros here, and so do state entries before they are loaded."""
+    graph = {"format": 1, "inputs": [[0]], "state": [], "output": {"ref": "x"},
+             "nodes": [_node("x", "aten.empty.memory_format", {"list": [1 << 16]})]}  # fmt: skip
+    module = load_stage(Program(graph))
+    for _ in range(3):
+        garbage = torch.full((1 << 16,), 7.0)
+        del garbage
+        assert torch.count_nonzero(module(torch.zeros(1))) == 0
