@@ -44,6 +44,7 @@ DENIED_OPS = frozenset({
     "from_file", "_print", "save", "warn", "wait", "set_", "set_data", "_pin_memory", "pin_memory",
     "record_stream", "_assert_async", "_functional_assert_async", "_indices", "_values", "indices", "values",
     "_to_dense", "to_dense", "_coalesce", "coalesce", "crow_indices", "col_indices", "ccol_indices", "row_indices",
+    "_reshape_alias",  # applies the sizes and strides it is given, unchecked: a view anywhere in the heap
 })  # fmt: skip
 #: parts of ATen operator names no program may call (sparse and quantized layouts, the FFT plan cache)
 DENIED_PARTS = ("sparse", "_cufft", "quantize", "mkldnn", "_nested")
@@ -86,12 +87,11 @@ class Program:
             raise ProgramError("the stage program is missing its graph")
         if values[0].numel() > MAX_PROGRAM_BYTES:
             raise ProgramError(f"the stage program's graph is over {MAX_PROGRAM_BYTES >> 20} MiB")
-        body = bytes(values[0].numpy().tobytes())
-        if _nesting(body) > MAX_DEPTH + 8:
-            raise ProgramError(f"the stage program's graph nests deeper than {MAX_DEPTH + 8}")
         try:
-            graph = json.loads(body.decode())
-        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            graph = json.loads(bytes(values[0].cpu().numpy().tobytes()).decode())
+        except RecursionError:
+            raise ProgramError("the stage program's graph nests too deep") from None
+        except (UnicodeDecodeError, ValueError) as exc:
             raise ProgramError(f"the stage program's graph is not JSON: {str(exc)[:200]}") from None
         if not isinstance(graph, dict) or graph.get("format") != PROGRAM_FORMAT:
             raise ProgramError(f"the stage program is not of format {PROGRAM_FORMAT}")
@@ -102,15 +102,6 @@ class Program:
         if not all(isinstance(t, torch.Tensor) for t in tensors):
             raise ProgramError("the stage program's constants are not all tensors")
         return cls(graph, dict(zip(names, tensors, strict=True)))
-
-
-def _nesting(body: bytes) -> int:
-    """How deep JSON text nests (brackets outside strings)."""
-    depth = deepest = 0
-    for c in re.findall(rb"[\[\]{}]", re.sub(rb'"(?:\\.|[^"\\])*"', b"", body)):
-        depth += 1 if c in (b"[", b"{") else -1
-        deepest = max(deepest, depth)
-    return deepest
 
 
 # ---------------------------------------------------------------------- export
@@ -598,6 +589,11 @@ def build_checked(
             f"the stage's state needs {need / 2**20:.0f} MiB, more than the {memory / 2**20:.0f} MiB lent"
         )
     activations = dry_run(program, inputs, outputs, namespaces, memory)
+    if memory is not None and need + activations > memory:
+        total = (need + activations) / 2**20
+        raise ProgramError(
+            f"the stage needs {total:.0f} MiB for one micro-batch, more than the {memory / 2**20:.0f} MiB lent"
+        )
     return load_stage(program, device, namespaces), activations
 
 
@@ -656,9 +652,21 @@ def _check_value(t: torch.Tensor, memory: int | None) -> None:
     larger than the memory lent."""
     if t.layout != torch.strided or t.dtype not in DTYPE_NAMES:
         raise ProgramError(f"the stage program computes a {t.layout} {t.dtype} tensor, which programs may not")
+    if t.numel() and (t.storage_offset() < 0 or min(t.stride(), default=0) < 0 or _reach(t) > _storage_bytes(t)):
+        raise ProgramError("the stage program makes a view that reaches outside its storage")
     size = t.numel() * t.element_size()
     if memory is not None and size > memory:
         raise ProgramError(f"the stage program computes a value of {size / 2**20:.0f} MiB, more than the memory lent")
+
+
+def _reach(t: torch.Tensor) -> int:
+    """The bytes of its storage a view's last element ends at."""
+    last = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+    return (last + 1) * t.element_size()
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
 
 
 def _meta_value(d: Any) -> Any:

@@ -282,6 +282,20 @@ HOSTILE = {  # what a review found a hostile coordinator could do with the first
         "nests deeper than",
     ),
     "a node that is not one": (lambda g: g["nodes"].append(1), "a node of the stage program is malformed"),
+    "a view past its storage (reads and writes the heap)": (
+        _with_node(_node("x", "aten.as_strided.default", {"ref": "i:1"}, {"list": [8]}, {"list": [16384]})),
+        "reaches outside its storage",
+    ),
+    "an unchecked alias": (
+        _with_node(_node("x", "aten._reshape_alias.default", {"ref": "i:1"}, {"list": [8]}, {"list": [1]})),
+        "which no program may call",
+    ),
+    "values that together exceed the memory": (
+        lambda g: g["nodes"].__setitem__(
+            slice(0, 0), [_node(f"z{i}", "aten.zeros.default", {"list": [1 << 18]}) for i in range(12)]
+        ),
+        "for one micro-batch, more than the",
+    ),
 }
 
 
@@ -289,13 +303,13 @@ HOSTILE = {  # what a review found a hostile coordinator could do with the first
 def test_a_hostile_program_is_refused_before_it_touches_the_device(case: str) -> None:
     edit, expected = HOSTILE[case]
     with pytest.raises(ProgramError) as err:
-        _checked(_edited(_gpt_last(), edit), memory=1 << 30)
+        _checked(_edited(_gpt_last(), edit), memory=8 << 20 if "together" in case else 1 << 30)
     assert expected in str(err.value) and "\n" not in str(err.value)
 
 
-def test_json_nested_past_any_program_is_refused_before_parsing() -> None:
+def test_json_nested_past_any_program_is_refused_in_one_line() -> None:
     deep = torch.frombuffer(bytearray(b"[" * 200_000 + b"]" * 200_000), dtype=torch.uint8)
-    with pytest.raises(ProgramError, match="nests deeper than"):
+    with pytest.raises(ProgramError, match="nests too deep"):
         Program.from_payload([deep])
 
 
