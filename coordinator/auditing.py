@@ -10,20 +10,24 @@ for that micro-batch, and sends them to a replica (``Recheck``), which runs the
 micro-batch from the same inputs with the same weights and compares with the
 suspect's signed outputs, its parameter gradients and (last stage) its loss.
 
-On a mismatch a third peer re-executes it too: another replica (three or more),
-or else a peer of another stage, which rebuilds the stage from the job with the
-weights both replicas show (they must be the same, bit for bit). The peer the
-third disagrees with is excluded, the step is redone without it, and the signed
+On a mismatch more peers re-execute it (``_settle``): other replicas, or else peers
+of another stage, which rebuild the stage from the job with the weights both
+replicas show (they must be the same, bit for bit). A disagreeing checker says what
+it computed (a fingerprint): the suspect is excluded when two checkers computed the
+same and not what it showed; checkers who disputed work that another re-executed
+the same are excluded. Either way the step is redone without them, and the signed
 frames are kept in the run directory (``evidence/``) and named on the status page.
-When no third opinion can be had (one stage; or the two show different weights)
-both leave the plan, not excluded (they may come back as standby peers), and the
-step is redone. A peer that cannot show the frames it received, or shows frames
+When no two re-executions agree (or no one else can re-execute it) all of them
+leave the plan, none excluded (they may come back as standby peers), and the step
+is redone. A peer that cannot show the frames it received, or shows frames
 their signers did not send, is excluded."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +37,12 @@ from safetensors.torch import save_file
 from coordinator.runstate import EXCLUDED, DriverParts, PeerLost
 from protocol.envelope import signed_frame
 from protocol.messages import Audit, Evidence, Recheck, Verdict
-from protocol.spotcheck import ROLES, roles_for, tolerance, wrong_frame
+from protocol.spotcheck import ROLES, alike, roles_for, tolerance, wrong_frame
+
+#: a re-execution of a spot check, asked of one checker
+Asker = Callable[[], Awaitable[Verdict]]
+#: checkers asked after a first one disputes a micro-batch (each costs a re-execution)
+MAX_MORE_CHECKERS = 3
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +92,7 @@ class Auditing(DriverParts):
     async def _check_alone(self, step: int, s: int, mb: int) -> None:
         """A stage served by one peer: peers of other stages rebuild it with the weights
         the suspect shows and re-execute the micro-batch (its parameter gradients, which
-        no one else saw, are not compared). If the first disagrees, a second decides;
-        with no second, both leave the plan, neither excluded."""
+        no one else saw, are not compared); if the first disagrees, more decide."""
         st = self.st
         assert st.plan is not None
         roles, signers, evidence = await self._evidence(step, s, mb)
@@ -100,10 +108,8 @@ class Auditing(DriverParts):
         if first.agree:
             return
         self._disputed(step, s, mb, suspect, checkers[0], (roles, evidence), first)
-        if len(checkers) < 2:
-            raise _undecided(step, mb, suspect, checkers[0])
-        second = await self._recheck(step, s, mb, *case, checkers[1], names, grads=False)
-        raise _judged(suspect, (checkers[0], first), (checkers[1], second))
+        more = [(p, functools.partial(self._recheck, step, s, mb, *case, p, names, grads=False)) for p in checkers[1:]]
+        raise await self._settle((step, mb), suspect, (checkers[0], first), more)
 
     def _disputed(
         self, step: int, s: int, mb: int, suspect: str, checker: str, kept: tuple[list[str], list[torch.Tensor]],
@@ -126,35 +132,56 @@ class Auditing(DriverParts):
         if first.agree:
             return
         self._disputed(step, s, mb, suspect, others[0], (roles, evidence), first)
-        if len(others) > 1:
-            third, second = others[1], await self._recheck(step, s, mb, roles, signers, evidence, others[1])
-        else:
-            found = await self._arbitrate(step, s, mb, (roles, signers, evidence), others[0])
-            if found is None:
-                raise _undecided(step, mb, suspect, others[0])
-            third, second = found
-        raise _judged(suspect, (others[0], first), (third, second))
+        more = [(p, functools.partial(self._recheck, step, s, mb, roles, signers, evidence, p)) for p in others[1:]]
+        if not more:
+            more = await self._arbiters(step, s, mb, (roles, signers, evidence), others[0])
+        raise await self._settle((step, mb), suspect, (others[0], first), more)
 
-    async def _arbitrate(
+    async def _settle(
+        self, at: tuple[int, int], suspect: str, first: tuple[str, Verdict], more: list[tuple[str, Asker]]
+    ) -> PeerLost:
+        """The first checker disagreed with the suspect: more checkers re-execute the
+        micro-batch until one agrees with the suspect (those who disputed it are
+        excluded) or two of the disputers computed the same (the suspect, and any
+        disputer who computed something else, are). With neither, all of them leave the
+        plan, none excluded."""
+        against = [first]
+        for checker, ask in more[:MAX_MORE_CHECKERS]:
+            verdict = await ask()
+            if verdict.agree:
+                return PeerLost({c: f"{EXCLUDED}it disputed {suspect}'s work that {checker} re-executed the same"
+                                 for c, _ in against})  # fmt: skip
+            twin = next((c for c, v in against if alike(v.computed, verdict.computed, self._rtol(c, checker))), None)
+            against.append((checker, verdict))
+            if twin is not None:
+                return _convicted(suspect, twin, against, self._rtol(twin, checker))
+        return _undecided(*at, suspect, [c for c, _ in against])
+
+    async def _arbiters(
         self, step: int, s: int, mb: int, case: tuple[list[str], dict[str, str], list[torch.Tensor]], checker: str
-    ) -> tuple[str, Verdict] | None:
-        """Two replicas disagree: a peer of another stage re-executes the micro-batch on
-        the stage rebuilt with the weights both show (None if they differ, or there is
-        no other stage)."""
+    ) -> list[tuple[str, Asker]]:
+        """Two replicas disagree: peers of another stage can re-execute the micro-batch
+        on the stage rebuilt with the weights both show (none if they differ, or there
+        is no other stage)."""
         st, (roles, signers, evidence) = self.st, case
         assert st.plan is not None
         suspect = self._route(s, mb)["suspect"]
         arbiters = [p for i, group in enumerate(st.plan.stages) if i != s for p in group]
         if not arbiters:
-            return None
+            return []
         shown = [await self._weights_of(step, mb, p) for p in (suspect, checker)]
         if shown[0] is None or shown[1] is None or not _same(shown[0], shown[1]):
-            return None
+            return []
         names, weights = shown[0]
         grads = await self._gather(step, s, mb, ["param_grads"], {"param_grads": checker}, {"param_grads": suspect})
-        arbiter = self._audit_rng.choice(arbiters)
+        self._audit_rng.shuffle(arbiters)
         case = ([*roles, "param_grads"], {**signers, "param_grads": suspect}, [*evidence, *grads, *weights])
-        return arbiter, await self._recheck(step, s, mb, *case, arbiter, names)
+        return [(p, functools.partial(self._recheck, step, s, mb, *case, p, names)) for p in arbiters]
+
+    def _rtol(self, a: str, b: str) -> float:
+        """The tolerance between re-executions on the devices of peers ``a`` and ``b``."""
+        devices = [self.coord.adverts[p].device if p in self.coord.adverts else "" for p in (a, b)]
+        return tolerance(*devices, self.job.precision)
 
     async def _weights_of(self, step: int, mb: int, peer: str) -> tuple[list[str], list[torch.Tensor]] | None:
         """The stage weights ``peer`` holds (this step's, not yet updated)."""
@@ -231,12 +258,11 @@ class Auditing(DriverParts):
         stage gets the stage's ``weights`` by name, after the evidence)."""
         st, cfg = self.st, self.cfg
         suspect = self._route(s, mb)["suspect"]
-        devices = [self.coord.adverts[p].device if p in self.coord.adverts else "" for p in (suspect, checker)]
         loss = self.mb_losses.get(str(mb)) if s == len(st.plan.stages) - 1 else None  # type: ignore[union-attr]
         arbiter = weights is not None  # of another stage: it rebuilds this one (a stage may hold no weights)
         program = self._program_payloads(st.plan.cut)[s] if arbiter and self.as_programs else []  # type: ignore[attr-defined,union-attr]
         msg = Recheck(cfg.run_id, step, mb, suspect, roles, [signers[r] for r in roles], st.epoch, loss,
-                      tolerance(*devices, self.job.precision), s if arbiter else -1, weights or [],
+                      self._rtol(suspect, checker), s if arbiter else -1, weights or [],
                       len(program), grads)  # fmt: skip
         await self._send(checker, msg, [*evidence, *program])  # type: ignore[attr-defined]
         while True:
@@ -259,19 +285,23 @@ class Auditing(DriverParts):
             logger.warning("could not keep the evidence of a spot check: %s", exc)
 
 
-def _undecided(step: int, mb: int, suspect: str, checker: str) -> PeerLost:
-    """Two disagree and no third can re-execute: both leave the plan, neither excluded."""
-    why = f"disputed a spot check with {{}} (step {step}, micro-batch {mb}), and no one could arbitrate"
-    return PeerLost({suspect: why.format(checker), checker: why.format(suspect)})
+def _undecided(step: int, mb: int, suspect: str, checkers: list[str]) -> PeerLost:
+    """Checkers disagree with the suspect and with each other, and no more can
+    re-execute: all of them leave the plan, none excluded."""
+    why = f"disputed a spot check of step {step}, micro-batch {mb}, and no two re-executions agreed"
+    return PeerLost({p: why for p in [suspect, *checkers]})
 
 
-def _judged(suspect: str, first: tuple[str, Verdict], second: tuple[str, Verdict]) -> PeerLost:
-    """The first checker disagreed with the suspect; the second decides who is excluded."""
-    (one, said), (other, verdict) = first, second
-    if verdict.agree:  # the second re-executed it as the suspect did: the first checker lied
-        return PeerLost({one: f"{EXCLUDED}it disputed {suspect}'s work that {other} re-executed the same"})
-    found = f"{said.detail} (re-executed by {one}; and by {other}: {verdict.detail})"
-    return PeerLost({suspect: f"{EXCLUDED}spot check: {found}"})
+def _convicted(suspect: str, twin: str, against: list[tuple[str, Verdict]], rtol: float) -> PeerLost:
+    """Two checkers (``twin`` and the last) computed the same, and not what the suspect
+    showed: the suspect is excluded, and so is any disputer who computed a third result."""
+    (last, verdict), said = against[-1], dict(against)
+    found = f"{said[twin].detail} (re-executed by {twin}; and by {last}: {verdict.detail})"
+    lost = {suspect: f"{EXCLUDED}spot check: {found}"}
+    for c, v in against[:-1]:
+        if not alike(v.computed, verdict.computed, rtol):
+            lost[c] = f"{EXCLUDED}its re-execution of {suspect}'s work matched neither it nor {twin} and {last}"
+    return PeerLost(lost)
 
 
 def _same(a: tuple[list[str], list[torch.Tensor]], b: tuple[list[str], list[torch.Tensor]]) -> bool:

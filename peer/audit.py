@@ -14,7 +14,7 @@ from peer.executor import StageExecutor
 from protocol.codecs import Codec
 from protocol.envelope import signed_frame
 from protocol.messages import Audit, Evidence, Recheck, Verdict
-from protocol.spotcheck import differs, loss_differs, wrong_frame
+from protocol.spotcheck import differs, fingerprint, loss_differs, seed_of, wrong_frame
 from protocol.transport import Inbound
 from protocol.wire import Frame, Link, encode_values
 
@@ -61,8 +61,8 @@ class Rechecker:
             return Verdict(
                 msg.run_id, msg.step, msg.mb, msg.suspect, False, f"bad evidence: {found}"[:400], msg.epoch, False
             )
-        detail = self._compare(msg, found, own_grads)
-        return Verdict(msg.run_id, msg.step, msg.mb, msg.suspect, not detail, detail[:400], msg.epoch)
+        detail, computed = self._compare(msg, found, own_grads)
+        return Verdict(msg.run_id, msg.step, msg.mb, msg.suspect, not detail, detail[:400], msg.epoch, True, computed)
 
     def _frames(self, msg: Recheck, evidence: list[torch.Tensor]) -> dict[str, tuple[Any, list[Any]]] | str:
         if len(evidence) != 2 * len(msg.roles):
@@ -80,23 +80,34 @@ class Rechecker:
             out[role] = found
         return out
 
-    def _compare(self, msg: Recheck, found: dict[str, tuple[Any, list[Any]]], own_grads: Inbound | None) -> str:
+    def _compare(
+        self, msg: Recheck, found: dict[str, tuple[Any, list[Any]]], own_grads: Inbound | None
+    ) -> tuple[str, list[float]]:
+        """What differs ('' if nothing) and, if something does, the fingerprint of what
+        this re-execution computed (the coordinator compares it with another checker's)."""
         frames = {role: values for role, (_, values) in found.items()}
         grad_out = frames.get("grad_out")
         out, grads_in, params = self.ex.replay(frames["input"], grad_out, self.divisor)
+        computed: list[Any] = [out]
         if self.forward is None:
             problem = loss_differs(float(out), msg.loss, msg.tolerance)
         else:
-            problem = differs(_through(list(out), self.forward), frames["output"], msg.tolerance)
+            computed = _through(list(out), self.forward)
+            problem = differs(computed, frames["output"], msg.tolerance)
             problem = problem and f"its activations: {problem}"
-        if not problem and "grad_in" in frames and self.backward is not None and self.backward.lossless:
-            problem = differs(_through(grads_in, self.backward), frames["grad_in"], msg.tolerance)
-            problem = problem and f"its input gradients: {problem}"
-        if not problem and msg.grads:
-            shown = found.get("param_grads")
-            theirs = (list(shown[0].names), shown[1]) if shown else _named(own_grads)
-            problem = _param_grads_differ(params, theirs, msg.tolerance)
-        return problem
+        if "grad_in" in frames and self.backward is not None and self.backward.lossless:
+            sent_back = _through(grads_in, self.backward)
+            computed += sent_back
+            if not problem:
+                problem = differs(sent_back, frames["grad_in"], msg.tolerance)
+                problem = problem and f"its input gradients: {problem}"
+        if msg.grads:
+            computed += [params[n] for n in sorted(params)]
+            if not problem:
+                shown = found.get("param_grads")
+                theirs = (list(shown[0].names), shown[1]) if shown else _named(own_grads)
+                problem = _param_grads_differ(params, theirs, msg.tolerance)
+        return problem, fingerprint(computed, seed_of(msg.step, msg.mb)) if problem else []
 
 
 def _through(values: list[Any], codec: Codec) -> list[Any]:

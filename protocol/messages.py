@@ -391,6 +391,7 @@ class Verdict(Message):
     detail: str = ""
     epoch: int = 0
     checked: bool = True  # False: the evidence did not hold up, so nothing was compared
+    computed: list[float] = field(default_factory=list)  # a disagreeing checker's fingerprint of its results
 
 
 @dataclass(frozen=True)

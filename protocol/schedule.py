@@ -12,8 +12,10 @@ class ScheduleError(ValueError):
 
 
 def gpipe(num_stages: int, micro_batches: int) -> Schedule:
-    """All forwards, then all backwards in reverse order."""
-    one = [("F", m) for m in range(micro_batches)] + [("B", m) for m in reversed(range(micro_batches))]
+    """All forwards, then all backwards, both in micro-batch order (backwards in
+    reverse, the textbook order, added a stage's parameter gradients in another order
+    than one process does: last bits that fp16 grew to 5e-5 after five steps)."""
+    one = [("F", m) for m in range(micro_batches)] + [("B", m) for m in range(micro_batches)]
     return [list(one) for _ in range(num_stages)]
 
 

@@ -23,6 +23,11 @@ param_gr.  rgrad   the suspect               its replicas   s
 A replica re-executing compares the parameter gradients with the suspect's
 ``ReplicaGrads`` it received itself; an arbiter of another stage (two replicas
 disagreed) gets them as the ``param_grads`` evidence.
+
+A checker that disagrees also says what it computed, as a ``fingerprint``: two
+re-executions that disagree with the suspect convict it only if they agree with
+each other (two cheats disputing an honest peer's work compute different wrong
+values).
 """
 
 from __future__ import annotations
@@ -51,6 +56,8 @@ ROLES: dict[str, tuple[type[Message], int]] = {
 SAME_KIND_RTOL = 1e-5
 CROSS_DEVICE_RTOL = 1e-3
 HALF_PRECISION_FACTOR = 100.0
+#: elements of a fingerprint's random direction drawn at a time (bounds its memory)
+FINGERPRINT_CHUNK = 1 << 20
 #: the chance that a micro-batch of a replicated stage is re-executed (``--spot-check``)
 DEFAULT_SPOT_CHECK = 0.05
 
@@ -124,6 +131,43 @@ def loss_differs(ours: float, theirs: float | None, rtol: float) -> str:
     if ours == theirs or (rtol and abs(ours - theirs) <= rtol * abs(ours)):
         return ""
     return f"it reported a loss of {theirs!r}; its inputs give {ours!r}"
+
+
+def fingerprint(values: Sequence[Any], seed: int) -> list[float]:
+    """Two numbers per tensor of ``values`` (nested; None skipped): its norm, and its
+    projection on a random unit direction drawn from ``seed``. Two re-executions within
+    ``rtol`` of each other's norm give numbers within that of each other (the projection
+    is 1-Lipschitz), and a different wrong result almost surely moves the projection."""
+    out: list[float] = []
+    gen = torch.Generator().manual_seed(seed)
+    for t in _tensors(list(values)):
+        if t is None:
+            continue
+        flat = t.detach().reshape(-1).to("cpu", torch.float64)
+        dot, r2 = 0.0, 0.0
+        for i in range(0, flat.numel(), FINGERPRINT_CHUNK):
+            part = flat[i : i + FINGERPRINT_CHUNK]
+            r = torch.randn(part.numel(), generator=gen, dtype=torch.float64)
+            dot, r2 = dot + float(part @ r), r2 + float(r @ r)
+        out += [float(torch.linalg.vector_norm(flat)), dot / math.sqrt(r2) if r2 else 0.0]
+    return out
+
+
+def seed_of(step: int, mb: int) -> int:
+    """The seed of the fingerprints of micro-batch ``mb`` of ``step`` (every checker's the same)."""
+    return (step * 1_000_003 + mb) % (1 << 63)
+
+
+def alike(a: Sequence[float], b: Sequence[float], rtol: float) -> bool:
+    """Whether two fingerprints come from results within ``rtol`` of each other's norm
+    (twice it: each may be that far from the exact result). Non-finite: never."""
+    if len(a) != len(b) or len(a) % 2 or not all(math.isfinite(x) for x in (*a, *b)):
+        return False
+    for i in range(0, len(a), 2):
+        bound = 2 * rtol * max(a[i], b[i]) + 1e-12
+        if abs(a[i] - b[i]) > bound or abs(a[i + 1] - b[i + 1]) > bound:
+            return False
+    return True
 
 
 def survival(f: float, checked: float, micro_batches: int, steps: int) -> float:

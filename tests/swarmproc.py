@@ -122,6 +122,10 @@ def wait_gone(pids: set[int], timeout: float = 15.0) -> set[int]:
     return alive(pids)
 
 
+#: status page URL -> the coordinator serving it (to show its output when the page goes away)
+COORDINATORS: dict[str, Proc] = {}
+
+
 def api(url: str) -> dict[str, Any]:
     with urllib.request.urlopen(url + "api/v1/state", timeout=10) as r:
         return json.loads(r.read())
@@ -133,7 +137,12 @@ def wait_for(
     """Bounded wait until the coordinator's status API satisfies ``check``."""
     deadline = time.monotonic() + timeout
     while True:
-        state = api(url)
+        try:
+            state = api(url)
+        except OSError as exc:  # the coordinator is gone: say what it printed last
+            coord = COORDINATORS.get(url)
+            raise AssertionError(f"status page {url} unreachable ({exc}); the coordinator printed: "
+                                 f"{coord.output[-3000:] if coord else '?'}") from None  # fmt: skip
         if check(state):
             return state
         assert time.monotonic() < deadline, f"status never satisfied the check: {json.dumps(state)[:2000]}"
@@ -152,6 +161,7 @@ class Swarm:
         self.coord = self.start_coordinator()
         self.join_args = self.coord.wait_line(r"^\s+fusionllm join (.*)$").group(1).split()
         self.url = self.coord.wait_line(r"^status page: (\S+)").group(1)
+        COORDINATORS[self.url] = self.coord
         self.peers = {}
         for i in range(peers):
             self.add_peer(i)

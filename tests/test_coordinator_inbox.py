@@ -9,6 +9,7 @@ import asyncio
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -17,11 +18,12 @@ from coordinator import replan
 from coordinator.assign import Assignment, network_from_adverts
 from coordinator.checkpoint import RunDir
 from coordinator.run import Driver
-from coordinator.runstate import PeerLost
+from coordinator.runstate import EXCLUDED, PeerLost
 from coordinator.swarm import Coordinator, CoordinatorConfig
 from protocol.graph import Cut
 from protocol.job import JobSpec
 from protocol.messages import Advert, Beat, Hello, PeerFailure, Recheck, State, StepDone, Verdict
+from protocol.spotcheck import alike, fingerprint, seed_of
 from protocol.transport import Inbound
 from protocol.wire import Frame
 
@@ -416,3 +418,47 @@ def test_an_arbiter_is_told_the_stage_even_when_it_holds_no_weights(tmp_path: Pa
     recheck, values = sent[0]
     assert verdict.agree and isinstance(recheck, Recheck)
     assert recheck.stage == 1 and recheck.weights == [] and recheck.program == len(values) > 0
+
+
+def _settled(tmp_path: Path, first: list[float], later: list[tuple[bool, list[float]]]) -> dict[str, str]:
+    """Who ``_settle`` takes out of the plan (and why) when checker c0 disputed
+    suspect p0's work with fingerprint ``first`` and c1, c2, ... then answer ``later``."""
+    driver = _driver(tmp_path, [["p0", "c0", "c1", "c2", "c3"]])
+
+    def ask(agree: bool, computed: list[float]) -> Any:
+        async def go() -> Verdict:
+            return Verdict("r", 3, 0, "p0", agree, "" if agree else "its loss differs", 0, True, computed)
+
+        return go
+
+    more = [(f"c{i + 1}", ask(*answer)) for i, answer in enumerate(later)]
+    first_verdict = Verdict("r", 3, 0, "p0", False, "its loss differs", 0, True, first)
+    return asyncio.run(driver._settle((3, 0), "p0", ("c0", first_verdict), more)).lost
+
+
+def test_two_disputers_must_compute_the_same_to_convict(tmp_path: Path) -> None:
+    """Two cheats checking an honest peer dispute its work with different wrong
+    results: that convicts no one; a checker re-executing it the same excludes both.
+    (CI once saw two cheats exclude an honest replica, and the run lose its peers.)"""
+    honest, wrong, other_wrong = [2.0, 0.5], [2.0, 1.9], [7.0, -3.0]
+    lost = _settled(tmp_path / "a", wrong, [(False, other_wrong), (True, [])])
+    assert set(lost) == {"c0", "c1"} and all(why.startswith(EXCLUDED) for why in lost.values())
+    lost = _settled(tmp_path / "b", honest, [(False, [2.0 + 1e-9, 0.5 - 1e-9])])
+    assert set(lost) == {"p0"} and lost["p0"].startswith(EXCLUDED), "two alike re-executions convict"
+    lost = _settled(tmp_path / "c", wrong, [(False, other_wrong), (False, honest), (False, honest)])
+    assert set(lost) == {"p0", "c0", "c1"}, "the suspect and the disputer with a third result"
+    lost = _settled(tmp_path / "d", wrong, [(False, other_wrong)])
+    assert set(lost) == {"p0", "c0", "c1"} and not any(why.startswith(EXCLUDED) for why in lost.values())
+    lost = _settled(tmp_path / "e", [float("nan"), 0.0], [(False, [float("nan"), 0.0])])
+    assert not any(why.startswith(EXCLUDED) for why in lost.values()), "non-finite fingerprints agree with nothing"
+
+
+def test_a_fingerprint_tells_results_within_the_tolerance_from_others() -> None:
+    torch.manual_seed(0)
+    x = [torch.randn(3000), (torch.randn(5, 7), None)]
+    near = [x[0] * (1 + 1e-6), (x[1][0] + 1e-7, None)]
+    far = [x[0] + 0.01 * torch.randn(3000), (x[1][0], None)]  # a result 1% off
+    a, b, c = (fingerprint(v, seed_of(3, 1)) for v in (x, near, far))
+    assert len(a) == 4 and alike(a, b, 1e-5) and not alike(a, c, 1e-5)
+    assert fingerprint(x, seed_of(3, 1)) == a and fingerprint(x, seed_of(3, 2)) != a
+    assert not alike(a, a[:2], 1e-5)

@@ -3,6 +3,7 @@ from the signed frames around it and compares with what the suspect signed."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ from protocol.graph import Cut, build_stage, operators, partition, trace
 from protocol.identity import Identity
 from protocol.job import JobSpec, split_batch
 from protocol.messages import Activations, Gradients, Recheck, ReplicaGrads
-from protocol.spotcheck import CROSS_DEVICE_RTOL, SAME_KIND_RTOL, differs, roles_for, survival, tolerance
+from protocol.spotcheck import CROSS_DEVICE_RTOL, SAME_KIND_RTOL, alike, differs, roles_for, survival, tolerance
 from protocol.transport import Inbound
 from protocol.wire import Frame, encode_values
 
@@ -71,6 +72,10 @@ def test_honest_work_agrees_and_noisy_activations_are_caught() -> None:
     msg, evidence, own, checker = _evidence(noise=1e-3)
     verdict = checker.verdict(msg, evidence, own)
     assert not verdict.agree and "its activations" in verdict.detail
+    # another honest checker computes the same: its fingerprint is alike (the suspect is convicted)
+    cut = Cut((len(operators(trace(JOB.build_model()))) // 2,))
+    second = dataclasses.replace(checker, ex=_stage(cut, 0)).verdict(msg, evidence, own)
+    assert verdict.computed and alike(verdict.computed, second.computed, SAME_KIND_RTOL)
 
 
 def test_evidence_a_signer_did_not_sign_or_of_another_micro_batch_is_refused() -> None:

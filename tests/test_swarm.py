@@ -201,8 +201,10 @@ def test_demo_interrupted_stops_every_process(sig: int) -> None:
     assert not [p for p in psutil.process_iter(["cmdline"]) if "join" in (p.info["cmdline"] or [])]
 
 
-@pytest.mark.parametrize(("mode", "codec"), [("adatopk", r"adatopk:[\d.]+"), ("auto", r"lowrank:\d+/int4sr")])
-def test_demo_compresses_only_the_slow_link(tmp_path: Path, mode: str, codec: str) -> None:
+@pytest.mark.parametrize(
+    ("mode", "codec", "mbps"), [("adatopk", r"adatopk:[\d.]+", 10), ("auto", r"lowrank:\d+/int4sr", 3)]
+)
+def test_demo_compresses_only_the_slow_link(tmp_path: Path, mode: str, codec: str, mbps: int) -> None:
     """With --compression adatopk (or auto), the boundary paced to 10 Mbit/s gets
     AdaTopK (or low-rank activations and 4-bit unbiased gradients: each direction
     checked against the plan by the receiving gate) and the fast one stays
@@ -210,7 +212,9 @@ def test_demo_compresses_only_the_slow_link(tmp_path: Path, mode: str, codec: st
 
     The demo's own GPT, not the small one: a small model's stages compute in ~3 ms,
     which an unpaced loopback link on two busy cores does not always beat, and then
-    that link rightly gets compressed too (seen once in CI)."""
+    that link rightly gets compressed too (seen once in CI). ``auto`` takes the mildest
+    codec fast enough, so its link is paced to 3 Mbit/s: at 10, a slower CI machine's
+    stages computed long enough for int8 to do (and int8 it rightly took)."""
     ckpt = tmp_path / "c.safetensors"
     r = run_cli(
         "demo",
@@ -221,7 +225,7 @@ def test_demo_compresses_only_the_slow_link(tmp_path: Path, mode: str, codec: st
         "--compression",
         mode,
         "--link-mbps",
-        "10000,10",
+        f"10000,{mbps}",
         "--save",
         str(ckpt),
         timeout=240,
@@ -231,7 +235,9 @@ def test_demo_compresses_only_the_slow_link(tmp_path: Path, mode: str, codec: st
     slow = re.search(r"boundary 1 \(stage 1 <-> 2, (\d+) Mbit/s measured\): (\S+), .*? ratio ([\d.]+)x", r.stdout)
     assert fast and slow, r.stdout
     assert fast.group(1) == "none" and float(fast.group(3)) == 1.0, r.stdout
-    assert 7 <= int(slow.group(1)) <= 11, "the paced link measures about its rate"
+    assert 0.7 * mbps - 0.5 <= int(slow.group(1)) <= 1.1 * mbps + 0.5, (
+        "the paced link measures about its rate (printed rounded)"
+    )
     assert re.fullmatch(codec, slow.group(2)) and float(slow.group(3)) > 2.0
     assert re.search(r"loss [\d.]+ -> [\d.]+", r.stdout)
 
