@@ -74,6 +74,7 @@ class Reject(enum.Enum):
     BAD_ADVERT = "bad_advert"  # a DHT advert with non-finite or out-of-range claims or unparseable addresses
     MUTED = "muted"  # a stream from a sender muted for too many rejections, closed unread (counted, never logged each)
     EXPIRED = "expired"  # its admission certificate ended (not renewed: banned, or cut off from the coordinator)
+    STREAMS = "streams"  # a stream over the sender's (or the receiver's) limit of open streams, closed unread
 
 
 class Rejected(Exception):

@@ -16,7 +16,7 @@ import logging
 import struct
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +42,8 @@ from protocol.wire import (
 
 logger = logging.getLogger(__name__)
 
+#: a libp2p stream handler: (stream info, reader, writer)
+Handler = Callable[[Any, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 MSG_PROTOCOL = "/fusionllm/msg/1"
 BW_PROTOCOL = "/fusionllm/bw/1"
 #: a bandwidth probe moves at most MAX_PROBE_BYTES each way; one sender's probes at
@@ -53,6 +55,11 @@ PROBE_WINDOW_S = 60.0
 #: at most this many per sender
 LANE_PART_TTL_S = 120.0
 MAX_WAITING_PARTS = 16
+#: streams one sender may hold open to this process at once, and all senders together
+#: (an honest peer holds one message stream, LANES lane streams and a probe); a stream
+#: over either is closed unread and counted as a ``streams`` rejection
+MAX_STREAMS_PER_PEER = 16
+MAX_STREAMS = 1024
 #: how long a probe waits for its sender's hello to be admitted
 ADMISSION_WAIT_S = 10.0
 _ZEROS = bytes(1 << 20)
@@ -138,6 +145,7 @@ class Transport:
         self.last_activity: dict[str, float] = {}
         self._laned: set[asyncio.Task[None]] = set()  # frames whose payload is still on the lanes
         self._cutting: set[asyncio.Task[None]] = set()  # disconnects of muted senders
+        self.open_streams: dict[str, int] = defaultdict(int)  # sender -> its streams open to us now
         gate.on_mute.append(self._cut_off)
 
     @property
@@ -149,9 +157,35 @@ class Transport:
         return self.gate.max_payload
 
     async def start(self) -> None:
-        await self.p2p.add_binary_stream_handler(MSG_PROTOCOL, _ends_quietly(self._handle))
-        await self.p2p.add_binary_stream_handler(BW_PROTOCOL, _ends_quietly(self._handle_bandwidth))
-        await self.p2p.add_binary_stream_handler(LANE_PROTOCOL, _ends_quietly(self._handle_lane))
+        for protocol, handler in (
+            (MSG_PROTOCOL, self._handle),
+            (BW_PROTOCOL, self._handle_bandwidth),
+            (LANE_PROTOCOL, self._handle_lane),
+        ):
+            await self.p2p.add_binary_stream_handler(protocol, _ends_quietly(self._counted(handler)))
+
+    def _counted(self, handler: Handler) -> Handler:
+        """``handler``, run only while its sender holds at most ``MAX_STREAMS_PER_PEER``
+        open streams and everyone at most ``MAX_STREAMS`` (else the stream is closed
+        unread: a ``streams`` rejection)."""
+
+        async def run(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            sender = info.peer_id.to_base58()
+            mine, total = self.open_streams.get(sender, 0), sum(self.open_streams.values())
+            if mine >= MAX_STREAMS_PER_PEER or total >= MAX_STREAMS:
+                writer.close()
+                if not self.gate.refuse_stream(sender):  # a muted sender's streams are counted as such
+                    self.gate.reject(sender, Rejected(Reject.STREAMS, f"{mine} of its streams open ({total} in all)"))
+                return
+            self.open_streams[sender] += 1
+            try:
+                await handler(info, reader, writer)
+            finally:
+                self.open_streams[sender] -= 1
+                if not self.open_streams[sender]:
+                    del self.open_streams[sender]
+
+        return run
 
     def learn(self, peer_id: str, maddrs: list[str]) -> None:
         """Remember where a peer listens (from its advert or assignment)."""

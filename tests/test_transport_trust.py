@@ -220,3 +220,29 @@ def test_lane_parts_no_head_claims_are_bounded_and_expire(monkeypatch: pytest.Mo
             await _until(lambda: len(b._lane_parts) == 1)  # the expired ones are gone, the new one waits
 
     asyncio.run(go())
+
+
+def test_open_streams_per_sender_are_bounded() -> None:
+    """A sender opening streams and never closing them holds at most
+    MAX_STREAMS_PER_PEER of them: the rest are closed unread and counted as
+    ``streams`` rejections; once its streams close it may open new ones."""
+    from protocol.transport import MAX_STREAMS_PER_PEER
+
+    async def go() -> None:
+        async with transport_pair("r") as (a, b):
+            held = [await a._open(b.peer_id, MSG_PROTOCOL) for _ in range(MAX_STREAMS_PER_PEER + 4)]
+            await _until(lambda: b.gate.counts[Reject.STREAMS] == 4)
+            assert b.open_streams == {a.peer_id: MAX_STREAMS_PER_PEER}
+            reads = [asyncio.ensure_future(r.read(1)) for r, _ in held]  # the handlers may run in any order
+            await _until(lambda: sum(t.done() for t in reads) >= 4, timeout=10)
+            await asyncio.sleep(0.5)
+            assert [t.result() for t in reads if t.done()] == [b""] * 4, "the streams over the limit were closed"
+            for t in reads:
+                t.cancel()
+            for _, w in held:
+                w.close()
+            await _until(lambda: not b.open_streams)
+            await a.send(b.peer_id, Activations("r", 0, 0, 1), [torch.ones(2)])
+            assert (await asyncio.wait_for(b.inbox.get(), 20)).message.mb == 0
+
+    asyncio.run(go())
