@@ -24,6 +24,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr as HivemindMultiaddr
 from multiaddr import Multiaddr
 
+from protocol.budget import ByteBudget
 from protocol.envelope import HEAD, MAGIC, Envelope, Gate, Reject, Rejected, Sealer, inline_payload, lane_id
 from protocol.identity import SIGNATURE_BYTES, Identity
 from protocol.messages import Message
@@ -146,6 +147,7 @@ class Transport:
         self._laned: set[asyncio.Task[None]] = set()  # frames whose payload is still on the lanes
         self._cutting: set[asyncio.Task[None]] = set()  # disconnects of muted senders
         self.open_streams: dict[str, int] = defaultdict(int)  # sender -> its streams open to us now
+        self.budget = ByteBudget()  # payload bytes read at once, per sender and in all
         gate.on_mute.append(self._cut_off)
 
     @property
@@ -306,7 +308,8 @@ class Transport:
                 allowed = self.lane_ok is None or self.lane_ok(sender, size)
                 if size > self.max_payload or lane >= LANES or not allowed:
                     raise Rejected(Reject.OVERSIZED, f"lane part of {size} bytes (lane {lane}) is over the limits")
-                data = await _read_payload(reader, size, lambda: self._active(sender))
+                async with self.budget.hold(sender, size):
+                    data = await _read_payload(reader, size, lambda: self._active(sender))
                 if (sender, frame_id) in self._dropped:
                     continue  # the frame's signed head was rejected
                 self._store_part((sender, frame_id, lane), data)
@@ -391,7 +394,8 @@ class Transport:
                     task.add_done_callback(self._laned.discard)
                     continue
                 try:
-                    payload = await _read_payload(reader, env.payload_bytes, lambda: self._active(sender))
+                    async with self.budget.hold(sender, env.payload_bytes):
+                        payload = await _read_payload(reader, env.payload_bytes, lambda: self._active(sender))
                     self.gate.check_payload(env, payload, sender)
                 except Rejected as exc:
                     if exc.code is Reject.TRUNCATED:

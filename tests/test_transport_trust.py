@@ -246,3 +246,49 @@ def test_open_streams_per_sender_are_bounded() -> None:
             assert (await asyncio.wait_for(b.inbox.get(), 20)).message.mb == 0
 
     asyncio.run(go())
+
+
+def test_payload_bytes_in_flight_wait_for_room_and_all_arrive() -> None:
+    """With a per-sender budget smaller than one lane part, a laned frame's four parts
+    are read one at a time (each waits for room; none is refused) and the frame
+    arrives whole; then nothing is held."""
+    from protocol.budget import ByteBudget
+    from protocol.transport import LANE_THRESHOLD
+
+    async def go() -> None:
+        async with transport_pair("r") as (a, b):
+            b.budget = ByteBudget(per_sender=1 << 20, total=1 << 20)
+            big = torch.randn(LANE_THRESHOLD // 4 + 1000)
+            await a.send(b.peer_id, Activations("r", 0, 0, 1), [big])
+            got = await asyncio.wait_for(b.inbox.get(), 30)
+            assert torch.equal(got.values()[0], big)
+            assert b.budget.waits >= 1 and not b.budget.held and not any(b.gate.counts.values())
+
+    asyncio.run(go())
+
+
+def test_a_byte_budget_admits_what_fits_and_one_payload_alone() -> None:
+    from protocol.budget import ByteBudget
+
+    async def go() -> None:
+        budget, order = ByteBudget(per_sender=100, total=150), []
+
+        async def read(sender: str, n: int, tag: str, hold_s: float) -> None:
+            async with budget.hold(sender, n):
+                order.append(f"+{tag}")
+                await asyncio.sleep(hold_s)
+            order.append(f"-{tag}")
+
+        await asyncio.gather(
+            read("p", 500, "big", 0.05),  # over both limits: admitted alone
+            read("p", 60, "p1", 0.0),  # waits for the big one
+            read("q", 60, "q1", 0.0),  # total would be over: waits too
+        )
+        assert order[:2] == ["+big", "-big"] and budget.waits == 2 and not budget.held
+        cancelled = asyncio.ensure_future(read("p", 90, "gone", 10.0))
+        await asyncio.sleep(0.01)
+        cancelled.cancel()
+        await asyncio.gather(cancelled, return_exceptions=True)
+        assert not budget.held, "a cancelled reader releases its bytes"
+
+    asyncio.run(go())
