@@ -106,7 +106,10 @@ async def _attacks(short: bool) -> dict[str, float]:
 # ---------------------------------------------------------------- swarms
 def _tokens_per_s(flags: list[str], steps: int) -> float:
     argv = [sys.executable, "-m", "fusionllm", "demo", "--steps", str(steps), *SMALL, *flags]
-    out = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=600, check=True).stdout
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    out = done.stdout
+    if done.returncode != 0:
+        raise SystemExit(f"the demo {' '.join(flags)} exited {done.returncode}:\n{out[-3000:]}\n{done.stderr[-3000:]}")
     found = re.search(r"([\d,]+) tokens/s", out)
     assert found, out
     return float(found.group(1).replace(",", ""))

@@ -205,6 +205,7 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
             board.peer_state(p, "standby")
         for p in st.planned:
             tp.learn(p, self.coord.adverts[p].maddrs if p in self.coord.adverts else [])
+        self._show_paths(plan.stages)
         states = programs = None
         if st.restore == "state":
             states = await asyncio.get_running_loop().run_in_executor(None, self._stage_states, plan.cut)
@@ -229,6 +230,15 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
 
     async def _refresh_adverts(self) -> None:
         self.coord.keep_adverts(await self.coord.live_adverts(), self.st.planned)
+
+    def _show_paths(self, stages: list[list[str]]) -> None:
+        """On the page, how each planned peer behind a NAT is reached: it dials out, or
+        (its stage or a neighbouring one has another such peer) frames are forwarded."""
+        nat = {p for group in stages for p in group if not self.coord.reached.get(p, True)}
+        for s, group in enumerate(stages):
+            partners = {p for i in (s - 1, s, s + 1) if 0 <= i < len(stages) for p in stages[i]}
+            for p in nat & set(group):
+                self.coord.board.set_connection(p, "forwarded" if (nat & partners) - {p} else "dial-out")
 
     def _assign_msg(self, s: int, r: int) -> Assign:
         st, cfg, plan = self.st, self.cfg, self.st.plan
@@ -255,6 +265,7 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
             pending_skip=st.last_update.skip,
             program=self.as_programs,
             certs={p: self.coord.gate.until[p] for p in st.planned if p in self.coord.gate.until},
+            nat=sorted(p for p in st.planned if not self.coord.reached.get(p, True)),
         )
 
     async def _await_ready(self) -> None:

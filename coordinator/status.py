@@ -9,7 +9,9 @@ none changed meaning):
   failure, if any.
 - ``peers``: a list of objects with ``id``, ``device``, ``flops`` (advertised FLOP/s: its own benchmark),
   ``up_mbps``/``down_mbps`` (measured to the coordinator), ``connection``
-  (``direct`` or ``relayed``), ``stage`` and ``replica`` (null when the peer
+  (``direct``; ``dial-out`` when the coordinator could not dial it back, so it
+  dials the peers it works with; ``forwarded`` when its frames to another such
+  peer pass through a reachable one; ``relayed``), ``stage`` and ``replica`` (null when the peer
   serves no stage), ``last_seen`` (unix seconds), ``health`` (advert freshness:
   ``ok``, ``late`` after 10 s of silence, ``silent`` after 30 s, ``left``) and
   ``state`` (its part in the run: ``joined`` when no plan has placed it yet,
@@ -98,6 +100,7 @@ class StatusBoard:
         self.spot_checks = 0  # micro-batches re-executed by a replica (coordinator.auditing)
         self.last_checkpoint: dict[str, Any] | None = None
         self._seq = itertools.count()  # orders events across the two histories
+        self.connections: dict[str, str] = {}  # peer id -> how it is reached, once dialled back
         self._histories: dict[str, collections.deque[tuple[int, dict[str, Any]]]] = {
             kind: collections.deque(maxlen=n) for kind, n in {"": MAX_EVENTS, **ROUTINE_EVENTS}.items()
         }
@@ -122,7 +125,7 @@ class StatusBoard:
                 flops=ad.flops,
                 up_mbps=round(ad.up_mbps, 1),
                 down_mbps=round(ad.down_mbps, 1),
-                connection="relayed" if relayed else "direct",
+                connection=self.connections.get(pid, "relayed" if relayed else "direct"),
                 last_seen=now,
                 health="ok",
             )
@@ -130,6 +133,13 @@ class StatusBoard:
             if pid not in adverts and view["health"] != "left":
                 view["health"] = "left"
                 self.event("leave", f"peer {pid} left: its advert expired")
+
+    def set_connection(self, peer_id: str, kind: str) -> None:
+        """How others reach a peer: ``direct``, ``dial-out`` (behind a NAT: it dials
+        them) or ``forwarded`` (its frames pass through a reachable peer)."""
+        self.connections[peer_id] = kind
+        if peer_id in self.peers:
+            self.peers[peer_id]["connection"] = kind
 
     def heard_from(self, peer_id: str) -> None:
         if peer_id in self.peers:

@@ -35,8 +35,9 @@ from protocol.codecs import Codec
 from protocol.envelope import Envelope, Gate, Reject, Rejected
 from protocol.identity import Identity, IdentityError, check_record, key_hex, sign_record
 from protocol.job import JobSpec
-from protocol.messages import Abort, Advert, Certificate, CoordinatorRecord, Message, dht_key
+from protocol.messages import Abort, Advert, Certificate, CoordinatorRecord, Message, Reachability, dht_key
 from protocol.ports import PortTaken, check_listen_ports
+from protocol.reach import DIAL_BACK_TIMEOUT_S, dial_back, observed_ip, tcp_ports
 from protocol.spotcheck import DEFAULT_SPOT_CHECK
 from protocol.transport import PeerUnreachable, Transport
 
@@ -119,6 +120,8 @@ class RunSummary:
     rebalances: list[dict[str, Any]] = field(default_factory=list)  # step, why, what moved, tokens/s before
     val_losses: list[tuple[int, float]] = field(default_factory=list)  # (steps done, validation loss)
     spot_checks: int = 0  # micro-batches re-executed by another replica
+    connections: dict[str, str] = field(default_factory=dict)  # planned peer -> direct, dial-out or forwarded
+    forwarded_bytes: int = 0  # frames this coordinator passed between peers behind NATs
 
 
 @dataclass
@@ -156,6 +159,8 @@ class Coordinator:
         self.admission: Admission | None = None
         self.private = config.private
         self._told: dict[str, float] = {}  # refused senders -> when they were told why
+        self.reached: dict[str, bool] = {}  # admitted peer -> whether it could be dialled back (protocol.reach)
+        self._hello_ports: dict[str, list[int]] = {}  # the ports its hello said it listens on
         self._telling: set[asyncio.Task[None]] = set()
         self._refused: dict[str, str] = {}  # peer -> why its advert is ignored (said once)
 
@@ -215,7 +220,9 @@ class Coordinator:
         )
         self.transport = Transport(await self.dht.replicate_p2p(), self.identity, self.gate)
         self.transport.lane_ok = self._lane_ok
+        self.transport.relay_ok = self._relay_ok
         self.gate.on_admit.append(lambda peer: self._certifying.add(asyncio.create_task(self._certify([peer]))))
+        self.gate.on_admit.append(lambda peer: self._certifying.add(asyncio.create_task(self._dial_back(peer))))
         await self.transport.start()
         self._tasks.append(asyncio.create_task(self._renew_certificates()))
         self.run_dir.set_meta("ports", _tcp_ports(self.visible_maddrs))
@@ -324,8 +331,8 @@ class Coordinator:
                 logger.warning("ignoring a %s record under %r among the adverts", ad.KIND, subkey)
                 continue
             bound = self.gate.keys.get(ad.peer_id)
-            if bound is None or key_hex(bound) != key_hex(key):
-                continue  # no hello yet (or from another key): not admitted
+            if bound is None or key_hex(bound) != key_hex(key) or ad.peer_id not in self.reached:
+                continue  # no hello yet (or from another key): not admitted; or not yet dialled back
             if ad.expires_at <= now or ad.peer_id != subkey:
                 continue
             problem = advert_problem(ad)
@@ -376,7 +383,35 @@ class Coordinator:
         why = self.admission.check(sender, hello) if not why_excluded else why_excluded
         if why:
             self._tell_refused(sender, why)
+        else:
+            said = hello.get("maddrs")
+            self._hello_ports[sender] = tcp_ports(
+                [m for m in said[:16] if isinstance(m, str)] if isinstance(said, list) else []
+            )
         return why
+
+    async def _dial_back(self, peer: str) -> None:
+        """Whether ``peer`` can be dialled (``protocol.reach``): at the address its
+        connection comes from, at the ports it listens on. Said on the page and to it."""
+        assert self.transport is not None
+        ports = self._hello_ports.pop(peer, [])
+        try:
+            infos = await asyncio.wait_for(self.transport.p2p.list_peers(), DIAL_BACK_TIMEOUT_S)
+        except Exception as exc:  # the daemon may hiccup: then no address is known
+            logger.debug("could not list connections: %s", exc)
+            infos = []
+        seen = next((info.addrs for info in infos if info.peer_id.to_base58() == peer), [])
+        reach = await dial_back(observed_ip([str(a) for a in seen]), ports)
+        self.reached[peer] = reach.direct
+        (self.transport.dials_in.discard if reach.direct else self.transport.dials_in.add)(peer)
+        self.board.set_connection(peer, "direct" if reach.direct else "dial-out")
+        if not reach.direct:
+            self.board.event("join", f"peer {peer} is behind a NAT: it dials out ({reach.detail})")
+        try:
+            await asyncio.wait_for(self.transport.send(peer, Reachability(self.config.run_id, reach.direct,
+                                                                          reach.detail, ports)), 10)  # fmt: skip
+        except (PeerUnreachable, asyncio.TimeoutError) as exc:
+            logger.debug("could not tell %s its reachability: %s", peer, exc)
 
     def _tell_refused(self, sender: str, why: str) -> None:
         """Say why a hello was refused (at most once a minute per sender): a peer coming
@@ -403,6 +438,12 @@ class Coordinator:
         the coordinator accepts from them (``_expect``)."""
         driver = self.driver
         return driver is not None and sender in driver.st.planned and nbytes <= driver.max_payload_bytes
+
+    def _relay_ok(self, origin: str, dest: str) -> bool:
+        """Frames are forwarded only between planned peers that cannot dial each other."""
+        driver = self.driver
+        nat = {p for p, direct in self.reached.items() if not direct}
+        return driver is not None and {origin, dest} <= driver.st.planned & nat
 
     async def _certify(self, peers: list[str]) -> None:
         """Issue ``peers`` fresh admission certificates (their senders are refused past
@@ -544,6 +585,8 @@ class Coordinator:
             rebalances=list(st.rebalances),
             val_losses=list(st.val_losses),
             spot_checks=st.spot_checks,
+            connections={p: self.board.connections.get(p, "direct") for p in st.planned},
+            forwarded_bytes=sum(self.transport.forwarded.values()),
         )
 
     def choose_codecs(

@@ -357,6 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR")
     p.add_argument("--token", default=None, help="a private swarm's join token, as its coordinator prints it")
     p.add_argument("--host-maddrs", nargs="+", default=["/ip4/127.0.0.1/tcp/0"], metavar="MADDR")
+    p.add_argument("--announce-maddrs", nargs="+", default=[], metavar="MADDR",
+                   help="where others should dial this peer (e.g. your router's public address and a port it "
+                   "forwards here); behind a NAT without one, the peer dials out instead")  # fmt: skip
     p.add_argument("--run", default="fusionllm", help="the run to join")
     p.add_argument("--allow-code", action="append", default=[], metavar="MODULE",
                    help="also run models from this module (pkg.mod or path/file.py; repeatable): their Python is "

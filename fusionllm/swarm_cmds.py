@@ -64,8 +64,10 @@ def _summary(summary: Any, save: str | None) -> str:
             ad = summary.adverts[p]
             lines.append(
                 f"  stage {s} replica {r}: peer {p} ({ad.device}, {ad.flops / 1e9:.1f} GFLOP/s, "
-                f"up {ad.up_mbps:.0f} Mbit/s)"
+                f"up {ad.up_mbps:.0f} Mbit/s, {summary.connections.get(p, 'direct')})"
             )
+    if summary.forwarded_bytes:
+        lines.append(f"  forwarded {summary.forwarded_bytes / 1e6:.2f} MB between peers behind NATs")
     for link in summary.links:
         lines.append(
             f"  boundary {link.boundary} (stage {link.boundary} <-> {link.boundary + 1}, {link.mbps:.0f} Mbit/s "
@@ -214,6 +216,7 @@ async def _join(args: argparse.Namespace) -> int:
             initial_peers=args.initial_peers,
             run_id=args.run,
             host_maddrs=args.host_maddrs,
+            announce_maddrs=args.announce_maddrs,
             device=args.device,
             join_timeout=args.join_timeout,
             identity=os.path.expanduser(args.identity),
@@ -253,6 +256,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     _apply_token(args)
     check_maddrs(args.initial_peers, "--initial-peers")
     check_maddrs(args.host_maddrs, "--host-maddrs")
+    check_maddrs(args.announce_maddrs, "--announce-maddrs")
     if args.threads:
         import torch
 

@@ -14,11 +14,11 @@ from protocol.messages import Assign, Message
 #: control messages only the coordinator sends
 _FROM_COORDINATOR = (
     "assign", "links", "finish", "release", "abort", "commit", "stagestate", "program", "evict", "standby", "audit",
-    "recheck", "cert",
+    "recheck", "cert", "reach",
 )  # fmt: skip
 
 #: what the coordinator may send before the dispatcher has taken an assignment in
-_BEFORE_ASSIGN = ("assign", "stagestate", "program", "abort", "evict", "standby", "finish", "release", "cert")
+_BEFORE_ASSIGN = ("assign", "stagestate", "program", "abort", "evict", "standby", "finish", "release", "cert", "reach")
 
 
 @dataclass

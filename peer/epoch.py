@@ -112,6 +112,7 @@ class EpochRunner:
     async def run(self) -> None:
         """Serve the epoch through the run's last step (and its final state)."""
         self._setup()
+        await self._dial_out()
         t0 = time.perf_counter()
         held = await self._stage()
         await self._ready(held, time.perf_counter() - t0)
@@ -124,6 +125,23 @@ class EpochRunner:
             await t
 
     # ------------------------------------------------------------------ setup
+    async def _dial_out(self) -> None:
+        """Behind a NAT (the plan says so), connect to the plan's peers first: they
+        cannot dial this peer, and send to it over these connections."""
+        tp, a = self.node.transport, self.a
+        assert tp is not None
+        tp.dials_in = set(a.nat) - {tp.peer_id}
+        tp.forward_via = {}
+        if tp.peer_id not in a.nat:
+            return
+        assert self.node.coordinator is not None
+        tp.forward_via = {p: self.node.coordinator.peer_id for p in tp.dials_in}  # neither can dial the other
+        peers = sorted({p for group in a.stages for p in group} - set(a.nat))
+        failed = await tp.dial_out(peers)
+        self.node._say(f"dialled out to {len(peers) - len(failed)} of the plan's {len(peers)} reachable peers")
+        if failed:
+            logger.warning("could not dial out to %s", ", ".join(failed))
+
     def _setup(self) -> None:
         tp, a = self.node.transport, self.a
         assert tp is not None and self.node.checks is not None
@@ -262,6 +280,9 @@ class EpochRunner:
         assert tp is not None and self.node.coordinator is not None
         next_mbps = {}
         for pid in a.stages[self.s + 1] if self.s < self.k - 1 else []:
+            if pid in tp.forward_via:  # through the coordinator: this peer's uplink to it bounds the path
+                next_mbps[pid] = self.node.advert.up_mbps if self.node.advert is not None else 0.0
+                continue
             next_mbps[pid], _ = await tp.measure_bandwidth(pid, self.node.config.link_probe_bytes, down=False)
         ready = Ready(a.run_id, self.s, self.r, build_s, next_mbps, a.epoch)
         await tp.send(self.node.coordinator.peer_id, ready)

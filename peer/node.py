@@ -43,6 +43,7 @@ from protocol.messages import (
     Hello,
     LinkPlan,
     PeerFailure,
+    Reachability,
     Recheck,
     Release,
     ReplicaGrads,
@@ -52,6 +53,8 @@ from protocol.messages import (
     dht_key,
 )
 from protocol.program import DEFAULT_NAMESPACES
+from protocol.reach import HOW_TO_BE_REACHABLE
+from protocol.text import clean
 from protocol.transport import Inbound, PeerUnreachable, Transport
 
 #: the longest a DHT store or get may take (awaited as futures: see coordinator.swarm)
@@ -78,6 +81,7 @@ class PeerConfig:
     initial_peers: list[str]
     run_id: str = "fusionllm"
     host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    announce_maddrs: list[str] = field(default_factory=list)  # where others should dial it (a forwarded port)
     device: str | None = None
     advert_ttl: float = 6.0
     join_timeout: float = 30.0
@@ -139,6 +143,7 @@ class PeerNode:
                     lambda: hivemind.DHT(
                         initial_peers=cfg.initial_peers,
                         host_maddrs=cfg.host_maddrs,
+                        announce_maddrs=cfg.announce_maddrs or None,
                         record_validators=self._validators(),
                         start=True,
                     ),
@@ -272,6 +277,18 @@ class PeerNode:
             if p in gate.keys and p != self.coordinator.peer_id and math.isfinite(end):
                 gate.until[p] = end
 
+    def _take_reachability(self, msg: Reachability) -> None:
+        """Say whether the coordinator could dial this peer back, and what to do if not."""
+        if msg.direct:
+            self._say(f"reachable: the coordinator {clean(msg.detail)[:200]}")
+            return
+        port = msg.ports[0] if msg.ports else "<port>"
+        self._say(
+            f"behind a NAT: the coordinator {clean(msg.detail)[:300]}. This peer dials out to the peers it works "
+            f"with (peers that can be dialled forward frames between two that cannot). To be reachable: "
+            + HOW_TO_BE_REACHABLE.format(port=port)
+        )
+
     async def _publish(self) -> None:
         assert self.dht is not None and self.advert is not None and self.identity is not None
         expires = get_dht_time() + self.config.advert_ttl
@@ -308,6 +325,8 @@ class PeerNode:
                 self.control.put_nowait((msg.KIND, inbound))
             elif isinstance(msg, Certificate):
                 self._take_certificate(msg)
+            elif isinstance(msg, Reachability):
+                self._take_reachability(msg)
             elif isinstance(msg, Release):
                 continue
             elif getattr(msg, "epoch", self.epoch) != self.epoch:
@@ -491,7 +510,8 @@ class PeerNode:
         assert self.identity is not None and self.transport is not None
         cfg, key = self.config, self.identity.public_hex
         proof = hello_proof(cfg.swarm_secret, cfg.run_id, self.transport.peer_id, key) if cfg.swarm_secret else ""
-        return Hello(cfg.run_id, key, again=again, proof=proof)
+        maddrs = [str(m) for m in self.dht.get_visible_maddrs()] if self.dht is not None else []
+        return Hello(cfg.run_id, key, again=again, proof=proof, maddrs=maddrs)
 
     async def _beat(self) -> None:
         """Heartbeats while this peer is in the plan (also after its last step, until

@@ -139,6 +139,7 @@ class Assign(Message):
     pending_skip: bool = False
     program: bool = False  # the stage comes as a StageProgram (ATen operators), not from the job's model code
     certs: dict[str, float] = field(default_factory=dict)  # peer id -> when its admission certificate ends
+    nat: list[str] = field(default_factory=list)  # planned peers no one can dial: they dial out (protocol.reach)
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,7 @@ class Hello(Message):
     pubkey: str
     again: bool = False  # sent after losing the coordinator or being evicted: the peer holds no stage
     proof: str = ""  # a private swarm's: admission.hello_proof of the swarm's secret
+    maddrs: list[str] = field(default_factory=list)  # where it listens (the coordinator dials back its ports)
 
 
 @dataclass(frozen=True)
@@ -418,6 +420,17 @@ class StageProgram(Message):
     stage: int
     cut: list[int]
     epoch: int = 0
+
+
+@dataclass(frozen=True)
+class Reachability(Message):
+    """Coordinator -> an admitted peer: whether it dialled the peer back (``protocol.reach``)."""
+
+    KIND: ClassVar[str] = "reach"
+    run_id: str
+    direct: bool
+    detail: str
+    ports: list[int] = field(default_factory=list)  # the ports it tried
 
 
 @dataclass(frozen=True)

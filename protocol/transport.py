@@ -25,17 +25,17 @@ from hivemind.utils.multiaddr import Multiaddr as HivemindMultiaddr
 from multiaddr import Multiaddr
 
 from protocol.budget import ByteBudget
-from protocol.envelope import HEAD, MAGIC, Envelope, Gate, Reject, Rejected, Sealer, inline_payload, lane_id
-from protocol.identity import SIGNATURE_BYTES, Identity
+from protocol.envelope import Envelope, Gate, Reject, Rejected, Sealer, inline_payload, lane_id
+from protocol.forward import FWD_PROTOCOL, Forwarding
+from protocol.identity import Identity
 from protocol.messages import Message
+from protocol.streams import discard, read_frame_head, read_payload
 from protocol.wire import (
-    MAX_HEADER_BYTES,
     Frame,
     Link,
     WireError,
     encode_values,
     raw_bytes,
-    read_growing,
     read_head,
     split_buffers,
     write_frame,
@@ -61,6 +61,10 @@ MAX_WAITING_PARTS = 16
 #: over either is closed unread and counted as a ``streams`` rejection
 MAX_STREAMS_PER_PEER = 16
 MAX_STREAMS = 1024
+#: how long a stream to a peer behind a NAT waits for its connection to us, and how
+#: long such a peer's own dial to another may take
+DIAL_IN_WAIT_S = 30.0
+DIAL_OUT_S = 15.0
 #: how long a probe waits for its sender's hello to be admitted
 ADMISSION_WAIT_S = 10.0
 _ZEROS = bytes(1 << 20)
@@ -82,6 +86,10 @@ class PeerUnreachable(ConnectionError):
 
 #: rejections after which a stream cannot be trusted to stay in step
 _FATAL = (Reject.MALFORMED, Reject.TRUNCATED, Reject.OVERSIZED, Reject.BAD_ENVELOPE)
+#: rejections raised before a frame's signature proves who sent it: on a forwarded
+#: stream they are the forwarder's to answer for, not the named sender's
+UNSIGNED = (*_FATAL, Reject.VERSION, Reject.WRONG_RUN, Reject.SENDER_MISMATCH, Reject.NOT_ADMITTED,
+            Reject.BAD_SIGNATURE, Reject.EXPIRED)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -113,7 +121,7 @@ def peer_id_of(maddr: str) -> str | None:
         return None
 
 
-class Transport:
+class Transport(Forwarding):
     """Send and receive signed FusionLLM frames over a hivemind ``P2P`` instance.
 
     Every message is sealed with this process's identity; every incoming one goes
@@ -148,6 +156,8 @@ class Transport:
         self._cutting: set[asyncio.Task[None]] = set()  # disconnects of muted senders
         self.open_streams: dict[str, int] = defaultdict(int)  # sender -> its streams open to us now
         self.budget = ByteBudget()  # payload bytes read at once, per sender and in all
+        self.dials_in: set[str] = set()  # peers behind a NAT: they dial us (protocol.reach)
+        self._init_forwarding()
         gate.on_mute.append(self._cut_off)
 
     @property
@@ -163,6 +173,7 @@ class Transport:
             (MSG_PROTOCOL, self._handle),
             (BW_PROTOCOL, self._handle_bandwidth),
             (LANE_PROTOCOL, self._handle_lane),
+            (FWD_PROTOCOL, self._handle_fwd),
         ):
             await self.p2p.add_binary_stream_handler(protocol, _ends_quietly(self._counted(handler)))
 
@@ -217,20 +228,41 @@ class Transport:
         await self.p2p._client.connect(PeerID.from_base58(peer_id), addrs)
 
     async def _open(self, peer_id: str, protocol: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """A new stream to ``peer_id``: over a connection we dial, or (a peer behind a
+        NAT, in ``dials_in``) over the one it dials to us, waited for a while."""
         pid = PeerID.from_base58(peer_id)
         addrs = [HivemindMultiaddr(strip_p2p(a)) for a in self._known.get(peer_id, [])]
-        if addrs:
+        if addrs and peer_id not in self.dials_in:
             try:
                 await asyncio.wait_for(self.p2p._client.connect(pid, addrs), timeout=15)
             except Exception as exc:
                 logger.debug("direct connect to %s failed: %s", peer_id, exc)
-        try:
-            _, reader, writer = await asyncio.wait_for(self.p2p.call_binary_stream_handler(pid, protocol), 20)
-        except Exception as exc:
-            raise PeerUnreachable(
-                f"cannot open a stream to peer {peer_id}: {exc or type(exc).__name__}", peer_id
-            ) from None
-        return reader, writer
+        deadline = time.monotonic() + (DIAL_IN_WAIT_S if peer_id in self.dials_in else 0.0)
+        while True:
+            try:
+                _, reader, writer = await asyncio.wait_for(self.p2p.call_binary_stream_handler(pid, protocol), 20)
+                return reader, writer
+            except Exception as exc:
+                if time.monotonic() >= deadline:
+                    raise PeerUnreachable(
+                        f"cannot open a stream to peer {peer_id}: {exc or type(exc).__name__}", peer_id
+                    ) from None
+            await asyncio.sleep(0.5)
+
+    async def dial_out(self, peers: list[str]) -> list[str]:
+        """Connect to ``peers`` (this peer is behind a NAT: they cannot dial it, and use
+        these connections both ways); returns those that could not be reached."""
+
+        async def dial(peer_id: str) -> str:
+            addrs = [HivemindMultiaddr(strip_p2p(a)) for a in self._known.get(peer_id, [])]
+            try:
+                await asyncio.wait_for(self.p2p._client.connect(PeerID.from_base58(peer_id), addrs), DIAL_OUT_S)
+                return ""
+            except Exception as exc:
+                logger.debug("dialling out to %s failed: %s", peer_id, exc)
+                return peer_id
+
+        return [p for p in await asyncio.gather(*(dial(p) for p in peers if p != self.peer_id)) if p]
 
     async def _write(self, key: str, peer_id: str, protocol: str, buffers: list[bytes | memoryview]) -> int:
         """Write buffers on the persistent stream ``key`` to ``peer_id`` (opened on first use)."""
@@ -262,7 +294,11 @@ class Transport:
             descs, chunks = encode_values(values, link)
         total = sum(len(c) for c in chunks)
         codec = str(link.codec) if link is not None else "none"
-        if total <= LANE_THRESHOLD:
+        if peer_id in self.forward_via:  # both behind NATs: through a peer both reach, payload inline
+            head, _ = self.sealer.seal(message, descs, chunks, codec)
+            await self._pace(peer_id, len(head) + total)
+            n = await self._send_forwarded(peer_id, head, chunks)
+        elif total <= LANE_THRESHOLD:
             head, _ = self.sealer.seal(message, descs, chunks, codec)
             await self._pace(peer_id, len(head) + total)
             n = await self._write(peer_id, peer_id, MSG_PROTOCOL, [head, *chunks])
@@ -309,7 +345,7 @@ class Transport:
                 if size > self.max_payload or lane >= LANES or not allowed:
                     raise Rejected(Reject.OVERSIZED, f"lane part of {size} bytes (lane {lane}) is over the limits")
                 async with self.budget.hold(sender, size):
-                    data = await _read_payload(reader, size, lambda: self._active(sender))
+                    data = await read_payload(reader, size, lambda: self._active(sender))
                 if (sender, frame_id) in self._dropped:
                     continue  # the frame's signed head was rejected
                 self._store_part((sender, frame_id, lane), data)
@@ -360,57 +396,58 @@ class Transport:
         try:
             if self.gate.refuse_stream(sender):
                 return
-            while True:
-                try:
-                    first = await reader.readexactly(HEAD.size)
-                except asyncio.IncompleteReadError as exc:
-                    if exc.partial:
-                        raise Rejected(Reject.TRUNCATED, "stream ended inside a frame head") from None
-                    break
-                magic, hlen = HEAD.unpack(first)
-                if magic != MAGIC:
-                    raise Rejected(Reject.MALFORMED, f"bad magic {magic!r}: not a signed FusionLLM frame")
-                if hlen > MAX_HEADER_BYTES:
-                    raise Rejected(Reject.OVERSIZED, f"header of {hlen} bytes is over {MAX_HEADER_BYTES}")
-                head = first + await reader.readexactly(hlen + SIGNATURE_BYTES)
-                self._active(sender)
-                try:
-                    env, message = self.gate.check_head(head, sender)
-                except Rejected as exc:
-                    skip = inline_payload(head)
-                    if exc.code in _FATAL or skip is None or skip > self.max_payload:
-                        raise
-                    self.gate.reject(sender, exc)
-                    if self.gate.muted(sender):
-                        break
-                    dropped = lane_id(head)
-                    if dropped is not None:  # its parts on the lane streams are dropped too
-                        self._drop_lanes(sender, dropped)
-                    await _discard(reader, skip)  # the sender's later frames still count
-                    continue
-                if env.lanes is not None:  # joined on the side: later frames need not wait for it
-                    task = asyncio.create_task(self._laned_frame(sender, env, message, head))
-                    self._laned.add(task)
-                    task.add_done_callback(self._laned.discard)
-                    continue
-                try:
-                    async with self.budget.hold(sender, env.payload_bytes):
-                        payload = await _read_payload(reader, env.payload_bytes, lambda: self._active(sender))
-                    self.gate.check_payload(env, payload, sender)
-                except Rejected as exc:
-                    if exc.code is Reject.TRUNCATED:
-                        raise
-                    self.gate.reject(sender, exc)
-                    if self.gate.muted(sender):
-                        break
-                    continue
-                await self.inbox.put(Inbound(sender, message, Frame({"values": env.values}, payload), env, head))
+            while await self._frame(reader, sender):
+                pass
         except Rejected as exc:
             self.gate.reject(sender, exc)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
             writer.close()
+
+    async def _frame(self, reader: asyncio.StreamReader, sender: str, via: str | None = None) -> bool:
+        """Read one frame of ``sender`` (forwarded by ``via``, if given), check it and
+        deliver it; False at the stream's end, or once the one to blame is muted. A
+        failure that leaves the stream out of step raises ``Rejected``."""
+        head = await read_frame_head(reader)
+        if head is None:
+            return False
+        self._active(sender)
+        try:
+            env, message = self.gate.check_head(head, sender)
+        except Rejected as exc:
+            skip = inline_payload(head)
+            if exc.code in _FATAL or skip is None or skip > self.max_payload:
+                raise
+            blame = via if via is not None and exc.code in UNSIGNED else sender
+            self.gate.reject(blame, exc)
+            if self.gate.muted(blame):
+                return False
+            dropped = lane_id(head)
+            if dropped is not None and via is None:  # its parts on the lane streams are dropped too
+                self._drop_lanes(sender, dropped)
+            await discard(reader, skip)  # the sender's later frames still count
+            return True
+        if env.lanes is not None:  # joined on the side: later frames need not wait for it
+            if via is not None:
+                raise Rejected(Reject.UNEXPECTED, "a forwarded frame whose payload is on lanes")
+            task = asyncio.create_task(self._laned_frame(sender, env, message, head))
+            self._laned.add(task)
+            task.add_done_callback(self._laned.discard)
+            return True
+        try:
+            async with self.budget.hold(sender, env.payload_bytes):
+                payload = await read_payload(reader, env.payload_bytes, lambda: self._active(sender))
+            self.gate.check_payload(env, payload, sender)
+        except Rejected as exc:
+            if exc.code is Reject.TRUNCATED:
+                raise
+            # the signed digest does not match: altered on its way, by the forwarder
+            blame = via if via is not None and exc.code is Reject.BAD_DIGEST else sender
+            self.gate.reject(blame, exc)
+            return not self.gate.muted(blame)
+        await self.inbox.put(Inbound(sender, message, Frame({"values": env.values}, payload), env, head))
+        return True
 
     def _cut_off(self, sender: str) -> None:
         """A sender just muted: close our streams to it and drop its libp2p connection
@@ -459,7 +496,7 @@ class Transport:
             if not isinstance(down, int) or not 0 <= down <= up:
                 raise Rejected(Reject.PROBE_LIMIT, f"a probe asking {down!r} bytes back for {up} sent")
             self._spend_probe(sender, up + down)
-            await _discard(reader, up)
+            await discard(reader, up)
             writer.write(b"A")
             await writer.drain()
             for at in range(0, down, len(_ZEROS)):
@@ -544,20 +581,3 @@ def _ends_quietly(handler: Any) -> Any:
             writer.close()
 
     return run
-
-
-async def _read_payload(
-    reader: asyncio.StreamReader, size: int, on_chunk: Callable[[], None] | None = None
-) -> memoryview:
-    payload = await read_growing(reader, size, on_chunk)
-    if payload is None:
-        raise Rejected(Reject.TRUNCATED, "stream ended inside a payload")
-    return payload
-
-
-async def _discard(reader: asyncio.StreamReader, size: int) -> None:
-    while size > 0:
-        chunk = await reader.read(min(size, 1 << 20))
-        if not chunk:
-            raise Rejected(Reject.TRUNCATED, "stream ended inside a rejected payload")
-        size -= len(chunk)

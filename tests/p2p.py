@@ -1,4 +1,4 @@
-"""Two transports on loopback, each admitted by the other's gate."""
+"""Transports on loopback, each admitted by the others' gates."""
 
 from __future__ import annotations
 
@@ -18,22 +18,32 @@ from protocol.wire import encode_values
 
 @asynccontextmanager
 async def transport_pair(run_id: str = "r", max_payload: int = 4 << 30) -> AsyncIterator[tuple[Transport, Transport]]:
-    d1 = hivemind.DHT(start=True)
-    d2 = hivemind.DHT(initial_peers=[str(m) for m in d1.get_visible_maddrs()], start=True)
-    ka, kb = Identity.generate(), Identity.generate()
-    a = Transport(await d1.replicate_p2p(), ka, Gate(run_id, max_payload))
-    b = Transport(await d2.replicate_p2p(), kb, Gate(run_id, max_payload))
-    a.gate.admit(b.peer_id, kb.public_key)
-    b.gate.admit(a.peer_id, ka.public_key)
-    try:
-        await a.start()
-        await b.start()
+    async with transports(2, run_id, max_payload) as (a, b):
         yield a, b
+
+
+@asynccontextmanager
+async def transports(n: int, run_id: str = "r", max_payload: int = 4 << 30) -> AsyncIterator[list[Transport]]:
+    """``n`` transports on loopback, each admitted by every other's gate."""
+    first = hivemind.DHT(start=True)
+    dhts = [first] + [
+        hivemind.DHT(initial_peers=[str(m) for m in first.get_visible_maddrs()], start=True) for _ in range(n - 1)
+    ]
+    keys = [Identity.generate() for _ in range(n)]
+    out = [Transport(await d.replicate_p2p(), k, Gate(run_id, max_payload)) for d, k in zip(dhts, keys, strict=True)]
+    for t in out:
+        for other, key in zip(out, keys, strict=True):
+            if other is not t:
+                t.gate.admit(other.peer_id, key.public_key)
+    try:
+        for t in out:
+            await t.start()
+        yield out
     finally:
-        await a.aclose()
-        await b.aclose()
-        d1.shutdown()
-        d2.shutdown()
+        for t in out:
+            await t.aclose()
+        for d in dhts:
+            d.shutdown()
 
 
 def claiming(sealer: Sealer, nbytes: int) -> bytes:

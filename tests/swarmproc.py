@@ -26,11 +26,13 @@ SMALL = ["--model-args", "n_layer=2,n_embd=64,n_head=4"]
 class Proc:
     """One ``fusionllm`` process, its output lines, and every PID it ever started."""
 
-    def __init__(self, *args: str, module: str = "fusionllm", env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, *args: str, module: str = "fusionllm", env: dict[str, str] | None = None, prefix: list[str] | None = None
+    ) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
         self.args = args
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", module, *args],
+            [*(prefix or []), sys.executable, "-m", module, *args],  # prefix: e.g. ip netns exec NS (it execs)
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -159,5 +159,6 @@ def test_a_flood_of_100000_outsider_frames_costs_training_under_10_percent(tmp_p
     assert r.state["rejected"].get("muted") == r.attempts, r.state["rejected"]  # each flooder muted once
     assert r.state["rejected"].get("wrong_run", 0) <= 2 * MUTE_REJECTS * r.attempts, r.state["rejected"]
     assert r.output.count("muting ") == r.attempts
-    assert r.output.count("rejected a message from") <= 2 * LOG_BURST
+    # each attempt's flooder is a new sender: its own burst of log lines (CI once needed three attempts)
+    assert r.output.count("rejected a message from") <= 2 * LOG_BURST * r.attempts
     assert "Traceback" not in r.output

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 import torch
-from p2p import claiming, transport_pair
+from p2p import claiming, transport_pair, transports
 
 from protocol.envelope import HEAD, Reject
 from protocol.identity import Identity
@@ -290,5 +290,38 @@ def test_a_byte_budget_admits_what_fits_and_one_payload_alone() -> None:
         cancelled.cancel()
         await asyncio.gather(cancelled, return_exceptions=True)
         assert not budget.held, "a cancelled reader releases its bytes"
+
+    asyncio.run(go())
+
+
+def test_frames_forwarded_between_two_peers_arrive_as_their_senders_and_unforged() -> None:
+    """A sends to D through F (both behind NATs, say): D receives A's frame as A's, the
+    bytes F passed on are counted; F cannot alter a frame (D refuses it and blames F)
+    nor pass on what A did not sign; a peer that does not forward refuses to."""
+    from protocol.forward import FWD_PROTOCOL, route_head
+
+    async def go() -> None:
+        async with transports(3) as (a, f, d):
+            f.relay_ok = lambda origin, dest: True
+            a.forward_via[d.peer_id] = f.peer_id
+            x = torch.randn(1000)
+            await a.send(d.peer_id, Activations("r", 0, 0, 1), [x])
+            got = await asyncio.wait_for(d.inbox.get(), 20)
+            assert got.sender == a.peer_id and torch.equal(got.values()[0], x)
+            assert f.forwarded[(a.peer_id, d.peer_id)] > 4000
+            # F alters a frame of A's on its way: D's gate refuses it, blaming F
+            tampered = bytearray(_sealed(a, Activations("r", 0, 1, 1), x))
+            tampered[-1] ^= 0xFF
+            await f._write("t", d.peer_id, FWD_PROTOCOL, [route_head(d.peer_id, a.peer_id), bytes(tampered)])
+            await _until(lambda: d.gate.counts[Reject.BAD_DIGEST] == 1)
+            assert [r[1] for r in d.gate.recent if r[2] == "bad_digest"] == [f.peer_id]
+            # a frame A did not sign is not passed on (F refuses it from the stream's peer)
+            forged = _sealed(a, Activations("r", 0, 2, 1), x, key=Identity.generate())
+            await a._write("t", f.peer_id, FWD_PROTOCOL, [route_head(d.peer_id, a.peer_id), forged])
+            await _until(lambda: f.gate.counts[Reject.BAD_SIGNATURE] == 1)
+            f.relay_ok = None
+            await a.send(d.peer_id, Activations("r", 0, 3, 1), [x])
+            await _until(lambda: f.gate.counts[Reject.UNEXPECTED] == 1)
+            assert d.inbox.empty()
 
     asyncio.run(go())

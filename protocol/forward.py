@@ -1,0 +1,128 @@
+"""Forwarded frames: two peers behind NATs cannot connect to each other, so a peer
+that both can reach (the coordinator) passes their signed frames on.
+
+On ``/fusionllm/fwd/1`` each frame follows a route head: the destination's and the
+origin's peer ids. A stream from the origin asks the forwarder to pass the frame to
+the destination: the forwarder checks that the origin signed it for this run (so it
+never passes on what it cannot vouch for), reads it within its byte budget and
+writes it, unchanged, on its own forwarding stream to the destination. There the
+frame goes through the full checks of the destination's gate with the origin as
+its sender: the forwarder cannot read-modify it without the signature failing, nor
+make it count as anyone else's. Failures before the signature proves the origin
+are the forwarder's to answer for (``transport.UNSIGNED``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+from protocol.envelope import Envelope, Gate, Reject, Rejected
+from protocol.streams import read_frame_head, read_payload
+
+logger = logging.getLogger(__name__)
+
+FWD_PROTOCOL = "/fusionllm/fwd/1"
+_ROUTE = struct.Struct(">BB")  # byte lengths of the destination's and the origin's peer ids
+
+
+def route_head(dest: str, origin: str) -> bytes:
+    a, b = dest.encode(), origin.encode()
+    return _ROUTE.pack(len(a), len(b)) + a + b
+
+
+async def read_route(reader: asyncio.StreamReader) -> tuple[str, str] | None:
+    """(destination, origin) of the next forwarded frame; None at the stream's clean end."""
+    try:
+        lengths = await reader.readexactly(_ROUTE.size)
+    except asyncio.IncompleteReadError as exc:
+        if exc.partial:
+            raise Rejected(Reject.TRUNCATED, "stream ended inside a route head") from None
+        return None
+    a, b = _ROUTE.unpack(lengths)
+    ids = await reader.readexactly(a + b)
+    try:
+        return ids[:a].decode("ascii"), ids[a:].decode("ascii")
+    except UnicodeDecodeError:
+        raise Rejected(Reject.MALFORMED, "a route head whose peer ids are not ASCII") from None
+
+
+def signed_head(run_id: str, origin: str, key: Any, head: bytes, max_payload: int) -> Envelope:
+    """The envelope of ``head`` if ``origin`` signed it for this run (``Rejected`` if not)."""
+    if key is None:
+        raise Rejected(Reject.NOT_ADMITTED, f"{origin[:64]} is not admitted: its frames are not forwarded")
+    gate = Gate(run_id, max_payload)
+    gate.admit(origin, key)
+    env, _ = gate.check_head(head, origin)
+    if env.lanes is not None:
+        raise Rejected(Reject.UNEXPECTED, "a frame to forward whose payload is on lanes")
+    return env
+
+
+class Forwarding:
+    """Mixed into :class:`protocol.transport.Transport`: sending through a forwarder,
+    forwarding (where ``relay_ok`` allows), and taking forwarded frames in."""
+
+    gate: Gate
+    peer_id: str
+    max_payload: int
+
+    def _init_forwarding(self) -> None:
+        self.forward_via: dict[str, str] = {}  # destination -> the peer that forwards our frames to it
+        #: whether this process forwards a frame from an origin to a destination (None: it forwards none)
+        self.relay_ok: Callable[[str, str], bool] | None = None
+        self.forwarded: dict[tuple[str, str], int] = defaultdict(int)  # (origin, destination) -> bytes passed on
+
+    async def _send_forwarded(self, peer_id: str, head: bytes, chunks: list[memoryview]) -> int:
+        via = self.forward_via[peer_id]
+        return await self._write(f"{via}/fwd", via, FWD_PROTOCOL, [route_head(peer_id, self.peer_id), head, *chunks])
+
+    async def _handle_fwd(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        via = info.peer_id.to_base58()
+        try:
+            if self.gate.refuse_stream(via):
+                return
+            self.gate.check_admitted(via, "a forwarding stream")
+            while True:
+                route = await read_route(reader)
+                if route is None:
+                    break
+                dest, origin = route
+                if dest == self.peer_id:
+                    if not await self._frame(reader, origin, via):
+                        break
+                elif origin == via and self.relay_ok is not None and self.relay_ok(origin, dest):
+                    await self._relay(reader, origin, dest)
+                else:
+                    raise Rejected(Reject.UNEXPECTED, f"a frame from {origin[:64]} to forward to {dest[:64]}")
+        except Rejected as exc:
+            self.gate.reject(via, exc)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    async def _relay(self, reader: asyncio.StreamReader, origin: str, dest: str) -> None:
+        """Pass one frame of ``origin`` on to ``dest`` (a lost destination loses the
+        frame: the run's failure handling sees the gap)."""
+        head = await read_frame_head(reader)
+        if head is None:
+            raise Rejected(Reject.TRUNCATED, "stream ended after a route head")
+        env = signed_head(self.gate.run_id, origin, self.gate.keys.get(origin), head, self.max_payload)
+        async with self.budget.hold(origin, env.payload_bytes):
+            payload = await read_payload(reader, env.payload_bytes, lambda: self._active(origin))
+        try:
+            await self._write(f"{dest}/fwd", dest, FWD_PROTOCOL, [route_head(dest, origin), head, payload])
+        except ConnectionError as exc:  # PeerUnreachable
+            logger.warning("could not forward a frame of %s to %s: %s", origin, dest, exc)
+            return
+        self.forwarded[(origin, dest)] += len(head) + len(payload)
+
+    # provided by Transport
+    budget: Any
+    _write: Any
+    _frame: Any
+    _active: Any

@@ -1,0 +1,76 @@
+"""Across NATs (issue 15), on a small internet of network namespaces
+(``tests/netlab.py``: a public side, and home routers doing source NAT with
+nftables masquerade, one host behind each). The coordinator dials each peer back
+to find out whether others can reach it; a peer behind a NAT dials out to the
+peers it works with, and two such peers exchange their signed frames through the
+coordinator. The swarm ends equal to one process."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+from netlab import PUBLIC_IP, NatLab, missing
+from swarmproc import SMALL, Proc
+
+from fusionllm.local import compare_checkpoints
+
+WHY = missing()
+pytestmark = pytest.mark.skipif(bool(WHY), reason=WHY or "")
+
+
+def _peer_line(out: str, peer: str) -> re.Match[str] | None:
+    return re.search(rf"stage (\d) replica (\d): peer {peer}", out)
+
+
+@pytest.mark.parametrize("direct, stages", [(0, 2), (1, 3)], ids=["two-peers-behind-nats", "with-a-direct-peer"])
+def test_peers_behind_nats_train_equal_to_one_process(tmp_path: Path, direct: int, stages: int) -> None:
+    """Two peers behind two home routers (and, in the second case, one peer on the
+    public side): the coordinator finds who is behind a NAT, those dial out, and with
+    two stages the one boundary joins the two NAT'd peers, so their frames are
+    forwarded. Compression off: the weights equal ``train --reference``'s."""
+    steps, save = 6, tmp_path / "swarm.safetensors"
+    common = ["--steps", str(steps), "--seed", "0", *SMALL]
+    lab = NatLab(routers=2)
+    procs: list[Proc] = []
+    try:
+        coord = Proc("coordinator", *common, "--min-peers", str(2 + direct), "--stages", str(stages),
+                     "--host-maddrs", f"/ip4/{PUBLIC_IP}/tcp/0", "--identity", str(tmp_path / "c.key"),
+                     "--status-port", "0", "--compression", "none", "--save", str(save),
+                     "--run-dir", str(tmp_path / "run"), prefix=lab.prefix(lab.pub))  # fmt: skip
+        procs.append(coord)
+        join = coord.wait_line(r"^\s+fusionllm join (.*)$").group(1).split()
+        where = [(lab.hosts[r], lab.host_ip(r + 1)) for r in range(2)] + [(lab.pub, PUBLIC_IP)] * direct
+        for i, (ns, ip) in enumerate(where):
+            procs.append(Proc("join", *join, "--threads", "1", "--identity", str(tmp_path / f"p{i}.key"),
+                              "--host-maddrs", f"/ip4/{ip}/tcp/0", prefix=lab.prefix(ns)))  # fmt: skip
+        ids = [p.wait_line(r"joined run '.*' as (\w+)", 120).group(1) for p in procs[1:]]
+        for p in procs[1:3]:
+            p.wait_line(r"behind a NAT: the coordinator could not dial back 10\.77\.\d\.2:\d+", 60)
+        if direct:
+            procs[3].wait_line(r"reachable: the coordinator dialled back at 10\.77\.0\.1:\d+", 60)
+        assert coord.wait(300) == 0, coord.output[-3000:]
+        out = coord.output
+        for p in procs[1:]:
+            p.wait(60)
+    finally:
+        for p in procs:
+            p.kill_all()
+        lab.close()
+    assert not lab.leftovers(), "the lab's namespaces were removed"
+    assert "Traceback" not in out and all(_peer_line(out, p) for p in ids), out[-3000:]
+    natted = {int(_peer_line(out, p).group(1)) for p in ids[:2]}  # type: ignore[union-attr]
+    if stages == 2:
+        assert natted == {0, 1}, "one NAT'd peer per stage: their boundary is forwarded"
+        assert all(re.search(rf"peer {p} \(.*, forwarded\)", out) for p in ids), out[-2000:]
+        assert re.search(r"forwarded [1-9][\d.]* MB between peers behind NATs", out), out[-2000:]
+    else:
+        assert all(re.search(rf"peer {p} \(.*, (dial-out|forwarded)\)", out) for p in ids[:2]), out[-2000:]
+        assert re.search(rf"peer {ids[2]} \(.*, direct\)", out), out[-2000:]
+    for p in procs[1:3]:
+        assert re.search(r"dialled out to \d+ of the plan's \d+ reachable peers", p.output), p.output[-2000:]
+    ref = tmp_path / "ref.safetensors"
+    assert run_cli("train", "--reference", *common, "--threads", "1", "--save", str(ref)).returncode == 0
+    assert compare_checkpoints(save, ref) <= 1e-5
