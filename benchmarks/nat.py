@@ -77,6 +77,7 @@ async def _node(listen_ip: str, bootstrap: str) -> None:
             tp.gate.admit(pid, public_key(info["key"]))
             tp.learn(pid, info["maddrs"])
         tp.forward_via.update(cmd.get("via", {}))
+        tp.forwarders.update(cmd.get("via", {}).values())
         tp.dials_in.update(cmd.get("dials_in", []))
         if cmd.get("relay"):
             tp.relay_ok = lambda origin, dest: True

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import logging
 import statistics
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from coordinator.estimator import DagCosts, Network, PeerProfile, Plan
+from coordinator.estimator import DagCosts, Network, PeerProfile, Plan, predict
 from coordinator.opdag import OpDag
 from coordinator.scheduler import Options, ScheduleError, opfence
 from protocol.graph import Cut
@@ -30,18 +31,33 @@ class Assignment:
         raise KeyError(peer_id)
 
 
-def network_from_adverts(adverts: list[Advert], measured: dict[tuple[str, str], float] | None = None) -> Network:
+#: a forwarded link (two peers behind NATs, through the coordinator): its frames cross
+#: two links one after the other (``protocol.forward`` stores and forwards each), so
+#: it is planned at this fraction of the slower of the two, and twice the latency
+FORWARDED_SHARE = 0.5
+
+
+def network_from_adverts(
+    adverts: list[Advert], measured: dict[tuple[str, str], float] | None = None, nat: Collection[str] = ()
+) -> Network:
     """Pairwise bandwidth guessed from each peer's measured up/down to the coordinator,
     except for the pairs in ``measured`` (Mbit/s from one peer to the other, probed when
-    a plan epoch set its stages up)."""
+    a plan epoch set its stages up). Two peers of ``nat`` (behind NATs) reach each other
+    through the coordinator: that path's guess is priced as forwarded, and kept."""
     ids = [a.peer_id for a in adverts]
-    overrides = {
-        (a.peer_id, b.peer_id): (max(min(a.up_mbps, b.down_mbps), 1e-3), 0.001)
-        for a in adverts
-        for b in adverts
-        if a.peer_id != b.peer_id
-    }
-    probed = {pair: mbps for pair, mbps in (measured or {}).items() if pair in overrides}
+    overrides = {}
+    forwarded = set()
+    for a in adverts:
+        for b in adverts:
+            if a.peer_id == b.peer_id:
+                continue
+            path = max(min(a.up_mbps, b.down_mbps), 1e-3)
+            if a.peer_id in nat and b.peer_id in nat:
+                forwarded.add((a.peer_id, b.peer_id))
+                overrides[(a.peer_id, b.peer_id)] = (path * FORWARDED_SHARE, 0.002)
+            else:
+                overrides[(a.peer_id, b.peer_id)] = (path, 0.001)
+    probed = {pair: mbps for pair, mbps in (measured or {}).items() if pair in overrides and pair not in forwarded}
     for (a, b), mbps in probed.items():  # a probe of one direction stands for both, unless both were probed
         overrides[(a, b)] = (mbps, 0.001)
         if (b, a) not in probed:
@@ -57,10 +73,12 @@ def assign(
     micro_batches: int = 4,
     standby: bool = False,
     measured: dict[tuple[str, str], float] | None = None,
+    nat: Collection[str] = (),
 ) -> Assignment:
     """Every advertised peer gets a stage (``num_stages`` defaults to one per peer), or,
     with ``standby``, OP-Fence may leave peers out and choose the stage count itself
-    when ``num_stages`` is None. ``measured``: links probed so far (``network_from_adverts``)."""
+    when ``num_stages`` is None. ``measured``: links probed so far; ``nat``: peers behind
+    NATs (``network_from_adverts``)."""
     if not adverts:
         raise ValueError("no peers to assign")
     k = num_stages or (None if standby else len(adverts))
@@ -69,10 +87,31 @@ def assign(
     costs = DagCosts.from_opdag(dag)
     peers = [PeerProfile(a.peer_id, a.flops, a.memory_bytes, "swarm") for a in adverts]
     options = Options(micro_batches=micro_batches, stages=k, standby=standby, compression=False)
+    network = network_from_adverts(adverts, measured, nat)
     try:
-        plan = opfence(costs, peers, network_from_adverts(adverts, measured), options)
+        plan = opfence(costs, peers, network, options)
     except ScheduleError as exc:
         raise ValueError(str(exc)) from None
+    if nat:
+        plan = _swapped(plan, costs, {p.id: p for p in peers}, network, micro_batches)
     if not plan.fits_memory:
         logger.warning("the best plan may not fit the peers' free memory")
     return Assignment(cut=Cut(tuple(plan.cut)), stages=plan.groups, plan=plan)
+
+
+def _swapped(plan: Plan, costs: DagCosts, peers: dict[str, PeerProfile], network: Network, mb: int) -> Plan:
+    """``plan`` with stage groups swapped (cuts kept) while a swap is predicted faster:
+    OP-Fence orders peers of one cluster as it finds them, and with peers behind NATs
+    the order decides which links are forwarded. At most k^2 swaps are tried a round."""
+    best = predict(costs, plan, peers, network, mb)
+    better = True
+    while better:
+        better = False
+        for i in range(len(best.groups)):
+            for j in range(i + 1, len(best.groups)):
+                groups = list(best.groups)
+                groups[i], groups[j] = groups[j], groups[i]
+                trial = predict(costs, Plan(best.cut, groups, best.codecs, best.scheduler), peers, network, mb)
+                if trial.iteration_s < best.iteration_s * (1 - 1e-9) and trial.fits_memory >= best.fits_memory:
+                    best, better = trial, True
+    return best

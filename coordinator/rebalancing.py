@@ -154,7 +154,8 @@ class Rebalancing(DriverParts):
         by_id = {a.peer_id: PeerProfile(a.peer_id, a.flops, a.memory_bytes, "swarm") for a in ads}
         bounds = tuple(st.plan.cut.boundaries)
         plan = Plan(bounds, st.plan.stages, [Codec()] * len(bounds))
-        network = network_from_adverts(ads, st.link_mbps)
+        nat = {p for p, direct in self.coord.reached.items() if not direct}
+        network = network_from_adverts(ads, st.link_mbps, nat)
         return predict(self._costs, plan, by_id, network, self.job.micro_batches).iteration_s
 
     def _move_seconds(self) -> float:

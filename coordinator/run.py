@@ -166,7 +166,9 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
         use = ranked[: max(len(ranked) - keep_out, 1)]
         k = min(self.cfg.num_stages, len(use)) if self.cfg.num_stages else None if leave_out else len(use)
         try:
-            plan = assign(self.dag, use, k, self.job.micro_batches, standby=leave_out, measured=self.st.link_mbps)
+            nat = {p for p, direct in self.coord.reached.items() if not direct}
+            plan = assign(self.dag, use, k, self.job.micro_batches, standby=leave_out, measured=self.st.link_mbps,
+                          nat=nat)  # fmt: skip
         except ValueError as exc:
             raise SwarmError(f"cannot plan the run: {exc}") from None
         return plan

@@ -166,6 +166,7 @@ class PeerNode:
         gate.admit(self.coordinator.peer_id, key)
         self.checks = gate.expect = PlanChecks(self.coordinator.peer_id)
         self.transport.learn(self.coordinator.peer_id, self.coordinator.maddrs)
+        self.transport.forwarders = {self.coordinator.peer_id}  # frames of NAT'd peers come through it
         throttle = self.throttle.value
         flops = await loop.run_in_executor(self._compute, lambda: measure_flops(self.device, throttle=throttle))
         flops = cfg.advertise_flops or flops

@@ -75,6 +75,9 @@ class Forwarding:
         #: whether this process forwards a frame from an origin to a destination (None: it forwards none)
         self.relay_ok: Callable[[str, str], bool] | None = None
         self.forwarded: dict[tuple[str, str], int] = defaultdict(int)  # (origin, destination) -> bytes passed on
+        #: peers whose forwarded frames this one takes (the coordinator): another peer could
+        #: misdirect an honest origin's frames to get it refused, and blamed
+        self.forwarders: set[str] = set()
 
     async def _send_forwarded(self, peer_id: str, head: bytes, chunks: list[memoryview]) -> int:
         via = self.forward_via[peer_id]
@@ -92,6 +95,8 @@ class Forwarding:
                     break
                 dest, origin = route
                 if dest == self.peer_id:
+                    if via not in self.forwarders:
+                        raise Rejected(Reject.UNEXPECTED, f"frames forwarded by {via[:64]}, which forwards none here")
                     if not await self._frame(reader, origin, via):
                         break
                 elif origin == via and self.relay_ok is not None and self.relay_ok(origin, dest):

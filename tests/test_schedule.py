@@ -91,3 +91,19 @@ def test_gpt_cuts_land_where_only_the_residual_stream_crosses() -> None:
         plan = assign(dag, ads)
         cut = plan.cut.to_list()
         assert [costs.cross_bytes[p] for p in cut] == [stream, stream], (cut, [a.flops for a in ads])
+
+
+def test_two_peers_behind_nats_are_planned_apart_when_their_link_would_be_forwarded() -> None:
+    """Three equal peers, two behind NATs, on links slow enough to matter: a forwarded
+    link (through the coordinator, store and forward) is priced at half, so the plan
+    puts the reachable peer between the two; the pair's guess is never replaced by a
+    probe (there is no direct path to probe)."""
+    from coordinator.assign import FORWARDED_SHARE, network_from_adverts
+
+    job = JobSpec()
+    dag = build_opdag(job.build_model(), job.first_micro_batch())
+    ads = [Advert(p, [], "cpu", 30e9, 8 << 30, 20.0, 20.0, "2", 1, 0.0) for p in ("n1", "n2", "d")]
+    net = network_from_adverts(ads, {("n1", "n2"): 500.0, ("n1", "d"): 500.0}, nat={"n1", "n2"})
+    assert net.overrides[("n1", "n2")][0] == 20.0 * FORWARDED_SHARE and net.overrides[("n1", "d")][0] == 500.0
+    stages = [g[0] for g in assign(dag, ads, nat={"n1", "n2"}).stages]
+    assert stages.index("d") == 1, stages

@@ -304,6 +304,10 @@ def test_frames_forwarded_between_two_peers_arrive_as_their_senders_and_unforged
         async with transports(3) as (a, f, d):
             f.relay_ok = lambda origin, dest: True
             a.forward_via[d.peer_id] = f.peer_id
+            # a peer D does not take forwarded frames from cannot pass it even A's real frames
+            await a._write("u", d.peer_id, FWD_PROTOCOL, [route_head(d.peer_id, f.peer_id), b"x" * 64])
+            await _until(lambda: d.gate.counts[Reject.UNEXPECTED] == 1)
+            d.forwarders = {f.peer_id}
             x = torch.randn(1000)
             await a.send(d.peer_id, Activations("r", 0, 0, 1), [x])
             got = await asyncio.wait_for(d.inbox.get(), 20)
@@ -323,5 +327,6 @@ def test_frames_forwarded_between_two_peers_arrive_as_their_senders_and_unforged
             await a.send(d.peer_id, Activations("r", 0, 3, 1), [x])
             await _until(lambda: f.gate.counts[Reject.UNEXPECTED] == 1)
             assert d.inbox.empty()
+            assert [r[1] for r in d.gate.recent if r[2] == "unexpected"] == [a.peer_id], "the forwarder was blamed"
 
     asyncio.run(go())
