@@ -21,7 +21,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
+import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -80,7 +83,7 @@ async def _node(listen_ip: str, bootstrap: str) -> None:
         tp.forwarders.update(cmd.get("via", {}).values())
         tp.dials_in.update(cmd.get("dials_in", []))
         if cmd.get("relay"):
-            tp.relay_ok = lambda origin, dest: True
+            tp.relay_ok = lambda origin, dest, nbytes: True
         if cmd.get("dial"):
             failed = await tp.dial_out(cmd["dial"])
             print(json.dumps({"dialled": not failed}), flush=True)
@@ -113,11 +116,13 @@ class _Node:
         )
         self.info = self.read()
 
-    def read(self) -> dict[str, Any]:
+    def read(self, timeout: float = 300.0) -> dict[str, Any]:
+        """The node's next answer (a hung node is an error, not a hung benchmark)."""
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
         if not line:
-            raise RuntimeError("a benchmark node exited before answering")
+            raise RuntimeError(f"a benchmark node gave no answer within {timeout:.0f} s (or exited)")
         return json.loads(line)
 
     def tell(self, **cmd: Any) -> None:
@@ -126,7 +131,10 @@ class _Node:
         self.proc.stdin.flush()
 
     def close(self) -> None:
-        self.proc.kill()
+        try:  # its own session: the node and its p2p daemon go together
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         self.proc.wait(10)
 
 

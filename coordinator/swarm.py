@@ -400,8 +400,8 @@ class Coordinator:
         except Exception as exc:  # the daemon may hiccup: then no address is known
             logger.debug("could not list connections: %s", exc)
             infos = []
-        seen = next((info.addrs for info in infos if info.peer_id.to_base58() == peer), [])
-        reach = await dial_back(observed_ip([str(a) for a in seen]), ports)
+        seen = [str(a) for info in infos if info.peer_id.to_base58() == peer for a in info.addrs]
+        reach = await dial_back(observed_ip([a for a in seen if "p2p-circuit" not in a]), ports)  # not a relay's
         self.reached[peer] = reach.direct
         (self.transport.dials_in.discard if reach.direct else self.transport.dials_in.add)(peer)
         self.board.set_connection(peer, "direct" if reach.direct else "dial-out")
@@ -439,11 +439,12 @@ class Coordinator:
         driver = self.driver
         return driver is not None and sender in driver.st.planned and nbytes <= driver.max_payload_bytes
 
-    def _relay_ok(self, origin: str, dest: str) -> bool:
-        """Frames are forwarded only between planned peers that cannot dial each other."""
+    def _relay_ok(self, origin: str, dest: str, nbytes: int) -> bool:
+        """Frames are forwarded only between planned peers that cannot dial each other,
+        no larger than a payload the coordinator takes."""
         driver = self.driver
         nat = {p for p, direct in self.reached.items() if not direct}
-        return driver is not None and {origin, dest} <= driver.st.planned & nat
+        return driver is not None and {origin, dest} <= driver.st.planned & nat and nbytes <= driver.max_payload_bytes
 
     async def _certify(self, peers: list[str]) -> None:
         """Issue ``peers`` fresh admission certificates (their senders are refused past

@@ -26,6 +26,8 @@ from protocol.streams import read_frame_head, read_payload
 logger = logging.getLogger(__name__)
 
 FWD_PROTOCOL = "/fusionllm/fwd/1"
+#: how long a forwarded frame may take to be written on to its destination
+RELAY_WRITE_S = 60.0
 _ROUTE = struct.Struct(">BB")  # byte lengths of the destination's and the origin's peer ids
 
 
@@ -50,8 +52,9 @@ async def read_route(reader: asyncio.StreamReader) -> tuple[str, str] | None:
         raise Rejected(Reject.MALFORMED, "a route head whose peer ids are not ASCII") from None
 
 
-def signed_head(run_id: str, origin: str, key: Any, head: bytes, max_payload: int) -> Envelope:
-    """The envelope of ``head`` if ``origin`` signed it for this run (``Rejected`` if not)."""
+def signed_head(run_id: str, origin: str, key: Any, head: bytes, max_payload: int) -> tuple[Gate, Envelope]:
+    """A gate holding only ``origin``'s key, and the envelope of ``head`` if ``origin``
+    signed it for this run (``Rejected`` if not); the gate then checks the payload."""
     if key is None:
         raise Rejected(Reject.NOT_ADMITTED, f"{origin[:64]} is not admitted: its frames are not forwarded")
     gate = Gate(run_id, max_payload)
@@ -59,7 +62,7 @@ def signed_head(run_id: str, origin: str, key: Any, head: bytes, max_payload: in
     env, _ = gate.check_head(head, origin)
     if env.lanes is not None:
         raise Rejected(Reject.UNEXPECTED, "a frame to forward whose payload is on lanes")
-    return env
+    return gate, env
 
 
 class Forwarding:
@@ -72,16 +75,18 @@ class Forwarding:
 
     def _init_forwarding(self) -> None:
         self.forward_via: dict[str, str] = {}  # destination -> the peer that forwards our frames to it
-        #: whether this process forwards a frame from an origin to a destination (None: it forwards none)
-        self.relay_ok: Callable[[str, str], bool] | None = None
+        #: whether this process forwards a frame of so many bytes from an origin to a
+        #: destination (None: it forwards none)
+        self.relay_ok: Callable[[str, str, int], bool] | None = None
         self.forwarded: dict[tuple[str, str], int] = defaultdict(int)  # (origin, destination) -> bytes passed on
         #: peers whose forwarded frames this one takes (the coordinator): another peer could
         #: misdirect an honest origin's frames to get it refused, and blamed
         self.forwarders: set[str] = set()
 
     async def _send_forwarded(self, peer_id: str, head: bytes, chunks: list[memoryview]) -> int:
-        via = self.forward_via[peer_id]
-        return await self._write(f"{via}/fwd", via, FWD_PROTOCOL, [route_head(peer_id, self.peer_id), head, *chunks])
+        via = self.forward_via[peer_id]  # a stream per destination: a slow one holds up no other
+        route = route_head(peer_id, self.peer_id)
+        return await self._write(f"{via}/fwd/{peer_id}", via, FWD_PROTOCOL, [route, head, *chunks])
 
     async def _handle_fwd(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         via = info.peer_id.to_base58()
@@ -99,7 +104,7 @@ class Forwarding:
                         raise Rejected(Reject.UNEXPECTED, f"frames forwarded by {via[:64]}, which forwards none here")
                     if not await self._frame(reader, origin, via):
                         break
-                elif origin == via and self.relay_ok is not None and self.relay_ok(origin, dest):
+                elif origin == via and self.relay_ok is not None:
                     await self._relay(reader, origin, dest)
                 else:
                     raise Rejected(Reject.UNEXPECTED, f"a frame from {origin[:64]} to forward to {dest[:64]}")
@@ -111,19 +116,28 @@ class Forwarding:
             writer.close()
 
     async def _relay(self, reader: asyncio.StreamReader, origin: str, dest: str) -> None:
-        """Pass one frame of ``origin`` on to ``dest`` (a lost destination loses the
-        frame: the run's failure handling sees the gap)."""
+        """Pass one frame of ``origin`` on to ``dest``, once it is checked whole: signed
+        by the origin for this run, admitted now, the payload its signed digest, of a
+        size ``relay_ok`` allows. Its bytes stay budgeted until written; a destination
+        that does not take them within ``RELAY_WRITE_S`` (or is gone) loses the frame
+        (the run's failure handling sees the gap)."""
+        assert self.relay_ok is not None
         head = await read_frame_head(reader)
         if head is None:
             raise Rejected(Reject.TRUNCATED, "stream ended after a route head")
-        env = signed_head(self.gate.run_id, origin, self.gate.keys.get(origin), head, self.max_payload)
+        self.gate.check_admitted(origin, "a frame to forward")
+        gate, env = signed_head(self.gate.run_id, origin, self.gate.keys.get(origin), head, self.max_payload)
+        if not self.relay_ok(origin, dest, env.payload_bytes):
+            raise Rejected(Reject.UNEXPECTED, f"a frame of {env.payload_bytes} bytes to forward to {dest[:64]}")
         async with self.budget.hold(origin, env.payload_bytes):
             payload = await read_payload(reader, env.payload_bytes, lambda: self._active(origin))
-        try:
-            await self._write(f"{dest}/fwd", dest, FWD_PROTOCOL, [route_head(dest, origin), head, payload])
-        except ConnectionError as exc:  # PeerUnreachable
-            logger.warning("could not forward a frame of %s to %s: %s", origin, dest, exc)
-            return
+            gate.check_payload(env, payload, origin)
+            parts = [route_head(dest, origin), head, payload]
+            try:
+                await asyncio.wait_for(self._write(f"{dest}/fwd", dest, FWD_PROTOCOL, parts), RELAY_WRITE_S)
+            except (ConnectionError, asyncio.TimeoutError) as exc:  # ConnectionError: PeerUnreachable
+                logger.warning("could not forward a frame of %s to %s: %s", origin, dest, exc or "timed out")
+                return
         self.forwarded[(origin, dest)] += len(head) + len(payload)
 
     # provided by Transport

@@ -39,7 +39,7 @@ def tcp_ports(maddrs: list[str]) -> list[int]:
     ports: list[int] = []
     for m in maddrs:
         parts = m.split("/")
-        if len(parts) >= 5 and parts[1] in ("ip4", "ip6") and parts[3] == "tcp" and parts[4].isdigit():
+        if len(parts) >= 5 and parts[1] in ("ip4", "ip6") and parts[3] == "tcp" and _digits(parts[4]):
             port = int(parts[4])
             if 0 < port < 65536 and port not in ports:
                 ports.append(port)
@@ -72,6 +72,10 @@ async def dial_back(ip: str | None, ports: list[int], timeout: float = DIAL_BACK
         writer.close()
         return Reach(True, f"dialled back at {_host(ip)}:{port}")
     return Reach(False, "could not dial back " + ", ".join(tried))
+
+
+def _digits(text: str) -> bool:
+    return text.isascii() and text.isdecimal() and len(text) <= 5
 
 
 def _host(ip: str) -> str:

@@ -61,9 +61,13 @@ MAX_WAITING_PARTS = 16
 #: over either is closed unread and counted as a ``streams`` rejection
 MAX_STREAMS_PER_PEER = 16
 MAX_STREAMS = 1024
+#: a sender not admitted (yet) may hold this many, and must send a frame head on each
+#: within ``FIRST_HEAD_S`` (its hello): idle streams of fresh identities hold no slots
+MAX_STREAMS_OUTSIDER = 2
+FIRST_HEAD_S = 10.0
 #: how long a stream to a peer behind a NAT waits for its connection to us, and how
 #: long such a peer's own dial to another may take
-DIAL_IN_WAIT_S = 30.0
+DIAL_IN_WAIT_S = 60.0
 DIAL_OUT_S = 15.0
 #: how long a probe waits for its sender's hello to be admitted
 ADMISSION_WAIT_S = 10.0
@@ -185,10 +189,15 @@ class Transport(Forwarding):
         async def run(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             sender = info.peer_id.to_base58()
             mine, total = self.open_streams.get(sender, 0), sum(self.open_streams.values())
-            if mine >= MAX_STREAMS_PER_PEER or total >= MAX_STREAMS:
+            own_limit = MAX_STREAMS_PER_PEER if sender in self.gate.keys else MAX_STREAMS_OUTSIDER
+            if mine >= own_limit or total >= MAX_STREAMS:
                 writer.close()
-                if not self.gate.refuse_stream(sender):  # a muted sender's streams are counted as such
-                    self.gate.reject(sender, Rejected(Reject.STREAMS, f"{mine} of its streams open ({total} in all)"))
+                if self.gate.refuse_stream(sender):  # a muted sender's streams are counted as such
+                    return
+                if mine >= own_limit:
+                    self.gate.reject(sender, Rejected(Reject.STREAMS, f"{mine} of its streams are open"))
+                else:  # everyone's limit: not this sender's doing, so not held against it
+                    self.gate.counts[Reject.STREAMS] += 1
                 return
             self.open_streams[sender] += 1
             try:
@@ -409,10 +418,23 @@ class Transport(Forwarding):
         """Read one frame of ``sender`` (forwarded by ``via``, if given), check it and
         deliver it; False at the stream's end, or once the one to blame is muted. A
         failure that leaves the stream out of step raises ``Rejected``."""
-        head = await read_frame_head(reader)
+        if sender in self.gate.keys or via is not None:
+            head = await read_frame_head(reader)
+        else:
+            try:
+                head = await asyncio.wait_for(read_frame_head(reader), FIRST_HEAD_S)
+            except asyncio.TimeoutError:
+                raise Rejected(Reject.TRUNCATED, f"no frame head within {FIRST_HEAD_S:.0f} s") from None
         if head is None:
             return False
         self._active(sender)
+        if via is not None and self.gate.muted(sender):  # a muted origin's forwarded frames: dropped unread
+            skip = inline_payload(head)
+            if skip is None or skip > self.max_payload:
+                raise Rejected(Reject.MALFORMED, "a forwarded frame whose size cannot be read")
+            self.gate.refuse_stream(sender)
+            await discard(reader, skip)
+            return True
         try:
             env, message = self.gate.check_head(head, sender)
         except Rejected as exc:
@@ -421,7 +443,7 @@ class Transport(Forwarding):
                 raise
             blame = via if via is not None and exc.code in UNSIGNED else sender
             self.gate.reject(blame, exc)
-            if self.gate.muted(blame):
+            if self.gate.muted(via or blame):  # a forwarded stream carries others' frames too
                 return False
             dropped = lane_id(head)
             if dropped is not None and via is None:  # its parts on the lane streams are dropped too
@@ -445,7 +467,7 @@ class Transport(Forwarding):
             # the signed digest does not match: altered on its way, by the forwarder
             blame = via if via is not None and exc.code is Reject.BAD_DIGEST else sender
             self.gate.reject(blame, exc)
-            return not self.gate.muted(blame)
+            return not self.gate.muted(via or blame)
         await self.inbox.put(Inbound(sender, message, Frame({"values": env.values}, payload), env, head))
         return True
 

@@ -15,6 +15,7 @@ its veths, routes and nftables rules), also when setting up fails halfway."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 
@@ -48,6 +49,7 @@ class NatLab:
     ``mbps`` Mbit/s (0: unshaped)."""
 
     def __init__(self, routers: int = 2, mbps: float = 0.0) -> None:
+        _remove_stale()
         tag = f"{os.getpid() % 100000}"
         self.pub = f"flpub{tag}"
         self.routers = [f"flr{r}x{tag}" for r in range(1, routers + 1)]
@@ -111,6 +113,20 @@ class NatLab:
         """Namespaces of this lab still present (none after ``close``)."""
         listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
         return [n for n in [self.pub, *self.routers, *self.hosts] if n in listed]
+
+
+def _remove_stale() -> None:
+    """Namespaces of labs whose process is gone (killed before it could clean up)."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    for name in listed:
+        found = re.fullmatch(r"fl(?:pub|r\d+x|h\d+x)(\d+)", name)
+        if found and not _alive(int(found.group(1))):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def _alive(pid_tag: int) -> bool:
+    """Whether a process whose pid ends like this tag (pid % 100000) still runs."""
+    return any(pid % 100000 == pid_tag for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()))
 
 
 #: source NAT for what leaves by the WAN side; only replies (and what the LAN side

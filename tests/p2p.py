@@ -25,17 +25,19 @@ async def transport_pair(run_id: str = "r", max_payload: int = 4 << 30) -> Async
 @asynccontextmanager
 async def transports(n: int, run_id: str = "r", max_payload: int = 4 << 30) -> AsyncIterator[list[Transport]]:
     """``n`` transports on loopback, each admitted by every other's gate."""
-    first = hivemind.DHT(start=True)
-    dhts = [first] + [
-        hivemind.DHT(initial_peers=[str(m) for m in first.get_visible_maddrs()], start=True) for _ in range(n - 1)
-    ]
-    keys = [Identity.generate() for _ in range(n)]
-    out = [Transport(await d.replicate_p2p(), k, Gate(run_id, max_payload)) for d, k in zip(dhts, keys, strict=True)]
-    for t in out:
-        for other, key in zip(out, keys, strict=True):
-            if other is not t:
-                t.gate.admit(other.peer_id, key.public_key)
+    dhts: list[hivemind.DHT] = []
+    out: list[Transport] = []
     try:
+        dhts.append(hivemind.DHT(start=True))
+        boot = [str(m) for m in dhts[0].get_visible_maddrs()]
+        dhts += [hivemind.DHT(initial_peers=boot, start=True) for _ in range(n - 1)]
+        keys = [Identity.generate() for _ in range(n)]
+        for d, k in zip(dhts, keys, strict=True):
+            out.append(Transport(await d.replicate_p2p(), k, Gate(run_id, max_payload)))
+        for t in out:
+            for other, key in zip(out, keys, strict=True):
+                if other is not t:
+                    t.gate.admit(other.peer_id, key.public_key)
         for t in out:
             await t.start()
         yield out

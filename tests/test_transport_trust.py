@@ -302,7 +302,7 @@ def test_frames_forwarded_between_two_peers_arrive_as_their_senders_and_unforged
 
     async def go() -> None:
         async with transports(3) as (a, f, d):
-            f.relay_ok = lambda origin, dest: True
+            f.relay_ok = lambda origin, dest, nbytes: True
             a.forward_via[d.peer_id] = f.peer_id
             # a peer D does not take forwarded frames from cannot pass it even A's real frames
             await a._write("u", d.peer_id, FWD_PROTOCOL, [route_head(d.peer_id, f.peer_id), b"x" * 64])
@@ -323,10 +323,36 @@ def test_frames_forwarded_between_two_peers_arrive_as_their_senders_and_unforged
             forged = _sealed(a, Activations("r", 0, 2, 1), x, key=Identity.generate())
             await a._write("t", f.peer_id, FWD_PROTOCOL, [route_head(d.peer_id, a.peer_id), forged])
             await _until(lambda: f.gate.counts[Reject.BAD_SIGNATURE] == 1)
+            # nor a payload that is not what A signed: refused at F (A's doing), D never sees it
+            bad = bytearray(_sealed(a, Activations("r", 0, 4, 1), x))
+            bad[-1] ^= 0xFF
+            await a._write("t2", f.peer_id, FWD_PROTOCOL, [route_head(d.peer_id, a.peer_id), bytes(bad)])
+            await _until(lambda: f.gate.counts[Reject.BAD_DIGEST] == 1)
+            assert [r[1] for r in f.gate.recent if r[2] == "bad_digest"] == [a.peer_id]
             f.relay_ok = None
             await a.send(d.peer_id, Activations("r", 0, 3, 1), [x])
             await _until(lambda: f.gate.counts[Reject.UNEXPECTED] == 1)
             assert d.inbox.empty()
             assert [r[1] for r in d.gate.recent if r[2] == "unexpected"] == [a.peer_id], "the forwarder was blamed"
+
+    asyncio.run(go())
+
+
+def test_a_sender_not_admitted_holds_two_streams_and_only_briefly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fresh identities cost nothing: one not admitted may hold MAX_STREAMS_OUTSIDER
+    streams, each closed if no frame head (its hello) comes within FIRST_HEAD_S."""
+    import protocol.transport as transport
+
+    monkeypatch.setattr(transport, "FIRST_HEAD_S", 0.5)
+
+    async def go() -> None:
+        async with transport_pair("r") as (a, b):
+            b.gate.keys.pop(a.peer_id)
+            held = [await a._open(b.peer_id, MSG_PROTOCOL) for _ in range(transport.MAX_STREAMS_OUTSIDER + 2)]
+            await _until(lambda: b.gate.counts[Reject.STREAMS] == 2)
+            await _until(lambda: b.gate.counts[Reject.TRUNCATED] == transport.MAX_STREAMS_OUTSIDER)
+            assert not b.open_streams, "the idle streams were closed"
+            for _, w in held:
+                w.close()
 
     asyncio.run(go())
