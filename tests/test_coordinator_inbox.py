@@ -462,3 +462,13 @@ def test_a_fingerprint_tells_results_within_the_tolerance_from_others() -> None:
     assert len(a) == 4 and alike(a, b, 1e-5) and not alike(a, c, 1e-5)
     assert fingerprint(x, seed_of(3, 1)) == a and fingerprint(x, seed_of(3, 2)) != a
     assert not alike(a, a[:2], 1e-5)
+
+
+def test_a_plan_undone_is_not_proposed_again_with_its_replicas_reordered() -> None:
+    from coordinator.rebalancing import _signature
+
+    one = Assignment(Cut(()), [["a", "b", "c"]])
+    assert _signature(one) == _signature(Assignment(Cut(()), [["c", "a", "b"]]))
+    assert _signature(Assignment(Cut((30,)), [["a"], ["b", "c"]])) != _signature(
+        Assignment(Cut((30,)), [["b"], ["a", "c"]])
+    )
