@@ -40,7 +40,9 @@ none changed meaning):
   it holds; a resume continues there), ``path``, ``at`` (unix seconds),
   ``seconds`` (taken to write) and ``bytes``. *(revision 2)*
 - ``links``: per stage boundary ``boundary``, ``codec``, ``mbps``,
-  ``wire_bytes`` and ``raw_bytes`` (both directions, so far) and ``ratio``.
+  ``wire_bytes`` and ``raw_bytes`` (both directions, so far), ``ratio`` and
+  ``path`` (``direct``; ``dial-out`` when peers on one side are behind NATs;
+  ``forwarded`` when both are, through the coordinator).
 - ``rejected``: counts of rejected messages by reason code.
 - ``events``: ``{"t", "kind", "text"}``, oldest first: the last 50 ``rejected``,
   the last 20 ``checkpoint`` and the last 200 of the other kinds, merged, so
@@ -188,15 +190,26 @@ class StatusBoard:
             for c, codec, rate in zip(self.plan["cuts"], codecs, mbps, strict=True):
                 c.update(codec=codec, mbps=round(rate, 1))
         self.links = [
-            {"boundary": b, "codec": codec, "mbps": round(rate, 1), "wire_bytes": 0, "raw_bytes": 0, "ratio": 1.0}
+            {"boundary": b, "codec": codec, "mbps": round(rate, 1), "wire_bytes": 0, "raw_bytes": 0, "ratio": 1.0,
+             "path": self._path(b)}
             for b, (codec, rate) in enumerate(zip(codecs, mbps, strict=True))
-        ]
+        ]  # fmt: skip
         self.event(
             "links", ", ".join(f"boundary {b}: {c} at {r:.0f} Mbit/s" for b, (c, r) in enumerate(zip(codecs, mbps)))
         )
         self.phase = "training"
         if self.train_started is None:
             self.train_started = self.clock()
+
+    def _path(self, boundary: int) -> str:
+        """How boundary ``boundary``'s frames travel: ``forwarded`` when a pair of its peers
+        are both behind NATs, ``dial-out`` when one side is, else ``direct``."""
+        stages = self.plan["stages"] if self.plan is not None else []
+        if boundary + 1 >= len(stages):
+            return "direct"
+        natted = [{p for p in stages[s]["peers"] if self.connections.get(p, "direct") != "direct"}
+                  for s in (boundary, boundary + 1)]  # fmt: skip
+        return "forwarded" if all(natted) else "dial-out" if any(natted) else "direct"
 
     def step_done(self, step: int, loss: float, seconds: float, tokens: int, traffic: list[tuple[int, int]]) -> None:
         """One finished step; ``traffic``: (wire, raw) bytes so far per boundary."""

@@ -538,3 +538,20 @@ def test_a_claim_far_above_the_measured_speed_is_flagged() -> None:
     peers = {p["id"]: p for p in board.state()["peers"]}
     assert peers["liar"]["claim_contradicted"] and not peers["honest"]["claim_contradicted"]
     assert peers["honest"]["measured_flops"] == claim / 4
+
+
+def test_each_link_shows_its_path_through_nats() -> None:
+    """Peers behind NATs: a boundary with one on each side is forwarded, one with a
+    NAT'd peer on one side is dialled out, the rest direct."""
+    board = StatusBoard("run", steps=10)
+    board.saw_adverts({p: _ad() for p in "abcd"})
+    board.set_connection("b", "forwarded")
+    board.set_connection("c", "forwarded")
+    stages = [{"first_op": i, "last_op": i} for i in range(4)]
+    board.set_plan([1, 1, 1, 1], stages, [1, 2, 3], [8, 8, 8], [["a"], ["b"], ["c"], ["d"]])
+    board.set_links(["none"] * 3, [100.0] * 3)
+    st = board.state()
+    assert [link["path"] for link in st["links"]] == ["dial-out", "forwarded", "dial-out"]
+    assert {p["id"]: p["connection"] for p in st["peers"]} == {
+        "a": "direct", "b": "forwarded", "c": "forwarded", "d": "direct"
+    }  # fmt: skip

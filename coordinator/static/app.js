@@ -138,7 +138,8 @@ function render(st) {
   const links = $("links").querySelector("tbody");
   links.replaceChildren(...st.links.map((l) => {
     const tr = el("tr", { "data-boundary": l.boundary });
-    [`${l.boundary} → ${l.boundary + 1}`, l.codec, l.mbps, fmtBytes(l.wire_bytes), fmtBytes(l.raw_bytes), `${l.ratio}x`]
+    [`${l.boundary} → ${l.boundary + 1}`, l.path, l.codec, l.mbps, fmtBytes(l.wire_bytes), fmtBytes(l.raw_bytes),
+      `${l.ratio}x`]
       .forEach((c) => tr.append(el("td", {}, String(c))));
     return tr;
   }));
