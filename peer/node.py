@@ -4,6 +4,7 @@ stage the coordinator assigns until the run ends."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -279,7 +280,10 @@ class PeerNode:
                 gate.until[p] = end
 
     def _take_reachability(self, msg: Reachability) -> None:
-        """Say whether the coordinator could dial this peer back, and what to do if not."""
+        """Say whether the coordinator could dial this peer back, and what to do if not
+        (and say it in the advert too, from its next refresh on)."""
+        if self.advert is not None:
+            self.advert = dataclasses.replace(self.advert, reach="direct" if msg.direct else "nat")
         if msg.direct:
             self._say(f"reachable: the coordinator {clean(msg.detail)[:200]}")
             return

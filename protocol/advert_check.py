@@ -20,6 +20,10 @@ MAX_MADDRS = 16
 MAX_TEXT = 256
 
 
+#: what an advert may say of its reachability (the coordinator plans by its own dial-back)
+REACH_KINDS = ("", "direct", "nat")
+
+
 def advert_problem(ad: Advert) -> str:
     """Why ``ad`` cannot be planned with, in one line ('' if it can)."""
     for name, value, top in (("FLOP/s", ad.flops, MAX_FLOPS), ("upload Mbit/s", ad.up_mbps, MAX_MBPS),
@@ -35,6 +39,8 @@ def advert_problem(ad: Advert) -> str:
     for text in ad.maddrs:
         if len(text) > MAX_TEXT or not _parses(text):
             return f"the address {text[:64]!r} is not a multiaddr"
+    if ad.reach not in REACH_KINDS:
+        return f"reachability {ad.reach[:32]!r} is not one of {', '.join(map(repr, REACH_KINDS))}"
     return ""
 
 

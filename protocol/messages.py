@@ -112,6 +112,7 @@ class Advert(Message):
     expires_at: float  # hivemind DHT time
     pubkey: str = ""  # Ed25519 public key (hex); the record is signed with it
     cert: dict[str, Any] = field(default_factory=dict)  # its admission certificate (a private swarm's DHT checks it)
+    reach: str = ""  # what the coordinator's dial-back told it: "direct", "nat" ("" before it knows; protocol.reach)
     sig: str = ""
 
 

@@ -45,6 +45,7 @@ def _equals_reference(tmp_path: Path, common: list[str], save: Path) -> None:
         ({"maddrs": []}, "0 addresses"),
         ({"maddrs": ["/ip4/1.2.3.4/tcp/1"] * 17}, "17 addresses"),
         ({"device": "x" * 1000}, "a device name of 1000 characters"),
+        ({"reach": "\x1b[2Jeverywhere"}, "reachability '\\x1b[2Jeverywhere' is not one of"),
     ],
 )
 def test_an_advert_with_a_bad_claim_is_refused_in_one_line(claim: dict, says: str) -> None:
