@@ -642,7 +642,7 @@ def dry_run(
     if outputs is None:
         if not isinstance(out, torch.Tensor) or out.numel() != 1:
             raise ProgramError("the last stage's program does not return a scalar loss")
-    elif not isinstance(out, (tuple, list)) or [_spec(v) for v in out] != outputs:
+    elif not isinstance(out, (tuple, list)) or [_spec(v) for v in out] != [_loose(d) for d in outputs]:
         raise ProgramError("the stage program does not return the values the next stage takes")
     return total
 
@@ -681,7 +681,19 @@ def _meta_value(d: Any) -> Any:
         return torch.Size(d["v"])
     if kind == "py":
         return d["v"]
+    if kind == "device":  # a cut may pass a tensor's device on (``idx.device``): the dry run's is meta
+        return torch.device("meta")
     raise ProgramError(f"the plan describes an input the program cannot take: {str(d)[:80]}")
+
+
+def _loose(d: Any) -> Any:
+    """A spec entry as a dry run can match it: a device is a device, whichever it names
+    (the dry run's are meta; the peer's own is what it will run on)."""
+    if isinstance(d, dict) and d.get("t") == "device":
+        return {"t": "device"}
+    if isinstance(d, dict) and d.get("t") in ("tuple", "list"):
+        return {**d, "items": [_loose(x) for x in d["items"]]}
+    return d
 
 
 def _spec(v: Any) -> Any:
@@ -690,6 +702,8 @@ def _spec(v: Any) -> Any:
         return {"t": "tensor", "dtype": DTYPE_NAMES.get(v.dtype, str(v.dtype)), "shape": list(v.shape)}
     if isinstance(v, torch.Size):
         return {"t": "size", "v": list(v)}
+    if isinstance(v, torch.device):
+        return {"t": "device"}
     if isinstance(v, (tuple, list)):
         return {"t": type(v).__name__, "items": [_spec(x) for x in v]}
     return {"t": "py", "v": v}

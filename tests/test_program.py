@@ -243,6 +243,22 @@ def test_every_cut_gives_programs_that_run_on_what_the_wire_delivers() -> None:
         assert torch.equal(loss, last(*values)), f"boundary {b}"
 
 
+def test_every_cut_passes_the_peers_dry_run_against_the_plans_specs() -> None:
+    """A peer's checks before it runs a stage (``build_checked``) on every other cut,
+    both stages: a cut that passes ``idx.device`` on once failed the dry run (its
+    device was meta there, cpu in the plan), and the NAT test's planner chose it."""
+    model = GPT.build_model()
+    gm = trace(model)
+    forbidden = forbidden_boundaries(gm)
+    for b in [b for b in range(1, len(operators(gm)), 2) if b not in forbidden]:
+        cut = Cut((b,))
+        specs = boundary_specs(model, cut, GPT.first_micro_batch())
+        programs = export_stages(model, cut, GPT.first_micro_batch())
+        for s, outputs in ((0, specs[1]), (1, None)):
+            program = Program.from_payload(programs[s].to_payload())
+            build_checked(program, specs[s], outputs, "cpu", DEFAULT_NAMESPACES)
+
+
 def _node(name: str, op: str, *args: Any, **kwargs: Any) -> dict[str, Any]:
     return {"name": name, "op": op, "args": {"tuple": list(args)}, "kwargs": {"kwargs": kwargs}}
 
