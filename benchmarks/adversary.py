@@ -66,10 +66,11 @@ async def _probe(a: object, peer: str, up: int, down: int) -> tuple[int, int]:
 
 
 async def _refused(write: Any) -> None:
-    """An attack's write; the receiver may cut the stream (that is the defence)."""
+    """An attack's write; the receiver may cut the stream, or leave it unread (TCP holds
+    the attacker back: its own unpaid claim holds up its later payloads): both defend."""
     try:
-        await write
-    except PeerUnreachable:
+        await asyncio.wait_for(write, 10)
+    except (PeerUnreachable, asyncio.TimeoutError):
         pass
 
 

@@ -1,11 +1,14 @@
-"""Bytes in flight: how much payload a process reads at once, per sender and in all.
+"""Bytes in flight: how much payload a process reads from one sender at once.
 
-A payload's bytes are read only once its claimed size fits the budget; until then
-its stream is left unread, so TCP's flow control holds the sender back (nothing is
-refused: honest traffic only waits). A payload always fits when nothing else is held
-(of its sender, and in all), so one larger than a limit still arrives, alone. What a
-claim can hold is bounded anyway (the gate refuses payloads over the plan's sizes);
-the budget bounds how many such claims are read at the same time."""
+A payload's bytes are read only once its claimed size fits its sender's budget;
+until then its stream is left unread, so TCP's flow control holds the sender back
+(nothing is refused: honest traffic only waits). A payload always fits when its
+sender has nothing else in flight, so one larger than the limit still arrives,
+alone. The budget is per sender only: a claim that is never paid (a head claiming
+4 GiB, then silence) holds up its own sender's later payloads and no one else's; a
+budget shared by all senders would let one such claim stop everyone's traffic. A
+claim allocates nothing by itself (payloads grow as bytes arrive), and what a
+sender may claim is bounded by the plan's sizes and the stream limits."""
 
 from __future__ import annotations
 
@@ -14,16 +17,15 @@ import contextlib
 from collections import defaultdict
 from collections.abc import AsyncIterator
 
-#: payload bytes read at once from one sender, and from all of them
+#: claimed payload bytes read at once from one sender
 PER_SENDER_IN_FLIGHT = 1 << 30
-TOTAL_IN_FLIGHT = 4 << 30
 
 
 class ByteBudget:
-    """Claimed payload bytes being read, per sender and in all (see the module)."""
+    """Claimed payload bytes being read, per sender (see the module)."""
 
-    def __init__(self, per_sender: int = PER_SENDER_IN_FLIGHT, total: int = TOTAL_IN_FLIGHT) -> None:
-        self.per_sender, self.total = per_sender, total
+    def __init__(self, per_sender: int = PER_SENDER_IN_FLIGHT) -> None:
+        self.per_sender = per_sender
         self.held: dict[str, int] = defaultdict(int)
         self.waits = 0  # payloads that had to wait for room (counted, not refused)
         self._waiting: set[asyncio.Future[None]] = set()
@@ -33,8 +35,8 @@ class ByteBudget:
         return sum(self.held.values())
 
     def fits(self, sender: str, nbytes: int) -> bool:
-        mine, everyone = self.held.get(sender, 0), self.in_flight
-        return (mine == 0 or mine + nbytes <= self.per_sender) and (everyone == 0 or everyone + nbytes <= self.total)
+        mine = self.held.get(sender, 0)
+        return mine == 0 or mine + nbytes <= self.per_sender
 
     @contextlib.asynccontextmanager
     async def hold(self, sender: str, nbytes: int) -> AsyncIterator[None]:
