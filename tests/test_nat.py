@@ -68,7 +68,8 @@ def test_peers_behind_nats_train_equal_to_one_process(tmp_path: Path, direct: in
     else:
         assert re.search(rf"peer {ids[2]} \(.*, direct\)", out), out[-2000:]
     assert all(re.search(rf"peer {p} \(.*, forwarded\)", out) for p in ids[:2]), out[-2000:]
-    assert re.search(r"forwarded [1-9][\d.]* MB between peers behind NATs", out), out[-2000:]
+    forwarded = re.search(r"forwarded ([\d.]+) MB between peers behind NATs", out)
+    assert forwarded and float(forwarded.group(1)) > 0, out[-2000:]
     for p in procs[1:3]:
         assert re.search(r"dialled out to (\d+) of the plan's \1 reachable peers", p.output), p.output[-2000:]
         assert "Traceback" not in p.output and p.popen.returncode == 0, p.output[-2000:]
