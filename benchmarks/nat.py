@@ -209,6 +209,9 @@ def main() -> None:
     parser.add_argument("--short", action="store_true")
     parser.add_argument("--node", nargs=2, metavar=("IP", "BOOTSTRAP"))
     args = parser.parse_args()
+    from fusionllm.reaper import start_reaper
+
+    start_reaper()  # killed, its children go too (a node's: its DHT and p2pd)
     if args.node:
         asyncio.run(_node(*args.node))
         return

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from protocol.envelope import Envelope, Gate, Reject, Rejected
-from protocol.streams import read_frame_head, read_payload
+from protocol.streams import read_frame_head, read_or_end, read_payload
 
 logger = logging.getLogger(__name__)
 
@@ -38,11 +38,8 @@ def route_head(dest: str, origin: str) -> bytes:
 
 async def read_route(reader: asyncio.StreamReader) -> tuple[str, str] | None:
     """(destination, origin) of the next forwarded frame; None at the stream's clean end."""
-    try:
-        lengths = await reader.readexactly(_ROUTE.size)
-    except asyncio.IncompleteReadError as exc:
-        if exc.partial:
-            raise Rejected(Reject.TRUNCATED, "stream ended inside a route head") from None
+    lengths = await read_or_end(reader, _ROUTE.size, "a route head")
+    if lengths is None:
         return None
     a, b = _ROUTE.unpack(lengths)
     ids = await reader.readexactly(a + b)

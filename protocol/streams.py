@@ -11,14 +11,22 @@ from protocol.identity import SIGNATURE_BYTES
 from protocol.wire import MAX_HEADER_BYTES, read_growing
 
 
+async def read_or_end(reader: asyncio.StreamReader, n: int, what: str) -> bytes | None:
+    """``n`` bytes that begin ``what``; None when the stream ends cleanly before them
+    (``Rejected`` when it ends inside them)."""
+    try:
+        return await reader.readexactly(n)
+    except asyncio.IncompleteReadError as exc:
+        if exc.partial:
+            raise Rejected(Reject.TRUNCATED, f"stream ended inside {what}") from None
+        return None
+
+
 async def read_frame_head(reader: asyncio.StreamReader) -> bytes | None:
     """A frame's head (magic, length, header, signature), its sizes checked before
     reading; None when the stream ends cleanly before one."""
-    try:
-        first = await reader.readexactly(HEAD.size)
-    except asyncio.IncompleteReadError as exc:
-        if exc.partial:
-            raise Rejected(Reject.TRUNCATED, "stream ended inside a frame head") from None
+    first = await read_or_end(reader, HEAD.size, "a frame head")
+    if first is None:
         return None
     magic, hlen = HEAD.unpack(first)
     if magic != MAGIC:
