@@ -51,3 +51,13 @@ async def discard(reader: asyncio.StreamReader, size: int) -> None:
         if not chunk:
             raise Rejected(Reject.TRUNCATED, "stream ended inside a rejected payload")
         size -= len(chunk)
+
+
+async def linger(reader: asyncio.StreamReader, timeout: float) -> None:
+    """Wait (at most ``timeout``) for the other end to close: what was written last is
+    then read, not cut off by closing a stream whose bytes are still on their way
+    through the daemons."""
+    try:
+        await asyncio.wait_for(reader.read(1), timeout)
+    except (asyncio.TimeoutError, ConnectionError, OSError):
+        pass

@@ -29,7 +29,7 @@ from protocol.envelope import Envelope, Gate, Reject, Rejected, Sealer, inline_p
 from protocol.forward import FWD_PROTOCOL, Forwarding
 from protocol.identity import Identity
 from protocol.messages import Message
-from protocol.streams import discard, read_frame_head, read_payload
+from protocol.streams import discard, linger, read_frame_head, read_payload
 from protocol.wire import (
     Frame,
     Link,
@@ -52,6 +52,7 @@ BW_PROTOCOL = "/fusionllm/bw/1"
 MAX_PROBE_BYTES = 64 << 20
 PROBE_BUDGET_BYTES = 256 << 20
 PROBE_WINDOW_S = 60.0
+PROBE_LINGER_S = 30.0  # a probe's answer is kept open until the prober has read it (or this long)
 #: lane parts that arrived before (or without) their frame's head: kept this long, and
 #: at most this many per sender
 LANE_PART_TTL_S = 120.0
@@ -69,6 +70,7 @@ FIRST_HEAD_S = 10.0
 #: long such a peer's own dial to another may take
 DIAL_IN_WAIT_S = 60.0
 DIAL_OUT_S = 15.0
+OPEN_RETRY_S = 1.0  # a stream that fails to open (a daemon busy a moment) is tried again this long
 #: how long a probe waits for its sender's hello to be admitted
 ADMISSION_WAIT_S = 10.0
 _ZEROS = bytes(1 << 20)
@@ -246,7 +248,7 @@ class Transport(Forwarding):
                 await asyncio.wait_for(self.p2p._client.connect(pid, addrs), timeout=15)
             except Exception as exc:
                 logger.debug("direct connect to %s failed: %s", peer_id, exc)
-        deadline = time.monotonic() + (DIAL_IN_WAIT_S if peer_id in self.dials_in else 0.0)
+        deadline = time.monotonic() + (DIAL_IN_WAIT_S if peer_id in self.dials_in else OPEN_RETRY_S)
         while True:
             try:
                 _, reader, writer = await asyncio.wait_for(self.p2p.call_binary_stream_handler(pid, protocol), 20)
@@ -524,6 +526,7 @@ class Transport(Forwarding):
             for at in range(0, down, len(_ZEROS)):
                 writer.write(_ZEROS[: min(len(_ZEROS), down - at)])
                 await writer.drain()
+            await linger(reader, PROBE_LINGER_S)
         except Rejected as exc:
             self.gate.reject(sender, exc)
         except (WireError, ConnectionError, ValueError, asyncio.IncompleteReadError) as exc:

@@ -189,10 +189,10 @@ def test_bandwidth_probes_answer_only_admitted_peers_and_never_amplify(monkeypat
             writer.close()
             await _until(lambda: b.gate.counts[Reject.PROBE_LIMIT] == 1)
             # over the budget per minute: refused
-            with pytest.raises(PeerUnreachable):
+            with pytest.raises(PeerUnreachable) as refused:
                 for _ in range(PROBE_BUDGET_BYTES // (32 << 20) + 1):
                     await a.measure_bandwidth(b.peer_id, 16 << 20)
-            assert b.gate.counts[Reject.PROBE_LIMIT] == 2
+            assert b.gate.counts[Reject.PROBE_LIMIT] == 2, f"the prober saw {refused.value}, not the budget's refusal"
             # not admitted: refused
             b.gate.keys.clear()
             with pytest.raises(PeerUnreachable):
