@@ -29,7 +29,7 @@ from coordinator.run import Driver
 from coordinator.runstate import EXCLUDED, RunState
 from coordinator.status import StatusBoard
 from coordinator.web import StatusServer
-from protocol.admission import RENEW_EVERY_S, RunRecords, issue_certificate
+from protocol.admission import CERT_TTL_S, RENEWALS_PER_TTL, issue_certificate
 from protocol.advert_check import advert_problem
 from protocol.codecs import Codec
 from protocol.envelope import Envelope, Gate, Reject, Rejected
@@ -38,6 +38,7 @@ from protocol.job import JobSpec
 from protocol.messages import Abort, Advert, Certificate, CoordinatorRecord, Message, Reachability, dht_key
 from protocol.ports import PortTaken, check_listen_ports
 from protocol.reach import DIAL_BACK_TIMEOUT_S, dial_back, observed_ip, tcp_ports
+from protocol.run_records import RunRecords
 from protocol.spotcheck import DEFAULT_SPOT_CHECK
 from protocol.transport import PeerUnreachable, Transport
 
@@ -85,6 +86,7 @@ class CoordinatorConfig:
     stall_floor_s: float = 8.0  # a planned peer silent this long (or 10 median steps, if longer) has stalled
     send_timeout_s: float = 30.0  # a send to a peer that takes longer counts as a lost peer
     private: bool = False  # admit only peers whose hello proves the swarm's secret (coordinator.private)
+    cert_ttl: float = CERT_TTL_S  # a private swarm's admission certificates hold this long (renewed before)
     spot_check: float = DEFAULT_SPOT_CHECK  # each replicated micro-batch re-executed with this chance (auditing)
     stages_as: str = "program"  # STAGE_FORMS: how peers get their stages
 
@@ -456,7 +458,8 @@ class Coordinator:
         for p in peers:
             key = self.gate.keys.get(p)
             if key is not None:
-                certs[p] = issue_certificate(self.identity, self.config.run_id, p, key_hex(key), now)
+                cert = issue_certificate(self.identity, self.config.run_id, p, key_hex(key), now, self.config.cert_ttl)
+                certs[p] = cert
                 self.gate.until[p] = certs[p]["expires_at"]
         planned = self.driver.st.planned if self.driver is not None else set()
         ends = {p: self.gate.until[p] for p in planned if p in self.gate.until}
@@ -468,7 +471,7 @@ class Coordinator:
     async def _send_certificate(self, peer: str, msg: Certificate) -> None:
         assert self.transport is not None
         try:
-            await asyncio.wait_for(self.transport.send(peer, msg), RENEW_EVERY_S / 2)
+            await asyncio.wait_for(self.transport.send(peer, msg), self._renew_every / 2)
         except (PeerUnreachable, asyncio.TimeoutError) as exc:  # it may be gone; its certificate runs out
             logger.debug("could not send %s its certificate: %s", peer, exc)
 
@@ -478,7 +481,7 @@ class Coordinator:
         certificate ends."""
         assert self.transport is not None
         while True:
-            await asyncio.sleep(RENEW_EVERY_S)
+            await asyncio.sleep(self._renew_every)
             st = self.driver.st if self.driver is not None else None
             excluded = {p for p, why in st.lost.items() if why.startswith(EXCLUDED)} if st is not None else set()
             peers = [p for p in self.gate.keys if p != self.transport.peer_id and p not in excluded]
@@ -486,6 +489,10 @@ class Coordinator:
                 await self._certify(peers)
             except Exception as exc:  # never lose the renewals to one failure
                 logger.warning("renewing certificates failed: %s", exc)
+
+    @property
+    def _renew_every(self) -> float:
+        return self.config.cert_ttl / RENEWALS_PER_TTL
 
     def _enforce_bans(self) -> None:
         """Banned peers lose their admission at once; a planned one is dropped from the

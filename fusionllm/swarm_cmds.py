@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from fusionllm.cli import UsageError, job_from_args
 from fusionllm.reaper import start_reaper
+from protocol.admission import CERT_TTL_S
 from protocol.job import foreign_code
 from protocol.ports import PortTaken, check_listen_ports
 from protocol.text import clean
@@ -124,6 +125,7 @@ async def _coordinate(args: argparse.Namespace, on_ready: Any = None) -> int:
         status_host=args.status_host,
         status_port=args.status_port,
         private=getattr(args, "private", False),
+        cert_ttl=getattr(args, "cert_ttl", CERT_TTL_S),
         spot_check=args.spot_check,
         stages_as=args.stages_as,
         **_recovery_options(args),

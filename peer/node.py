@@ -22,7 +22,7 @@ from peer.checks import PlanChecks
 from peer.epoch import EpochRunner, ForeignCode, HeldStage, Poisoned, RunRefused
 from peer.mailbox import Mailbox
 from peer.throttle import Throttle
-from protocol.admission import CertificateError, RunRecords, check_certificate, hello_proof
+from protocol.admission import CertificateError, check_certificate, hello_proof, lifetime
 from protocol.envelope import Gate
 from protocol.identity import Identity, IdentityError, check_record, key_hex, public_key, sign_record
 from protocol.job import ModelError
@@ -55,6 +55,7 @@ from protocol.messages import (
 )
 from protocol.program import DEFAULT_NAMESPACES
 from protocol.reach import HOW_TO_BE_REACHABLE
+from protocol.run_records import RunRecords
 from protocol.text import clean
 from protocol.transport import Inbound, PeerUnreachable, Transport
 
@@ -75,6 +76,14 @@ __all__ = ["JoinError", "PeerConfig", "PeerNode", "RunRefused"]
 
 class JoinError(RuntimeError):
     """The peer could not join the swarm; ``str()`` says why in one line."""
+
+
+def revoked(late: float) -> str:
+    """Why a peer whose admission certificate ran out leaves (one line)."""
+    return (
+        f"this peer's admission certificate ran out {late:.0f} s ago and the coordinator did not renew it: "
+        "the swarm's host banned this peer, or the coordinator excluded it; every peer of the swarm refuses it now"
+    )
 
 
 @dataclass
@@ -116,6 +125,7 @@ class PeerNode:
         self.checks: PlanChecks | None = None
         self.coordinator_key: Any = None  # pinned at the first contact (trust on first use)
         self.certificate: dict[str, Any] | None = None  # this peer's admission certificate, renewed by the coordinator
+        self._certified_at = 0.0  # time.monotonic() when the last one came
         self.control: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self.epoch = -1
         self.step = 0
@@ -273,7 +283,7 @@ class PeerNode:
             logger.warning("ignoring a certificate: %s", exc)
             return
         if msg.cert.get("peer_id") == self.transport.peer_id:
-            self.certificate = msg.cert
+            self.certificate, self._certified_at = msg.cert, time.monotonic()
         gate = self.transport.gate
         for p, end in msg.expires.items():
             if p in gate.keys and p != self.coordinator.peer_id and math.isfinite(end):
@@ -373,6 +383,8 @@ class PeerNode:
         assert self.transport is not None and self.coordinator is not None
         self._tasks.append(asyncio.create_task(self._watch_coordinator()))
         self._tasks.append(asyncio.create_task(self._beat()))
+        if self.config.swarm_secret:
+            self._tasks.append(asyncio.create_task(self._watch_certificate()))
         while True:
             getter = asyncio.ensure_future(self.control.get())
             waits: set[asyncio.Future[Any]] = {getter}
@@ -426,6 +438,8 @@ class PeerNode:
             return 1
         elif kind == "lost":
             return await self._reattach(item)
+        elif kind == "revoked":
+            raise JoinError(item)
         return None
 
     @property
@@ -556,6 +570,20 @@ class PeerNode:
                     self.control.put_nowait(
                         ("lost", f"its connection dropped and it cannot be reached for {now - down_since:.0f} s")
                     )
+
+    async def _watch_certificate(self) -> None:
+        """Leave (a private swarm) once this peer's certificate has gone a whole lifetime
+        without renewal while the coordinator is there: banned or excluded, every other
+        peer refuses it now. (While the coordinator is lost, the clock starts again.)"""
+        while True:
+            await asyncio.sleep(1.0)
+            if self.certificate is None or self._reattaching:
+                self._certified_at = time.monotonic()
+                continue
+            late = time.monotonic() - self._certified_at - lifetime(self.certificate)
+            if late > 0:
+                self.control.put_nowait(("revoked", revoked(late)))
+                return
 
     async def _reattach(self, reason: str) -> int | None:
         """Wait up to the grace period for the coordinator's record (signed by the

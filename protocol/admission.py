@@ -13,12 +13,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from hivemind.dht.routing import DHTID
-from hivemind.dht.validation import DHTRecord, RecordValidatorBase
-from hivemind.utils.serializer import MSGPackSerializer
-
 from protocol.identity import Identity, IdentityError, check_record, key_hex, public_key, sign_record
-from protocol.messages import dht_key
 
 #: bytes of a swarm secret
 SECRET_BYTES = 32
@@ -72,22 +67,35 @@ def proof_ok(secret: str, run: str, peer_id: str, pubkey: str, proof: object) ->
     return isinstance(proof, str) and hmac.compare_digest(hello_proof(secret, run, peer_id, pubkey), proof)
 
 
-#: how long an admission certificate holds; the coordinator renews every sixth of it (slack for a busy
-#: coordinator or a slow link), so a peer it stops renewing (banned, excluded, or cut off from it) is
-#: refused everywhere within this time
+#: how long an admission certificate holds (``coordinator --cert-ttl``); the coordinator renews every
+#: ``RENEWALS_PER_TTL``-th of it (slack for a busy coordinator or a slow link), so a peer it stops renewing
+#: (banned or excluded) is refused everywhere within this time, and leaves when it sees it
 CERT_TTL_S = 60.0
-RENEW_EVERY_S = CERT_TTL_S / 6
+MIN_CERT_TTL_S = 3.0
+MAX_CERT_TTL_S = 24 * 3600.0
+RENEWALS_PER_TTL = 6
 
 
 class CertificateError(ValueError):
     """A certificate that does not admit its holder; ``str()`` says why in one line."""
 
 
-def issue_certificate(coordinator: Identity, run: str, peer_id: str, pubkey: str, now: float) -> dict[str, Any]:
+def issue_certificate(
+    coordinator: Identity, run: str, peer_id: str, pubkey: str, now: float, ttl: float = CERT_TTL_S
+) -> dict[str, Any]:
     """The coordinator's signed word that ``peer_id`` (holding ``pubkey``) is admitted
-    to ``run`` until ``now + CERT_TTL_S`` (wall-clock seconds, as DHT times are)."""
-    body = {"kind": "cert", "run": run, "peer_id": peer_id, "subject": pubkey, "expires_at": now + CERT_TTL_S}
-    return sign_record(coordinator, body)
+    to ``run`` until ``now + ttl`` (wall-clock seconds, as DHT times are)."""
+    body = {"kind": "cert", "run": run, "peer_id": peer_id, "subject": pubkey, "issued_at": now}
+    return sign_record(coordinator, {**body, "expires_at": now + ttl})
+
+
+def lifetime(cert: dict[str, Any]) -> float:
+    """How long a (checked) certificate holds from its issue: measured on the issuer's
+    clock, so it is the same on a holder whose clock is off."""
+    issued, expires = cert.get("issued_at"), cert["expires_at"]
+    if not isinstance(issued, (int, float)) or isinstance(issued, bool) or not math.isfinite(issued):
+        return CERT_TTL_S
+    return min(max(float(expires) - float(issued), MIN_CERT_TTL_S), MAX_CERT_TTL_S)
 
 
 def check_certificate(cert: object, coordinator_key: str, run: str, now: float) -> dict[str, Any]:
@@ -113,36 +121,3 @@ def _ago(expires: object, now: float) -> str:
     if isinstance(expires, (int, float)) and not isinstance(expires, bool):
         return f"it expired {now - float(expires):.0f} s ago"
     return "it names no expiry"
-
-
-class RunRecords(RecordValidatorBase):
-    """A private swarm's DHT rule, on every node of the swarm: the run's coordinator
-    record must be signed by the coordinator's key, and each advert by a peer whose
-    admission certificate (in the advert) that coordinator signed for its key. An
-    outsider's records for the run are not stored, and a node's answer holding one
-    is not believed. (Expiry is the coordinator's business, not the DHT's: a record
-    stored while valid must stay readable.)"""
-
-    def __init__(self, run: str, coordinator_key: str) -> None:
-        super().__init__()
-        self.run, self.coordinator_key = run, coordinator_key
-        self._adverts = DHTID.generate(source=dht_key(run, "adverts")).to_bytes()
-        self._coordinator = DHTID.generate(source=dht_key(run, "coordinator")).to_bytes()
-        self.dropped = 0
-
-    def validate(self, record: DHTRecord) -> bool:
-        if record.key not in (self._adverts, self._coordinator):
-            return True  # another run's, or not FusionLLM's
-        try:
-            value = MSGPackSerializer.loads(record.value)
-            signer = key_hex(check_record(value))
-            if record.key == self._coordinator:
-                ok = signer == self.coordinator_key
-            else:
-                cert = check_certificate(value.get("cert"), self.coordinator_key, self.run, -math.inf)
-                subkey = MSGPackSerializer.loads(record.subkey)
-                ok = cert["subject"] == signer and cert["peer_id"] == value.get("peer_id") == subkey
-        except Exception:  # anything unreadable is not the run's
-            ok = False
-        self.dropped += not ok
-        return ok

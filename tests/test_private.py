@@ -18,7 +18,6 @@ from coordinator.private import Admission, write_secret
 from protocol.admission import (
     CERT_TTL_S,
     CertificateError,
-    RunRecords,
     Token,
     TokenError,
     check_certificate,
@@ -30,6 +29,7 @@ from protocol.admission import (
 from protocol.envelope import Gate, Reject, Rejected, Sealer
 from protocol.identity import Identity, sign_record
 from protocol.messages import Beat, dht_key
+from protocol.run_records import RunRecords
 from tests.conftest import run_cli
 from tests.swarmproc import SMALL, Proc, Swarm, api, wait_for
 
@@ -66,8 +66,8 @@ def _refused(swarm: Swarm, tmp_path: Path, name: str, *join: str) -> str:
 
 def test_a_private_swarm_admits_token_holders_and_drops_a_banned_peer(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    args = ["--private", "--steps", "200", "--seed", "0", *SMALL, "--min-peers", "2", "--run-dir", str(run_dir)]
-    swarm = Swarm(tmp_path, args, peers=0)
+    args = ["--private", "--cert-ttl", "6", "--steps", "200", "--seed", "0", *SMALL, "--min-peers", "2"]
+    swarm = Swarm(tmp_path, [*args, "--run-dir", str(run_dir)], peers=0)
     try:
         assert swarm.join_args[0] == "--token"
         token = parse_token(swarm.join_args[1])
@@ -85,6 +85,10 @@ def test_a_private_swarm_admits_token_holders_and_drops_a_banned_peer(tmp_path: 
         swarm.coord.wait_line(rf"peer {members[1]} .*failed: excluded: banned by the swarm's host", 60)
         # what the banned peer sends from then on (heartbeats, a hello again) is refused and counted
         wait_for(swarm.url, lambda s: s["rejected"].get("not_admitted", 0) > refused, 60)
+        # and it leaves by itself once its certificate runs out unrenewed, saying why in one line
+        banned = swarm.peers[members[1]]
+        assert banned.wait(60) == 2, banned.output[-2000:]
+        assert "error: this peer's admission certificate ran out" in banned.output and "banned" in banned.output
         assert swarm.coord.wait(300) == 0, swarm.coord.output[-3000:]
         out = swarm.coord.output
         assert re.findall(r"stage \d replica \d: peer (\w+)", out) == [members[0]]
@@ -176,3 +180,50 @@ def test_a_private_swarms_dht_keeps_only_records_its_coordinator_stands_behind()
     assert _record(validator, "coordinator", sign_record(coordinator, {"kind": "coordinator"}), "x")
     other = DHTRecord(b"other key", b"", b"\xc1", 0.0)
     assert validator.validate(other), "other runs' records are not this validator's business"
+
+
+def _cert_peer(swarm: Swarm, tmp_path: Path, mode: str, token: str) -> Proc:
+    p = Proc(mode, "--token", token, "--identity", str(tmp_path / f"{mode}.key"), module="tests.cert_peer")
+    swarm.procs.append(p)
+    return p
+
+
+def _refuses(receiver: Proc, sender: str) -> None:
+    """``receiver`` logged refusing a message from ``sender`` (its admission gone)."""
+    receiver.wait_line(rf"rejected a message from {sender}: (not_admitted|expired): ", 60)
+
+
+def test_forged_and_run_out_certificates_are_refused_by_every_receiver(tmp_path: Path) -> None:
+    """A forger (the token's public parts, a certificate it signed itself) and a member
+    banned mid-run that goes on sending after its certificate ran out: the coordinator
+    and every peer refuse their heartbeats, activations and bandwidth probes, and count
+    them."""
+    run_dir = tmp_path / "run"
+    args = ["--private", "--cert-ttl", "6", "--steps", "3000", "--seed", "0", *SMALL, "--min-peers", "3"]
+    swarm = Swarm(tmp_path, [*args, "--run-dir", str(run_dir)], peers=0)
+    try:
+        token = swarm.join_args[1]
+        honest = [swarm.add_peer(i) for i in range(2)]
+        member = _cert_peer(swarm, tmp_path, "lapsed", token)
+        lapsed = member.wait_line(r"joined run '.*' as (\w+)", 120).group(1)
+        wait_for(swarm.url, lambda s: s["training"]["step"] >= 5, 120)
+        refused = api(swarm.url)["rejected"].get("not_admitted", 0)
+        forger = _cert_peer(swarm, tmp_path, "forger", token)
+        sent = forger.wait_line(r"forger (\w+) sent to \d+ receivers: (.*)", 120)
+        assert set(sent.group(2).split()) == {*honest, lapsed}, "it reached every member"
+        for p in honest:
+            _refuses(swarm.peers[p], sent.group(1))
+        # hello, heartbeat, activations and probe: each refused and counted at the coordinator
+        wait_for(swarm.url, lambda s: s["rejected"].get("not_admitted", 0) >= refused + 4, 60)
+        assert sent.group(1) not in {p["id"] for p in api(swarm.url)["peers"]}
+        r = run_cli("ban", lapsed, "--run-dir", str(run_dir))
+        assert r.returncode == 0, r.stderr
+        member.wait_line(r"certificate ran out: this peer's admission certificate ran out", 60)
+        again = member.wait_line(r"lapsed (\w+) sent to \d+ receivers: (.*)", 120)
+        assert set(again.group(2).split()) == set(honest)
+        for p in honest:
+            _refuses(swarm.peers[p], lapsed)
+        wait_for(swarm.url, lambda s: s["rejected"].get("not_admitted", 0) >= refused + 7, 60)
+        assert api(swarm.url)["training"]["step"] > 5, "the run went on"
+    finally:
+        swarm.close()

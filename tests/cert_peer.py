@@ -1,0 +1,161 @@
+"""Hostile members of a private swarm, for integration tests.
+
+``python -m tests.cert_peer MODE --token TOKEN --identity KEY``
+
+- ``forger``: holds the join token's public parts but not its secret. It forges an
+  admission certificate (its own key standing in for the coordinator's, and a copy
+  whose signer field names the coordinator), publishes its advert with it, says
+  hello, and sends a control message (a heartbeat), a RAD message (activations) and
+  a bandwidth probe to the coordinator and to every peer whose advert it reads.
+- ``lapsed``: joins with the whole token like ``fusionllm join``, trains, and once
+  its certificate ran out without renewal (the host banned it) it does not leave:
+  it sends the same three kinds of message to the coordinator and to every peer of
+  its last assignment.
+
+Each prints ``<mode> <peer id> sent to <n> receivers: <ids>`` and exits 0; the test
+reads every receiver's count or log."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import time
+from typing import Any
+
+import hivemind
+import torch
+from hivemind.utils import get_dht_time
+
+from peer.node import JoinError, PeerConfig, PeerNode
+from protocol.admission import issue_certificate, parse_token
+from protocol.envelope import Gate
+from protocol.identity import Identity, sign_record
+from protocol.messages import PROTOCOL_VERSION, Activations, Advert, Beat, CoordinatorRecord, Hello, dht_key
+from protocol.transport import PeerUnreachable, Transport
+
+
+async def attack(kind: str, tp: Transport, run: str, receivers: dict[str, list[str]], coordinator: str) -> None:
+    """A heartbeat, activations and a bandwidth probe to each receiver (failures are
+    the receivers' refusals: the stream closed on us)."""
+    for pid, maddrs in receivers.items():
+        tp.learn(pid, maddrs)
+
+    async def one(pid: str) -> None:
+        for msg, values in ((Beat(run, 10**6), None), (Activations(run, 10**6, 0, 1), [torch.ones(64)])):
+            try:
+                await asyncio.wait_for(tp.send(pid, msg, values), 20)
+            except (PeerUnreachable, asyncio.TimeoutError):
+                pass
+        try:
+            await asyncio.wait_for(tp.measure_bandwidth(pid, 1 << 16), 30)
+        except (PeerUnreachable, asyncio.TimeoutError):
+            pass
+
+    await asyncio.gather(*(one(p) for p in receivers))
+    others = sorted(p for p in receivers if p != coordinator)
+    print(f"{kind} {tp.peer_id} sent to {len(receivers)} receivers: {' '.join(others)}", flush=True)
+
+
+def forged_certificates(me: Identity, run: str, peer_id: str, coordinator_key: str) -> list[dict[str, Any]]:
+    """A certificate the forger signed itself, and one that claims the coordinator signed it."""
+    own = issue_certificate(me, run, peer_id, me.public_hex, time.time())
+    return [own, {**own, "pubkey": coordinator_key}]
+
+
+async def forger(token: str, key_file: str) -> None:
+    t = parse_token(token)
+    me = Identity.load_or_create(key_file)
+    dht = hivemind.DHT(initial_peers=t.maddrs, start=True)
+    tp = Transport(await dht.replicate_p2p(), me, Gate(t.run))
+    await tp.start()
+    try:
+        found = await dht.get(dht_key(t.run, "adverts"), latest=True, return_future=True)
+        receivers = {ad.peer_id: ad.maddrs for ad in _adverts(found)}
+        coordinator = await dht.get(dht_key(t.run, "coordinator"), latest=True, return_future=True)
+        cid, cmaddrs = _coordinator(coordinator, t.coordinator_key)
+        receivers[cid] = cmaddrs
+        for cert in forged_certificates(me, t.run, tp.peer_id, t.coordinator_key):
+            maddrs = [str(m) for m in dht.get_visible_maddrs()]
+            expires = get_dht_time() + 60
+            claims = ("cpu", 1e12, 1 << 34, 1e4, 1e4, str(torch.__version__), PROTOCOL_VERSION, expires)
+            ad = Advert(tp.peer_id, maddrs, *claims)
+            record = sign_record(me, dataclasses.replace(ad, cert=cert).header())
+            await dht.store(dht_key(t.run, "adverts"), record, expires, subkey=tp.peer_id, return_future=True)
+        tp.learn(cid, cmaddrs)
+        try:
+            await tp.send(cid, Hello(t.run, me.public_hex, proof="", maddrs=[]))
+        except PeerUnreachable:
+            pass
+        await attack("forger", tp, t.run, receivers, cid)
+    finally:
+        await tp.aclose()
+        dht.shutdown()
+
+
+def _adverts(found: Any) -> list[Advert]:
+    out = []
+    for item in (found.value if found is not None and isinstance(found.value, dict) else {}).values():
+        try:
+            ad = Advert.from_header(item.value)
+        except Exception:
+            continue
+        if isinstance(ad, Advert):
+            out.append(ad)
+    return out
+
+
+def _coordinator(found: Any, key: str) -> tuple[str, list[str]]:
+    """The peer id and addresses in the coordinator record that ``key`` signed."""
+    for item in found.value.values():
+        if item.value.get("pubkey") == key:
+            rec = CoordinatorRecord.from_header(item.value)
+            return rec.peer_id, list(rec.maddrs)
+    raise SystemExit("no coordinator record signed by the token's key")
+
+
+async def lapsed(token: str, key_file: str) -> None:
+    t = parse_token(token)
+    node = PeerNode(
+        PeerConfig(t.maddrs, t.run, identity=key_file, coordinator_key=t.coordinator_key, swarm_secret=t.secret)
+    )
+    last: dict[str, Any] = {}
+    control = node._control
+
+    async def keep(kind: str, item: Any) -> int | None:
+        if kind == "assign":
+            last["assign"] = item.message
+        if kind != "revoked":
+            return await control(kind, item)
+        print(f"certificate ran out: {item}", flush=True)
+        await node._stop_epoch()
+        a = last["assign"]
+        assert node.transport is not None and node.coordinator is not None
+        receivers = {p: list(a.maddrs.get(p, [])) for p in a.keys if p != node.transport.peer_id}
+        receivers[node.coordinator.peer_id] = list(node.coordinator.maddrs)
+        await attack("lapsed", node.transport, t.run, receivers, node.coordinator.peer_id)
+        return 0
+
+    node._control = keep  # type: ignore[method-assign]
+    try:
+        await node.start()
+        assert node.advert is not None
+        print(f"joined run '{t.run}' as {node.advert.peer_id}", flush=True)
+        await node.serve()
+    except JoinError as exc:
+        print(f"refused: {exc}", flush=True)
+    finally:
+        await node.aclose()
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["forger", "lapsed"])
+    ap.add_argument("--token", required=True)
+    ap.add_argument("--identity", required=True)
+    args = ap.parse_args()
+    await (forger if args.mode == "forger" else lapsed)(args.token, args.identity)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
