@@ -29,13 +29,22 @@ from coordinator.run import Driver
 from coordinator.runstate import EXCLUDED, RunState
 from coordinator.status import StatusBoard
 from coordinator.web import StatusServer
-from protocol.admission import CERT_TTL_S, RENEWALS_PER_TTL, issue_certificate
+from protocol.admission import CERT_TTL_S, RENEWAL_SEND_S, RENEWALS_PER_TTL, issue_certificate
 from protocol.advert_check import advert_problem
 from protocol.codecs import Codec
 from protocol.envelope import Envelope, Gate, Reject, Rejected
 from protocol.identity import Identity, IdentityError, check_record, key_hex, sign_record
 from protocol.job import JobSpec
-from protocol.messages import Abort, Advert, Certificate, CoordinatorRecord, Message, Reachability, dht_key
+from protocol.messages import (
+    NOT_ADMITTED,
+    Abort,
+    Advert,
+    Certificate,
+    CoordinatorRecord,
+    Message,
+    Reachability,
+    dht_key,
+)
 from protocol.ports import PortTaken, check_listen_ports
 from protocol.reach import DIAL_BACK_TIMEOUT_S, dial_back, observed_ip, tcp_ports
 from protocol.run_records import RunRecords
@@ -431,7 +440,7 @@ class Coordinator:
     async def _abort_quietly(self, sender: str, why: str) -> None:
         assert self.transport is not None
         try:
-            await asyncio.wait_for(self.transport.send(sender, Abort(self.config.run_id, f"not admitted: {why}")), 10)
+            await asyncio.wait_for(self.transport.send(sender, Abort(self.config.run_id, NOT_ADMITTED + why)), 10)
         except Exception as exc:  # it may be gone already
             logger.debug("could not tell %s why it was refused: %s", sender, exc)
 
@@ -471,7 +480,8 @@ class Coordinator:
     async def _send_certificate(self, peer: str, msg: Certificate) -> None:
         assert self.transport is not None
         try:
-            await asyncio.wait_for(self.transport.send(peer, msg), self._renew_every / 2)
+            low, high = RENEWAL_SEND_S
+            await asyncio.wait_for(self.transport.send(peer, msg), min(max(self._renew_every / 2, low), high))
         except (PeerUnreachable, asyncio.TimeoutError) as exc:  # it may be gone; its certificate runs out
             logger.debug("could not send %s its certificate: %s", peer, exc)
 
@@ -502,6 +512,7 @@ class Coordinator:
             if p in self.gate.keys:
                 self.gate.revoke(p)
                 self.board.event("failure", f"peer {p} is banned by the swarm's host")
+                self._tell_refused(p, f"{p} is banned from run '{self.config.run_id}' by the swarm's host")
             if self.driver is not None and p in self.driver.st.planned:
                 self.driver.fail(p, f"{EXCLUDED}banned by the swarm's host")
 

@@ -22,11 +22,12 @@ from peer.checks import PlanChecks
 from peer.epoch import EpochRunner, ForeignCode, HeldStage, Poisoned, RunRefused
 from peer.mailbox import Mailbox
 from peer.throttle import Throttle
-from protocol.admission import CertificateError, check_certificate, hello_proof, lifetime
+from protocol.admission import CertificateError, check_certificate, hello_proof, issued_at, lifetime
 from protocol.envelope import Gate
 from protocol.identity import Identity, IdentityError, check_record, key_hex, public_key, sign_record
 from protocol.job import ModelError
 from protocol.messages import (
+    NOT_ADMITTED,
     PROTOCOL_VERSION,
     Abort,
     Activations,
@@ -81,8 +82,8 @@ class JoinError(RuntimeError):
 def revoked(late: float) -> str:
     """Why a peer whose admission certificate ran out leaves (one line)."""
     return (
-        f"this peer's admission certificate ran out {late:.0f} s ago and the coordinator did not renew it: "
-        "the swarm's host banned this peer, or the coordinator excluded it; every peer of the swarm refuses it now"
+        f"this peer's admission certificate ran out {late:.0f} s ago, and the coordinator neither renewed it "
+        f"nor answered a hello within {CERT_WAIT_S:.0f} s; every peer of the swarm refuses this one now"
     )
 
 
@@ -277,12 +278,13 @@ class PeerNode:
         """Keep this peer's renewed certificate (for its advert), and take when the
         planned peers' certificates end (the gate refuses senders past theirs)."""
         assert self.transport is not None and self.coordinator is not None
-        try:
-            check_certificate(msg.cert, key_hex(self.coordinator_key), self.config.run_id, time.time())
+        try:  # not against this machine's clock, which may be off: its lifetime is what counts
+            check_certificate(msg.cert, key_hex(self.coordinator_key), self.config.run_id, -math.inf)
         except CertificateError as exc:
             logger.warning("ignoring a certificate: %s", exc)
             return
-        if msg.cert.get("peer_id") == self.transport.peer_id:
+        mine = msg.cert.get("peer_id") == self.transport.peer_id
+        if mine and issued_at(msg.cert) >= issued_at(self.certificate or {}):  # never an older one
             self.certificate, self._certified_at = msg.cert, time.monotonic()
         gate = self.transport.gate
         for p, end in msg.expires.items():
@@ -432,6 +434,8 @@ class PeerNode:
         elif kind == "finish":
             self._say("the run is finished")
             return 0
+        elif kind == "abort" and item.message.reason.startswith(NOT_ADMITTED):
+            raise JoinError(f"the coordinator no longer admits this peer: {item.message.reason[len(NOT_ADMITTED) :]}")
         elif kind == "abort":
             logger.error("the coordinator aborted the run: %s", item.message.reason)
             self._say(f"the coordinator aborted the run: {item.message.reason}")
@@ -572,16 +576,27 @@ class PeerNode:
                     )
 
     async def _watch_certificate(self) -> None:
-        """Leave (a private swarm) once this peer's certificate has gone a whole lifetime
-        without renewal while the coordinator is there: banned or excluded, every other
-        peer refuses it now. (While the coordinator is lost, the clock starts again.)"""
+        """A private swarm: once this peer's certificate has gone a whole lifetime without
+        renewal (the coordinator not lost), say hello again: the coordinator renews it, or
+        answers why it no longer admits this peer (banned, excluded: see ``_control``).
+        Neither within ``CERT_WAIT_S``: leave, for every peer refuses this one now."""
+        asked: float | None = None
         while True:
             await asyncio.sleep(1.0)
-            if self.certificate is None or self._reattaching:
-                self._certified_at = time.monotonic()
+            now = time.monotonic()
+            if self.certificate is None or self._reattaching:  # the clock starts again
+                self._certified_at, asked = now, None
                 continue
-            late = time.monotonic() - self._certified_at - lifetime(self.certificate)
-            if late > 0:
+            late = now - self._certified_at - lifetime(self.certificate)
+            if late <= 0:
+                asked = None
+            elif asked is None:
+                asked = now
+                try:
+                    await self._hello()
+                except (PeerUnreachable, asyncio.TimeoutError) as exc:
+                    logger.debug("could not say hello again: %s", exc)
+            elif now - asked > CERT_WAIT_S:
                 self.control.put_nowait(("revoked", revoked(late)))
                 return
 

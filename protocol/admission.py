@@ -71,9 +71,11 @@ def proof_ok(secret: str, run: str, peer_id: str, pubkey: str, proof: object) ->
 #: ``RENEWALS_PER_TTL``-th of it (slack for a busy coordinator or a slow link), so a peer it stops renewing
 #: (banned or excluded) is refused everywhere within this time, and leaves when it sees it
 CERT_TTL_S = 60.0
-MIN_CERT_TTL_S = 3.0
+MIN_CERT_TTL_S = 15.0
 MAX_CERT_TTL_S = 24 * 3600.0
 RENEWALS_PER_TTL = 6
+#: the longest one renewal may take to reach its peer (its share of the period, within these bounds)
+RENEWAL_SEND_S = (2.0, 15.0)
 
 
 class CertificateError(ValueError):
@@ -92,10 +94,23 @@ def issue_certificate(
 def lifetime(cert: dict[str, Any]) -> float:
     """How long a (checked) certificate holds from its issue: measured on the issuer's
     clock, so it is the same on a holder whose clock is off."""
-    issued, expires = cert.get("issued_at"), cert["expires_at"]
-    if not isinstance(issued, (int, float)) or isinstance(issued, bool) or not math.isfinite(issued):
+    issued, expires = _seconds(cert.get("issued_at")), _seconds(cert.get("expires_at"))
+    if issued is None or expires is None:
         return CERT_TTL_S
-    return min(max(float(expires) - float(issued), MIN_CERT_TTL_S), MAX_CERT_TTL_S)
+    return min(max(expires - issued, MIN_CERT_TTL_S), MAX_CERT_TTL_S)
+
+
+def issued_at(cert: dict[str, Any]) -> float:
+    """When (on the issuer's clock) ``cert`` was issued; -inf if it does not say."""
+    issued = _seconds(cert.get("issued_at"))
+    return -math.inf if issued is None else issued
+
+
+def _seconds(value: object) -> float | None:
+    """``value`` as a finite number of seconds, or None."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
 
 
 def check_certificate(cert: object, coordinator_key: str, run: str, now: float) -> dict[str, Any]:
@@ -111,13 +126,8 @@ def check_certificate(cert: object, coordinator_key: str, run: str, now: float) 
         raise CertificateError("an admission certificate signed by someone other than the run's coordinator")
     if cert.get("run") != run or not isinstance(cert.get("peer_id"), str) or not isinstance(cert.get("subject"), str):
         raise CertificateError("an admission certificate for another run")
-    expires = cert.get("expires_at")
-    if not isinstance(expires, (int, float)) or isinstance(expires, bool) or expires <= now:
-        raise CertificateError(f"an expired admission certificate ({_ago(expires, now)})")
+    expires = _seconds(cert.get("expires_at"))
+    if expires is None or expires <= now:
+        why = "it names no expiry" if expires is None else f"it expired {now - expires:.0f} s ago"
+        raise CertificateError(f"an expired admission certificate ({why})")
     return cert
-
-
-def _ago(expires: object, now: float) -> str:
-    if isinstance(expires, (int, float)) and not isinstance(expires, bool):
-        return f"it expired {now - float(expires):.0f} s ago"
-    return "it names no expiry"

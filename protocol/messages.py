@@ -271,8 +271,15 @@ class PeerFailure(Message):
     model: bool = False  # the model's own code raised (reason: its file:line and the exception)
 
 
+#: how an ``Abort``'s reason begins when it answers a hello the coordinator refused (the rest says why)
+NOT_ADMITTED = "not admitted: "
+
+
 @dataclass(frozen=True)
 class Abort(Message):
+    """Coordinator -> peer: the run stopped (``reason``), or this peer is not admitted
+    (``NOT_ADMITTED`` and why)."""
+
     KIND: ClassVar[str] = "abort"
     run_id: str
     reason: str

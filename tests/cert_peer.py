@@ -7,10 +7,10 @@
   whose signer field names the coordinator), publishes its advert with it, says
   hello, and sends a control message (a heartbeat), a RAD message (activations) and
   a bandwidth probe to the coordinator and to every peer whose advert it reads.
-- ``lapsed``: joins with the whole token like ``fusionllm join``, trains, and once
-  its certificate ran out without renewal (the host banned it) it does not leave:
-  it sends the same three kinds of message to the coordinator and to every peer of
-  its last assignment.
+- ``lapsed``: joins with the whole token like ``fusionllm join``, trains, and when
+  the host bans it (the coordinator says so, and stops renewing its certificate) it
+  does not leave: once its certificate has expired it sends the same three kinds of
+  message to the coordinator and to every peer of its last assignment.
 
 Each prints ``<mode> <peer id> sent to <n> receivers: <ids>`` and exits 0; the test
 reads every receiver's count or log."""
@@ -31,7 +31,16 @@ from peer.node import JoinError, PeerConfig, PeerNode
 from protocol.admission import issue_certificate, parse_token
 from protocol.envelope import Gate
 from protocol.identity import Identity, sign_record
-from protocol.messages import PROTOCOL_VERSION, Activations, Advert, Beat, CoordinatorRecord, Hello, dht_key
+from protocol.messages import (
+    NOT_ADMITTED,
+    PROTOCOL_VERSION,
+    Activations,
+    Advert,
+    Beat,
+    CoordinatorRecord,
+    Hello,
+    dht_key,
+)
 from protocol.transport import PeerUnreachable, Transport
 
 
@@ -63,15 +72,14 @@ def forged_certificates(me: Identity, run: str, peer_id: str, coordinator_key: s
     return [own, {**own, "pubkey": coordinator_key}]
 
 
-async def forger(token: str, key_file: str) -> None:
+async def forger(token: str, key_file: str, members: int) -> None:
     t = parse_token(token)
     me = Identity.load_or_create(key_file)
     dht = hivemind.DHT(initial_peers=t.maddrs, start=True)
     tp = Transport(await dht.replicate_p2p(), me, Gate(t.run))
     await tp.start()
     try:
-        found = await dht.get(dht_key(t.run, "adverts"), latest=True, return_future=True)
-        receivers = {ad.peer_id: ad.maddrs for ad in _adverts(found)}
+        receivers = await _members(dht, t.run, members)
         coordinator = await dht.get(dht_key(t.run, "coordinator"), latest=True, return_future=True)
         cid, cmaddrs = _coordinator(coordinator, t.coordinator_key)
         receivers[cid] = cmaddrs
@@ -91,6 +99,17 @@ async def forger(token: str, key_file: str) -> None:
     finally:
         await tp.aclose()
         dht.shutdown()
+
+
+async def _members(dht: hivemind.DHT, run: str, n: int) -> dict[str, list[str]]:
+    """The peer ids and addresses of the run's adverts, once ``n`` are seen (or 30 s)."""
+    deadline = time.monotonic() + 30
+    while True:
+        found = await dht.get(dht_key(run, "adverts"), latest=True, return_future=True)
+        out = {ad.peer_id: ad.maddrs for ad in _adverts(found)}
+        if len(out) >= n or time.monotonic() > deadline:
+            return out
+        await asyncio.sleep(1.0)
 
 
 def _adverts(found: Any) -> list[Advert]:
@@ -125,12 +144,20 @@ async def lapsed(token: str, key_file: str) -> None:
     async def keep(kind: str, item: Any) -> int | None:
         if kind == "assign":
             last["assign"] = item.message
+        if kind == "abort" and item.message.reason.startswith(NOT_ADMITTED):  # banned, and told so: stays
+            print(f"told: {item.message.reason}", flush=True)
+            while node.certificate is not None and node.certificate["expires_at"] > time.time():
+                await asyncio.sleep(0.2)
+            kind, item = "revoked", "it expired"
         if kind != "revoked":
             return await control(kind, item)
-        print(f"certificate ran out: {item}", flush=True)
+        assert node.transport is not None and node.coordinator is not None and node.checks is not None
         await node._stop_epoch()
-        a = last["assign"]
-        assert node.transport is not None and node.coordinator is not None
+        node.checks.assign = None  # its heartbeats stop: what the receivers count from here is the attack
+        print(f"certificate ran out: {item}", flush=True)
+        a = last.get("assign")
+        if a is None:
+            raise SystemExit("lapsed: it was never assigned a stage, so it knows no peers to send to")
         receivers = {p: list(a.maddrs.get(p, [])) for p in a.keys if p != node.transport.peer_id}
         receivers[node.coordinator.peer_id] = list(node.coordinator.maddrs)
         await attack("lapsed", node.transport, t.run, receivers, node.coordinator.peer_id)
@@ -153,8 +180,12 @@ async def main() -> None:
     ap.add_argument("mode", choices=["forger", "lapsed"])
     ap.add_argument("--token", required=True)
     ap.add_argument("--identity", required=True)
+    ap.add_argument("--members", type=int, default=3, help="forger: the adverts to wait for")
     args = ap.parse_args()
-    await (forger if args.mode == "forger" else lapsed)(args.token, args.identity)
+    if args.mode == "forger":
+        await forger(args.token, args.identity, args.members)
+    else:
+        await lapsed(args.token, args.identity)
 
 
 if __name__ == "__main__":
