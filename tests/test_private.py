@@ -17,12 +17,15 @@ from hivemind.utils.serializer import MSGPackSerializer
 from coordinator.private import Admission, write_secret
 from protocol.admission import (
     CERT_TTL_S,
+    MAX_CERT_TTL_S,
+    MIN_CERT_TTL_S,
     CertificateError,
     Token,
     TokenError,
     check_certificate,
     hello_proof,
     issue_certificate,
+    lifetime,
     new_secret,
     parse_token,
 )
@@ -128,6 +131,21 @@ def test_a_certificate_admits_only_until_it_ends_and_only_if_the_coordinator_sig
             check_certificate(bad, key, "run", now)
     with pytest.raises(CertificateError, match="another run"):
         check_certificate(issue_certificate(coordinator, "other", "peer-1", "ab" * 32, 1000.0), key, "run", 1000.0)
+
+
+def test_a_certificate_without_finite_times_admits_nobody_and_its_lifetime_is_bounded() -> None:
+    coordinator = Identity.generate()
+    for bad in (float("nan"), float("inf")):
+        cert = sign_record(coordinator, {**issue_certificate(coordinator, "run", "p", "ab", 1000.0), "expires_at": bad})
+        with pytest.raises(CertificateError, match="names no expiry"):
+            check_certificate(cert, coordinator.public_hex, "run", 1000.0)
+    cert = issue_certificate(coordinator, "run", "p", "ab", 1000.0, ttl=30.0)
+    assert lifetime(cert) == 30.0, "the issuer's own span, whatever the holder's clock says"
+    assert lifetime({**cert, "issued_at": float("nan")}) == CERT_TTL_S
+    assert (
+        lifetime({**cert, "expires_at": 1e18}) == MAX_CERT_TTL_S
+        and lifetime({**cert, "expires_at": 0}) == MIN_CERT_TTL_S
+    )
 
 
 def test_a_sender_past_its_certificate_is_refused_and_counted() -> None:
