@@ -15,7 +15,7 @@ import itertools
 import logging
 import struct
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -54,7 +54,6 @@ PROBE_BUDGET_BYTES = 256 << 20
 PROBE_WINDOW_S = 60.0
 PROBE_LINGER_S = 5.0  # a probe's answer is kept open until the prober has read it (or this long)
 PROBE_MIN_CHARGE = 1 << 20  # what the budget counts for a probe, however small: a stream held is not free
-MAX_PROBES_AT_ONCE = 2  # per sender
 #: lane parts that arrived before (or without) their frame's head: kept this long, and
 #: at most this many per sender
 LANE_PART_TTL_S = 120.0
@@ -154,7 +153,6 @@ class Transport(Forwarding):
         #: whether a sender may send a lane part of this many bytes (checked before reading it); None: any admitted
         self.lane_ok: Callable[[str, int], bool] | None = None
         self._probes: dict[str, list[tuple[float, int]]] = {}  # sender -> (when, bytes) of its recent probes
-        self._probing: Counter[str] = Counter()  # sender -> its probes being answered now
         self._rates: dict[str, float] = {}  # peer id -> bytes/s
         self._pace_locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._free_at: dict[str, float] = defaultdict(float)
@@ -522,16 +520,8 @@ class Transport(Forwarding):
             up, down = header["payload_bytes"], header.get("down_bytes", 0)
             if not isinstance(down, int) or not 0 <= down <= up:
                 raise Rejected(Reject.PROBE_LIMIT, f"a probe asking {down!r} bytes back for {up} sent")
-            if self._probing[sender] >= MAX_PROBES_AT_ONCE:
-                raise Rejected(Reject.PROBE_LIMIT, f"{self._probing[sender]} of its probes are running")
             self._spend_probe(sender, max(up + down, PROBE_MIN_CHARGE))
-            self._probing[sender] += 1
-            try:
-                await self._answer_probe(reader, writer, up, down)
-            finally:
-                self._probing[sender] -= 1
-                if not self._probing[sender]:
-                    del self._probing[sender]
+            await self._answer_probe(reader, writer, up, down)
         except Rejected as exc:
             self.gate.reject(sender, exc)
         except (WireError, ConnectionError, ValueError, asyncio.IncompleteReadError) as exc:
