@@ -93,16 +93,19 @@ def assign(
     except ScheduleError as exc:
         raise ValueError(str(exc)) from None
     if nat:
-        plan = _swapped(plan, costs, {p.id: p for p in peers}, network, micro_batches)
+        plan = _swapped(plan, costs, {p.id: p for p in peers}, network, micro_batches, set(nat))
     if not plan.fits_memory:
         logger.warning("the best plan may not fit the peers' free memory")
     return Assignment(cut=Cut(tuple(plan.cut)), stages=plan.groups, plan=plan)
 
 
-def _swapped(plan: Plan, costs: DagCosts, peers: dict[str, PeerProfile], network: Network, mb: int) -> Plan:
-    """``plan`` with stage groups swapped (cuts kept) while a swap is predicted faster:
-    OP-Fence orders peers of one cluster as it finds them, and with peers behind NATs
-    the order decides which links are forwarded. At most k^2 swaps are tried a round."""
+def _swapped(
+    plan: Plan, costs: DagCosts, peers: dict[str, PeerProfile], network: Network, mb: int, nat: set[str]
+) -> Plan:
+    """``plan`` with stage groups swapped (cuts kept) while a swap is predicted faster,
+    or as fast with fewer forwarded links: OP-Fence orders peers of one cluster as it
+    finds them, and with peers behind NATs the order decides which links are forwarded.
+    At most k^2 swaps are tried a round."""
     best = predict(costs, plan, peers, network, mb)
     better = True
     while better:
@@ -112,6 +115,23 @@ def _swapped(plan: Plan, costs: DagCosts, peers: dict[str, PeerProfile], network
                 groups = list(best.groups)
                 groups[i], groups[j] = groups[j], groups[i]
                 trial = predict(costs, Plan(best.cut, groups, best.codecs, best.scheduler), peers, network, mb)
-                if trial.iteration_s < best.iteration_s * (1 - 1e-9) and trial.fits_memory >= best.fits_memory:
+                if _preferred(trial, best, nat):
                     best, better = trial, True
     return best
+
+
+def _preferred(trial: Plan, best: Plan, nat: set[str]) -> bool:
+    """Whether ``trial`` beats ``best``: fits no worse, and is faster, or as fast
+    (within a relative 1e-9) with fewer forwarded links."""
+    if trial.fits_memory < best.fits_memory or trial.iteration_s > best.iteration_s * (1 + 1e-9):
+        return False
+    faster = trial.iteration_s < best.iteration_s * (1 - 1e-9)
+    return faster or forwarded_links(trial.groups, nat) < forwarded_links(best.groups, nat)
+
+
+def forwarded_links(groups: list[list[str]], nat: Collection[str]) -> int:
+    """How many pairs of peers that exchange frames (neighbouring stages, replicas of
+    one) are both behind NATs, so that the coordinator forwards their frames."""
+    pairs = [(a, b) for g in groups for i, a in enumerate(g) for b in g[i + 1 :]]
+    pairs += [(a, b) for g, h in zip(groups, groups[1:]) for a in g for b in h]
+    return sum(a in nat and b in nat for a, b in pairs)

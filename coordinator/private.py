@@ -48,7 +48,13 @@ class Admission:
         return self._read(SECRET_FILE, _secret) or ""
 
     def banned(self) -> frozenset[str]:
+        """The ban list's entries: peer ids and public keys (hex)."""
         return self._read(BAN_FILE, _peer_ids) or frozenset()
+
+    def banned_among(self, keys: dict[str, str]) -> set[str]:
+        """Which of ``keys`` (peer id -> public key, hex) the ban list names, by id or key."""
+        banned = self.banned()
+        return {p for p, key in keys.items() if p in banned or key in banned}
 
     def token(self, key_hex: str, maddrs: list[str]) -> str:
         return Token(self.run_id, key_hex, self.secret(), maddrs).encode()

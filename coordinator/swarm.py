@@ -29,7 +29,7 @@ from coordinator.run import Driver
 from coordinator.runstate import EXCLUDED, RunState
 from coordinator.status import StatusBoard
 from coordinator.web import StatusServer
-from protocol.admission import CERT_TTL_S, RENEWAL_SEND_S, RENEWALS_PER_TTL, issue_certificate
+from protocol.admission import CERT_TTL_S, RENEWALS_PER_TTL, bounded_ttl, issue_certificate, renewal_send_s
 from protocol.advert_check import advert_problem
 from protocol.codecs import Codec
 from protocol.envelope import Envelope, Gate, Reject, Rejected
@@ -480,8 +480,7 @@ class Coordinator:
     async def _send_certificate(self, peer: str, msg: Certificate) -> None:
         assert self.transport is not None
         try:
-            low, high = RENEWAL_SEND_S
-            await asyncio.wait_for(self.transport.send(peer, msg), min(max(self._renew_every / 2, low), high))
+            await asyncio.wait_for(self.transport.send(peer, msg), renewal_send_s(self.config.cert_ttl))
         except (PeerUnreachable, asyncio.TimeoutError) as exc:  # it may be gone; its certificate runs out
             logger.debug("could not send %s its certificate: %s", peer, exc)
 
@@ -502,19 +501,22 @@ class Coordinator:
 
     @property
     def _renew_every(self) -> float:
-        return self.config.cert_ttl / RENEWALS_PER_TTL
+        return bounded_ttl(self.config.cert_ttl) / RENEWALS_PER_TTL
 
     def _enforce_bans(self) -> None:
-        """Banned peers lose their admission at once; a planned one is dropped from the
-        run for good (its stage is recovered like a failed peer's)."""
+        """Banned peers (by id or key) lose their admission at once; a planned one is
+        dropped from the run for good (its stage is recovered like a failed peer's)."""
         assert self.admission is not None
-        for p in self.admission.banned():
-            if p in self.gate.keys:
-                self.gate.revoke(p)
-                self.board.event("failure", f"peer {p} is banned by the swarm's host")
-                self._tell_refused(p, f"{p} is banned from run '{self.config.run_id}' by the swarm's host")
-            if self.driver is not None and p in self.driver.st.planned:
-                self.driver.fail(p, f"{EXCLUDED}banned by the swarm's host")
+        me = self.transport.peer_id if self.transport is not None else ""
+        known = {p: key_hex(k) for p, k in self.gate.keys.items() if p != me}
+        planned = self.driver.st.planned if self.driver is not None else set()
+        hit = self.admission.banned_among(known)
+        for p in hit:
+            self.gate.revoke(p)
+            self.board.event("failure", f"peer {p} is banned by the swarm's host")
+            self._tell_refused(p, f"{p} is banned from run '{self.config.run_id}' by the swarm's host")
+        for p in (hit | self.admission.banned()) & planned:
+            self.driver.fail(p, f"{EXCLUDED}banned by the swarm's host")  # type: ignore[union-attr]
 
     async def wait_for_peers(self, on_change: Callable[[int], None] | None = None) -> dict[str, Advert]:
         cfg = self.config

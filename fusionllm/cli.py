@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from coordinator.replan import POLICIES
-from protocol.admission import CERT_TTL_S, MAX_CERT_TTL_S, MIN_CERT_TTL_S
+from protocol.admission import CERT_TTL_S, MAX_CERT_TTL_S, MIN_CERT_TTL_S, RENEWALS_PER_TTL
 from protocol.program import STAGE_FORMS
 from protocol.recipe import PRECISIONS, SCHEDULES, RecipeError, parse_betas
 from protocol.spotcheck import DEFAULT_SPOT_CHECK
@@ -351,8 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="admit only peers joined with the token it prints (the secret stays in the run "
                    "directory; 'fusionllm token --rotate' makes a new one, 'fusionllm ban' drops a peer)")  # fmt: skip
     p.add_argument("--cert-ttl", type=_cert_ttl, default=CERT_TTL_S, metavar="SECONDS",
-                   help="a private swarm's admission certificates hold this long, renewed every sixth of it: "
-                   f"a banned peer is refused everywhere within it (default {CERT_TTL_S:.0f})")  # fmt: skip
+                   help="a private swarm's admission certificates hold this long, renewed "
+                   f"{RENEWALS_PER_TTL} times in it: a banned peer is refused everywhere within it "
+                   f"(default {CERT_TTL_S:.0f})")  # fmt: skip
     _add_identity_flag(p, "~/.fusionllm/coordinator.key")
 
     p = sub.add_parser("token", help="print a private swarm's join token (--rotate: with a new secret)")

@@ -522,10 +522,11 @@ class PeerNode:
             self.on_event(text)
 
     # ---------------------------------------------------------------- the coordinator
-    async def _hello(self) -> None:
-        """Say hello again (after an eviction or a lost coordinator): no stage held."""
+    async def _hello(self, again: bool = True) -> None:
+        """Say hello again: after an eviction or a lost coordinator (``again``: no stage
+        held), or to have a lapsed certificate renewed (the stage still held)."""
         assert self.transport is not None and self.coordinator is not None and self.identity is not None
-        hello = self._hello_message(again=True)
+        hello = self._hello_message(again=again)
         await asyncio.wait_for(self.transport.send(self.coordinator.peer_id, hello), 5)
 
     def _hello_message(self, again: bool) -> Hello:
@@ -593,8 +594,8 @@ class PeerNode:
             elif asked is None:
                 asked = now
                 try:
-                    await self._hello()
-                except (PeerUnreachable, asyncio.TimeoutError) as exc:
+                    await self._hello(again=False)
+                except Exception as exc:  # unreachable, or anything else: the wait below decides
                     logger.debug("could not say hello again: %s", exc)
             elif now - asked > CERT_WAIT_S:
                 self.control.put_nowait(("revoked", revoked(late)))
@@ -607,6 +608,7 @@ class PeerNode:
         grace = self.config.coordinator_grace
         self._say(f"lost the coordinator ({reason}); waiting up to {grace:.0f} s for it to come back")
         self.held = self.checks.assign = None
+        self.certificate = None  # a coordinator that comes back may have its clock set back: take its next one
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
             try:

@@ -88,7 +88,18 @@ def issue_certificate(
     """The coordinator's signed word that ``peer_id`` (holding ``pubkey``) is admitted
     to ``run`` until ``now + ttl`` (wall-clock seconds, as DHT times are)."""
     body = {"kind": "cert", "run": run, "peer_id": peer_id, "subject": pubkey, "issued_at": now}
-    return sign_record(coordinator, {**body, "expires_at": now + ttl})
+    return sign_record(coordinator, {**body, "expires_at": now + bounded_ttl(ttl)})
+
+
+def bounded_ttl(seconds: float) -> float:
+    """A certificate's lifetime as issuers give it and holders take it."""
+    return min(max(seconds, MIN_CERT_TTL_S), MAX_CERT_TTL_S)
+
+
+def renewal_send_s(ttl: float) -> float:
+    """How long one renewal may take to reach its peer: half a renewal period, bounded."""
+    low, high = RENEWAL_SEND_S
+    return min(max(bounded_ttl(ttl) / RENEWALS_PER_TTL / 2, low), high)
 
 
 def lifetime(cert: dict[str, Any]) -> float:
@@ -97,7 +108,7 @@ def lifetime(cert: dict[str, Any]) -> float:
     issued, expires = _seconds(cert.get("issued_at")), _seconds(cert.get("expires_at"))
     if issued is None or expires is None:
         return CERT_TTL_S
-    return min(max(expires - issued, MIN_CERT_TTL_S), MAX_CERT_TTL_S)
+    return bounded_ttl(expires - issued)
 
 
 def issued_at(cert: dict[str, Any]) -> float:

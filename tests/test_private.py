@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hivemind.dht.routing import DHTID
@@ -58,6 +59,10 @@ def test_admission_needs_the_current_secret_and_refuses_the_banned(tmp_path: Pat
     (tmp_path / "banned.txt").write_text("QmA  # a note\n")
     assert "banned" in adm.check("QmA", {"pubkey": key, "proof": hello_proof(adm.secret(), "run", "QmA", key)})
     assert Admission(tmp_path, "run", private=False).check("QmC", {}) == "", "public swarms need no proof"
+    other = Identity.generate().public_hex
+    (tmp_path / "banned.txt").write_text(f"QmA\n{other}\n")
+    admitted = {"QmA": key, "QmB": Identity.generate().public_hex, "QmK": other}
+    assert adm.banned_among(admitted) == {"QmA", "QmK"}, "an admitted peer is banned by its id or its key"
 
 
 def _refused(swarm: Swarm, tmp_path: Path, name: str, *join: str) -> str:
@@ -206,7 +211,7 @@ def _cert_peer(swarm: Swarm, tmp_path: Path, mode: str, token: str) -> Proc:
     return p
 
 
-def _rejects(state: dict) -> int:
+def _rejects(state: dict[str, Any]) -> int:
     return sum(state["rejected"].values())
 
 
@@ -236,11 +241,13 @@ def test_forged_and_run_out_certificates_are_refused_by_every_receiver(tmp_path:
         assert set(sent.group(2).split()) == {*honest, lapsed}, "it reached every member"
         for p in honest:
             _refuses(swarm.peers[p], sent.group(1))
+        _refuses(swarm.coord, sent.group(1))
         # hello, heartbeat, activations and probe: each refused and counted at the coordinator (by
         # whatever it fails first: not admitted, or from an epoch the run has left)
         wait_for(swarm.url, lambda s: _rejects(s) >= refused + 4, 60)
         assert sent.group(1) not in {p["id"] for p in api(swarm.url)["peers"]}
         seen = {p: len(swarm.peers[p].lines) for p in honest}
+        seen_coord, at_ban = len(swarm.coord.lines), api(swarm.url)["training"]["step"]
         r = run_cli("ban", lapsed, "--run-dir", str(run_dir))
         assert r.returncode == 0, r.stderr
         member.wait_line(r"told: not admitted: .* is banned from run", 60)
@@ -250,7 +257,8 @@ def test_forged_and_run_out_certificates_are_refused_by_every_receiver(tmp_path:
         assert set(again.group(2).split()) == set(honest)
         for p in honest:
             _refuses(swarm.peers[p], lapsed, after=seen[p])
+        _refuses(swarm.coord, lapsed, after=seen_coord)
         wait_for(swarm.url, lambda s: _rejects(s) >= refused + 2, 60)  # its activations, its probe
-        assert api(swarm.url)["training"]["step"] > 5, "the run went on"
+        wait_for(swarm.url, lambda s: s["training"]["step"] > at_ban, 120)  # the run went on without it
     finally:
         swarm.close()

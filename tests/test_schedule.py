@@ -107,3 +107,21 @@ def test_two_peers_behind_nats_are_planned_apart_when_their_link_would_be_forwar
     assert net.overrides[("n1", "n2")][0] == 20.0 * FORWARDED_SHARE and net.overrides[("n1", "d")][0] == 500.0
     stages = [g[0] for g in assign(dag, ads, nat={"n1", "n2"}).stages]
     assert stages.index("d") == 1, stages
+
+
+def test_a_plan_as_fast_with_fewer_forwarded_links_is_preferred() -> None:
+    """Where the estimator cannot tell two orders apart, the one whose NAT'd peers
+    exchange fewer frames through the coordinator wins; a faster plan wins anyway,
+    and one that is slower never does."""
+    from coordinator.assign import _preferred, forwarded_links
+    from coordinator.estimator import Plan
+
+    nat = {"n1", "n2"}
+    apart, together = [["n1"], ["d"], ["n2"]], [["n1"], ["n2"], ["d"]]
+    assert forwarded_links(apart, nat) == 0 and forwarded_links(together, nat) == 1
+    assert forwarded_links([["n1", "n2"], ["d"]], nat) == 1, "replicas of one stage exchange gradients"
+    plan = lambda groups, s: Plan((1, 2), groups, [], iteration_s=s)  # noqa: E731
+    assert _preferred(plan(apart, 1.0), plan(together, 1.0), nat)
+    assert not _preferred(plan(together, 1.0), plan(apart, 1.0), nat)
+    assert _preferred(plan(together, 0.9), plan(apart, 1.0), nat), "faster wins"
+    assert not _preferred(plan(apart, 1.1), plan(together, 1.0), nat), "slower never wins"
