@@ -1,8 +1,14 @@
-"""The coordinator driver's spot checks (``protocol.spotcheck``): after every peer's
-``StepDone`` and before the ``Commit``, each micro-batch of a stage is re-executed
-with probability ``spot_check``: by another replica of a replicated stage, or (a
-stage served by one peer) by peers of other stages, from the weights the suspect
-shows (``_check_alone``).
+"""The coordinator driver's spot checks (``protocol.spotcheck``): each micro-batch of
+a stage is re-executed with probability ``spot_check``: by another replica of a
+replicated stage, or (a stage served by one peer) by peers of other stages, from
+the weights the suspect shows (``_check_alone``).
+
+The checks of a step run while the next step trains: its ``Commit`` tells the
+peers of the checked stages to keep a copy of their weights as they were
+(``Commit.audit``), and every peer keeps the frames it received in the last
+committed step. The next step's commit waits for them; so does a change of plan
+(a lost peer, a rebalance), at most ``AUDIT_GRACE_S``. The last step's checks run
+before its commit, so the run's result is never left unchecked.
 
 The coordinator asks the peers around the checked one (the *suspect*) for the
 signed frames they received (``Audit``), checks that each is what its signer sent
@@ -15,18 +21,22 @@ of another stage, which rebuild the stage from the job with the weights both
 replicas show (they must be the same, bit for bit). A disagreeing checker says what
 it computed (a fingerprint): the suspect is excluded when two checkers computed the
 same and not what it showed; checkers who disputed work that another re-executed
-the same are excluded. Either way the step is redone without them, and the signed
-frames are kept in the run directory (``evidence/``) and named on the status page.
-When no two re-executions agree (or no one else can re-execute it) all of them
-leave the plan, none excluded (they may come back as standby peers), and the step
-is redone. A peer that cannot show the frames it received, or shows frames
-their signers did not send, is excluded."""
+the same are excluded. The signed frames are kept in the run directory
+(``evidence/``) and named on the status page. When no two re-executions agree (or
+no one else can re-execute it) all of them leave the plan, none excluded (they may
+come back as standby peers). A peer that cannot show the frames it received, or
+shows frames their signers did not send, is excluded. Whatever a check of a
+committed step finds, or a check that cannot finish, rolls the run back to the
+last checkpoint before that step (newer ones are dropped), and the steps since are
+redone without the peers it found out."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -36,13 +46,18 @@ from safetensors.torch import save_file
 
 from coordinator.runstate import EXCLUDED, DriverParts, PeerLost
 from protocol.envelope import signed_frame
-from protocol.messages import Audit, Evidence, Recheck, Verdict
+from protocol.messages import Audit, Evidence, Message, Recheck, Verdict
 from protocol.spotcheck import ROLES, alike, roles_for, tolerance, wrong_frame
+from protocol.transport import Inbound
 
 #: a re-execution of a spot check, asked of one checker
 Asker = Callable[[], Awaitable[Verdict]]
 #: checkers asked after a first one disputes a micro-batch (each costs a re-execution)
 MAX_MORE_CHECKERS = 3
+#: how long spot checks under way may still take when the plan must change (then they are given up)
+AUDIT_GRACE_S = 10.0
+#: spot-check answers waiting to be read (a peer that sends more than that loses the surplus)
+AUDIT_BOX = 256
 
 logger = logging.getLogger(__name__)
 
@@ -50,24 +65,96 @@ logger = logging.getLogger(__name__)
 class Auditing(DriverParts):
     """Mixed into :class:`coordinator.run.Driver`."""
 
-    mb_losses: dict[str, float]  # the step's losses by micro-batch, as the last stage reported them
+    audit_losses: dict[str, float]  # the audited step's losses by micro-batch, as the last stage reported them
     auditing: set[str]  # peers asked for evidence (their payloads are expected)
+    audit_box: asyncio.Queue[Inbound]  # Evidence and Verdict answers (the transport sets them apart)
+    _audit: tuple[int, asyncio.Task[None]] | None  # the committed step whose spot checks are under way
     _audit_rng = random.Random()  # seeded from the OS: peers cannot predict which micro-batch is checked
 
-    async def _spot_check(self, step: int) -> None:
-        """Re-execute this step's sampled micro-batches (``PeerLost`` on a mismatch)."""
+    def _sample_checks(self) -> list[tuple[int, int]]:
+        """The (stage, micro-batch) pairs of this step to re-execute, each drawn with the
+        ``spot_check`` chance (none where one peer serves the only stage)."""
         st, rate = self.st, self.cfg.spot_check
         assert st.plan is not None
-        if rate <= 0:
+        if rate <= 0 or (len(st.plan.stages) < 2 and len(st.plan.stages[0]) < 2):
+            return []
+        mbs = range(self.job.micro_batches)
+        return [(s, mb) for s in range(len(st.plan.stages)) for mb in mbs if self._audit_rng.random() < rate]
+
+    async def _spot_check(self, step: int, checks: list[tuple[int, int]], losses: dict[str, float]) -> None:
+        """Re-execute ``checks`` of ``step`` (``PeerLost`` on a mismatch)."""
+        st = self.st
+        assert st.plan is not None
+        self.audit_losses = losses
+        for s, mb in checks:
+            st.spot_checks += 1
+            self.coord.board.spot_checks = st.spot_checks
+            await (self._check_one if len(st.plan.stages[s]) > 1 else self._check_alone)(step, s, mb)
+
+    def _start_audit(self, step: int, checks: list[tuple[int, int]], losses: dict[str, float]) -> None:
+        """Spot-check committed ``step`` while the next one trains (its peers hold what
+        it needs: ``Commit.audit``); ``_audit_outcome`` raises what it found."""
+        task = asyncio.get_running_loop().create_task(self._spot_check(step, checks, dict(losses)))
+        self._audit = (step, task)
+
+    def _audit_outcome(self) -> None:
+        """If the audit under way has ended: forget it, and raise ``PeerLost`` (with a
+        rollback to before its step) if it found a peer out."""
+        if self._audit is None or not self._audit[1].done():
             return
-        for s, group in enumerate(st.plan.stages):
-            if len(group) < 2 and len(st.plan.stages) < 2:
-                continue  # one peer, one stage: no one else can run it
-            for mb in range(self.job.micro_batches):
-                if self._audit_rng.random() < rate:
-                    st.spot_checks += 1
-                    self.coord.board.spot_checks = st.spot_checks
-                    await (self._check_one if len(group) > 1 else self._check_alone)(step, s, mb)
+        step, task = self._audit
+        self._audit = None
+        exc = task.exception()
+        if isinstance(exc, PeerLost):
+            raise PeerLost(exc.lost, rollback_to=step)
+        if exc is not None:
+            raise exc
+
+    async def _audit_settled(self, grace: float | None = None) -> None:
+        """Wait for the audit under way (within ``grace`` seconds: then it is given up,
+        and the run rolls back to before its step); raises what it found."""
+        if self._audit is None:
+            return
+        step, task = self._audit
+        done, _ = await asyncio.wait({task}, timeout=grace)
+        if not done:
+            task.cancel()
+            self._audit = None
+            raise PeerLost({}, rollback_to=step)
+        self._audit_outcome()
+
+    async def _audit_before_recovery(
+        self, lost: dict[str, str], rollback_to: int | None
+    ) -> tuple[dict[str, str], int | None]:
+        """The plan changes: the spot checks under way end first (at once where they wait
+        for a lost peer, at most ``AUDIT_GRACE_S``); what they find is lost too, and one
+        that fails or cannot finish rolls the run back to before its step."""
+        for p, why in lost.items():
+            self._failed.setdefault(p, why)  # type: ignore[attr-defined]
+        try:
+            await self._audit_settled(AUDIT_GRACE_S)
+        except PeerLost as exc:
+            return {**exc.lost, **lost}, exc.rollback_to
+        return lost, rollback_to
+
+    async def _answer_of(self, kinds: tuple[type[Message], ...], peers: set[str]) -> Inbound:
+        """The next answer of ``kinds`` of this epoch from one of ``peers``, within the
+        step timeout (a peer known to have failed meanwhile is lost at once)."""
+        deadline = time.monotonic() + self.cfg.step_timeout_s
+        while True:
+            failed = {p: why for p, why in self._failed.items() if p in peers}  # type: ignore[attr-defined]
+            if failed:
+                raise PeerLost(failed)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PeerLost(dict.fromkeys(peers, f"no answer to a spot check for {self.cfg.step_timeout_s:.0f} s"))
+            try:
+                inbound = await asyncio.wait_for(self.audit_box.get(), min(left, 0.5))
+            except asyncio.TimeoutError:
+                continue
+            msg = inbound.message
+            if isinstance(msg, kinds) and inbound.sender in peers and msg.epoch == self.st.epoch:
+                return inbound
 
     def _route(self, s: int, mb: int) -> dict[str, str]:
         """Who took part in micro-batch ``mb`` around stage ``s``: the suspect, and the
@@ -188,7 +275,7 @@ class Auditing(DriverParts):
         self.auditing.add(peer)
         try:
             await self._send(peer, Audit(self.cfg.run_id, step, mb, ["weights"], self.st.epoch))  # type: ignore[attr-defined]
-            inbound = await self._next((Evidence,), {peer})  # type: ignore[attr-defined]
+            inbound = await self._answer_of((Evidence,), {peer})
         finally:
             self.auditing.discard(peer)
         msg, values = inbound.message, inbound.values()
@@ -213,7 +300,7 @@ class Auditing(DriverParts):
                 await self._send(holder, Audit(self.cfg.run_id, step, mb, kinds, st.epoch))  # type: ignore[attr-defined]
             pending = set(asked)
             while pending:
-                inbound = await self._next((Evidence,), pending)  # type: ignore[attr-defined]
+                inbound = await self._answer_of((Evidence,), pending)
                 if (inbound.message.step, inbound.message.mb) != (step, mb):
                     continue
                 pending.discard(inbound.sender)
@@ -258,7 +345,7 @@ class Auditing(DriverParts):
         stage gets the stage's ``weights`` by name, after the evidence)."""
         st, cfg = self.st, self.cfg
         suspect = self._route(s, mb)["suspect"]
-        loss = self.mb_losses.get(str(mb)) if s == len(st.plan.stages) - 1 else None  # type: ignore[union-attr]
+        loss = self.audit_losses.get(str(mb)) if s == len(st.plan.stages) - 1 else None  # type: ignore[union-attr]
         arbiter = weights is not None  # of another stage: it rebuilds this one (a stage may hold no weights)
         program = self._program_payloads(st.plan.cut)[s] if arbiter and self.as_programs else []  # type: ignore[attr-defined,union-attr]
         msg = Recheck(cfg.run_id, step, mb, suspect, roles, [signers[r] for r in roles], st.epoch, loss,
@@ -266,7 +353,7 @@ class Auditing(DriverParts):
                       len(program), grads)  # fmt: skip
         await self._send(checker, msg, [*evidence, *program])  # type: ignore[attr-defined]
         while True:
-            verdict: Verdict = (await self._next((Verdict,), {checker})).message  # type: ignore[attr-defined]
+            verdict: Verdict = (await self._answer_of((Verdict,), {checker})).message
             if (verdict.step, verdict.mb, verdict.suspect) != (step, mb, suspect):
                 continue
             if not verdict.checked:  # the coordinator checked that evidence: the checker could not use it

@@ -256,6 +256,13 @@ class RunDir:
             log.warning("checkpoint %s is incomplete on disk; skipping it", ckpt.path.name)
         return None
 
+    def drop_after(self, step: int) -> None:
+        """Forget the checkpoints of more than ``step`` steps (they hold an update that
+        a spot check found untrustworthy), so neither a rollback nor a resume uses them."""
+        with self._lock, self.db:
+            self.db.execute("DELETE FROM checkpoints WHERE step > ?", (step,))
+        self._prune()
+
     def load(self, info: CheckpointInfo) -> dict[str, torch.Tensor]:
         """All stages' tensors of a checkpoint merged into one dict."""
         merged: dict[str, torch.Tensor] = {}

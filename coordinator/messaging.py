@@ -58,6 +58,7 @@ class Messaging(DriverParts):
         assert self.coord.transport is not None
         deadline = time.monotonic() + self.cfg.step_timeout_s
         while True:
+            self._audit_outcome()  # type: ignore[attr-defined]  # spot checks of the last step, under way
             if until is not None and until():
                 return None
             inbox = self.coord.transport.inbox

@@ -171,6 +171,7 @@ class Rebalancing(DriverParts):
         st = self.st
         assert st.plan is not None
         await self._next((), set(), until=lambda: st.checkpoint is not None and st.checkpoint.step == st.step)
+        await self._audit_settled()  # type: ignore[attr-defined]  # the old plan's peers hold what it needs
         before = self._tokens_per_s()
         moved = _moves(st.plan, candidate)
         revert = candidate is st.before_rebalance

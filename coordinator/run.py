@@ -24,7 +24,7 @@ import torch
 
 from coordinator import replan
 from coordinator.assign import Assignment, assign
-from coordinator.auditing import Auditing
+from coordinator.auditing import AUDIT_BOX, Auditing
 from coordinator.checkpoint import RunDir
 from coordinator.checkpointing import Checkpointing
 from coordinator.links import boundary_specs
@@ -54,6 +54,7 @@ from protocol.messages import (
 )
 from protocol.program import ProgramError, export_stages
 from protocol.recipe import LossScale, Update, decide_update, in_model_order, initial_scale
+from protocol.transport import Inbound
 from protocol.wire import encode_values
 
 if TYPE_CHECKING:
@@ -91,6 +92,9 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
         self._evicted: set[str] = set()
         self.auditing: set[str] = set()
         self.mb_losses: dict[str, float] = {}
+        self.audit_losses: dict[str, float] = {}
+        self.audit_box: asyncio.Queue[Inbound] = asyncio.Queue(AUDIT_BOX)
+        self._audit: tuple[int, asyncio.Task[None]] | None = None
         self._rejoined: set[str] = set()  # planned peers that said hello again (their stage is gone)
         self.recipe = self.job.recipe()
         self.st.scale = initial_scale(self.recipe)
@@ -127,7 +131,7 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
                     else:
                         await self._collect()
                 except PeerLost as exc:
-                    await self._recover(exc.lost)
+                    await self._recover(exc.lost, exc.rollback_to)
         finally:
             watcher.cancel()
         await self._release()
@@ -310,7 +314,11 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
         for m, mb in enumerate(mbs):
             await self._send(first[m % len(first)], Activations(cfg.run_id, step, m, 0, st.epoch), list(mb))
         losses, norms = await self._await_done(step, len(mbs))
-        await self._spot_check(step)
+        await self._audit_settled()  # peers hold one committed step for its spot checks
+        checks = self._sample_checks()
+        if checks and step + 1 == self.job.steps:  # the result is never left unchecked
+            await self._spot_check(step, checks, self.mb_losses)
+            checks = []
         update = self._decide(step, norms)
         # the step counts from here: a peer lost now finds the survivors holding or applying it
         st.step += 1
@@ -331,9 +339,13 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
         if checkpoint and self.recipe.scales_loss:
             self.run_dir.set_meta(f"loss_scale@{st.step}", [st.scale.scale, st.scale.good])
         evaluate = len(self._eval_micro_batches()) if self.job.eval_due(st.step) else 0
+        audited = {p for s, _ in checks for p in st.plan.stages[s]}  # they keep this step's weights
         for p in st.planned:
-            msg = Commit(cfg.run_id, step, st.epoch, checkpoint, update.factor, update.skip, st.scale.scale, evaluate)
+            msg = Commit(cfg.run_id, step, st.epoch, checkpoint, update.factor, update.skip, st.scale.scale, evaluate,
+                         p in audited)  # fmt: skip
             await self._send(p, msg)
+        if checks:
+            self._start_audit(step, checks, self.mb_losses)
         if evaluate:
             await self._evaluate(step)
         if candidate is not None:
@@ -503,11 +515,12 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
         await asyncio.gather(*(self._send_quietly(p, Release(self.cfg.run_id)) for p in st.planned))
 
     # ------------------------------------------------------------------ recover
-    async def _recover(self, lost: dict[str, str]) -> None:
+    async def _recover(self, lost: dict[str, str], rollback_to: int | None = None) -> None:
         from coordinator.swarm import SwarmError
 
         st, board = self.st, self.coord.board
         assert st.plan is not None
+        lost, rollback_to = await self._audit_before_recovery(lost, rollback_to)
         for p, why in lost.items():
             where = self.coord.where(p, st.plan)
             st.lost[p] = why
@@ -537,8 +550,8 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
         for s, old, new in rec.taken:
             board.replaced(s, old, new)
             self.on_event(f"standby peer {new} takes stage {s} from {old}")
-        if rec.rollback:
-            await self._rollback(rec.kind)
+        if rec.rollback or rollback_to is not None:
+            await self._rollback(rec.kind, rollback_to)
         elif not st.dispatched and st.restore != "keep":
             # the epoch that was setting up restores state: the next one restores the same
             st.reason = "lost replicas dropped while the stages were being set up"
@@ -550,9 +563,14 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
         st.asked_at.clear()
         st.plan, st.epoch, st.dispatched = new_plan, st.epoch + 1, False
 
-    async def _rollback(self, kind: str) -> None:
+    async def _rollback(self, kind: str, at_most: int | None = None) -> None:
+        """Back to the last checkpoint (of at most ``at_most`` steps: a spot check of the
+        step after it failed, or could not finish)."""
         st = self.st
         await self._flush_writes()
+        if at_most is not None and st.checkpoint is not None and st.checkpoint.step > at_most:
+            self.run_dir.drop_after(at_most)
+            st.checkpoint = self.run_dir.latest()
         to = st.checkpoint.step if st.checkpoint else 0
         redone = st.step - to
         st.redone += redone
@@ -561,7 +579,9 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
         st.scale, st.last_update = st.scale_at.get(to) or self._saved_scale(to), Update()
         self.run_dir.truncate_losses(to)
         st.restore = self._restore_at(to)
-        how = "standby peers replace the lost ones" if kind == "standby" else "re-planned the remaining peers"
+        how = {"standby": "standby peers replace the lost ones", "replan": "re-planned the remaining peers"}.get(
+            kind, "the survivors keep their stages; a committed step was not trusted"
+        )
         st.reason = f"{how}; rolled back to step {to}"
         self.coord.board.rollback(to, st.reason)
         where = f"the checkpoint of step {to}" if to else "the initial weights"

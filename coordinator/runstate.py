@@ -49,11 +49,14 @@ EXCLUDED = "excluded: "
 
 
 class PeerLost(Exception):
-    """Planned peers failed; ``lost`` maps each to why, in one line."""
+    """Planned peers failed; ``lost`` maps each to why, in one line. ``rollback_to``:
+    the state after that many steps is the newest that can be trusted (a spot check of
+    a committed step failed or could not finish), so the run rolls back at least to it."""
 
-    def __init__(self, lost: dict[str, str]) -> None:
+    def __init__(self, lost: dict[str, str], rollback_to: int | None = None) -> None:
         super().__init__("; ".join(f"{p}: {why}" for p, why in lost.items()))
         self.lost = lost
+        self.rollback_to = rollback_to
 
 
 @dataclass

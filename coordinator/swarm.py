@@ -41,15 +41,17 @@ from protocol.messages import (
     Advert,
     Certificate,
     CoordinatorRecord,
+    Evidence,
     Message,
     Reachability,
+    Verdict,
     dht_key,
 )
 from protocol.ports import PortTaken, check_listen_ports
 from protocol.reach import DIAL_BACK_TIMEOUT_S, dial_back, observed_ip, tcp_ports
 from protocol.run_records import RunRecords
 from protocol.spotcheck import DEFAULT_SPOT_CHECK
-from protocol.transport import PeerUnreachable, Transport
+from protocol.transport import Inbound, PeerUnreachable, Transport
 
 #: steps between two checks whether a plan on the measured speeds pays for moving to it;
 #: off by default until the estimator sees stragglers among replicas and per-operator
@@ -232,6 +234,7 @@ class Coordinator:
         self.transport = Transport(await self.dht.replicate_p2p(), self.identity, self.gate)
         self.transport.lane_ok = self._lane_ok
         self.transport.relay_ok = self._relay_ok
+        self.transport.divert = self._divert
         self.gate.on_admit.append(lambda peer: self._certifying.add(asyncio.create_task(self._certify([peer]))))
         self.gate.on_admit.append(lambda peer: self._certifying.add(asyncio.create_task(self._dial_back(peer))))
         await self.transport.start()
@@ -449,6 +452,16 @@ class Coordinator:
         the coordinator accepts from them (``_expect``)."""
         driver = self.driver
         return driver is not None and sender in driver.st.planned and nbytes <= driver.max_payload_bytes
+
+    def _divert(self, inbound: Inbound) -> bool:
+        """Spot-check answers from planned peers go to the driver's audit box (spot checks
+        run beside the step that the inbox serves); past its bound they are dropped."""
+        driver = self.driver
+        if driver is None or not isinstance(inbound.message, (Evidence, Verdict)):
+            return False
+        if inbound.sender in driver.st.planned and not driver.audit_box.full():
+            driver.audit_box.put_nowait(inbound)
+        return True
 
     def _relay_ok(self, origin: str, dest: str, nbytes: int) -> bool:
         """Frames are forwarded only between planned peers that cannot dial each other,

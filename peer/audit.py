@@ -1,7 +1,8 @@
-"""A peer's side of spot checks (``protocol.spotcheck``): between its ``StepDone``
-and the coordinator's ``Commit`` it shows the signed frames it received for a
-micro-batch (``Audit``), or re-executes a replica's micro-batch from such frames
-and says whether the replica's signed work matches (``Recheck``)."""
+"""A peer's side of spot checks (``protocol.spotcheck``): for a step it finished
+(before its ``Commit``, or after it while the next step trains, from what it held)
+it shows the signed frames it received for a micro-batch (``Audit``), or
+re-executes a replica's micro-batch from such frames and says whether the replica's
+signed work matches (``Recheck``)."""
 
 from __future__ import annotations
 
@@ -29,12 +30,14 @@ def _bytes(data: bytes | memoryview) -> torch.Tensor:
 
 
 def evidence_for(
-    msg: Audit, kept: dict[tuple[str, int], Inbound], ex: StageExecutor
+    msg: Audit, kept: dict[tuple[str, int], Inbound], state: dict[str, torch.Tensor] | None
 ) -> tuple[Evidence, list[torch.Tensor]]:
     """The answer to an ``Audit``: the kept frames it names (those this peer has), or
-    the stage's weights and buffers (``weights``: not changed before the commit)."""
+    the stage's weights and buffers (``weights``: ``state``, as they were in the
+    audited step; none if this peer did not keep them)."""
     if msg.kinds == ["weights"]:
-        state = ex.module.state_dict()
+        if state is None:
+            return Evidence(msg.run_id, msg.step, msg.mb, [], msg.epoch), []
         names = sorted(state)
         return Evidence(msg.run_id, msg.step, msg.mb, ["weights"], msg.epoch, names), [state[n] for n in names]
     kinds = [k for k in msg.kinds if (k, msg.mb) in kept]

@@ -72,6 +72,18 @@ class Poisoned(RuntimeError):
 
 
 @dataclass
+class AuditHold:
+    """A committed step's evidence, held for its spot checks while the next step
+    trains: the frames received, and (if the coordinator asked) the stage as it was
+    before the step's update, copied on the compute thread."""
+
+    step: int
+    kept: dict[tuple[str, int], Inbound]
+    state: asyncio.Future[dict[str, torch.Tensor] | None]  # weights and buffers (StageExecutor.snapshot)
+    scale: LossScale  # the step's loss scale
+
+
+@dataclass
 class HeldStage:
     """The stage a peer holds across epochs: its executor, which cut and stage it is,
     and the step whose gradients are complete but not yet committed (if any)."""
@@ -107,6 +119,8 @@ class EpochRunner:
         self.mb_grads: dict[int, dict[str, torch.Tensor]] = {}  # replicated stages: own gradients per micro-batch
         self.busy_s = 0.0  # compute and throttle pauses (not waits for messages) since the step began
         self.kept: dict[tuple[str, int], Inbound] = {}  # this step's received frames: evidence for spot checks
+        self.hold: AuditHold | None = None  # the last committed step's, for its spot checks
+        self._others: dict[int, StageExecutor] = {}  # other stages of this cut, built to arbitrate
         self.activation_bytes = 0  # what the stage's program computes per micro-batch (its dry run's count)
 
     async def run(self) -> None:
@@ -115,14 +129,18 @@ class EpochRunner:
         await self._dial_out()
         t0 = time.perf_counter()
         held = await self._stage()
-        await self._ready(held, time.perf_counter() - t0)
-        await self._links()
-        if self.a.start_step >= self.job.steps and self.r == 0:
-            await self._upload(held, self.job.steps)
-        for step in range(self.a.start_step, self.job.steps):
-            await self._step(held, step)
-        for t in self.uploads:
-            await t
+        audits = asyncio.create_task(self._serve_audits(held))
+        try:
+            await self._ready(held, time.perf_counter() - t0)
+            await self._links()
+            if self.a.start_step >= self.job.steps and self.r == 0:
+                await self._upload(held, self.job.steps)
+            for step in range(self.a.start_step, self.job.steps):
+                await self._step(held, step)
+            for t in self.uploads:
+                await t
+        finally:
+            audits.cancel()
 
     # ------------------------------------------------------------------ setup
     async def _dial_out(self) -> None:
@@ -324,8 +342,10 @@ class EpochRunner:
         sent, raw = dict(tp.bytes_sent), dict(tp.raw_sent)
         done = StepDone(a.run_id, step, self.s, self.r, losses, self.busy_s, sent, raw, a.epoch, norms)
         await tp.send(node.coordinator.peer_id, done)
-        commit = await self._await_commit(held.ex, step)
-        self.kept.clear()
+        commit: Commit = (await self.mailbox.get(("commit", step), self.timeout)).message
+        snapshot = self._snapshot(held.ex, commit.audit)
+        self.hold, self.kept = AuditHold(step, self.kept, snapshot, held.ex.loss_scale), {}
+        await snapshot  # queued before the update on the compute thread
         await self._compute(held.ex.step, Update(commit.factor, commit.skip, LossScale(commit.loss_scale)))
         held.pending = None
         if commit.evaluate:
@@ -377,36 +397,67 @@ class EpochRunner:
         link = Link(self.codecs[self.s - 1].backward, self.feedback, dest, rounding)
         return asyncio.create_task(tp.send(dest, Gradients(a.run_id, step, mb, self.s - 1, a.epoch), grads, link))
 
-    async def _await_commit(self, ex: StageExecutor, step: int) -> Commit:
-        """The coordinator's ``Commit`` of ``step``; meanwhile answer its spot checks."""
-        commit = asyncio.ensure_future(self.mailbox.get(("commit", step), self.timeout))
-        try:
-            while not commit.done():
-                audit = asyncio.ensure_future(self.node.audits.get())
-                await asyncio.wait({commit, audit}, return_when=asyncio.FIRST_COMPLETED)
-                if not audit.done():
-                    audit.cancel()
-                    break
-                await self._answer(ex, step, audit.result())
-            return (await commit).message
-        finally:
-            commit.cancel()
+    def _snapshot(self, ex: StageExecutor, wanted: bool) -> asyncio.Future[dict[str, torch.Tensor] | None]:
+        """The stage's state before this step's update, if the coordinator will spot-check it."""
+        if wanted:
+            return asyncio.ensure_future(self.node.run_compute(ex.snapshot))
+        none: asyncio.Future[dict[str, torch.Tensor] | None] = asyncio.get_running_loop().create_future()
+        none.set_result(None)
+        return none
 
-    async def _answer(self, ex: StageExecutor, step: int, inbound: Inbound) -> None:
+    async def _serve_audits(self, held: HeldStage) -> None:
+        """Answer the coordinator's spot checks as they come: of the step done and not
+        yet committed, or of the last committed one (while the next step trains)."""
+        while True:
+            inbound = await self.node.audits.get()
+            try:
+                await self._answer(held, inbound)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the coordinator's wait for the answer decides what it means
+                logger.warning("could not answer a spot check of step %s: %s", inbound.message.step, exc)
+
+    async def _audited(
+        self, held: HeldStage, step: int
+    ) -> tuple[dict[tuple[str, int], Inbound], dict[str, torch.Tensor] | None, LossScale] | None:
+        """The frames, the stage's weights and buffers (None: not kept) and the loss
+        scale of ``step`` as its spot checks see them."""
+        if self.hold is not None and self.hold.step == step:
+            return self.hold.kept, await self.hold.state, self.hold.scale
+        if held.pending == step:  # not updated yet: the stage as it is
+            return self.kept, held.ex.module.state_dict(), held.ex.loss_scale
+        return None
+
+    async def _answer(self, held: HeldStage, inbound: Inbound) -> None:
         tp, coordinator, msg = self.node.transport, self.node.coordinator, inbound.message
         assert tp is not None and coordinator is not None
-        if msg.step != step:
+        found = await self._audited(held, msg.step)
+        if found is None:
             return
+        kept, state, scale = found
+        compute = self.node.run_compute  # not the step's busy time: the next step may be training
         if isinstance(msg, Audit):
-            reply, values = audit.evidence_for(msg, self.kept, ex)
-        elif msg.stage in (-1, self.s):  # a replica of the suspect's stage (an arbiter names another)
+            reply, values = audit.evidence_for(msg, kept, state)
+        elif msg.stage not in (-1, self.s):  # an arbiter: it rebuilds the other stage from the weights shown
+            reply, values = await compute(self._arbitrate, scale, msg, inbound.values()), None
+        elif state is None:
+            reply, values = Verdict(msg.run_id, msg.step, msg.mb, msg.suspect, False,
+                                    f"it kept no weights of step {msg.step}", msg.epoch, False), None  # fmt: skip
+        else:  # a replica of the suspect's stage
             group = self.a.stages[self.s]
             mine = msg.suspect in group and msg.mb % len(group) == group.index(msg.suspect)
-            own = self.kept.get(("rgrad", msg.mb)) if mine else None
-            reply, values = await self._compute(self._rechecker(ex, self.s).verdict, msg, inbound.values(), own), None
-        else:
-            reply, values = await self._compute(self._arbitrate, ex, msg, inbound.values()), None
+            own = kept.get(("rgrad", msg.mb)) if mine else None
+            reply, values = await compute(self._recheck, held.ex, (state, scale), msg, inbound.values(), own), None
         await tp.send(coordinator.peer_id, reply, values)
+
+    def _recheck(
+        self, ex: StageExecutor, at: tuple[dict[str, torch.Tensor], LossScale], msg: Recheck, values: list[Any],
+        own: Inbound | None,
+    ) -> Verdict:  # fmt: skip
+        """Re-execute a replica's micro-batch with the stage as it was in the audited
+        step (on the compute thread, between two of this step's operations)."""
+        with ex.holding(*at):
+            return self._rechecker(ex, self.s).verdict(msg, values, own)
 
     def _rechecker(self, ex: StageExecutor, s: int) -> audit.Rechecker:
         assert self.node.transport is not None
@@ -416,7 +467,7 @@ class EpochRunner:
         keys = {**tp.gate.keys, tp.peer_id: tp.identity.public_key}  # an arbiter may have signed the input itself
         return audit.Rechecker(ex, s, keys, forward, backward, self.job.micro_batches)
 
-    def _arbitrate(self, ex: StageExecutor, msg: Recheck, values: list[Any]) -> Verdict:
+    def _arbitrate(self, scale: LossScale, msg: Recheck, values: list[Any]) -> Verdict:
         """Re-execute a micro-batch of another stage (two of its replicas disagreed):
         that stage rebuilt from the job, with the weights both replicas showed."""
         n = 2 * len(msg.roles)
@@ -428,7 +479,7 @@ class EpochRunner:
         if not 0 <= msg.stage < self.k or len(weights) != len(msg.weights) or msg.program < 0:
             return Verdict(msg.run_id, msg.step, msg.mb, msg.suspect, False, "a malformed arbitration", msg.epoch)
         try:
-            other = self._other_stage(msg.stage, program)
+            other = self._others.get(msg.stage) or self._other_stage(msg.stage, program)
         except (ProgramError, SpecError) as exc:  # it could not check: the coordinator drops it, blames no one
             detail = f"could not build the stage: {exc}"[:400]
             return Verdict(msg.run_id, msg.step, msg.mb, msg.suspect, False, detail, msg.epoch, False)
@@ -436,7 +487,8 @@ class EpochRunner:
             other.load_state_tensors(dict(zip(msg.weights, weights, strict=True)))
         except ValueError as exc:
             return Verdict(msg.run_id, msg.step, msg.mb, msg.suspect, False, f"the weights: {exc}", msg.epoch)
-        other.loss_scale = ex.loss_scale
+        self._others[msg.stage] = other  # built once an epoch: its weights are loaded whole each time
+        other.loss_scale = scale
         return self._rechecker(other, msg.stage).verdict(msg, evidence, None)
 
     def _other_stage(self, s: int, program: list[Any]) -> StageExecutor:

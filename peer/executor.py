@@ -5,7 +5,7 @@ executors and a peer can drive one from the network."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -195,6 +195,30 @@ class StageExecutor:
             for p, g in stash:
                 p.grad = g
         return out, grads, own
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """The stage's weights and buffers as they are now, copied (by state-dict name)."""
+        return {n: t.detach().clone() for n, t in self.module.state_dict().items()}
+
+    @contextlib.contextmanager
+    def holding(self, state: Mapping[str, torch.Tensor], scale: LossScale) -> Iterator[None]:
+        """Run with ``state``'s weights and buffers (a :meth:`snapshot`) and loss scale
+        in place of the current ones: the same tensors, their data swapped, and back on
+        exit. Only between two uses on one thread: a forward saved for backward would
+        see the other data."""
+        tensors = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
+        swapped, current_scale = [], self.loss_scale
+        try:
+            for name, t in tensors.items():
+                if name in state and state[name] is not t:
+                    swapped.append((t, t.data))
+                    t.data = state[name]
+            self.loss_scale = scale
+            yield
+        finally:
+            for t, data in swapped:
+                t.data = data
+            self.loss_scale = current_scale
 
     def evaluate(self, inputs: Sequence[Any]) -> Any:
         """The stage's forward in eval mode, without autograd (validation batches)."""

@@ -332,13 +332,15 @@ class Commit(Message):
     skip: bool = False  # do not update (fp16: the gradients were not finite)
     loss_scale: float = 1.0  # the next step's loss scale
     evaluate: int = 0  # then run this many validation micro-batches forward (EvalActivations)
+    audit: bool = False  # keep this step's weights: its spot checks come while the next step trains
 
 
 @dataclass(frozen=True)
 class Audit(Message):
-    """Coordinator -> peer, between ``StepDone`` and ``Commit``: send back the signed
-    frames you received for micro-batch ``mb`` of ``step`` (``kinds``: ``act``,
-    ``grad``), as they arrived: evidence for a spot check (see ``Recheck``)."""
+    """Coordinator -> peer, after its ``StepDone`` of ``step`` (before that step's
+    ``Commit``, or while the next step trains): send back the signed frames you
+    received for micro-batch ``mb`` of ``step`` (``kinds``: ``act``, ``grad``,
+    ``rgrad``), as they arrived: evidence for a spot check (see ``Recheck``)."""
 
     KIND: ClassVar[str] = "audit"
     run_id: str

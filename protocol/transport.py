@@ -152,6 +152,8 @@ class Transport(Forwarding):
         self._part_born: dict[tuple[str, int, int], float] = {}  # lane parts waiting for their head: since when
         #: whether a sender may send a lane part of this many bytes (checked before reading it); None: any admitted
         self.lane_ok: Callable[[str, int], bool] | None = None
+        #: takes some checked messages aside instead of the inbox (True: taken)
+        self.divert: Callable[[Inbound], bool] | None = None
         self._probes: dict[str, list[tuple[float, int]]] = {}  # sender -> (when, bytes) of its recent probes
         self._rates: dict[str, float] = {}  # peer id -> bytes/s
         self._pace_locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
@@ -471,7 +473,7 @@ class Transport(Forwarding):
             blame = via if via is not None and exc.code is Reject.BAD_DIGEST else sender
             self.gate.reject(blame, exc)
             return not self.gate.muted(via or blame)
-        await self.inbox.put(Inbound(sender, message, Frame({"values": env.values}, payload), env, head))
+        await self._deliver(Inbound(sender, message, Frame({"values": env.values}, payload), env, head))
         return True
 
     def _cut_off(self, sender: str) -> None:
@@ -502,7 +504,12 @@ class Transport(Forwarding):
         except Rejected as exc:
             self.gate.reject(sender, exc)
             return
-        await self.inbox.put(Inbound(sender, message, Frame({"values": env.values}, payload), env, head))
+        await self._deliver(Inbound(sender, message, Frame({"values": env.values}, payload), env, head))
+
+    async def _deliver(self, inbound: Inbound) -> None:
+        """Into the inbox, unless ``divert`` takes it."""
+        if self.divert is None or not self.divert(inbound):
+            await self.inbox.put(inbound)
 
     async def _handle_bandwidth(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Bandwidth probe from an admitted peer: read (and drop) the upload, acknowledge,

@@ -10,7 +10,8 @@
 - ``lapsed``: joins with the whole token like ``fusionllm join``, trains, and when
   the host bans it (the coordinator says so, and stops renewing its certificate) it
   does not leave: once its certificate has expired it sends the same three kinds of
-  message to the coordinator and to every peer of its last assignment.
+  message to the coordinator and to every peer of its last assignment, once the
+  file ``--go`` names exists (the test reads its counts before it creates it).
 
 Each prints ``<mode> <peer id> sent to <n> receivers: <ids>`` and exits 0; the test
 reads every receiver's count or log."""
@@ -21,6 +22,7 @@ import argparse
 import asyncio
 import dataclasses
 import time
+from pathlib import Path
 from typing import Any
 
 import hivemind
@@ -133,7 +135,15 @@ def _coordinator(found: Any, key: str) -> tuple[str, list[str]]:
     raise SystemExit("no coordinator record signed by the token's key")
 
 
-async def lapsed(token: str, key_file: str) -> None:
+async def _until_exists(path: Path, within_s: float = 120.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"lapsed: {path} did not appear within {within_s:.0f} s")
+        await asyncio.sleep(0.1)
+
+
+async def lapsed(token: str, key_file: str, go: Path) -> None:
     t = parse_token(token)
     node = PeerNode(
         PeerConfig(t.maddrs, t.run, identity=key_file, coordinator_key=t.coordinator_key, swarm_secret=t.secret)
@@ -160,6 +170,7 @@ async def lapsed(token: str, key_file: str) -> None:
             raise SystemExit("lapsed: it was never assigned a stage, so it knows no peers to send to")
         receivers = {p: list(a.maddrs.get(p, [])) for p in a.keys if p != node.transport.peer_id}
         receivers[node.coordinator.peer_id] = list(node.coordinator.maddrs)
+        await _until_exists(go)
         await attack("lapsed", node.transport, t.run, receivers, node.coordinator.peer_id)
         return 0
 
@@ -181,11 +192,12 @@ async def main() -> None:
     ap.add_argument("--token", required=True)
     ap.add_argument("--identity", required=True)
     ap.add_argument("--members", type=int, default=3, help="forger: the adverts to wait for")
+    ap.add_argument("--go", type=Path, help="lapsed: send once this file exists")
     args = ap.parse_args()
     if args.mode == "forger":
         await forger(args.token, args.identity, args.members)
     else:
-        await lapsed(args.token, args.identity)
+        await lapsed(args.token, args.identity, args.go)
 
 
 if __name__ == "__main__":

@@ -206,7 +206,8 @@ def test_a_private_swarms_dht_keeps_only_records_its_coordinator_stands_behind()
 
 
 def _cert_peer(swarm: Swarm, tmp_path: Path, mode: str, token: str) -> Proc:
-    p = Proc(mode, "--token", token, "--identity", str(tmp_path / f"{mode}.key"), module="tests.cert_peer")
+    go = ["--go", str(tmp_path / "go")] if mode == "lapsed" else []
+    p = Proc(mode, "--token", token, "--identity", str(tmp_path / f"{mode}.key"), *go, module="tests.cert_peer")
     swarm.procs.append(p)
     return p
 
@@ -253,6 +254,7 @@ def test_forged_and_run_out_certificates_are_refused_by_every_receiver(tmp_path:
         member.wait_line(r"told: not admitted: .* is banned from run", 60)
         member.wait_line(r"certificate ran out: it expired", 60)
         refused = _rejects(api(swarm.url))  # its heartbeats stopped here
+        (tmp_path / "go").touch()  # and now it sends
         again = member.wait_line(r"lapsed (\w+) sent to \d+ receivers: (.*)", 120)
         assert set(again.group(2).split()) == set(honest)
         for p in honest:
