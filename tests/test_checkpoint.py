@@ -180,6 +180,19 @@ def test_pruning_resaving_and_rollback(tmp_path: Path) -> None:
     assert len(list(rd.checkpoints_dir.iterdir())) == 2
 
 
+def test_checkpoints_after_an_untrusted_step_are_dropped_for_rollback_and_resume(tmp_path: Path) -> None:
+    """A spot check of a committed step failed: checkpoints that hold its update go,
+    from the database and the disk, so neither a rollback nor a resume uses them."""
+    rd = RunDir(tmp_path / "run", keep=2).open()
+    for step in (4, 8):
+        rd.save_checkpoint(step, 0, [{"w": torch.full((2,), float(step))}], {"cut": [], "stages": [["p"]]})
+    rd.drop_after(7)  # step 7 was not trusted: the state after 8 steps holds it
+    assert rd.latest() is not None and rd.latest().step == 4
+    assert [d.name for d in rd.checkpoints_dir.iterdir()] == [rd.latest().path.name]
+    rd.drop_after(3)
+    assert rd.latest() is None and not list(rd.checkpoints_dir.iterdir())
+
+
 def test_concurrent_saves(tmp_path: Path) -> None:
     rd = RunDir(tmp_path / "run", keep=3).open()
     with ThreadPoolExecutor(4) as pool:

@@ -171,6 +171,6 @@ def test_random_speed_changes_do_not_make_the_plan_flap(tmp_path: Path, seconds:
     finally:
         swarm.close()
     assert changes >= seconds // 2, f"only {changes} speed changes before the run neared its end"
-    assert len(moves) <= 3, moves
-    assert sum("undoing the move" in m for m in moves) <= 1, moves
+    assert len(moves) <= 3, "\n".join(moves)
+    assert sum("undoing the move" in m for m in moves) <= 1, "\n".join(moves)
     assert "Traceback" not in out

@@ -102,3 +102,25 @@ def test_tolerances_and_the_survival_formula() -> None:
     # a cheat corrupting 10% of 8 micro-batches a step, each checked with chance 0.05
     assert survival(0.1, 0.05, 8, 20) == pytest.approx((1 - 0.005) ** 160)
     assert survival(0.1, 1.0, 8, 1) == pytest.approx(0.9**8)
+
+
+def test_a_replica_re_executes_a_committed_step_with_the_weights_it_kept() -> None:
+    """A checker that already applied the step's update (and is halfway through the
+    next step) swaps the kept weights in for the re-execution: it agrees with honest
+    work of the checked step, catches noise, and gets its own state back unchanged."""
+    msg, evidence, own, view = _evidence(noise=0.0)
+    ex = view.ex
+    kept = ex.snapshot()
+    for p in ex.params:  # the commit's update, then the next step's first forward and its gradients
+        p.data.add_(0.01)
+    mb = split_batch(next(iter(JOB.batches())), JOB.micro_batches)[1]
+    ex.forward(1, list(mb))
+    after = {n: t.clone() for n, t in ex.module.state_dict().items()}
+    with ex.holding(kept, ex.loss_scale):
+        assert view.verdict(msg, evidence, own).agree
+    assert all(torch.equal(t, after[n]) for n, t in ex.module.state_dict().items()), "its own weights are back"
+    assert ex.pending == 1, "the next step's forward is still saved for its backward"
+    assert not view.verdict(msg, evidence, own).agree, "with the updated weights the same work looks wrong"
+    noisy_msg, noisy, noisy_own, _ = _evidence(noise=1e-2)
+    with ex.holding(kept, ex.loss_scale):
+        assert not view.verdict(noisy_msg, noisy, noisy_own).agree
