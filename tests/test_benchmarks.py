@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = [
     ("adversary.py", {"flood_throughput_ratio", "flood_sustained_throughput_ratio", "idle_rss_mb",
                       "max_rss_mb_under_alloc_attack", "probe_amplification", "spot_check_overhead",
-                      "cheater_caught_within_steps", "cheater_survival_20_steps", "spot_check_rate", "swarm_s"}),
+                      "cheater_caught_within_steps", "cheater_survival_20_steps", "spot_check_rate", "swarm_s",
+                      "spot_check_step_ms_off", "spot_check_step_ms_on", "spot_check_overhead_tokens"}),
     ("codecs.py", {"adatopk_encode_gbps", "adatopk_decode_gbps", "global_topk_gbps", "adatopk_vs_global_topk",
                    "adatopk_wire_vs_ideal", "fp16_encode_gbps", "int4sr_encode_gbps", "lowrank8_encode_gbps",
                    "lowrank8_wire_ratio", "sign_verify_ms_4mib", "transfer_ms_4mib",
@@ -166,6 +167,8 @@ def _adversary(out: dict[str, Any]) -> None:
     # nothing is allocated on a claim: the attacks leave RSS near idle, and no probe draws back more than it sent
     assert out["max_rss_mb_under_alloc_attack"] <= 2 * out["idle_rss_mb"] and out["probe_amplification"] <= 1, out
     assert 0 <= out["spot_check_overhead"] < 1 and 0 < out["cheater_survival_20_steps"] < 1, out
+    assert 0 <= out["spot_check_overhead_tokens"] < 1, out
+    _positive(out, "spot_check_step_ms_off", "spot_check_step_ms_on")
     assert out["cheater_caught_within_steps"] >= 1, out
 
 
