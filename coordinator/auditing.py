@@ -33,6 +33,7 @@ redone without the peers it found out."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import logging
 import random
@@ -56,8 +57,8 @@ Asker = Callable[[], Awaitable[Verdict]]
 MAX_MORE_CHECKERS = 3
 #: how long spot checks under way may still take when the plan must change (then they are given up)
 AUDIT_GRACE_S = 10.0
-#: spot-check answers waiting to be read (a peer that sends more than that loses the surplus)
-AUDIT_BOX = 256
+#: spot-check answers waiting to be read from one peer (a peer that sends more loses the surplus)
+AUDIT_BOX_PER_PEER = 8
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class Auditing(DriverParts):
     audit_losses: dict[str, float]  # the audited step's losses by micro-batch, as the last stage reported them
     auditing: set[str]  # peers asked for evidence (their payloads are expected)
     audit_box: asyncio.Queue[Inbound]  # Evidence and Verdict answers (the transport sets them apart)
+    audit_queued: collections.Counter[str]  # answers waiting in the box, by sender
     _audit: tuple[int, asyncio.Task[None]] | None  # the committed step whose spot checks are under way
     _audit_rng = random.Random()  # seeded from the OS: peers cannot predict which micro-batch is checked
 
@@ -86,10 +88,24 @@ class Auditing(DriverParts):
         st = self.st
         assert st.plan is not None
         self.audit_losses = losses
+        self._empty_audit_box()
         for s, mb in checks:
             st.spot_checks += 1
             self.coord.board.spot_checks = st.spot_checks
             await (self._check_one if len(st.plan.stages[s]) > 1 else self._check_alone)(step, s, mb)
+
+    def _empty_audit_box(self) -> None:
+        """Forget answers no check waits for (late ones, or a peer's unasked)."""
+        while not self.audit_box.empty():
+            self.audit_box.get_nowait()
+        self.audit_queued.clear()
+
+    def take_answer(self, inbound: Inbound) -> None:
+        """A spot-check answer from a planned peer, kept for ``_answer_of`` (at most
+        ``AUDIT_BOX_PER_PEER`` waiting per peer: a peer flooding answers drops its own)."""
+        if self.audit_queued[inbound.sender] < AUDIT_BOX_PER_PEER:
+            self.audit_queued[inbound.sender] += 1
+            self.audit_box.put_nowait(inbound)
 
     def _start_audit(self, step: int, checks: list[tuple[int, int]], losses: dict[str, float]) -> None:
         """Spot-check committed ``step`` while the next one trains (its peers hold what
@@ -137,10 +153,13 @@ class Auditing(DriverParts):
             return {**exc.lost, **lost}, exc.rollback_to
         return lost, rollback_to
 
-    async def _answer_of(self, kinds: tuple[type[Message], ...], peers: set[str]) -> Inbound:
-        """The next answer of ``kinds`` of this epoch from one of ``peers``, within the
-        step timeout (a peer known to have failed meanwhile is lost at once)."""
-        deadline = time.monotonic() + self.cfg.step_timeout_s
+    def _deadline(self) -> float:
+        """When the answers a check waits for are due (a step timeout from now)."""
+        return time.monotonic() + self.cfg.step_timeout_s
+
+    async def _answer_of(self, kinds: tuple[type[Message], ...], peers: set[str], deadline: float) -> Inbound:
+        """The next answer of ``kinds`` of this epoch from one of ``peers``, by
+        ``deadline`` (a peer known to have failed meanwhile is lost at once)."""
         while True:
             failed = {p: why for p, why in self._failed.items() if p in peers}  # type: ignore[attr-defined]
             if failed:
@@ -152,6 +171,7 @@ class Auditing(DriverParts):
                 inbound = await asyncio.wait_for(self.audit_box.get(), min(left, 0.5))
             except asyncio.TimeoutError:
                 continue
+            self.audit_queued[inbound.sender] -= 1
             msg = inbound.message
             if isinstance(msg, kinds) and inbound.sender in peers and msg.epoch == self.st.epoch:
                 return inbound
@@ -275,7 +295,11 @@ class Auditing(DriverParts):
         self.auditing.add(peer)
         try:
             await self._send(peer, Audit(self.cfg.run_id, step, mb, ["weights"], self.st.epoch))  # type: ignore[attr-defined]
-            inbound = await self._answer_of((Evidence,), {peer})
+            deadline = self._deadline()
+            while True:
+                inbound = await self._answer_of((Evidence,), {peer}, deadline)
+                if (inbound.message.step, inbound.message.mb) == (step, mb):
+                    break
         finally:
             self.auditing.discard(peer)
         msg, values = inbound.message, inbound.values()
@@ -298,9 +322,9 @@ class Auditing(DriverParts):
             for holder, held in asked.items():
                 kinds = [ROLES[r][0].KIND for r in held]
                 await self._send(holder, Audit(self.cfg.run_id, step, mb, kinds, st.epoch))  # type: ignore[attr-defined]
-            pending = set(asked)
+            pending, deadline = set(asked), self._deadline()
             while pending:
-                inbound = await self._answer_of((Evidence,), pending)
+                inbound = await self._answer_of((Evidence,), pending, deadline)
                 if (inbound.message.step, inbound.message.mb) != (step, mb):
                     continue
                 pending.discard(inbound.sender)
@@ -352,8 +376,9 @@ class Auditing(DriverParts):
                       self._rtol(suspect, checker), s if arbiter else -1, weights or [],
                       len(program), grads)  # fmt: skip
         await self._send(checker, msg, [*evidence, *program])  # type: ignore[attr-defined]
+        deadline = self._deadline()
         while True:
-            verdict: Verdict = (await self._answer_of((Verdict,), {checker})).message
+            verdict: Verdict = (await self._answer_of((Verdict,), {checker}, deadline)).message
             if (verdict.step, verdict.mb, verdict.suspect) != (step, mb, suspect):
                 continue
             if not verdict.checked:  # the coordinator checked that evidence: the checker could not use it

@@ -13,6 +13,7 @@ replays the deterministic data stream from there.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import math
@@ -24,7 +25,7 @@ import torch
 
 from coordinator import replan
 from coordinator.assign import Assignment, assign
-from coordinator.auditing import AUDIT_BOX, Auditing
+from coordinator.auditing import Auditing
 from coordinator.checkpoint import RunDir
 from coordinator.checkpointing import Checkpointing
 from coordinator.links import boundary_specs
@@ -93,7 +94,8 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
         self.auditing: set[str] = set()
         self.mb_losses: dict[str, float] = {}
         self.audit_losses: dict[str, float] = {}
-        self.audit_box: asyncio.Queue[Inbound] = asyncio.Queue(AUDIT_BOX)
+        self.audit_box: asyncio.Queue[Inbound] = asyncio.Queue()
+        self.audit_queued: collections.Counter[str] = collections.Counter()
         self._audit: tuple[int, asyncio.Task[None]] | None = None
         self._rejoined: set[str] = set()  # planned peers that said hello again (their stage is gone)
         self.recipe = self.job.recipe()
@@ -134,6 +136,8 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
                     await self._recover(exc.lost, exc.rollback_to)
         finally:
             watcher.cancel()
+            if self._audit is not None:
+                self._audit[1].cancel()
         await self._release()
         return self.st
 
@@ -340,10 +344,13 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
             self.run_dir.set_meta(f"loss_scale@{st.step}", [st.scale.scale, st.scale.good])
         evaluate = len(self._eval_micro_batches()) if self.job.eval_due(st.step) else 0
         audited = {p for s, _ in checks for p in st.plan.stages[s]}  # they keep this step's weights
-        for p in st.planned:
-            msg = Commit(cfg.run_id, step, st.epoch, checkpoint, update.factor, update.skip, st.scale.scale, evaluate,
-                         p in audited)  # fmt: skip
-            await self._send(p, msg)
+        try:
+            for p in st.planned:
+                msg = Commit(cfg.run_id, step, st.epoch, checkpoint, update.factor, update.skip, st.scale.scale,
+                             evaluate, p in audited)  # fmt: skip
+                await self._send(p, msg)
+        except PeerLost as exc:  # a peer gone before its commit (a cheat leaving?) cannot dodge the checks
+            raise PeerLost(exc.lost, rollback_to=step if checks else None) from None
         if checks:
             self._start_audit(step, checks, self.mb_losses)
         if evaluate:

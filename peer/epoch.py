@@ -129,18 +129,17 @@ class EpochRunner:
         await self._dial_out()
         t0 = time.perf_counter()
         held = await self._stage()
-        audits = asyncio.create_task(self._serve_audits(held))
-        try:
-            await self._ready(held, time.perf_counter() - t0)
-            await self._links()
-            if self.a.start_step >= self.job.steps and self.r == 0:
-                await self._upload(held, self.job.steps)
-            for step in range(self.a.start_step, self.job.steps):
-                await self._step(held, step)
-            for t in self.uploads:
-                await t
-        finally:
-            audits.cancel()
+        # answered until the coordinator's next word, also after this epoch fails (a neighbour lost: the checks
+        # of the last committed step still need this peer's evidence)
+        self.node.serve_audits(asyncio.create_task(self._serve_audits(held)))
+        await self._ready(held, time.perf_counter() - t0)
+        await self._links()
+        if self.a.start_step >= self.job.steps and self.r == 0:
+            await self._upload(held, self.job.steps)
+        for step in range(self.a.start_step, self.job.steps):
+            await self._step(held, step)
+        for t in self.uploads:
+            await t
 
     # ------------------------------------------------------------------ setup
     async def _dial_out(self) -> None:
@@ -422,10 +421,12 @@ class EpochRunner:
     ) -> tuple[dict[tuple[str, int], Inbound], dict[str, torch.Tensor] | None, LossScale] | None:
         """The frames, the stage's weights and buffers (None: not kept) and the loss
         scale of ``step`` as its spot checks see them."""
-        if self.hold is not None and self.hold.step == step:
-            return self.hold.kept, await self.hold.state, self.hold.scale
-        if held.pending == step:  # not updated yet: the stage as it is
-            return self.kept, held.ex.module.state_dict(), held.ex.loss_scale
+        hold = self.hold
+        if hold is not None and hold.step == step:
+            return hold.kept, await hold.state, hold.scale
+        if held.pending == step:  # not updated yet: a copy made before the update (both on the compute thread)
+            kept, scale = self.kept, held.ex.loss_scale
+            return kept, await self.node.run_compute(held.ex.snapshot), scale
         return None
 
     async def _answer(self, held: HeldStage, inbound: Inbound) -> None:
@@ -487,7 +488,7 @@ class EpochRunner:
             other.load_state_tensors(dict(zip(msg.weights, weights, strict=True)))
         except ValueError as exc:
             return Verdict(msg.run_id, msg.step, msg.mb, msg.suspect, False, f"the weights: {exc}", msg.epoch)
-        self._others[msg.stage] = other  # built once an epoch: its weights are loaded whole each time
+        self._others = {msg.stage: other}  # kept while it arbitrates the same stage (its weights load whole)
         other.loss_scale = scale
         return self._rechecker(other, msg.stage).verdict(msg, evidence, None)
 

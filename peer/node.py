@@ -133,6 +133,8 @@ class PeerNode:
         self.held: HeldStage | None = None
         self.on_event: Callable[[str], None] | None = None
         self._epoch_task: asyncio.Task[None] | None = None
+        #: the last epoch's answers to spot checks: they outlive a failed epoch until the coordinator's next word
+        self._audit_task: asyncio.Task[None] | None = None
         self._task_epoch = -1  # the epoch the running epoch task serves
         self._reattaching = False
         self.throttle = Throttle(config.throttle, on_change=self._event)  # ThrottleError if out of (0, 1]
@@ -372,6 +374,7 @@ class PeerNode:
         self.epoch = self.transport.gate.epoch = epoch
         self.checks.assign = a
         self.mailbox = Mailbox()
+        self.serve_audits(None)
         self.audits = asyncio.Queue()
 
     async def run_compute(self, fn: Any, *args: Any) -> Any:
@@ -482,9 +485,16 @@ class PeerNode:
             await self._report_failure(f"{type(exc).__name__}: {exc}", epoch=self._task_epoch)
         return None
 
+    def serve_audits(self, task: asyncio.Task[None] | None) -> None:
+        """``task`` answers the coordinator's spot checks from now on (None: no one)."""
+        if self._audit_task is not None:
+            self._audit_task.cancel()
+        self._audit_task = task
+
     async def _stop_epoch(self) -> None:
-        """Cancel the running epoch and wait for its compute to finish (the stage's
-        state is then consistent: see EpochRunner._reconcile)."""
+        """Cancel the running epoch and its spot-check answers, and wait for its compute
+        to finish (the stage's state is then consistent: see EpochRunner._reconcile)."""
+        self.serve_audits(None)
         task, self._epoch_task = self._epoch_task, None
         if task is not None:
             task.cancel()
@@ -637,6 +647,7 @@ class PeerNode:
         return (await self._coordinator_records()).get(key_hex(self.coordinator_key))
 
     async def aclose(self) -> None:
+        self.serve_audits(None)
         for t in [*self._tasks, *([self._epoch_task] if self._epoch_task else [])]:
             t.cancel()
         if self.transport is not None:

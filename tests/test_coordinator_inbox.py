@@ -16,6 +16,7 @@ import torch
 
 from coordinator import replan
 from coordinator.assign import Assignment, network_from_adverts
+from coordinator.auditing import AUDIT_BOX_PER_PEER
 from coordinator.checkpoint import RunDir
 from coordinator.run import Driver
 from coordinator.runstate import EXCLUDED, PeerLost
@@ -408,16 +409,35 @@ def test_an_arbiter_is_told_the_stage_even_when_it_holds_no_weights(tmp_path: Pa
     async def send(peer: str, msg: object, values: list[object] | None = None) -> None:
         sent.append((msg, values or []))
 
-    async def answer(kinds: tuple[type, ...], peers: set[str], until: object = None) -> Inbound:
+    async def answer(kinds: tuple[type, ...], peers: set[str], deadline: float) -> Inbound:
         msg = sent[-1][0]
         return _inbound("p0", Verdict("r", msg.step, msg.mb, msg.suspect, True))  # type: ignore[attr-defined]
 
     driver._send = send  # type: ignore[method-assign]
-    driver._next = answer  # type: ignore[method-assign]
+    driver._answer_of = answer  # type: ignore[method-assign]
     verdict = asyncio.run(driver._recheck(3, 1, 0, ["input"], {"input": "p0"}, [], "p0", []))
     recheck, values = sent[0]
     assert verdict.agree and isinstance(recheck, Recheck)
     assert recheck.stage == 1 and recheck.weights == [] and recheck.program == len(values) > 0
+
+
+def test_spot_check_answers_are_capped_per_peer_and_a_check_waits_for_its_own(tmp_path: Path) -> None:
+    """Answers come to their own box while the next step trains: a peer that floods
+    it keeps at most a few there, a check takes only answers from the peers it asked,
+    and gives up by its deadline (the peer is lost, never a hang)."""
+
+    async def go() -> None:
+        driver = _driver(tmp_path, [["p0", "p1"]])
+        for _ in range(50):
+            driver.take_answer(_inbound("p1", Verdict("r", 0, 1, "p0", True)))
+        driver.take_answer(_inbound("p0", Verdict("r", 0, 0, "p1", True)))
+        assert driver.audit_box.qsize() == AUDIT_BOX_PER_PEER + 1
+        got = await driver._answer_of((Verdict,), {"p0"}, driver._deadline())
+        assert got.sender == "p0" and driver.audit_queued["p1"] == 0, "p1's were read past and dropped"
+        with pytest.raises(PeerLost, match="no answer to a spot check"):
+            await driver._answer_of((Verdict,), {"p0"}, time.monotonic() + 0.2)
+
+    asyncio.run(go())
 
 
 def _settled(tmp_path: Path, first: list[float], later: list[tuple[bool, list[float]]]) -> dict[str, str]:
