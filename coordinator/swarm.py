@@ -29,7 +29,7 @@ from coordinator.run import Driver
 from coordinator.runstate import EXCLUDED, RunState
 from coordinator.status import StatusBoard
 from coordinator.web import StatusServer
-from protocol.admission import CERT_TTL_S, RENEWALS_PER_TTL, bounded_ttl, issue_certificate, renewal_send_s
+from protocol.admission import CERT_TTL_S, issue_certificate, renewal_period, renewal_send_s
 from protocol.advert_check import advert_problem
 from protocol.codecs import Codec
 from protocol.envelope import Envelope, Gate, Reject, Rejected
@@ -503,7 +503,7 @@ class Coordinator:
         certificate ends."""
         assert self.transport is not None
         while True:
-            await asyncio.sleep(self._renew_every)
+            await asyncio.sleep(renewal_period(self.config.cert_ttl))
             st = self.driver.st if self.driver is not None else None
             excluded = {p for p, why in st.lost.items() if why.startswith(EXCLUDED)} if st is not None else set()
             peers = [p for p in self.gate.keys if p != self.transport.peer_id and p not in excluded]
@@ -511,10 +511,6 @@ class Coordinator:
                 await self._certify(peers)
             except Exception as exc:  # never lose the renewals to one failure
                 logger.warning("renewing certificates failed: %s", exc)
-
-    @property
-    def _renew_every(self) -> float:
-        return bounded_ttl(self.config.cert_ttl) / RENEWALS_PER_TTL
 
     def _enforce_bans(self) -> None:
         """Banned peers (by id or key) lose their admission at once; a planned one is

@@ -96,10 +96,15 @@ def bounded_ttl(seconds: float) -> float:
     return min(max(seconds, MIN_CERT_TTL_S), MAX_CERT_TTL_S)
 
 
+def renewal_period(ttl: float) -> float:
+    """How often the coordinator renews certificates of lifetime ``ttl``."""
+    return bounded_ttl(ttl) / RENEWALS_PER_TTL
+
+
 def renewal_send_s(ttl: float) -> float:
     """How long one renewal may take to reach its peer: half a renewal period, bounded."""
     low, high = RENEWAL_SEND_S
-    return min(max(bounded_ttl(ttl) / RENEWALS_PER_TTL / 2, low), high)
+    return min(max(renewal_period(ttl) / 2, low), high)
 
 
 def lifetime(cert: dict[str, Any]) -> float:
