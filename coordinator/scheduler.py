@@ -349,9 +349,11 @@ def _groupings(ordered: list[str], clusters: dict[str, list[PeerProfile]], k: in
     return unique
 
 
-def _evaluate(costs: DagCosts, cut: tuple[int, ...], ids: list[list[str]], by_id: dict[str, PeerProfile],
-              network: Network, options: Options) -> Plan:  # fmt: skip
-    cand = predict(costs, Plan(cut, ids, [Codec()] * len(cut), "opfence"), by_id, network, options.micro_batches)
+def evaluate(costs: DagCosts, cut: tuple[int, ...], ids: list[list[str]], by_id: dict[str, PeerProfile],
+             network: Network, options: Options, name: str = "opfence") -> Plan:  # fmt: skip
+    """The plan of stage groups ``ids`` cut at ``cut``, with the codecs the swarm would
+    put on its links, and its predicted times: every scheduler finishes its plans here."""
+    cand = predict(costs, Plan(cut, ids, [Codec()] * len(cut), name), by_id, network, options.micro_batches)
     cand.codecs = choose_fractions(costs, cand, network, options)
     return predict(costs, cand, by_id, network, options.micro_batches)
 
@@ -383,7 +385,7 @@ def _refine(costs: DagCosts, start: Plan, by_id: dict[str, PeerProfile], network
             for pos in sorted((steps | ties) - {here}, key=lambda q: (abs(q - here), q)):
                 if lo < pos < hi and pos in allowed:
                     cut = best.cut[:b] + (pos,) + best.cut[b + 1 :]
-                    cand = _evaluate(costs, cut, best.groups, by_id, network, options)
+                    cand = evaluate(costs, cut, best.groups, by_id, network, options)
                     if _better(cand, best):
                         best, improved = cand, True
         if not improved:
@@ -409,7 +411,7 @@ def opfence(costs: DagCosts, peers: list[PeerProfile], network: Network, options
                 cut = bottleneck_cut(costs, stage_models(groups, network, options.micro_batches), links, options)
                 if cut is None:
                     continue
-                candidate = _evaluate(costs, cut, ids, by_id, network, options)
+                candidate = evaluate(costs, cut, ids, by_id, network, options)
                 if _better(candidate, best):
                     best = candidate
     if best is None:
@@ -469,5 +471,5 @@ def _tiny_candidates(costs: DagCosts, peers: list[PeerProfile], by_id: dict[str,
             links = [network.group_link(ids[t], ids[t + 1]) for t in range(len(ids) - 1)]
             cut = bottleneck_cut(costs, stage_models(groups, network, options.micro_batches), links, options)
             if cut is not None:
-                out.append(_evaluate(costs, cut, ids, by_id, network, options))
+                out.append(evaluate(costs, cut, ids, by_id, network, options))
     return out

@@ -379,7 +379,7 @@ class Coordinator:
                 logger.debug("advert poll failed: %s", exc)
                 continue
             st = self.driver.st if self.driver is not None else None
-            self._enforce_bans()
+            await self._enforce_bans()
             self.keep_adverts(live, st.planned if st is not None else set())  # joiners: rebalance candidates
             if st is not None and st.plan is not None:  # joined mid-run: standby until a re-plan takes it in
                 for p in set(live) - st.planned - set(st.lost):
@@ -427,18 +427,20 @@ class Coordinator:
         except (PeerUnreachable, asyncio.TimeoutError) as exc:
             logger.debug("could not tell %s its reachability: %s", peer, exc)
 
-    def _tell_refused(self, sender: str, why: str) -> None:
+    def _tell_refused(self, sender: str, why: str) -> asyncio.Task[None] | None:
         """Say why a hello was refused (at most once a minute per sender): a peer coming
-        back after a token rotation or a ban leaves with the reason instead of waiting."""
+        back after a token rotation or a ban leaves with the reason instead of waiting.
+        Returns the sending task (None when not told again)."""
         now = time.monotonic()
         if sender in self._told and now - self._told[sender] < 60 or self.transport is None:
-            return
+            return None
         if len(self._told) > 10_000:
             self._told.clear()
         self._told[sender] = now
         task = asyncio.get_running_loop().create_task(self._abort_quietly(sender, why))
         self._telling.add(task)
         task.add_done_callback(self._telling.discard)
+        return task
 
     async def _abort_quietly(self, sender: str, why: str) -> None:
         assert self.transport is not None
@@ -512,18 +514,21 @@ class Coordinator:
             except Exception as exc:  # never lose the renewals to one failure
                 logger.warning("renewing certificates failed: %s", exc)
 
-    def _enforce_bans(self) -> None:
+    async def _enforce_bans(self) -> None:
         """Banned peers (by id or key) lose their admission at once; a planned one is
-        dropped from the run for good (its stage is recovered like a failed peer's)."""
+        dropped from the run for good (its stage is recovered like a failed peer's) once
+        it has been told why: the recovery forgets its streams, which would cut the word."""
         assert self.admission is not None
         me = self.transport.peer_id if self.transport is not None else ""
         known = {p: key_hex(k) for p, k in self.gate.keys.items() if p != me}
-        planned = self.driver.st.planned if self.driver is not None else set()
         hit = self.admission.banned_among(known)
+        telling = []
         for p in hit:
             self.gate.revoke(p)
             self.board.event("failure", f"peer {p} is banned by the swarm's host")
-            self._tell_refused(p, f"{p} is banned from run '{self.config.run_id}' by the swarm's host")
+            telling.append(self._tell_refused(p, f"{p} is banned from run '{self.config.run_id}' by the swarm's host"))
+        await asyncio.gather(*(t for t in telling if t is not None))  # each bounded by _abort_quietly
+        planned = self.driver.st.planned if self.driver is not None else set()  # it may have changed meanwhile
         for p in (hit | self.admission.banned()) & planned:
             self.driver.fail(p, f"{EXCLUDED}banned by the swarm's host")  # type: ignore[union-attr]
 
