@@ -3,17 +3,27 @@ costs, the peers' measured FLOP/s and memory, and the links' bandwidth and
 latency. Pure functions of a snapshot; the scheduler, the swarm and ``sim/`` all
 call the same code.
 
-Time model of one training iteration (``M`` micro-batches, 1F1B):
+Time model of one training iteration (``M`` micro-batches), the way the live swarm
+runs it (``peer.epoch``), and the same in ``sim/``:
 
-- stage ``s`` on peer group ``G``: per micro-batch ``3 x F_s / sum(FLOP/s of G)``
-  (forward plus a backward of twice its cost; replicas share the micro-batches);
-- cut edge ``s -> s+1``: per micro-batch and direction ``latency + wire bytes /
-  bandwidth``, the bandwidth being the slowest pair between the two groups times
-  the number of pairs that can send at once; the codec shrinks floating bytes;
-- replicas of a stage all-reduce their gradients once per iteration: ``2 x
-  parameter bytes x (r - 1) / r`` over the slowest link inside the group;
-- iteration: every stage and link once (pipeline fill and drain) plus ``M - 1``
-  times the slowest of them (the steady state), plus the slowest all-reduce.
+- micro-batch ``m`` goes to replica ``m mod r`` of every stage, and from replica
+  ``m mod r`` to replica ``m mod r'`` of the next one: every replica runs whole
+  micro-batches (``dealt``), and every pair of peers that exchange them is a link
+  of its own (exact pairs, no sampling);
+- a replica's time per micro-batch: ``3 x FLOPs / its FLOP/s`` (forward plus a
+  backward of twice its cost), plus a fixed cost per operator kernel (forward once,
+  backward twice; ``PeerProfile.op_overhead_s``), plus, when the stage has
+  replicas, sending that micro-batch's parameter gradients to every other replica
+  one after the other (the live swarm sums them in micro-batch order: bit-exact);
+- a link's time per micro-batch and direction: ``latency + wire bytes / bandwidth``;
+- stages with the same number of replicas run 1F1B in lanes (replica ``i`` of every
+  stage): stage ``s`` holds at most ``k - s`` micro-batches in flight, so a round
+  trip from stage ``s`` to the last stage and back is hidden only if that many
+  micro-batches cover it (the latency is not free); otherwise the live swarm runs
+  GPipe (every micro-batch in flight: more memory, no such bound);
+- iteration: every stage and link once for one micro-batch (fill and drain), plus
+  ``rounds - 1`` times the slowest steady-state period of a stage, a link or a
+  1F1B round trip, ``rounds`` being the micro-batches of the busiest lane.
 
 ``lower_bound_s`` is ``3 x M x total FLOPs / total FLOP/s of all peers``: no plan
 on these peers can beat perfect compute balance with free communication.
@@ -34,7 +44,14 @@ import torch
 from protocol.codecs import Codec
 
 #: Adam keeps weights, gradients and two moments: 4 bytes of state per parameter byte
+#: (fp32 weights, gradients and moments: 16 bytes per parameter, as the live swarm keeps them)
 STATE_PER_PARAM_BYTE = 4
+#: eager PyTorch's fixed cost per operator kernel on a GPU (launch and dispatch), when
+#: a topology does not say (``op_overhead_us`` per peer)
+OP_OVERHEAD_S = 10e-6
+#: a stage must compute at least this share of an even split of the model's FLOPs:
+#: one that computes nothing only relays its inputs over one more link
+MIN_STAGE_SHARE = 0.01
 
 
 @dataclass
@@ -48,7 +65,14 @@ class DagCosts:
     cross_bytes: list[int]
     float_cross: list[int]
     forbidden: frozenset[int] = frozenset()
+    kernels: list[int] = field(default_factory=list)  # kernels an op launches in its forward (default: 1 each)
+    float_itemsize: int = 4  # bytes per element of the floating tensors that cross cuts (2: mixed precision)
+    #: weights shared by ops that may sit in different stages: (first op, last op, bytes);
+    #: the stage of the last keeps a copy, and the copies' gradients are summed once an
+    #: iteration (as Megatron-style pipelines keep a tied embedding)
+    tied: tuple[tuple[int, int, int], ...] = ()
     _pf: list[int] = field(default_factory=list, repr=False)
+    _pk: list[int] = field(default_factory=list, repr=False)
     _pp: list[int] = field(default_factory=list, repr=False)
     _pa: list[int] = field(default_factory=list, repr=False)
     _wire: dict[str, list[float]] = field(default_factory=dict, repr=False)  # codec -> wire bytes per position
@@ -59,7 +83,12 @@ class DagCosts:
             raise ValueError("per-op cost lists differ in length")
         if len(self.cross_bytes) != n:
             raise ValueError("cross_bytes needs one entry per op (entry 0 unused)")
+        if not self.kernels:
+            self.kernels = [1] * n
+        if len(self.kernels) != n:
+            raise ValueError("kernels needs one entry per op")
         self._pf, self._pp, self._pa = _prefix(self.flops), _prefix(self.param_bytes), _prefix(self.act_bytes)
+        self._pk = _prefix(self.kernels)
 
     @property
     def num_ops(self) -> int:
@@ -73,10 +102,18 @@ class DagCosts:
         return self._pf[hi] - self._pf[lo]
 
     def stage_params(self, lo: int, hi: int) -> int:
-        return self._pp[hi] - self._pp[lo]
+        copies = sum(nbytes for first, last, nbytes in self.tied if lo <= last < hi and not lo <= first < hi)
+        return self._pp[hi] - self._pp[lo] + copies
 
     def stage_acts(self, lo: int, hi: int) -> int:
         return self._pa[hi] - self._pa[lo]
+
+    def stage_kernels(self, lo: int, hi: int) -> int:
+        return self._pk[hi] - self._pk[lo]
+
+    def min_stage_flops(self, num_stages: int) -> float:
+        """The fewest FLOPs a stage of a ``num_stages``-stage plan may have (``MIN_STAGE_SHARE``)."""
+        return MIN_STAGE_SHARE * self.total_flops / max(num_stages, 1)
 
     def wire_table(self, codec: Codec) -> list[float]:
         """Wire bytes of a cut at every position under ``codec`` (computed once per codec)."""
@@ -89,6 +126,7 @@ class DagCosts:
     def from_opdag(cls, dag: Any) -> DagCosts:
         """Costs of a traced :class:`coordinator.opdag.OpDag`; what crosses each cut
         position comes from every value's producer and last consumer."""
+        from coordinator.opdag import _FREE_OPS as FREE_OPS
         from protocol.graph import operators
 
         ops = list(operators(dag.gm))
@@ -125,10 +163,12 @@ class DagCosts:
         return cls(
             flops=[max(o.flops, 1) for o in dag.ops],
             param_bytes=[o.param_bytes for o in dag.ops],
-            act_bytes=[o.out_bytes for o in dag.ops],
+            act_bytes=[o.saved_bytes for o in dag.ops],
             cross_bytes=cross,
             float_cross=fcross,
             forbidden=frozenset(dag.forbidden),
+            kernels=[0 if o.target in FREE_OPS else 1 for o in dag.ops],
+            float_itemsize=_float_itemsize(dag.meta.values()),
         )
 
     @classmethod
@@ -139,6 +179,16 @@ class DagCosts:
         params = [rng.choice([0, 0, rng.randint(1, 50) * 10**5]) for _ in range(num_ops)]
         cross = [0] + [rng.choice([1, 1, 2, 4]) * act_bytes for _ in range(num_ops - 1)]
         return cls(flops, params, [act_bytes] * num_ops, cross, list(cross))
+
+
+def _float_itemsize(values: Iterable[Any]) -> int:
+    """Bytes per element of the floating values a model makes (most of their bytes)."""
+    by_size: dict[int, int] = {}
+    for v in values:
+        if v.is_tensor and v.dtype.startswith(("float", "bfloat")):
+            size = 2 if v.dtype in ("float16", "bfloat16") else 8 if v.dtype == "float64" else 4
+            by_size[size] = by_size.get(size, 0) + v.nbytes
+    return max(by_size, key=lambda k: by_size[k], default=4)
 
 
 def _prefix(xs: Iterable[int]) -> list[int]:
@@ -154,6 +204,7 @@ class PeerProfile:
     flops: float  # measured FLOP/s
     memory_bytes: int
     cluster: str = ""
+    op_overhead_s: float = OP_OVERHEAD_S  # fixed cost per operator kernel
 
 
 @dataclass(frozen=True)
@@ -180,7 +231,7 @@ class Network:
         self.overrides = overrides or {}
         self.measured = measured or set()
         self.default = default
-        self._memo: dict[tuple[tuple[str, ...], tuple[str, ...]], LinkInfo] = {}
+        self._memo: dict[Any, Any] = {}
 
     def link(self, a: str, b: str) -> LinkInfo:
         if a == b:
@@ -191,26 +242,69 @@ class Network:
             got = self.clusters.get((ca, cb)) or self.clusters.get((cb, ca)) or self.default
         return LinkInfo(got[0], got[1], (a, b) in self.measured or (b, a) in self.measured)
 
-    def group_link(self, xs: list[str], ys: list[str]) -> LinkInfo:
-        """The slowest pair between two groups, times the pairs that can send at once."""
-        sx, sy = tuple(_sample(xs)), tuple(_sample(ys))
-        worst = self._memo.get((sx, sy))
-        if worst is None:
-            pairs = [self.link(x, y) for x in sx for y in sy]
-            slowest = min(pairs, key=lambda link: link.mbps)
-            worst = LinkInfo(slowest.mbps, max(p.latency_s for p in pairs), slowest.measured)
-            self._remember((sx, sy), worst)
-        return LinkInfo(worst.mbps * min(len(xs), len(ys)), worst.latency_s, worst.measured)
+    def _cluster_link(self, ca: str, cb: str) -> tuple[float, float]:
+        return self.clusters.get((ca, cb)) or self.clusters.get((cb, ca)) or self.default
 
-    def slowest_within(self, xs: list[str]) -> LinkInfo | None:
-        if len(xs) < 2:
-            return None
-        sample = tuple(_sample(xs))
-        got = self._memo.get((sample, ()))
+    def _overrides_of(self) -> dict[str, dict[str, tuple[float, float]]]:
+        """The per-pair overrides indexed by each end (built once per change)."""
+        index = self._memo.get("overrides")
+        if index is None:
+            index = {}
+            for (a, b), value in self.overrides.items():
+                index.setdefault(a, {})[b] = value
+                index.setdefault(b, {}).setdefault(a, value)
+            self._memo["overrides"] = index
+        return index
+
+    def send_sums(self, group: tuple[str, ...]) -> list[tuple[float, float]]:
+        """For each member of ``group``: the summed latency and seconds per byte of its
+        links to every other member (what sending one message to each, one after the
+        other, costs). Exact: per cluster, corrected for the pairs overridden."""
+        key = ("sums", group)
+        got = self._memo.get(key)
         if got is None:
-            pairs = [self.link(a, b) for i, a in enumerate(sample) for b in sample[i + 1 :]]
-            got = min(pairs, key=lambda link: link.mbps)
-            self._remember((sample, ()), got)
+            counts: dict[str, int] = {}
+            for b in group:
+                c = self.cluster_of.get(b, "")
+                counts[c] = counts.get(c, 0) + 1
+            members, index = set(group), self._overrides_of()
+            got = [self._sums_from(a, counts, members, index) for a in group]
+            self._remember(key, got)
+        return got
+
+    def _sums_from(self, a: str, counts: dict[str, int], members: set[str],
+                   index: dict[str, dict[str, tuple[float, float]]]) -> tuple[float, float]:  # fmt: skip
+        ca = self.cluster_of.get(a, "")
+        left = dict(counts)
+        left[ca] -= 1  # not to itself
+        lat = spb = 0.0
+        for b, (mbps, latency) in index.get(a, {}).items():
+            if b in members and b != a:
+                left[self.cluster_of.get(b, "")] -= 1
+                lat, spb = lat + latency, spb + 8 / max(mbps * 1e6, 1.0)
+        for c, n in left.items():
+            if n:
+                mbps, latency = self._cluster_link(ca, c)
+                lat, spb = lat + n * latency, spb + n * 8 / max(mbps * 1e6, 1.0)
+        return lat, spb
+
+    def pairs(self, xs: tuple[str, ...], ys: tuple[str, ...], micro_batches: int) -> list[tuple[int, float, float]]:
+        """The links micro-batches cross from group ``xs`` to group ``ys`` (micro-batch
+        ``m`` from ``xs[m mod |xs|]`` to ``ys[m mod |ys|]``): (micro-batches, latency,
+        seconds per byte), one entry per distinct kind of pair."""
+        key = ("pairs", xs, ys, micro_batches)
+        got = self._memo.get(key)
+        if got is None:
+            count: dict[tuple[str, str], int] = {}
+            for m in range(micro_batches):
+                pair = (xs[m % len(xs)], ys[m % len(ys)])
+                count[pair] = count.get(pair, 0) + 1
+            kinds: set[tuple[int, float, float]] = set()
+            for (x, y), n in count.items():
+                link = self.link(x, y)
+                kinds.add((n, link.latency_s, 8 / max(link.mbps * 1e6, 1.0)))
+            got = sorted(kinds)
+            self._remember(key, got)
         return got
 
     def learn(self, a: str, b: str, link: LinkInfo) -> None:
@@ -220,7 +314,7 @@ class Network:
         self.measured.add((a, b))
         self._memo.clear()
 
-    def _remember(self, key: tuple[tuple[str, ...], tuple[str, ...]], value: LinkInfo) -> None:
+    def _remember(self, key: Any, value: Any) -> None:
         if len(self._memo) > 100_000:
             self._memo.clear()
         self._memo[key] = value
@@ -266,14 +360,6 @@ class Network:
         return cls(cluster_of, clusters, dict(probes), set(probes), default=(median_mbps, lat))
 
 
-def _sample(xs: list[str], k: int = 8) -> list[str]:
-    """A few members stand for a big group (deterministically)."""
-    if len(xs) <= k:
-        return xs
-    step = len(xs) / k
-    return [xs[int(i * step)] for i in range(k)]
-
-
 @dataclass
 class Plan:
     """Stage boundaries, the peers of each stage (replica order), the codec of each
@@ -287,8 +373,14 @@ class Plan:
     lower_bound_s: float = 0.0
     stage_s: list[float] = field(default_factory=list)
     link_s: list[float] = field(default_factory=list)
-    allreduce_s: list[float] = field(default_factory=list)
+    allreduce_s: list[float] = field(default_factory=list)  # per micro-batch: replicas' gradient sends
     fits_memory: bool = True
+    empty_stage: bool = False  # a stage computes (almost) nothing: never chosen
+
+    @property
+    def valid(self) -> bool:
+        """Whether a scheduler may choose it: it fits memory and every stage computes."""
+        return self.fits_memory and not self.empty_stage
 
     def ranges(self, num_ops: int) -> list[tuple[int, int]]:
         bounds = (0, *self.cut, num_ops)
@@ -300,6 +392,7 @@ class Plan:
             "iteration_s": self.iteration_s,
             "lower_bound_s": self.lower_bound_s,
             "fits_memory": self.fits_memory,
+            "empty_stage": self.empty_stage,
             "stages": [
                 {"stage": s, "first_op": lo, "last_op": hi - 1, "peers": g, "seconds_per_micro_batch": t}
                 for s, ((lo, hi), g, t) in enumerate(zip(self.ranges(num_ops), self.groups, self.stage_s))
@@ -331,12 +424,10 @@ def wire_bytes(costs: DagCosts, position: int, codec: Codec) -> float:
     other = costs.cross_bytes[position] - floating
     if codec.name == "none" or floating == 0:
         return float(costs.cross_bytes[position])
-    numel = floating // 4
-    return other + codec.wire_bytes(numel, torch.float32) * (floating / max(numel * 4, 1))
-
-
-def stage_seconds(costs: DagCosts, lo: int, hi: int, group: list[PeerProfile]) -> float:
-    return 3 * costs.stage_flops(lo, hi) / max(sum(p.flops for p in group), 1.0)
+    size = costs.float_itemsize
+    numel = floating // size
+    dtype = torch.float32 if size == 4 else torch.bfloat16
+    return other + codec.wire_bytes(numel, dtype) * (floating / max(numel * size, 1))
 
 
 def link_seconds(nbytes: float, link: LinkInfo) -> float:
@@ -347,6 +438,102 @@ def stage_memory(costs: DagCosts, lo: int, hi: int, in_flight: int) -> int:
     return STATE_PER_PARAM_BYTE * costs.stage_params(lo, hi) + in_flight * costs.stage_acts(lo, hi)
 
 
+def dealt(micro_batches: int, replicas: int) -> list[int]:
+    """Micro-batches each replica runs: micro-batch ``m`` goes to replica ``m mod r``."""
+    return [len(range(i, micro_batches, replicas)) for i in range(replicas)]
+
+
+def uses_1f1b(groups: list[list[str]]) -> bool:
+    """The live swarm runs 1F1B when every stage has as many replicas, else GPipe."""
+    return len({len(g) for g in groups}) == 1
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One peer of a stage group, as the time and memory model sees it."""
+
+    flops: float
+    overhead_s: float  # per kernel
+    memory: int
+    runs: int  # micro-batches dealt to it
+    in_flight: int  # micro-batches whose activations it holds at once
+    send_latency_s: float  # per micro-batch: its gradient sends to the other replicas
+    send_s_per_byte: float
+
+    def seconds(self, costs: DagCosts, lo: int, hi: int, part: str = "FB") -> float:
+        """One micro-batch's forward (``F``), backward with its replica gradient sends
+        (``B``) or both (``FB``)."""
+        compute = costs.stage_flops(lo, hi) / max(self.flops, 1.0) + costs.stage_kernels(lo, hi) * self.overhead_s
+        return compute * (part != "B") + (2 * compute + self.sends(costs, lo, hi)) * (part != "F")
+
+    def sends(self, costs: DagCosts, lo: int, hi: int) -> float:
+        return self.send_latency_s + costs.stage_params(lo, hi) * self.send_s_per_byte if self.send_s_per_byte else 0.0
+
+
+@dataclass
+class GroupModel:
+    """A stage group's cost as a function of its op range."""
+
+    replicas: list[Replica]  # distinct kinds that run micro-batches
+    rounds: int  # micro-batches of the busiest lane (the plan's)
+
+    def latency(self, costs: DagCosts, lo: int, hi: int, part: str = "FB") -> float:
+        """One micro-batch through the stage (on its slowest replica)."""
+        return max(r.seconds(costs, lo, hi, part) for r in self.replicas)
+
+    def period(self, costs: DagCosts, lo: int, hi: int, part: str = "FB") -> float:
+        """The stage's steady-state time per round of micro-batches (its busiest replica's work)."""
+        return max(r.runs * r.seconds(costs, lo, hi, part) for r in self.replicas) / self.rounds
+
+    def sends(self, costs: DagCosts, lo: int, hi: int) -> float:
+        return max(r.sends(costs, lo, hi) for r in self.replicas)
+
+    def fits(self, costs: DagCosts, lo: int, hi: int) -> bool:
+        return all(stage_memory(costs, lo, hi, r.in_flight) <= r.memory for r in self.replicas)
+
+
+@dataclass
+class BoundaryModel:
+    """A cut edge's cost as a function of the bytes a micro-batch sends over it."""
+
+    pairs: list[tuple[int, float, float]]  # (micro-batches, latency, seconds per byte)
+    rounds: int
+
+    def latency(self, nbytes: float) -> float:
+        """One micro-batch over its slowest pair, each way."""
+        return max(lat + nbytes * spb for _, lat, spb in self.pairs)
+
+    def per_byte(self) -> float:
+        """Steady-state seconds per round and per byte of a micro-batch (the busiest pair)."""
+        return max(n * spb for n, _, spb in self.pairs) / self.rounds
+
+
+def rounds_of(groups: list[list[str]], micro_batches: int) -> int:
+    """Micro-batches of the busiest lane: the pipeline's steady state repeats that often."""
+    return -(-micro_batches // min(len(g) for g in groups))
+
+
+def group_models(groups: list[list[PeerProfile]], network: Network, micro_batches: int) -> list[GroupModel]:
+    """The time and memory model of every stage group of a plan (in pipeline order)."""
+    k, lanes = len(groups), uses_1f1b([[p.id for p in g] for g in groups])
+    rounds = rounds_of([[p.id for p in g] for g in groups], micro_batches)
+    out = []
+    for s, g in enumerate(groups):
+        sums = network.send_sums(tuple(p.id for p in g)) if len(g) > 1 else [(0.0, 0.0)]
+        kinds = {
+            Replica(p.flops, p.op_overhead_s, p.memory_bytes, n, min(n, k - s) if lanes else n, lat, spb)
+            for p, n, (lat, spb) in zip(g, dealt(micro_batches, len(g)), sums)
+            if n
+        }
+        out.append(GroupModel(sorted(kinds, key=repr), rounds))
+    return out
+
+
+def boundary_models(groups: list[list[str]], network: Network, micro_batches: int) -> list[BoundaryModel]:
+    rounds = rounds_of(groups, micro_batches)
+    return [BoundaryModel(network.pairs(tuple(a), tuple(b), micro_batches), rounds) for a, b in zip(groups, groups[1:])]
+
+
 def predict(
     costs: DagCosts,
     plan: Plan,
@@ -354,30 +541,71 @@ def predict(
     network: Network,
     micro_batches: int,
 ) -> Plan:
-    """Fill in ``plan``'s predicted times (and memory fit); returns it."""
-    k = len(plan.groups)
+    """Fill in ``plan``'s predicted times (and memory fit, and whether a stage is
+    empty); returns it. ``stage_s`` and ``link_s`` are per micro-batch in the steady
+    state; ``allreduce_s`` the replica gradient sends within ``stage_s``."""
+    k, m = len(plan.groups), micro_batches
     ranges = plan.ranges(costs.num_ops)
-    groups = [[peers[p] for p in g] for g in plan.groups]
-    plan.stage_s = [stage_seconds(costs, lo, hi, g) for (lo, hi), g in zip(ranges, groups)]
-    links = [network.group_link(plan.groups[b], plan.groups[b + 1]) for b in range(len(plan.cut))]
-    plan.link_s = [link_seconds(wire_bytes(costs, pos, c), link) for pos, c, link in zip(plan.cut, plan.codecs, links)]
-    plan.allreduce_s = []
-    for (lo, hi), g in zip(ranges, plan.groups):
-        inner = network.slowest_within(g)
-        r = len(g)
-        plan.allreduce_s.append(
-            0.0 if inner is None else link_seconds(2 * costs.stage_params(lo, hi) * (r - 1) / r, inner)
+    models = group_models([[peers[p] for p in g] for g in plan.groups], network, m)
+    edges = boundary_models(plan.groups, network, m)
+    rounds = rounds_of(plan.groups, m)
+    wires = [wire_bytes(costs, pos, c) for pos, c in zip(plan.cut, plan.codecs)]
+    one = [g.latency(costs, lo, hi) for g, (lo, hi) in zip(models, ranges)]
+    one_link = [e.latency(w) for e, w in zip(edges, wires)]
+    stage_round = [g.period(costs, lo, hi) for g, (lo, hi) in zip(models, ranges)]
+    link_round = [w * e.per_byte() for e, w in zip(edges, wires)]
+    lanes = uses_1f1b(plan.groups)
+    if lanes:
+        steady = max(stage_round + link_round + _round_trips(one, one_link, rounds))
+        pipeline = sum(one) + 2 * sum(one_link) + (rounds - 1) * steady
+    else:  # GPipe: every forward, then every backward
+        pipeline = sum(
+            sum(g.latency(costs, lo, hi, part) for g, (lo, hi) in zip(models, ranges))
+            + sum(one_link)
+            + (rounds - 1) * max([g.period(costs, lo, hi, part) for g, (lo, hi) in zip(models, ranges)] + link_round)
+            for part in "FB"
         )
-    busy = [t - link.latency_s for t, link in zip(plan.link_s, links)]
-    steady = max(plan.stage_s + busy)  # latency overlaps in the steady state; bandwidth does not
-    fill = sum(plan.stage_s) + 2 * sum(plan.link_s)
-    plan.iteration_s = fill + (micro_batches - 1) * steady + max(plan.allreduce_s, default=0.0)
-    plan.lower_bound_s = lower_bound(costs, peers, micro_batches)
-    plan.fits_memory = all(
-        stage_memory(costs, lo, hi, min(micro_batches, k - s)) <= min(p.memory_bytes for p in g)
-        for s, ((lo, hi), g) in enumerate(zip(ranges, groups))
-    )
+    plan.iteration_s = pipeline + tied_sync_s(costs, plan, network)
+    plan.stage_s = [t * rounds / m for t in stage_round]
+    plan.link_s = [t * rounds / m for t in link_round]
+    plan.allreduce_s = [g.sends(costs, lo, hi) for g, (lo, hi) in zip(models, ranges)]
+    plan.lower_bound_s = lower_bound(costs, peers, m)
+    plan.fits_memory = all(g.fits(costs, lo, hi) for g, (lo, hi) in zip(models, ranges))
+    plan.empty_stage = any(costs.stage_flops(lo, hi) < costs.min_stage_flops(k) for lo, hi in ranges)
     return plan
+
+
+def tied_sync_s(costs: DagCosts, plan: Plan, network: Network) -> float:
+    """Summing the gradients of tied weights that sit in two stages, once an iteration
+    after the pipeline drains: each stage's first peer sends its copy's to the other."""
+    ranges = plan.ranges(costs.num_ops)
+
+    def stage_of(op: int) -> int:
+        return next(s for s, (lo, hi) in enumerate(ranges) if lo <= op < hi)
+
+    out = 0.0
+    for first, last, nbytes in costs.tied:
+        a, b = stage_of(first), stage_of(last)
+        if a != b:
+            out = max(out, link_seconds(nbytes, network.link(plan.groups[a][0], plan.groups[b][0])))
+    return out
+
+
+def _round_trips(one: list[float], one_link: list[float], rounds: int) -> list[float]:
+    """Under 1F1B stage ``s`` starts a forward only after a backward once it holds
+    ``w_s = min(k - s, rounds)`` micro-batches: the round trip from stage ``s`` to a
+    later stage ``t`` and back is covered by only ``w_s - w_t + 1`` micro-batches (two
+    across one link), so its latency shows unless the steady period is at least
+    that round trip divided by that count."""
+    k = len(one)
+    window = [min(k - s, rounds) for s in range(k)]
+    out = []
+    for s in range(k):
+        trip = one[s]
+        for t in range(s + 1, k):
+            trip += one[t] + 2 * one_link[t - 1]
+            out.append(trip / max(1, window[s] - window[t] + 1))
+    return out
 
 
 def boundary_positions(costs: DagCosts) -> list[int]:

@@ -1,5 +1,6 @@
 """The OP-DAG: a model's operators with forward FLOPs, parameter bytes and
-activation bytes, measured by running the traced graph once on example inputs."""
+activation bytes, measured by running the traced graph once on example inputs
+(real tensors, or meta tensors for a model's shape without its weights)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ class OpInfo:
     target: str
     flops: int  # forward FLOPs on the example micro-batch
     param_bytes: int
-    out_bytes: int
+    out_bytes: int  # the output's size (what a cut right after this op would carry)
+    saved_bytes: int  # new memory the output takes: 0 for a view of (or the same tensor as) an input
     out_shape: str
 
 
@@ -71,12 +73,54 @@ def _is_float(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.is_floating_point()
 
 
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in ``value``, looking inside tuples, lists and dicts."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def _storage_root(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose memory ``t`` uses: its base if it is a view, else itself."""
+    return t._base if t._base is not None else t
+
+
+def new_bytes(out: Any, inputs: list[Any]) -> int:
+    """Bytes of the tensors in ``out`` that are new memory: a tensor that is an input
+    (or an item of an input tuple) or a view of an input's memory counts 0 (view,
+    transpose, split, getitem, expand, a reshape or ``contiguous`` that copies nothing)."""
+    held = {id(_storage_root(t)) for v in inputs for t in _tensors(v)}
+    fresh = {id(t): t for t in _tensors(out) if id(_storage_root(t)) not in held}
+    return sum(t.nbytes for t in fresh.values())
+
+
+def attention_flops(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> int:
+    """Forward FLOPs of ``scaled_dot_product_attention``: ``Q K^T`` and ``(.) V``, two
+    FLOPs per multiply-add, ``4 B H Tq Tk hs`` when query and value heads are equally wide.
+    The full score matrix is counted, with no discount for a causal mask, as
+    ``torch.utils.flop_counter.sdpa_flop_count`` does (a causal kernel that skips the
+    masked blocks does about half of it)."""
+    rows = query.numel() // query.shape[-1]  # B x H x Tq (key/value heads broadcast, as in GQA)
+    return 2 * rows * key.shape[-2] * (query.shape[-1] + value.shape[-1])
+
+
+def _is_attention(n: fx.Node) -> bool:
+    return n.op == "call_function" and _target_name(n) == "scaled_dot_product_attention"
+
+
 class _Meter(fx.Interpreter):
+    """Runs the graph once and records every node's FLOPs, output and new memory."""
+
     def __init__(self, gm: fx.GraphModule, counter: FlopCounterMode) -> None:
         super().__init__(gm)
         self.counter = counter
         self.flops: dict[fx.Node, int] = {}
         self.meta: dict[fx.Node, ValueMeta] = {}
+        self.saved: dict[fx.Node, int] = {}
 
     def _inputs(self, n: fx.Node) -> list[Any]:
         return [self.env[a] for a in n.all_input_nodes if a in self.env]
@@ -85,12 +129,18 @@ class _Meter(fx.Interpreter):
         before = self.counter.get_total_flops()
         out = super().run_node(n)
         counted = self.counter.get_total_flops() - before
-        if counted == 0 and n.op in OP_KINDS and _target_name(n) not in _FREE_OPS:
+        if _is_attention(n):
+            # the counter sees attention only where it decomposes (0 on CPU): use the formula
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            qkv = [*args[:3], *(kwargs[k] for k in ("query", "key", "value") if k in kwargs)]
+            counted = attention_flops(*qkv[:3])
+        elif counted == 0 and n.op in OP_KINDS and _target_name(n) not in _FREE_OPS:
             # elementwise and reduction ops: about one FLOP per element read or written
             sizes = [a.numel() for a in (*self._inputs(n), out) if _is_float(a)]
             counted = max(sizes, default=0)
         self.flops[n] = counted
         self.meta[n] = _describe(out)
+        self.saved[n] = new_bytes(out, self._inputs(n))
         return out
 
 
@@ -138,30 +188,37 @@ class OpDag:
         return out
 
 
-def build_opdag(model: nn.Module, example: tuple[torch.Tensor, ...]) -> OpDag:
-    """Trace ``model`` and measure every operator on the ``example`` micro-batch."""
+def _params_read(gm: fx.GraphModule, n: fx.Node) -> list[nn.Parameter]:
+    """The parameters operator ``n`` reads: its module's, and those it gets as attributes."""
+    params: list[nn.Parameter] = []
+    if n.op == "call_module":
+        params = list(gm.get_submodule(str(n.target)).parameters())
+    for a in n.all_input_nodes:
+        if a.op == "get_attr":
+            obj = gm
+            for part in str(a.target).split("."):
+                obj = getattr(obj, part)
+            if isinstance(obj, nn.Parameter):
+                params.append(obj)
+    return params
+
+
+def build_opdag(model: nn.Module, example: tuple[torch.Tensor, ...], param_dtype: torch.dtype | None = None) -> OpDag:
+    """Trace ``model`` and measure every operator on the ``example`` micro-batch (real
+    or meta tensors). ``param_dtype``: count parameter bytes in this dtype instead of
+    the model's own (fp32 master weights of a model traced in bf16 for bf16 activations)."""
     gm = trace(model)
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         meter = _Meter(gm, counter)
         meter.run(*example)
     ops = []
-    seen_params: set[int] = set()
+    seen_params: set[int] = set()  # a parameter read by several ops counts at its first
     for i, n in enumerate(operators(gm)):
         pbytes = 0
-        params: list[nn.Parameter] = []
-        if n.op == "call_module":
-            params = list(gm.get_submodule(str(n.target)).parameters())
-        for a in n.all_input_nodes:
-            if a.op == "get_attr":
-                obj = gm
-                for part in str(a.target).split("."):
-                    obj = getattr(obj, part)
-                if isinstance(obj, nn.Parameter):
-                    params.append(obj)
-        for p in params:
+        for p in _params_read(gm, n):
             if id(p) not in seen_params:
                 seen_params.add(id(p))
-                pbytes += p.numel() * p.element_size()
+                pbytes += p.numel() * (p.element_size() if param_dtype is None else param_dtype.itemsize)
         m = meter.meta[n]
         ops.append(
             OpInfo(
@@ -172,6 +229,7 @@ def build_opdag(model: nn.Module, example: tuple[torch.Tensor, ...]) -> OpDag:
                 flops=int(meter.flops[n]),
                 param_bytes=pbytes,
                 out_bytes=m.nbytes,
+                saved_bytes=meter.saved[n],
                 out_shape="x".join(map(str, m.shape)) if m.is_tensor else m.dtype,
             )
         )

@@ -28,17 +28,18 @@ import math
 from dataclasses import dataclass
 
 from coordinator.estimator import (
+    BoundaryModel,
     DagCosts,
-    LinkInfo,
+    GroupModel,
     Network,
     PeerProfile,
     PeerTable,
     Plan,
+    boundary_models,
     boundary_positions,
-    link_seconds,
+    group_models,
     nearest_allowed,
     predict,
-    stage_memory,
 )
 from coordinator.links import keep_fraction
 from protocol.codecs import Codec
@@ -182,65 +183,44 @@ def _stage_groups(ordered: list[str], clusters: dict[str, list[PeerProfile]], k:
     return _contiguous_groups(flat, k)
 
 
-@dataclass
-class StageModel:
-    """What limits one stage group: compute, the replicas' all-reduce, memory."""
-
-    cap: float  # total FLOP/s
-    replicas: int
-    inner: LinkInfo | None  # slowest link inside the group (all-reduce)
-    memory: int  # the smallest member's
-    in_flight: int  # micro-batches whose activations it holds at once
-
-    def seconds(self, costs: DagCosts, lo: int, hi: int, micro_batches: int) -> float:
-        """Per micro-batch: compute plus the all-reduce spread over the iteration."""
-        t = 3 * costs.stage_flops(lo, hi) / max(self.cap, 1.0)
-        if self.inner is not None:
-            r = self.replicas
-            t += link_seconds(2 * costs.stage_params(lo, hi) * (r - 1) / r, self.inner) / micro_batches
-        return t
-
-    def fits(self, costs: DagCosts, lo: int, hi: int) -> bool:
-        return stage_memory(costs, lo, hi, self.in_flight) <= self.memory
+def stage_models(groups: list[list[PeerProfile]], network: Network, micro_batches: int) -> list[GroupModel]:
+    return group_models(groups, network, micro_batches)
 
 
-def stage_models(groups: list[list[PeerProfile]], network: Network, micro_batches: int) -> list[StageModel]:
-    k = len(groups)
-    return [
-        StageModel(
-            sum(p.flops for p in g),
-            len(g),
-            network.slowest_within([p.id for p in g]),
-            min(p.memory_bytes for p in g),
-            min(micro_batches, k - s),
-        )
-        for s, g in enumerate(groups)
-    ]
+def cut_for(
+    costs: DagCosts, groups: list[list[PeerProfile]], network: Network, options: Options
+) -> tuple[int, ...] | None:
+    """The bottleneck cut (``bottleneck_cut``) for these stage groups, in pipeline order."""
+    m = options.micro_batches
+    ids = [[p.id for p in g] for g in groups]
+    return bottleneck_cut(costs, group_models(groups, network, m), boundary_models(ids, network, m), options)
 
 
 def bottleneck_cut(
-    costs: DagCosts, stages: list[StageModel], links: list[LinkInfo], options: Options
+    costs: DagCosts, stages: list[GroupModel], links: list[BoundaryModel], options: Options
 ) -> tuple[int, ...] | None:
     """Cut positions minimizing the slowest stage or link (binary search on the bound;
     each stage takes the most ops it can run within the bound and its memory, and
     ends at the furthest position whose boundary tensors cross the link in time,
     compressed down to ``min_fraction`` where allowed). None: nothing fits."""
-    k, n, m = len(stages), costs.num_ops, options.micro_batches
+    k, n = len(stages), costs.num_ops
+    least = costs.min_stage_flops(k)  # no empty stage
     allowed = boundary_positions(costs)
-    if len(allowed) < k - 1:
-        return None
     if k == 1:
         return () if stages[0].fits(costs, 0, n) else None
     floor = Codec("adatopk", options.min_fraction) if options.compression else Codec()
     floor_bytes = costs.wire_table(floor)
-    per_byte = [8 / max(link.mbps * 1e6, 1.0) for link in links]  # seconds per byte on each link
+    per_byte = [link.per_byte() for link in links]  # steady-state seconds per byte on each link
+    latest = _latest_boundaries(costs, allowed, k, least)
+    if latest is None:
+        return None
 
     def furthest(s: int, lo: int, bound: float, limit: int) -> int:
         """The largest hi in [lo, limit] that stage s can take within the bound."""
         a, b = lo, limit
         while a < b:
             mid = (a + b + 1) // 2
-            if stages[s].seconds(costs, lo, mid, m) <= bound and stages[s].fits(costs, lo, mid):
+            if stages[s].period(costs, lo, mid) <= bound and stages[s].fits(costs, lo, mid):
                 a = mid
             else:
                 b = mid - 1
@@ -250,7 +230,7 @@ def bottleneck_cut(
         out: list[int] = []
         lo = 0
         for s in range(k - 1):
-            room = allowed[len(allowed) - (k - 1 - s)]  # leave a position for every later boundary
+            room = latest[s]  # leave room for every later stage
             hi = furthest(s, lo, bound, room)
             top = bisect.bisect_right(allowed, hi) - 1
             chosen = None
@@ -262,16 +242,16 @@ def bottleneck_cut(
                 if i >= 0 and allowed[i] > lo:
                     chosen = allowed[i]
                     break
-            if chosen is None:
+            if chosen is None or costs.stage_flops(lo, chosen) < least:
                 return None
             out.append(chosen)
             lo = chosen
         last = stages[-1]
-        if last.seconds(costs, lo, n, m) > bound or not last.fits(costs, lo, n):
+        if last.period(costs, lo, n) > bound or not last.fits(costs, lo, n) or costs.stage_flops(lo, n) < least:
             return None
         return tuple(out)
 
-    high = max(st.seconds(costs, 0, n, m) for st in stages) + max(floor_bytes) * max(per_byte) + 1e-9
+    high = max(st.period(costs, 0, n) for st in stages) + max(floor_bytes) * max(per_byte) + 1e-9
     best = attempt(high)
     if best is None:
         return None
@@ -284,6 +264,21 @@ def bottleneck_cut(
         else:
             best, high = got, mid
     return best
+
+
+def _latest_boundaries(costs: DagCosts, allowed: list[int], k: int, least: float) -> list[int] | None:
+    """The furthest each of ``k - 1`` boundaries may go and still leave every later
+    stage at least ``least`` FLOPs (None: ``k`` such stages do not exist)."""
+    out: list[int] = []
+    end = costs.num_ops
+    for _ in range(k - 1):
+        p = bisect.bisect_right(costs._pf, costs._pf[end] - least) - 1  # the last start that leaves enough
+        i = bisect.bisect_right(allowed, min(p, end - 1)) - 1
+        if i < 0:
+            return None
+        end = allowed[i]
+        out.append(end)
+    return out[::-1]
 
 
 #: the refinement treats positions whose prefix FLOPs differ by at most this fraction
@@ -318,10 +313,12 @@ def choose_fractions(costs: DagCosts, plan_: Plan, network: Network, options: Op
     """AdaTopK on each edge slower than the slowest stage: just enough to keep up."""
     codecs = []
     bound = max(plan_.stage_s) if plan_.stage_s else 0.0
-    for b, pos in enumerate(plan_.cut):
-        link = network.group_link(plan_.groups[b], plan_.groups[b + 1])
+    m = options.micro_batches
+    edges = boundary_models(plan_.groups, network, m)
+    for pos, edge in zip(plan_.cut, edges):
+        mbps = 8 / max(edge.per_byte() * edge.rounds / m * 1e6, 1e-30)  # per micro-batch, as stage_s
         floating = costs.float_cross[pos]
-        keep = keep_fraction(floating, costs.cross_bytes[pos] - floating, link.mbps, bound, options.min_fraction)
+        keep = keep_fraction(floating, costs.cross_bytes[pos] - floating, mbps, bound, options.min_fraction)
         codecs.append(Codec() if not options.compression or keep >= 1.0 else Codec("adatopk", keep))
     return codecs
 
@@ -359,7 +356,7 @@ def evaluate(costs: DagCosts, cut: tuple[int, ...], ids: list[list[str]], by_id:
 
 
 def _better(a: Plan, b: Plan | None) -> bool:
-    return b is None or (a.fits_memory, -a.iteration_s) > (b.fits_memory, -b.iteration_s)
+    return b is None or (a.valid, -a.iteration_s) > (b.valid, -b.iteration_s)
 
 
 def _refine(costs: DagCosts, start: Plan, by_id: dict[str, PeerProfile], network: Network, options: Options,
@@ -406,12 +403,10 @@ def opfence(costs: DagCosts, peers: list[PeerProfile], network: Network, options
             continue  # a standby pool too small for the stages asked for
         for k in _candidate_stages(costs, pool_peers, options):
             for groups in _groupings(pool_order, pool, k):
-                ids = [[p.id for p in g] for g in groups]
-                links = [network.group_link(ids[b], ids[b + 1]) for b in range(k - 1)]
-                cut = bottleneck_cut(costs, stage_models(groups, network, options.micro_batches), links, options)
+                cut = cut_for(costs, groups, network, options)
                 if cut is None:
                     continue
-                candidate = evaluate(costs, cut, ids, by_id, network, options)
+                candidate = evaluate(costs, cut, [[p.id for p in g] for g in groups], by_id, network, options)
                 if _better(candidate, best):
                     best = candidate
     if best is None:
@@ -419,11 +414,11 @@ def opfence(costs: DagCosts, peers: list[PeerProfile], network: Network, options
     reach = costs.num_ops if costs.num_ops <= 64 else 3
     if len(peers) <= TINY_SWARM and options.stages is None:
         finalists = sorted([best, *_tiny_candidates(costs, peers, by_id, network, options)],
-                           key=lambda p: (not p.fits_memory, p.iteration_s))[:6]  # fmt: skip
+                           key=lambda p: (not p.valid, p.iteration_s))[:6]  # fmt: skip
     else:
         finalists = [best]
     refined = [_refine(costs, f, by_id, network, options, reach=reach) for f in finalists]
-    return min(refined, key=lambda p: (not p.fits_memory, p.iteration_s))
+    return min(refined, key=lambda p: (not p.valid, p.iteration_s))
 
 
 def _pools(ordered: list[str], clusters: dict[str, list[PeerProfile]], options: Options):  # type: ignore[no-untyped-def]
@@ -467,9 +462,7 @@ def _tiny_candidates(costs: DagCosts, peers: list[PeerProfile], by_id: dict[str,
             continue
         for order in itertools.islice(itertools.permutations(part), 24):
             groups = list(order)
-            ids = [[p.id for p in g] for g in groups]
-            links = [network.group_link(ids[t], ids[t + 1]) for t in range(len(ids) - 1)]
-            cut = bottleneck_cut(costs, stage_models(groups, network, options.micro_batches), links, options)
+            cut = cut_for(costs, groups, network, options)
             if cut is not None:
-                out.append(evaluate(costs, cut, ids, by_id, network, options))
+                out.append(evaluate(costs, cut, [[p.id for p in g] for g in groups], by_id, network, options))
     return out

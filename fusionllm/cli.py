@@ -10,6 +10,14 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from coordinator.replan import POLICIES
+from coordinator.scheduler import SCHEDULERS
+from coordinator.workloads import (
+    ACTIVATION_DTYPES,
+    DEFAULT_PRECISION,
+    TOKENS_PER_ITERATION,
+    WORKLOADS,
+    defaults_text,
+)
 from protocol.admission import CERT_TTL_S, MAX_CERT_TTL_S, MIN_CERT_TTL_S, RENEWALS_PER_TTL
 from protocol.program import STAGE_FORMS
 from protocol.recipe import PRECISIONS, SCHEDULES, RecipeError, parse_betas
@@ -45,7 +53,13 @@ def _cert_ttl(text: str) -> int:
 
 def _add_job_flags(p: argparse.ArgumentParser, steps: int) -> None:
     g = p.add_argument_group("model and data")
-    g.add_argument("--model", default="gpt", help="built-in name (gpt, gpt2, branchy) or MODULE:FUNC / file.py:FUNC")
+    g.add_argument(
+        "--model",
+        default="gpt",
+        help="built-in name (gpt, gpt2, branchy) or MODULE:FUNC / file.py:FUNC; in plan and sim, "
+        f"{', '.join(WORKLOADS)} are published model shapes traced without weights (--model-args changes them, "
+        "e.g. n_layer=4)",
+    )
     g.add_argument("--model-args", default="", help="keyword arguments for the model factory, k=v,k=v")
     g.add_argument("--data", default=None, help="built-in name (stdlib, branchy) or MODULE:FUNC called with the seed")
     g.add_argument("--data-args", default="", help="keyword arguments for the data factory, k=v,k=v")
@@ -324,6 +338,58 @@ def _add_identity_flag(p: argparse.ArgumentParser, default: str) -> None:
     )
 
 
+_WORKLOADS_EPILOG = (
+    "Built-in workloads (--model): "
+    + "; ".join(f"{w.name}: {w.summary}" for w in WORKLOADS.values())
+    + f". Default batches, M micro-batches x B sequences x S tokens ({TOKENS_PER_ITERATION:,} tokens per "
+    + f"iteration): {defaults_text()}."
+)
+
+
+def _add_batch_flags(p: argparse.ArgumentParser) -> None:
+    """plan and sim: the batch of one iteration, and the precision the plan models."""
+    g = p.add_argument_group("batch (one iteration: M micro-batches of B sequences of S tokens)")
+    g.add_argument(
+        "--micro-batches",
+        type=_positive,
+        default=None,
+        metavar="M",
+        help=f"micro-batches per iteration (default: {defaults_text()}; other models: 4)",
+    )
+    g.add_argument(
+        "--batch-size",
+        type=_positive,
+        default=None,
+        metavar="B",
+        help="sequences per micro-batch, built-in workloads only (default: as above)",
+    )
+    g.add_argument(
+        "--seq-len",
+        type=_positive,
+        default=None,
+        metavar="S",
+        help="tokens per sequence, built-in workloads only (default: the model's context, as above)",
+    )
+    g.add_argument(
+        "--precision",
+        choices=tuple(ACTIVATION_DTYPES),
+        default=None,
+        help="the training precision the plan models: the activations' dtype; weights, gradients and Adam's "
+        f"moments stay fp32, 16 bytes per parameter (default: {DEFAULT_PRECISION} for the built-in workloads, as "
+        "the presets' GPU speeds are mixed-precision; fp32 otherwise)",
+    )
+
+
+def _schedulers(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in names if s not in SCHEDULERS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown {', '.join(repr(b) for b in bad) or '(none)'}; choose from {', '.join(SCHEDULERS)}"
+        )
+    return list(dict.fromkeys(names))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fusionllm", description="Decentralized training of LLMs on volunteers' GPUs.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
@@ -419,8 +485,10 @@ def build_parser() -> argparse.ArgumentParser:
         ("plan", "dry-run the scheduler on a topology: stages, peers, predicted times, codecs"),
         ("sim", "simulate schedulers on a topology (seeded; churn optional)"),
     ):
-        p = sub.add_parser(name, help=helptext)
+        # "resolve": the batch flags below replace the job flags' --micro-batches and --precision
+        p = sub.add_parser(name, help=helptext, conflict_handler="resolve", epilog=_WORKLOADS_EPILOG)
         _add_job_flags(p, steps=1)
+        _add_batch_flags(p)
         p.add_argument("--topology", required=True, help="topology JSON file or preset (testbed1..3, internet-1k/10k)")
         p.add_argument("--stages", type=_positive, default=None, help="force the number of stages")
         p.add_argument("--max-stages", type=_positive, default=32)
@@ -428,9 +496,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--min-fraction", type=_fraction, default=0.1, help="AdaTopK keeps at least this fraction")
         p.add_argument("--json", action="store_true", help="print one JSON object")
         if name == "plan":
-            p.add_argument("--scheduler", choices=["opfence", "even", "compute", "random"], default="opfence")
+            p.add_argument("--scheduler", choices=SCHEDULERS, default="opfence")
         else:
-            p.add_argument("--schedulers", default="opfence,even,compute,random", help="comma-separated")
+            p.add_argument(
+                "--schedulers",
+                type=_schedulers,
+                default=",".join(SCHEDULERS),
+                help=f"comma-separated, from {', '.join(SCHEDULERS)} (default: all)",
+            )
             p.add_argument("--iterations", type=_positive, default=20)
             p.add_argument("--churn", type=_natural, default=0, metavar="N", help="N seeded joins, leaves, slow-downs")
             p.add_argument(

@@ -7,6 +7,7 @@ import argparse
 import json
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,25 +28,112 @@ def _topology(text: str) -> Any:
         raise UsageError(f"--topology {text}: {exc}") from None
 
 
-def _costs(args: argparse.Namespace) -> Any:
+@dataclass(frozen=True)
+class Batch:
+    """What one iteration of ``plan`` and ``sim`` trains: a built-in workload (None: a
+    model run through its job spec) and its batch, with the defaults filled in."""
+
+    workload: str | None
+    micro_batches: int
+    batch_size: int | None  # sequences per micro-batch (workloads only)
+    seq_len: int | None  # tokens per sequence (workloads only)
+    precision: str
+    shape: str = ""  # --model-args: changes to the workload's shape
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per iteration (workloads only; 0 otherwise)."""
+        return self.micro_batches * (self.batch_size or 0) * (self.seq_len or 0)
+
+
+def batch_of(args: argparse.Namespace) -> Batch:
+    """The batch the flags ask for; :class:`UsageError` for flags the model cannot take."""
+    from coordinator.workloads import DEFAULT_PRECISION, WORKLOADS
+    from protocol.job import JobSpec
+
+    w = WORKLOADS.get(args.model)
+    if w is None:
+        for flag, value in (("--batch-size", args.batch_size), ("--seq-len", args.seq_len)):
+            if value is not None:
+                raise UsageError(
+                    f"{flag} applies to the built-in workloads ({', '.join(WORKLOADS)}); "
+                    f"model '{args.model}' takes its batch from its data (--data-args)"
+                )
+        return Batch(None, args.micro_batches or JobSpec.micro_batches, None, None, args.precision or JobSpec.precision)
+    return Batch(
+        w.name,
+        args.micro_batches or w.micro_batches,
+        args.batch_size or w.batch_size,
+        args.seq_len or w.context,
+        args.precision or DEFAULT_PRECISION,
+        args.model_args,
+    )
+
+
+def _costs(args: argparse.Namespace, batch: Batch | None = None) -> Any:
+    """Per-op costs of one micro-batch of what the flags ask for."""
     from coordinator.estimator import DagCosts
     from coordinator.opdag import build_opdag
+    from coordinator.workloads import WorkloadError, workload_costs
+    from protocol.job import parse_kwargs
 
-    job = job_from_args(args)
+    batch = batch or batch_of(args)
+    if batch.workload is not None:
+        shape = parse_kwargs(batch.shape)
+        try:
+            return workload_costs(batch.workload, batch.batch_size or 1, batch.seq_len or 1, batch.precision, shape)
+        except WorkloadError as exc:
+            raise UsageError(f"--model {batch.workload}: {exc}") from None
+    resolved = argparse.Namespace(**{**vars(args), "micro_batches": batch.micro_batches, "precision": batch.precision})
+    job = job_from_args(resolved)
     model = job.checked_model()
     return DagCosts.from_opdag(build_opdag(model, job.first_micro_batch()))
 
 
-def _options(args: argparse.Namespace) -> Any:
+def _options(args: argparse.Namespace, batch: Batch | None = None) -> Any:
+    """The scheduler's options from the flags."""
     from coordinator.scheduler import Options
 
     return Options(
-        micro_batches=args.micro_batches,
+        micro_batches=(batch or batch_of(args)).micro_batches,
         max_stages=args.max_stages,
         compression=args.compression != "none",
         min_fraction=args.min_fraction,
         seed=args.seed,
         stages=args.stages,
+    )
+
+
+def _workload_json(batch: Batch, costs: Any) -> dict[str, Any]:
+    """The workload and batch, for ``--json`` (empty for a job's model)."""
+    if batch.workload is None:
+        return {}
+    from coordinator.workloads import MASTER_DTYPE
+
+    return {
+        "workload": {
+            "model": batch.workload,
+            "model_args": batch.shape,
+            "parameters": sum(costs.param_bytes) // MASTER_DTYPE.itemsize,
+            "micro_batches": batch.micro_batches,
+            "batch_size": batch.batch_size,
+            "seq_len": batch.seq_len,
+            "tokens_per_iteration": batch.tokens,
+            "precision": batch.precision,
+        }
+    }
+
+
+def _workload_text(batch: Batch, costs: Any) -> str:
+    """One line on the workload and batch (empty for a job's model)."""
+    info = _workload_json(batch, costs).get("workload")
+    if info is None:
+        return ""
+    name = f"{batch.workload} ({batch.shape})" if batch.shape else batch.workload
+    return (
+        f"{name}: {info['parameters'] / 1e9:.3g}B parameters, {costs.num_ops} ops; "
+        f"{batch.micro_batches} micro-batches x {batch.batch_size} x {batch.seq_len} tokens = "
+        f"{batch.tokens:,} tokens per iteration; {batch.precision} activations, fp32 weights and Adam\n"
     )
 
 
@@ -58,7 +146,7 @@ def _plan_text(p: Any, costs: Any) -> str:
         names = ", ".join(g[:6]) + (f" and {len(g) - 6} more" if len(g) > 6 else "")
         lines.append(
             f"  stage {s}: ops {lo}-{hi - 1} ({costs.stage_flops(lo, hi) / 1e9:.2f} GFLOP), {len(g)} peers "
-            f"[{names}], {t * 1e3:.2f} ms per micro-batch, all-reduce {p.allreduce_s[s] * 1e3:.1f} ms"
+            f"[{names}], {t * 1e3:.2f} ms per micro-batch, replica gradient sends {p.allreduce_s[s] * 1e3:.1f} ms"
         )
     for b, (pos, c, t) in enumerate(zip(p.cut, p.codecs, p.link_s)):
         lines.append(
@@ -71,16 +159,17 @@ def _plan_text(p: Any, costs: Any) -> str:
 def cmd_plan(args: argparse.Namespace) -> int:
     from coordinator.scheduler import ScheduleError, plan
 
+    batch = batch_of(args)
     topo = _topology(args.topology)
-    costs = _costs(args)
+    costs = _costs(args, batch)
     try:
-        p = plan(args.scheduler, costs, topo.peers, topo.network, _options(args))
+        p = plan(args.scheduler, costs, topo.peers, topo.network, _options(args, batch))
     except ScheduleError as exc:
         raise UsageError(str(exc)) from None
     if args.json:
-        print(json.dumps({"num_ops": costs.num_ops, **p.to_json(costs.num_ops)}))
+        print(json.dumps({"num_ops": costs.num_ops, **_workload_json(batch, costs), **p.to_json(costs.num_ops)}))
     else:
-        print(_plan_text(p, costs))
+        print(_workload_text(batch, costs) + _plan_text(p, costs))
     return 0
 
 
@@ -103,56 +192,62 @@ def churn_events(topo: Any, iterations: int, events: int, seed: int) -> tuple[li
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
-    from coordinator.scheduler import SCHEDULERS, ScheduleError
+    from coordinator.scheduler import ScheduleError
     from sim.engine import simulate
 
-    names = [s.strip() for s in args.schedulers.split(",") if s.strip()]
-    bad = [s for s in names if s not in SCHEDULERS]
-    if bad or not names:
-        raise UsageError(f"--schedulers: unknown {', '.join(bad) or '(none)'}; choose from {', '.join(SCHEDULERS)}")
     if args.plot and not args.plot.endswith(".png"):
         raise UsageError(f"--plot {args.plot}: the plot is a .png file")
+    batch = batch_of(args)
     topo = _topology(args.topology)
-    costs = _costs(args)
+    costs = _costs(args, batch)
+    options = _options(args, batch)
     churn, held = churn_events(topo, args.iterations, args.churn, args.seed)
     results = {}
-    for name in names:
+    for name in args.schedulers:
         start = time.perf_counter()
         try:
-            r = simulate(costs, topo, name, _options(args), args.iterations, churn, held_out=held, policy=args.policy)
+            r = simulate(costs, topo, name, options, args.iterations, churn, held_out=held, policy=args.policy)
         except ScheduleError as exc:
             raise UsageError(f"{name}: {exc}") from None
         results[name] = (r, time.perf_counter() - start)
     if args.json:
-        out = {
-            "topology": topo.name,
-            "iterations": args.iterations,
-            "policy": args.policy,
-            "schedulers": {
-                n: {
-                    "iteration_s": r.mean_s,
-                    "lower_bound_s": r.lower_bound_s,
-                    "predicted_s": r.predicted_s,
-                    "replans": len(r.replans),
-                    "redone": r.redone,
-                    "goodput": r.goodput,
-                    "wall_s": round(w, 3),
-                }
-                for n, (r, w) in results.items()
-            },
-        }
-        print(json.dumps(out))
+        print(json.dumps(_sim_json(args, topo, results) | _workload_json(batch, costs)))
     else:
-        print(f"{topo.name}: {len(topo.peers)} peers, {costs.num_ops} ops, {args.iterations} iterations")
-        for n, (r, w) in results.items():
-            print(
-                f"  {n:<8} {r.mean_s:.4g} s per iteration (predicted {r.predicted_s:.4g} s, lower bound "
-                f"{r.lower_bound_s:.4g} s, {len(r.replans)} re-plans, {r.redone} iterations redone, goodput "
-                f"{r.goodput:.4g} iterations/s; simulated in {w:.1f} s)"
-            )
+        print(_workload_text(batch, costs) + _sim_text(args, topo, costs, results))
     if args.plot:
         _plot(args.plot, {n: r for n, (r, _) in results.items()}, topo.name)
     return 0
+
+
+def _sim_json(args: argparse.Namespace, topo: Any, results: dict[str, tuple[Any, float]]) -> dict[str, Any]:
+    return {
+        "topology": topo.name,
+        "iterations": args.iterations,
+        "policy": args.policy,
+        "schedulers": {
+            n: {
+                "iteration_s": r.mean_s,
+                "lower_bound_s": r.lower_bound_s,
+                "predicted_s": r.predicted_s,
+                "replans": len(r.replans),
+                "redone": r.redone,
+                "goodput": r.goodput,
+                "wall_s": round(w, 3),
+            }
+            for n, (r, w) in results.items()
+        },
+    }
+
+
+def _sim_text(args: argparse.Namespace, topo: Any, costs: Any, results: dict[str, tuple[Any, float]]) -> str:
+    lines = [f"{topo.name}: {len(topo.peers)} peers, {costs.num_ops} ops, {args.iterations} iterations"]
+    for n, (r, w) in results.items():
+        lines.append(
+            f"  {n:<8} {r.mean_s:.4g} s per iteration (predicted {r.predicted_s:.4g} s, lower bound "
+            f"{r.lower_bound_s:.4g} s, {len(r.replans)} re-plans, {r.redone} iterations redone, goodput "
+            f"{r.goodput:.4g} iterations/s; simulated in {w:.1f} s)"
+        )
+    return "\n".join(lines)
 
 
 def _plot(path: str, results: dict[str, Any], title: str) -> None:

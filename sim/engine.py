@@ -6,7 +6,7 @@ estimator and scheduler to re-plan. The clock is simulated; nothing sleeps."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from coordinator.estimator import (
     STATE_PER_PARAM_BYTE,
@@ -14,8 +14,11 @@ from coordinator.estimator import (
     Network,
     PeerProfile,
     Plan,
+    Replica,
     link_seconds,
     predict,
+    tied_sync_s,
+    uses_1f1b,
     wire_bytes,
 )
 from coordinator.replan import JOIN_REPLAN_EVERY, POLICIES, checkpoint_due, rebalance, recover, wants_replan
@@ -57,58 +60,77 @@ class SimResult:
 
 def iteration_seconds(costs: DagCosts, p: Plan, peers: dict[str, PeerProfile], network: Network, m: int,
                       schedule: str = "1f1b") -> float:  # fmt: skip
-    """One iteration of ``p`` on the true ``peers`` and ``network``, event by event."""
+    """One iteration of ``p`` on the true ``peers`` and ``network``, event by event, the
+    way the live swarm runs it: micro-batch ``mb`` on replica ``mb mod r`` of each stage,
+    each replica running ``schedule`` over its own micro-batches when every stage has as
+    many replicas (GPipe otherwise), a replica's backward followed by its gradient
+    sends to the other replicas, and one transfer at a time per direction on every
+    pair of peers."""
+    lanes = _lanes(costs, p, peers, network, m, schedule if uses_1f1b(p.groups) else "gpipe")
     k = len(p.groups)
-    ranges = p.ranges(costs.num_ops)
-    per_mb = [
-        3 * costs.stage_flops(lo, hi) / max(sum(peers[x].flops for x in g), 1.0)
-        for (lo, hi), g in zip(ranges, p.groups)
-    ]
-    links = [network.group_link(p.groups[b], p.groups[b + 1]) for b in range(k - 1)]
-    busy = [
-        wire_bytes(costs, pos, c) * 8 / max(links[b].mbps * 1e6, 1.0) for b, (pos, c) in enumerate(zip(p.cut, p.codecs))
-    ]
-    lat = [link.latency_s for link in links]
-    acts = schedules.make(schedule, k, m)
-    ready_f = [[0.0] * m] + [[None] * m for _ in range(k - 1)]
-    ready_b: list[list[float | None]] = [[None] * m for _ in range(k)]
-    free = [0.0] * k
-    fwd_free, bwd_free = [0.0] * max(k - 1, 0), [0.0] * max(k - 1, 0)
-    idx = [0] * k
-    done = 0
-    total = sum(len(a) for a in acts)
-    while done < total:
+    ready_f: list[dict[int, float]] = [dict.fromkeys(range(m), 0.0)] + [{} for _ in range(k - 1)]
+    ready_b: list[dict[int, float]] = [{} for _ in range(k)]
+    channel: dict[tuple[str, str, str], float] = {}
+    wires = [wire_bytes(costs, pos, c) for pos, c in zip(p.cut, p.codecs)]
+
+    def send(direction: str, s: int, t: int, mb: int, end: float) -> float:
+        """Stage ``s`` sends micro-batch ``mb`` to stage ``t`` once done at ``end``: when it arrives."""
+        x, y = p.groups[s][mb % len(p.groups[s])], p.groups[t][mb % len(p.groups[t])]
+        link = network.link(x, y)
+        start = max(end, channel.get((direction, x, y), 0.0))
+        busy = wires[min(s, t)] * 8 / max(link.mbps * 1e6, 1.0)
+        channel[(direction, x, y)] = start + busy
+        return start + busy + link.latency_s
+
+    pending = [lane for lane in lanes if lane.acts]
+    while pending:
         progressed = False
-        for s in range(k):
-            while idx[s] < len(acts[s]):
-                kind, mb = acts[s][idx[s]]
-                dep = ready_f[s][mb] if kind == "F" else ready_b[s][mb]
+        for lane in pending:
+            s = lane.stage
+            while lane.idx < len(lane.acts):
+                kind, mb = lane.acts[lane.idx]
+                dep = (ready_f if kind == "F" else ready_b)[s].get(mb)
                 if dep is None:
                     break
-                start = max(free[s], dep)
-                end = start + per_mb[s] * (1 / 3 if kind == "F" else 2 / 3)
-                free[s] = end
-                idx[s] += 1
-                done += 1
+                lane.free = end = max(lane.free, dep) + (lane.f if kind == "F" else lane.b)
+                lane.idx += 1
                 progressed = True
                 if kind == "F" and s < k - 1:
-                    t0 = max(end, fwd_free[s])
-                    fwd_free[s] = t0 + busy[s]
-                    ready_f[s + 1][mb] = t0 + busy[s] + lat[s]
+                    ready_f[s + 1][mb] = send("F", s, s + 1, mb, end)
                 elif kind == "F":
                     ready_b[s][mb] = end
                 elif s > 0:
-                    t0 = max(end, bwd_free[s - 1])
-                    bwd_free[s - 1] = t0 + busy[s - 1]
-                    ready_b[s - 1][mb] = t0 + busy[s - 1] + lat[s - 1]
+                    ready_b[s - 1][mb] = send("B", s, s - 1, mb, end)
         if not progressed:
             raise RuntimeError("the schedule deadlocked in simulation")
-    allreduce = []
-    for (lo, hi), g in zip(ranges, p.groups):
-        inner = network.slowest_within(g)
-        r = len(g)
-        allreduce.append(0.0 if inner is None else link_seconds(2 * costs.stage_params(lo, hi) * (r - 1) / r, inner))
-    return max(f + a for f, a in zip(free, allreduce))
+        pending = [lane for lane in pending if lane.idx < len(lane.acts)]
+    return max(lane.free for lane in lanes) + tied_sync_s(costs, p, network)
+
+
+@dataclass
+class _Lane:
+    """One replica of one stage in the simulation: its actions and its clock."""
+
+    stage: int
+    acts: list[tuple[str, int]]  # (F or B, global micro-batch)
+    f: float  # seconds of a forward
+    b: float  # seconds of a backward and its replica gradient sends
+    idx: int = 0
+    free: float = 0.0
+
+
+def _lanes(costs: DagCosts, p: Plan, peers: dict[str, PeerProfile], network: Network, m: int,
+           schedule: str) -> list[_Lane]:  # fmt: skip
+    k, out = len(p.groups), []
+    for s, ((lo, hi), g) in enumerate(zip(p.ranges(costs.num_ops), p.groups)):
+        sums = network.send_sums(tuple(g)) if len(g) > 1 else [(0.0, 0.0)] * len(g)
+        for i, (pid, (lat, spb)) in enumerate(zip(g, sums)):
+            mine = list(range(i, m, len(g)))
+            peer = peers[pid]
+            one = Replica(peer.flops, peer.op_overhead_s, peer.memory_bytes, len(mine), 0, lat, spb)
+            acts = [(kind, mine[j]) for kind, j in schedules.make(schedule, k, len(mine))[s]] if mine else []
+            out.append(_Lane(s, acts, one.seconds(costs, lo, hi, "F"), one.seconds(costs, lo, hi, "B")))
+    return out
 
 
 def checkpoint_seconds(costs: DagCosts, p: Plan, network: Network, home: str) -> float:
@@ -171,7 +193,7 @@ class _Swarm:
                 change.joined = True
             elif ev.kind == "slow" and ev.peer in self.true:
                 p = self.true[ev.peer]
-                self.true[ev.peer] = PeerProfile(p.id, p.flops * ev.factor, p.memory_bytes, p.cluster)
+                self.true[ev.peer] = replace(p, flops=p.flops * ev.factor)
         return change
 
     def measure(self) -> None:

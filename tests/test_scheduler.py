@@ -264,13 +264,13 @@ def test_plan_and_sim_commands(tmp_path: Path) -> None:
 
 
 def test_simulated_policies_rebalance_beats_waiting_and_restarting() -> None:
-    """testbed1's plan keeps one A100 per stage; one of them drops to a quarter of its
-    speed, and spare peers join later. The live rules move once (the move pays for
+    """testbed1's plan keeps one A100 per stage; one of them drops to a twentieth
+    of its speed, and spare peers join later. The live rules move once (the move pays for
     itself); no rebalancing keeps the slow peer; restart-only also restarts for every join."""
     topo = preset("testbed1")
     costs = DagCosts.synthetic(80, seed=5)
     opts = Options(micro_batches=8)
-    churn = [Churn(100, "slow", "@0", 0.25), Churn(1500, "join", "a6"), Churn(2500, "join", "a7")]
+    churn = [Churn(100, "slow", "@0", 0.05), Churn(1500, "join", "a6"), Churn(2500, "join", "a7")]
     runs = {p: simulate(costs, topo, "opfence", opts, 5000, churn, held_out={"a6", "a7"}, policy=p) for p in POLICIES}
     assert [it for it, _ in runs["none"].replans] == []
     assert [it for it, _ in runs["restart"].replans] == [101, 1500, 2500]

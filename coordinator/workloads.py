@@ -1,0 +1,269 @@
+"""Built-in workloads for planning: published model shapes (GPT-2 small, GPT-2 XL,
+LLaMA-7B) built on the meta device and traced into an OP-DAG with costs, without
+weights, in seconds and little memory; and the batch a realistic iteration uses.
+
+Precision, as the swarm trains with ``--precision``: weights, gradients and Adam's
+two moments stay fp32 (parameter bytes are 4 per parameter; the estimator adds the
+rest, 16 bytes per parameter in all); activations and the tensors crossing cuts
+are fp32, or bf16/fp16 under mixed precision (the model is traced in that dtype).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from coordinator.estimator import DagCosts
+from coordinator.opdag import OpDag, build_opdag
+from protocol.graph import operators
+from protocol.job import BUILTIN_MODELS, resolve
+
+#: tokens per iteration of every built-in workload's default batch (2^18, about
+#: GPT-2-scale practice: nanoGPT's GPT-2 runs use ~0.5M)
+TOKENS_PER_ITERATION = 262_144
+GPT2_VOCAB = 50257
+#: the dtype activations have under each ``--precision``
+ACTIVATION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: weights, gradients and optimizer state stay fp32 under every precision
+MASTER_DTYPE = torch.float32
+#: what plan and sim model for a workload unless told: mixed precision, as the GPU
+#: speeds of the topology presets are (``sim.presets``)
+DEFAULT_PRECISION = "bf16"
+
+
+class WorkloadError(ValueError):
+    """An unknown workload or a batch it cannot take; ``str()`` is one line."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A built-in model shape and its default batch: ``micro_batches`` micro-batches of
+    ``batch_size`` sequences of ``context`` tokens, ``TOKENS_PER_ITERATION`` in all;
+    ``batch_size`` is small enough that one micro-batch's activations fit a GPU."""
+
+    name: str
+    build: Callable[..., nn.Module]  # the model on the current default device; keywords change the shape
+    context: int  # the longest sequence it takes (and the default sequence length)
+    batch_size: int  # default sequences per micro-batch
+    summary: str
+    context_arg: str  # the keyword of ``build`` that sets the context
+
+    def context_of(self, shape: dict[str, Any] | None) -> int:
+        """The context of the shape with ``shape``'s changes."""
+        return int((shape or {}).get(self.context_arg, self.context))
+
+    @property
+    def micro_batches(self) -> int:
+        """Default micro-batches per iteration."""
+        return TOKENS_PER_ITERATION // (self.batch_size * self.context)
+
+
+class RotaryAttention(nn.Module):
+    """LLaMA's attention: bias-free projections, rotary positions, causal SDPA."""
+
+    def __init__(self, dim: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.q_proj = nn.Linear(dim, dim, bias=False)
+        self.k_proj = nn.Linear(dim, dim, bias=False)
+        self.v_proj = nn.Linear(dim, dim, bias=False)
+        self.o_proj = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        hs = C // self.n_head
+        q = _rotate(self.q_proj(x).view(B, T, self.n_head, hs).transpose(1, 2), cos, sin)
+        k = _rotate(self.k_proj(x).view(B, T, self.n_head, hs).transpose(1, 2), cos, sin)
+        v = self.v_proj(x).view(B, T, self.n_head, hs).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding (the half-split form of HF's LLaMA)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class LlamaBlock(nn.Module):
+    """Pre-norm decoder layer: RMSNorm, attention, RMSNorm, SwiGLU MLP."""
+
+    def __init__(self, dim: int, n_head: int, hidden: int) -> None:
+        super().__init__()
+        self.input_norm = nn.RMSNorm(dim, eps=1e-6)
+        self.attn = RotaryAttention(dim, n_head)
+        self.post_norm = nn.RMSNorm(dim, eps=1e-6)
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), cos, sin)
+        h = self.post_norm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class Llama(nn.Module):
+    """A LLaMA-shaped decoder (untied head, no biases); ``forward(idx, targets)``
+    returns the loss. The defaults are LLaMA-7B's shape."""
+
+    def __init__(
+        self,
+        n_layer: int = 32,
+        n_embd: int = 4096,
+        n_head: int = 32,
+        hidden: int = 11008,
+        vocab_size: int = 32000,
+        context: int = 2048,
+        rope_base: float = 10000.0,
+    ) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, n_embd)
+        self.layers = nn.ModuleList(LlamaBlock(n_embd, n_head, hidden) for _ in range(n_layer))
+        self.norm = nn.RMSNorm(n_embd, eps=1e-6)
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        hs = n_embd // n_head
+        inv_freq = 1.0 / rope_base ** (torch.arange(0, hs, 2, dtype=torch.float32) / hs)
+        angles = torch.outer(torch.arange(context, dtype=torch.float32), inv_freq).repeat(1, 2)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        T = idx.shape[1]
+        cos, sin = torch.narrow(self.cos, 0, 0, T), torch.narrow(self.sin, 0, 0, T)
+        x = self.embed(idx)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        logits = self.lm_head(self.norm(x))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _gpt2(**shape: Any) -> nn.Module:
+    """The demo's GPT (``fusionllm.zoo``) in GPT-2's published shape: biases, tanh GELU,
+    a 50,257-token vocabulary, context 1024, tied embeddings; ``shape`` overrides."""
+    return resolve("gpt2", BUILTIN_MODELS)(vocab_size=GPT2_VOCAB, tie_weights=True, **shape)
+
+
+WORKLOADS: dict[str, Workload] = {
+    w.name: w
+    for w in (
+        Workload("gpt2", _gpt2, 1024, 8, "GPT-2 small: 12 layers, 768 wide, 12 heads, tied, 124M", "block_size"),
+        Workload(
+            "gpt2-xl",
+            functools.partial(_gpt2, n_layer=48, n_embd=1600, n_head=25),
+            1024,
+            4,
+            "GPT-2 XL: 48 layers, 1600 wide, 25 heads, tied, 1.56B",
+            "block_size",
+        ),
+        Workload("llama-7b", Llama, 2048, 1, "LLaMA-7B: 32 layers, 4096 wide, SwiGLU, rotary, untied, 6.7B", "context"),
+    )
+}
+
+
+def workload(name: str) -> Workload:
+    """The built-in workload called ``name`` (:class:`WorkloadError` if none is)."""
+    if name not in WORKLOADS:
+        raise WorkloadError(f"no built-in workload '{name}' (known: {', '.join(WORKLOADS)})")
+    return WORKLOADS[name]
+
+
+def meta_model(name: str, precision: str = "fp32", shape: dict[str, Any] | None = None) -> nn.Module:
+    """The workload's model on the meta device (shapes only, no memory for weights), in
+    the activation dtype of ``precision``; ``shape`` overrides the model's keyword
+    arguments (e.g. ``n_layer``)."""
+    w = workload(name)
+    if precision not in ACTIVATION_DTYPES:
+        raise WorkloadError(f"precision '{precision}': choose from {', '.join(ACTIVATION_DTYPES)}")
+    try:
+        with torch.device("meta"):
+            model = w.build(**(shape or {}))
+    except Exception as exc:  # an unknown keyword, or a value the model cannot take
+        raise WorkloadError(f"{name} cannot take {shape}: {_first_line(exc)}") from None
+    return model.to(ACTIVATION_DTYPES[precision])
+
+
+def _first_line(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+
+
+def meta_batch(
+    name: str, batch_size: int, seq_len: int, shape: dict[str, Any] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A micro-batch of token ids and targets, ``batch_size x seq_len``, on the meta device
+    (``shape``: the model's changes, which may change its context)."""
+    context = workload(name).context_of(shape)
+    if batch_size < 1 or seq_len < 1:
+        raise WorkloadError(f"a micro-batch needs at least 1 sequence of 1 token, not {batch_size} x {seq_len}")
+    if seq_len > context:
+        raise WorkloadError(f"{name} takes sequences of at most {context} tokens, not {seq_len}")
+    ids = torch.empty((batch_size, seq_len), dtype=torch.long, device="meta")
+    return ids, torch.empty_like(ids)
+
+
+def workload_dag(
+    name: str, micro_batch_size: int, seq_len: int, precision: str = "fp32", shape: dict[str, Any] | None = None
+) -> OpDag:
+    """The workload's OP-DAG, measured on one meta micro-batch (see :func:`meta_model`)."""
+    example = meta_batch(name, micro_batch_size, seq_len, shape)
+    model = meta_model(name, precision, shape)
+    try:
+        return build_opdag(model, example, param_dtype=MASTER_DTYPE)
+    except (RuntimeError, ValueError, IndexError) as exc:  # e.g. a width that the heads do not divide
+        raise WorkloadError(f"{name} with {shape or 'its shape'} fails: {_first_line(exc)}") from None
+
+
+def workload_costs(
+    name: str, micro_batch_size: int, seq_len: int, precision: str = "fp32", shape: dict[str, Any] | None = None
+) -> DagCosts:
+    """Per-op costs of one micro-batch of ``micro_batch_size`` sequences of ``seq_len``
+    tokens under ``precision`` (see the module), for the estimator and the schedulers.
+    Tied weights (GPT-2's embedding and head) may sit in two stages, each keeping a
+    copy, as Megatron-style pipelines do (``DagCosts.tied``): the live swarm keeps them
+    in one stage, which would leave GPT-2 a single stage."""
+    dag = workload_dag(name, micro_batch_size, seq_len, precision, shape)
+    return dataclasses.replace(DagCosts.from_opdag(dag), forbidden=frozenset(), tied=tied_weights(dag))
+
+
+def tied_weights(dag: OpDag) -> tuple[tuple[int, int, int], ...]:
+    """(first op, last op, bytes) of every parameter that more than one op uses."""
+    users: dict[int, list[int]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for i, node in enumerate(operators(dag.gm)):
+        found = list(dag.gm.get_submodule(str(node.target)).parameters()) if node.op == "call_module" else []
+        for a in node.all_input_nodes:
+            if a.op == "get_attr":
+                obj = dag.gm.get_parameter(str(a.target)) if _is_parameter(dag.gm, str(a.target)) else None
+                found += [obj] if obj is not None else []
+        for p in found:
+            params[id(p)] = p
+            if i not in users.setdefault(id(p), []):
+                users[id(p)].append(i)
+    return tuple(
+        (min(ops), max(ops), params[k].numel() * MASTER_DTYPE.itemsize) for k, ops in users.items() if len(ops) > 1
+    )
+
+
+def _is_parameter(gm: torch.fx.GraphModule, target: str) -> bool:
+    try:
+        gm.get_parameter(target)
+    except AttributeError:
+        return False
+    return True
+
+
+def parameter_count(dag: OpDag) -> int:
+    """Parameters of a traced model (tied weights once)."""
+    return sum(p.numel() for p in dag.gm.parameters())
+
+
+def defaults_text() -> str:
+    """Each workload's default batch, M x B x S, for ``--help``."""
+    return "; ".join(f"{w.name} {w.micro_batches} x {w.batch_size} x {w.context}" for w in WORKLOADS.values())
