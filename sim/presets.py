@@ -11,6 +11,11 @@ A100 120 TFLOP/s 80 GB, V100 60/32, RTX 4090 80/24, RTX 3090 35/24, T4 20/16.
   50-200 Mbit/s (30-80 ms) between sites.
 - ``testbed3``: a lab of 8 RTX 3090 on 10 Gbit/s and 8 home GPUs, each behind its
   own 8-100 Mbit/s uplink (20-120 ms).
+- ``lab-crowd``: a lab of 8 A100 on 10 Gbit/s holding two thirds of the FLOP/s,
+  and a crowd of 12 home GPUs (RTX 4090, 3090, T4), each behind its own 20-100
+  Mbit/s uplink (30-120 ms), 10-50 Mbit/s between homes.
+- ``three-regions``: 6 RTX 4090 (1 Gbit/s), 4 V100 (10 Gbit/s) and 8 T4 (1 Gbit/s)
+  in three regions, 50-300 Mbit/s (60-150 ms) between them.
 - ``internet-1k`` / ``internet-10k``: 1,000 / 10,000 volunteers in 25 / 100
   regions (seeded): 200-1000 Mbit/s inside a region, 8-200 Mbit/s between
   regions, falling with distance.
@@ -24,8 +29,8 @@ from typing import Any
 from sim.topology import Topology, parse
 
 GPUS = {"a100": (120.0, 80), "v100": (60.0, 32), "4090": (80.0, 24), "3090": (35.0, 24), "t4": (20.0, 16)}
-PRESETS = ("testbed1", "testbed2", "testbed3", "internet-1k", "internet-10k")
-MIXED = ("testbed1", "testbed2", "testbed3")  # mixed bandwidth: where OP-Fence must win
+PRESETS = ("testbed1", "testbed2", "testbed3", "lab-crowd", "three-regions", "internet-1k", "internet-10k")
+MIXED = ("testbed1", "testbed2", "testbed3", "lab-crowd", "three-regions")  # mixed bandwidth: where OP-Fence must win
 
 
 def _peer(pid: str, gpu: str, cluster: str) -> dict[str, Any]:
@@ -69,6 +74,32 @@ def testbed3() -> dict[str, Any]:
     return {"peers": peers, "clusters": clusters}
 
 
+def lab_crowd() -> dict[str, Any]:
+    rng = random.Random(4)
+    peers = [_peer(f"lab{i}", "a100", "lab") for i in range(8)]
+    homes = [f"home{i}" for i in range(12)]
+    peers += [_peer(h, ["4090", "3090", "t4"][i % 3], h) for i, h in enumerate(homes)]
+    clusters: dict[str, dict[str, Any]] = {"lab": {"lab": _link(10000, 0.1)}}
+    for i, h in enumerate(homes):
+        clusters[h] = {h: _link(10000, 0.0)}
+        clusters["lab"][h] = _link(rng.choice([20, 50, 100]), rng.choice([30, 60, 120]))
+        for g in homes[i + 1 :]:
+            clusters[h][g] = _link(rng.choice([10, 20, 50]), rng.choice([40, 80, 120]))
+    return {"peers": peers, "clusters": clusters}
+
+
+def three_regions() -> dict[str, Any]:
+    peers = [_peer(f"eu{i}", "4090", "eu") for i in range(6)]
+    peers += [_peer(f"us{i}", "v100", "us") for i in range(4)]
+    peers += [_peer(f"ap{i}", "t4", "ap") for i in range(8)]
+    clusters = {
+        "eu": {"eu": _link(1000, 0.5), "us": _link(300, 60), "ap": _link(50, 150)},
+        "us": {"us": _link(10000, 0.1), "ap": _link(100, 110)},
+        "ap": {"ap": _link(1000, 0.5)},
+    }
+    return {"peers": peers, "clusters": clusters}
+
+
 def internet(num_peers: int, regions: int, seed: int) -> dict[str, Any]:
     rng = random.Random(seed)
     names = [f"r{i}" for i in range(regions)]
@@ -94,6 +125,8 @@ def preset(name: str) -> Topology:
         "testbed1": testbed1,
         "testbed2": testbed2,
         "testbed3": testbed3,
+        "lab-crowd": lab_crowd,
+        "three-regions": three_regions,
         "internet-1k": lambda: internet(1000, 25, 1),
         "internet-10k": lambda: internet(10000, 100, 2),
     }

@@ -3,13 +3,15 @@ and latency between and within clusters, with per-pair overrides.
 
 File format (JSON)::
 
-    {"peers": [{"id": "a1", "tflops": 35.0, "memory_gb": 24, "cluster": "A"}, ...],
+    {"peers": [{"id": "a1", "tflops": 35.0, "memory_gb": 24, "cluster": "A", "op_overhead_us": 10}, ...],
      "clusters": {"A": {"A": {"mbps": 10000, "latency_ms": 0.1},
                         "B": {"mbps": 100, "latency_ms": 40}}, ...},
      "links": [{"src": "a1", "dst": "b3", "mbps": 8, "latency_ms": 120}]}
 
 ``clusters`` is symmetric unless both directions are given; ``links`` overrides
-single pairs (both directions). Every error names the field it is in.
+single pairs (both directions); ``op_overhead_us`` (optional) is a peer's fixed cost
+per operator kernel (``coordinator.estimator.OP_OVERHEAD_S`` when absent). Every
+error names the field it is in.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coordinator.estimator import Network, PeerProfile
+from coordinator.estimator import OP_OVERHEAD_S, Network, PeerProfile
 
 
 class TopologyError(ValueError):
@@ -79,7 +81,8 @@ def parse(data: Any, name: str = "") -> Topology:
             raise TopologyError(f"{where}.cluster: must be a string")
         tflops = _num(p, "tflops", where, 1e-6)
         memory = _num(p, "memory_gb", where, 0.0)
-        peers.append(PeerProfile(pid, tflops * 1e12, int(memory * 2**30), cluster))
+        overhead = _num(p, "op_overhead_us", where, 0.0) / 1e6 if "op_overhead_us" in p else OP_OVERHEAD_S
+        peers.append(PeerProfile(pid, tflops * 1e12, int(memory * 2**30), cluster, overhead))
     clusters_raw = data.get("clusters", {})
     if not isinstance(clusters_raw, dict):
         raise TopologyError("clusters: must be an object of objects")
