@@ -1,86 +1,149 @@
-"""OP-Fence against its baselines on the three paper-like testbeds (simulated, the
-same seeded simulator for all), and how fast planning and simulation are at
-scale. Prints one JSON object.
+"""OP-Fence against bandwidth-unaware planners given the same tools (codecs, replicas,
+leaving peers out) and against an evolutionary search (``dtfm``), on the same
+estimator and simulator, for real workloads; and how fast planning and simulation
+are at scale. Prints one JSON object.
 
-Workload: GPT-2 small (124M parameters, byte vocabulary) on 1024-token sequences,
-16 micro-batches of 4 sequences per iteration. ``plan_s_1000peers_1000ops``:
-OP-Fence on the ``internet-1k`` preset for a synthetic 1,000-op chain;
+Per preset (``sim.presets.MIXED``) and workload (``gpt2``, ``gpt2-xl``, ``llama-7b``
+at their default batch, bf16 activations, ``coordinator.workloads``), every
+scheduler's plan is run event by event (``sim.engine.iteration_seconds``, no
+churn) and reported as:
+
+- ``<name>_iter_s``: simulated seconds per iteration;
+- ``<name>_to_loss_s``: seconds to the loss the uncompressed run reaches, that is
+  the iteration time times the plan's steps factor (its codecs' statistical
+  price, ``coordinator.codec_price``);
+- ``<name>_plan_s``: planning seconds;
+
+plus ``needs_gpus`` (the fewest GPUs of the preset whose memory holds the model's
+weights, gradients and Adam state), ``opfence_vs_best_blind`` (the best of
+``bw-blind``, ``petals``, ``even``, ``compute``, ``random`` over OP-Fence, on time to
+loss), ``opfence_vs_dtfm`` (OP-Fence's time to loss over dtfm's),
+``opfence_plan_vs_dtfm`` (planning seconds, same way) and ``sim_vs_estimate`` (the
+simulated iteration of OP-Fence's plan over the estimator's prediction).
+
+``plan_s_1000peers_1000ops``: OP-Fence on ``internet-1k`` for llama-7b;
 ``sim_s_10000peers_100iters``: planning plus 100 simulated iterations of
-``internet-10k`` with 20 churn events (joins, leaves, slow-downs) and re-plans.
+``internet-10k`` for llama-7b with 20 churn events (joins, leaves, slow-downs) and
+re-plans.
 
-``--short`` runs the same paths smaller, for the test suite: GPT-2 small's width
-with 4 layers on 128-token sequences, 2 simulated iterations per testbed, a
-300-op chain, and 20 iterations of ``internet-1k`` with the same 20 churn events;
-the keys stay those of the full run."""
+``--short`` runs the same paths smaller, for the test suite: two-layer shapes of
+the workloads on two presets, dtfm with a small budget, ``internet-1k`` with 10
+simulated iterations; the keys stay those of the full run.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import time
 from dataclasses import dataclass
+from typing import Any
 
-from coordinator.estimator import DagCosts
-from coordinator.opdag import build_opdag
-from coordinator.scheduler import SCHEDULERS, Options, opfence
-from protocol.job import JobSpec
-from sim.engine import Churn, simulate
+from coordinator import baselines
+from coordinator.codec_price import plan_steps_factor
+from coordinator.estimator import STATE_PER_PARAM_BYTE, DagCosts, PeerTable
+from coordinator.scheduler import SCHEDULERS, Options, opfence, plan
+from coordinator.workloads import WORKLOADS, workload_costs
+from sim.engine import Churn, iteration_seconds, simulate
 from sim.presets import MIXED, preset
+from sim.topology import Topology
+
+BLIND = ("bw-blind", "petals", "even", "compute", "random")
 
 
 @dataclass(frozen=True)
 class Sizes:
-    job: JobSpec  # the testbeds' workload
-    iterations: int  # simulated iterations per testbed and scheduler
-    plan_ops: int  # ops of the synthetic chain that OP-Fence plans on internet-1k
+    presets: tuple[str, ...]
+    shape: dict[str, Any]  # changes to every workload's shape
+    dtfm_evaluations: int
     sim_preset: str  # the topology of the timed simulation with churn
     sim_iterations: int
 
 
-FULL = Sizes(
-    job=JobSpec(model="gpt2", data_args="ctx=1024,batch_size=64", micro_batches=16),
-    iterations=10,
-    plan_ops=1000,
-    sim_preset="internet-10k",
-    sim_iterations=100,
-)
-SHORT = Sizes(
-    job=JobSpec(model="gpt2", model_args="n_layer=4", data_args="ctx=128,batch_size=64", micro_batches=16),
-    iterations=2,
-    plan_ops=300,
-    sim_preset="internet-1k",
-    sim_iterations=20,
-)
+FULL = Sizes(MIXED, {}, baselines.DTFM_EVALUATIONS, "internet-10k", 100)
+SHORT = Sizes(("testbed1", "lab-crowd"), {"n_layer": 2}, 200, "internet-1k", 10)
 
 
-def gpt2_costs(job: JobSpec) -> DagCosts:
-    return DagCosts.from_opdag(build_opdag(job.build_model(), job.first_micro_batch()))
+def workload(name: str, shape: dict[str, Any]) -> tuple[DagCosts, int]:
+    """A workload's costs at its default batch, and its micro-batches per iteration."""
+    w = WORKLOADS[name]
+    return workload_costs(name, w.batch_size, w.context, "bf16", shape or None), w.micro_batches
 
 
-def testbeds(costs: DagCosts, iterations: int) -> dict[str, dict[str, float]]:
-    out = {}
-    for name in MIXED:
-        topo = preset(name)
-        row = {}
-        for s in SCHEDULERS:
-            row[f"{s}_s"] = round(simulate(costs, topo, s, Options(micro_batches=16), iterations).mean_s, 4)
-        best_baseline = min(row[f"{s}_s"] for s in SCHEDULERS if s != "opfence")
-        row["speedup_vs_best_baseline"] = round(best_baseline / row["opfence_s"], 2)
-        out[name] = row
-    return out
+def needs_gpus(costs: DagCosts, topo: Topology) -> int:
+    """The fewest of the preset's GPUs (largest memory first) that hold the training state."""
+    state = STATE_PER_PARAM_BYTE * costs.stage_params(0, costs.num_ops)
+    held, n = 0, 0
+    for p in sorted(topo.peers, key=lambda p: -p.memory_bytes):
+        if held >= state:
+            break
+        held, n = held + p.memory_bytes, n + 1
+    return n
 
 
-def plan_time(num_ops: int) -> float:
-    costs = DagCosts.synthetic(num_ops, seed=1)
+def run_one(name: str, costs: DagCosts, topo: Topology, options: Options, evaluations: int) -> dict[str, float]:
+    start = time.perf_counter()
+    if name == "dtfm":
+        p = baselines.dtfm(costs, topo.peers, topo.network, options, evaluations=evaluations)
+    else:
+        p = plan(name, costs, topo.peers, topo.network, options)
+    planning = time.perf_counter() - start
+    it = iteration_seconds(costs, p, PeerTable(topo.peers), topo.network, options.micro_batches)
+    return {
+        "iter_s": it,
+        "to_loss_s": it * plan_steps_factor(p.codecs) if p.valid else math.inf,
+        "plan_s": planning,
+        "estimate_s": p.iteration_s,
+        "stages": len(p.groups),
+        "peers": sum(len(g) for g in p.groups),
+    }
+
+
+def compare(costs: DagCosts, mbs: int, topo: Topology, evaluations: int) -> dict[str, Any]:
+    options = Options(micro_batches=mbs)
+    runs = {s: run_one(s, costs, topo, options, evaluations) for s in SCHEDULERS}
+    row: dict[str, Any] = {"needs_gpus": needs_gpus(costs, topo)}
+    for s, r in runs.items():
+        row.update({f"{s}_{k}": _round(v) for k, v in r.items() if k in ("iter_s", "to_loss_s", "plan_s")})
+    op = runs["opfence"]
+    row["opfence_plan"] = f"{op['stages']} stages, {op['peers']} peers"
+    row["opfence_vs_best_blind"] = _round(min(runs[s]["to_loss_s"] for s in BLIND) / op["to_loss_s"])
+    row["opfence_vs_dtfm"] = _round(op["to_loss_s"] / runs["dtfm"]["to_loss_s"])
+    row["opfence_plan_vs_dtfm"] = _round(op["plan_s"] / max(runs["dtfm"]["plan_s"], 1e-9))
+    row["sim_vs_estimate"] = _round(op["iter_s"] / op["estimate_s"])
+    return row
+
+
+def summary(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The goals over the cases that need four or more GPUs by memory (all cases'
+    simulator-to-estimator range)."""
+    big = [r for r in rows.values() if r["needs_gpus"] >= 4]
+    ratios = [r["sim_vs_estimate"] for r in rows.values()]
+    return {
+        "cases_needing_4_gpus": len(big),
+        "min_opfence_vs_best_blind": min((r["opfence_vs_best_blind"] for r in big), default=None),
+        "max_opfence_vs_dtfm": max((r["opfence_vs_dtfm"] for r in big), default=None),
+        "max_opfence_plan_vs_dtfm": max((r["opfence_plan_vs_dtfm"] for r in big), default=None),
+        "sim_vs_estimate_range": [min(ratios), max(ratios)],
+    }
+
+
+def _round(x: float) -> float | str:
+    return "inf" if math.isinf(x) else round(x, 4)
+
+
+def plan_time(shape: dict[str, Any]) -> float:
+    costs, mbs = workload("llama-7b", shape)
     topo = preset("internet-1k")
     start = time.perf_counter()
-    opfence(costs, topo.peers, topo.network, Options(micro_batches=16))
+    opfence(costs, topo.peers, topo.network, Options(micro_batches=mbs))
     return time.perf_counter() - start
 
 
-def sim_time(name: str, iterations: int) -> float:
-    costs = DagCosts.synthetic(200, seed=2)
+def sim_time(name: str, iterations: int, shape: dict[str, Any]) -> float:
+    costs, mbs = workload("llama-7b", shape)
     topo = preset(name)
     rng = random.Random(0)
     ids = [p.id for p in topo.peers]
@@ -91,11 +154,11 @@ def sim_time(name: str, iterations: int) -> float:
             kind,
             rng.choice(sorted(held)) if kind == "join" else rng.choice(ids[50:]),
             0.5,
-        )
+        )  # fmt: skip
         for kind in (["leave"] * 7 + ["slow"] * 7 + ["join"] * 6)
     ]
     start = time.perf_counter()
-    simulate(costs, topo, "opfence", Options(micro_batches=16), iterations, churn, held_out=held)
+    simulate(costs, topo, "opfence", Options(micro_batches=mbs), iterations, churn, held_out=held)
     return time.perf_counter() - start
 
 
@@ -104,11 +167,17 @@ def main() -> None:
     ap.add_argument("--short", action="store_true", help="a quick run of the same paths (for the test suite)")
     args = ap.parse_args()
     sizes = SHORT if args.short else FULL
-    costs = gpt2_costs(sizes.job)
+    loads = {name: workload(name, sizes.shape) for name in WORKLOADS}
+    rows = {
+        f"{p}/{w}": compare(costs, mbs, preset(p), sizes.dtfm_evaluations)
+        for p in sizes.presets
+        for w, (costs, mbs) in loads.items()
+    }
     out: dict[str, object] = {
-        "testbeds": testbeds(costs, sizes.iterations),
-        "plan_s_1000peers_1000ops": round(plan_time(sizes.plan_ops), 3),
-        "sim_s_10000peers_100iters": round(sim_time(sizes.sim_preset, sizes.sim_iterations), 3),
+        "cases": rows,
+        **summary(rows),
+        "plan_s_1000peers_1000ops": round(plan_time(sizes.shape), 3),
+        "sim_s_10000peers_100iters": round(sim_time(sizes.sim_preset, sizes.sim_iterations, sizes.shape), 3),
     }
     if args.short:
         out["short"] = True

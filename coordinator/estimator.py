@@ -39,8 +39,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
+from coordinator.codec_price import plan_steps_factor, price
 from protocol.codecs import Codec
 
 #: Adam keeps weights, gradients and two moments: 4 bytes of state per parameter byte
@@ -52,6 +51,8 @@ OP_OVERHEAD_S = 10e-6
 #: a stage must compute at least this share of an even split of the model's FLOPs:
 #: one that computes nothing only relays its inputs over one more link
 MIN_STAGE_SHARE = 0.01
+#: the width of what crosses a cut when a model does not say (a transformer's residual stream)
+DEFAULT_COLS = 1024
 
 
 @dataclass
@@ -67,6 +68,7 @@ class DagCosts:
     forbidden: frozenset[int] = frozenset()
     kernels: list[int] = field(default_factory=list)  # kernels an op launches in its forward (default: 1 each)
     float_itemsize: int = 4  # bytes per element of the floating tensors that cross cuts (2: mixed precision)
+    cross_cols: list[int] = field(default_factory=list)  # columns of the widest floating matrix crossing each position
     #: weights shared by ops that may sit in different stages: (first op, last op, bytes);
     #: the stage of the last keeps a copy, and the copies' gradients are summed once an
     #: iteration (as Megatron-style pipelines keep a tied embedding)
@@ -85,6 +87,8 @@ class DagCosts:
             raise ValueError("cross_bytes needs one entry per op (entry 0 unused)")
         if not self.kernels:
             self.kernels = [1] * n
+        if not self.cross_cols:
+            self.cross_cols = [DEFAULT_COLS] * n
         if len(self.kernels) != n:
             raise ValueError("kernels needs one entry per op")
         self._pf, self._pp, self._pa = _prefix(self.flops), _prefix(self.param_bytes), _prefix(self.act_bytes)
@@ -116,7 +120,8 @@ class DagCosts:
         return MIN_STAGE_SHARE * self.total_flops / max(num_stages, 1)
 
     def wire_table(self, codec: Codec) -> list[float]:
-        """Wire bytes of a cut at every position under ``codec`` (computed once per codec)."""
+        """Wire bytes of a cut at every position under ``codec``, the busier way
+        (computed once per codec: for the few codecs a search tries everywhere)."""
         key = str(codec)
         if key not in self._wire:
             self._wire[key] = [wire_bytes(self, p, codec) for p in range(self.num_ops)]
@@ -169,6 +174,7 @@ class DagCosts:
             forbidden=frozenset(dag.forbidden),
             kernels=[0 if o.target in FREE_OPS else 1 for o in dag.ops],
             float_itemsize=_float_itemsize(dag.meta.values()),
+            cross_cols=_cross_cols(dag, ops, index),
         )
 
     @classmethod
@@ -179,6 +185,22 @@ class DagCosts:
         params = [rng.choice([0, 0, rng.randint(1, 50) * 10**5]) for _ in range(num_ops)]
         cross = [0] + [rng.choice([1, 1, 2, 4]) * act_bytes for _ in range(num_ops - 1)]
         return cls(flops, params, [act_bytes] * num_ops, cross, list(cross))
+
+
+def _cross_cols(dag: Any, ops: list[Any], index: dict[Any, int]) -> list[int]:
+    """Per cut position, the last dimension of the widest floating tensor crossing it."""
+    cols = [0] * len(ops)
+    for node in dag.gm.graph.nodes:
+        meta = dag.meta.get(node.name)
+        users = [index[u] for u in node.users if u in index]
+        if meta is None or not users or not meta.dtype.startswith(("float", "bfloat")) or not meta.shape:
+            continue
+        born = 1 if node.op == "placeholder" else index[node] + 1 if node in index else None
+        if born is None:
+            continue
+        for p in range(born, max(users) + 1):
+            cols[p] = max(cols[p], meta.shape[-1])
+    return [c or DEFAULT_COLS for c in cols]
 
 
 def _float_itemsize(values: Iterable[Any]) -> int:
@@ -376,6 +398,12 @@ class Plan:
     allreduce_s: list[float] = field(default_factory=list)  # per micro-batch: replicas' gradient sends
     fits_memory: bool = True
     empty_stage: bool = False  # a stage computes (almost) nothing: never chosen
+    steps_factor: float = 1.0  # its codecs' statistical price (coordinator.codec_price)
+
+    @property
+    def to_loss_s(self) -> float:
+        """Seconds to the loss the uncompressed run reaches, per iteration it takes."""
+        return self.iteration_s * self.steps_factor
 
     @property
     def valid(self) -> bool:
@@ -390,6 +418,8 @@ class Plan:
         return {
             "scheduler": self.scheduler,
             "iteration_s": self.iteration_s,
+            "steps_factor": self.steps_factor,
+            "to_loss_s": self.to_loss_s,
             "lower_bound_s": self.lower_bound_s,
             "fits_memory": self.fits_memory,
             "empty_stage": self.empty_stage,
@@ -418,16 +448,18 @@ def lower_bound(costs: DagCosts, peers: dict[str, PeerProfile], micro_batches: i
     return 3 * micro_batches * costs.total_flops / max(total, 1.0)
 
 
-def wire_bytes(costs: DagCosts, position: int, codec: Codec) -> float:
-    """Bytes on the wire per micro-batch and direction for a cut before ``position``."""
+def wire_pair(costs: DagCosts, position: int, codec: Codec) -> tuple[float, float]:
+    """Bytes on the wire per micro-batch forward and backward for a cut before
+    ``position`` (``coordinator.codec_price``: raw values go forward only)."""
     floating = costs.float_cross[position]
-    other = costs.cross_bytes[position] - floating
-    if codec.name == "none" or floating == 0:
-        return float(costs.cross_bytes[position])
-    size = costs.float_itemsize
-    numel = floating // size
-    dtype = torch.float32 if size == 4 else torch.bfloat16
-    return other + codec.wire_bytes(numel, dtype) * (floating / max(numel * size, 1))
+    got = price(codec, floating, costs.cross_bytes[position] - floating, costs.cross_cols[position],
+                costs.float_itemsize)  # fmt: skip
+    return got.forward_bytes, got.backward_bytes
+
+
+def wire_bytes(costs: DagCosts, position: int, codec: Codec) -> float:
+    """The busier way's bytes on the wire per micro-batch (the estimator's link cost)."""
+    return max(wire_pair(costs, position, codec))
 
 
 def link_seconds(nbytes: float, link: LinkInfo) -> float:
@@ -549,21 +581,25 @@ def predict(
     models = group_models([[peers[p] for p in g] for g in plan.groups], network, m)
     edges = boundary_models(plan.groups, network, m)
     rounds = rounds_of(plan.groups, m)
-    wires = [wire_bytes(costs, pos, c) for pos, c in zip(plan.cut, plan.codecs)]
+    wires = [wire_pair(costs, pos, c) for pos, c in zip(plan.cut, plan.codecs)]  # (forward, backward)
     one = [g.latency(costs, lo, hi) for g, (lo, hi) in zip(models, ranges)]
-    one_link = [e.latency(w) for e, w in zip(edges, wires)]
+    one_way = {d: [e.latency(w[d]) for e, w in zip(edges, wires)] for d in (0, 1)}
+    there_and_back = [f + b for f, b in zip(one_way[0], one_way[1])]
     stage_round = [g.period(costs, lo, hi) for g, (lo, hi) in zip(models, ranges)]
-    link_round = [w * e.per_byte() for e, w in zip(edges, wires)]
-    lanes = uses_1f1b(plan.groups)
-    if lanes:
-        steady = max(stage_round + link_round + _round_trips(one, one_link, rounds))
-        pipeline = sum(one) + 2 * sum(one_link) + (rounds - 1) * steady
+    link_round = [max(w) * e.per_byte() for e, w in zip(edges, wires)]
+    if uses_1f1b(plan.groups):
+        steady = max(stage_round + link_round + _round_trips(one, there_and_back, rounds))
+        pipeline = sum(one) + sum(there_and_back) + (rounds - 1) * steady
     else:  # GPipe: every forward, then every backward
         pipeline = sum(
             sum(g.latency(costs, lo, hi, part) for g, (lo, hi) in zip(models, ranges))
-            + sum(one_link)
-            + (rounds - 1) * max([g.period(costs, lo, hi, part) for g, (lo, hi) in zip(models, ranges)] + link_round)
-            for part in "FB"
+            + sum(one_way[d])
+            + (rounds - 1)
+            * max(
+                [g.period(costs, lo, hi, part) for g, (lo, hi) in zip(models, ranges)]
+                + [w[d] * e.per_byte() for e, w in zip(edges, wires)]
+            )
+            for d, part in enumerate("FB")
         )
     plan.iteration_s = pipeline + tied_sync_s(costs, plan, network)
     plan.stage_s = [t * rounds / m for t in stage_round]
@@ -572,6 +608,7 @@ def predict(
     plan.lower_bound_s = lower_bound(costs, peers, m)
     plan.fits_memory = all(g.fits(costs, lo, hi) for g, (lo, hi) in zip(models, ranges))
     plan.empty_stage = any(costs.stage_flops(lo, hi) < costs.min_stage_flops(k) for lo, hi in ranges)
+    plan.steps_factor = plan_steps_factor(plan.codecs)
     return plan
 
 
@@ -591,7 +628,7 @@ def tied_sync_s(costs: DagCosts, plan: Plan, network: Network) -> float:
     return out
 
 
-def _round_trips(one: list[float], one_link: list[float], rounds: int) -> list[float]:
+def _round_trips(one: list[float], there_and_back: list[float], rounds: int) -> list[float]:
     """Under 1F1B stage ``s`` starts a forward only after a backward once it holds
     ``w_s = min(k - s, rounds)`` micro-batches: the round trip from stage ``s`` to a
     later stage ``t`` and back carries only ``w_s - w_t + 1`` micro-batches (two across
@@ -604,7 +641,7 @@ def _round_trips(one: list[float], one_link: list[float], rounds: int) -> list[f
     for s in range(k):
         trip = one[s]
         for t in range(s + 1, k):
-            trip += one[t] + 2 * one_link[t - 1]
+            trip += one[t] + there_and_back[t - 1]
             out.append(trip / max(1, window[s] - window[t] + 1))
     return out
 

@@ -12,10 +12,13 @@ OP-Fence:
    stages as clusters;
 4. cuts the DAG by binary search on the bottleneck time: each stage takes as many
    ops as its group computes within the bound, and ends at the position whose
-   boundary tensors cross the link in time (compressed with AdaTopK down to
-   ``min_fraction`` where needed);
-5. picks AdaTopK's kept fraction per slow edge (just enough), predicts the
-   iteration, keeps the best plan that fits memory.
+   boundary tensors cross the link in time (compressed as far as the swarm's
+   ``auto`` ever goes, where needed);
+5. gives each slow edge the codec the live swarm's ``auto`` would (fp16, int8, low
+   rank with int4 gradients: just enough) or none, whichever reaches the loss
+   sooner (``coordinator.codec_price``: each codec's measured steps factor), and
+   keeps the plans that fit memory and reach the loss soonest;
+6. polishes the best few (``FINALISTS``) by moving boundaries (``_refine``).
 
 The baselines live in ``coordinator.baselines``; ``plan`` runs any of them by name.
 """
@@ -27,6 +30,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from coordinator.codec_price import edge_price
 from coordinator.estimator import (
     BoundaryModel,
     DagCosts,
@@ -41,10 +45,12 @@ from coordinator.estimator import (
     nearest_allowed,
     predict,
 )
-from coordinator.links import keep_fraction
+from coordinator.links import MIN_RANK
 from protocol.codecs import Codec
 
 SCHEDULERS = ("opfence", "even", "compute", "random")
+#: the strongest compression the swarm's ``auto`` uses (what a cut may count on)
+FLOOR = Codec("lowrank", rank=MIN_RANK, grad=Codec("int4", stochastic=True))
 #: up to this many peers, OP-Fence tries every split of its peer order into stages
 SMALL_SWARM = 8
 #: up to this many peers, every grouping of peers into stages (Bell(6) = 203 of them)
@@ -55,8 +61,7 @@ TINY_SWARM = 6
 class Options:
     micro_batches: int = 8
     max_stages: int = 32
-    compression: bool = True  # OP-Fence may put AdaTopK on slow edges
-    min_fraction: float = 0.1  # never keep less than this (accuracy, as coordinator.links.MIN_FRACTION)
+    compression: bool = True  # slow edges may get the codec the swarm's ``auto`` would give them
     seed: int = 0
     stages: int | None = None  # force the number of stages
     standby: bool = True  # OP-Fence may leave peers out (on standby) when that is faster
@@ -202,14 +207,13 @@ def bottleneck_cut(
     """Cut positions minimizing the slowest stage or link (binary search on the bound;
     each stage takes the most ops it can run within the bound and its memory, and
     ends at the furthest position whose boundary tensors cross the link in time,
-    compressed down to ``min_fraction`` where allowed). None: nothing fits."""
+    compressed as far as ``FLOOR`` where allowed). None: nothing fits."""
     k, n = len(stages), costs.num_ops
     least = costs.min_stage_flops(k)  # no empty stage
     allowed = boundary_positions(costs)
     if k == 1:
         return () if stages[0].fits(costs, 0, n) else None
-    floor = Codec("adatopk", options.min_fraction) if options.compression else Codec()
-    floor_bytes = costs.wire_table(floor)
+    floor_bytes = costs.wire_table(FLOOR if options.compression else Codec())
     per_byte = [link.per_byte() for link in links]  # steady-state seconds per byte on each link
     latest = _latest_boundaries(costs, allowed, k, least)
     if latest is None:
@@ -309,17 +313,19 @@ def _proportional_cut(costs: DagCosts, weights: list[float]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def choose_fractions(costs: DagCosts, plan_: Plan, network: Network, options: Options) -> list[Codec]:
-    """AdaTopK on each edge slower than the slowest stage: just enough to keep up."""
+def choose_codecs(costs: DagCosts, plan_: Plan, network: Network, options: Options) -> list[Codec]:
+    """The codec ``auto`` puts on each edge slower than the slowest stage: just enough
+    to keep up (none without ``options.compression``)."""
+    if not options.compression:
+        return [Codec()] * len(plan_.cut)
     codecs = []
     bound = max(plan_.stage_s) if plan_.stage_s else 0.0
     m = options.micro_batches
-    edges = boundary_models(plan_.groups, network, m)
-    for pos, edge in zip(plan_.cut, edges):
+    for pos, edge in zip(plan_.cut, boundary_models(plan_.groups, network, m)):
         mbps = 8 / max(edge.per_byte() * edge.rounds / m * 1e6, 1e-30)  # per micro-batch, as stage_s
         floating = costs.float_cross[pos]
-        keep = keep_fraction(floating, costs.cross_bytes[pos] - floating, mbps, bound, options.min_fraction)
-        codecs.append(Codec() if not options.compression or keep >= 1.0 else Codec("adatopk", keep))
+        other = costs.cross_bytes[pos] - floating
+        codecs.append(edge_price(floating, other, costs.cross_cols[pos], mbps, bound, None, costs.float_itemsize).codec)
     return codecs
 
 
@@ -350,13 +356,21 @@ def evaluate(costs: DagCosts, cut: tuple[int, ...], ids: list[list[str]], by_id:
              network: Network, options: Options, name: str = "opfence") -> Plan:  # fmt: skip
     """The plan of stage groups ``ids`` cut at ``cut``, with the codecs the swarm would
     put on its links, and its predicted times: every scheduler finishes its plans here."""
-    cand = predict(costs, Plan(cut, ids, [Codec()] * len(cut), name), by_id, network, options.micro_batches)
-    cand.codecs = choose_fractions(costs, cand, network, options)
-    return predict(costs, cand, by_id, network, options.micro_batches)
+    plain = predict(costs, Plan(cut, ids, [Codec()] * len(cut), name), by_id, network, options.micro_batches)
+    codecs = choose_codecs(costs, plain, network, options)
+    if all(c.name == "none" for c in codecs):
+        return plain
+    squeezed = predict(costs, Plan(cut, ids, codecs, name), by_id, network, options.micro_batches)
+    return squeezed if squeezed.to_loss_s < plain.to_loss_s else plain
 
 
 def _better(a: Plan, b: Plan | None) -> bool:
-    return b is None or (a.valid, -a.iteration_s) > (b.valid, -b.iteration_s)
+    return b is None or rank(a) < rank(b)
+
+
+def rank(p: Plan) -> tuple[bool, float]:
+    """How schedulers order plans: valid ones first, then by time to the loss."""
+    return (not p.valid, p.to_loss_s)
 
 
 def _refine(costs: DagCosts, start: Plan, by_id: dict[str, PeerProfile], network: Network, options: Options,
@@ -396,8 +410,8 @@ def opfence(costs: DagCosts, peers: list[PeerProfile], network: Network, options
     for p in peers:
         clusters.setdefault(network.cluster_of.get(p.id, p.cluster), []).append(p)
     ordered = order_clusters(network, clusters)
-    best: Plan | None = None
-    for pool_order, pool in _pools(ordered, clusters, options):
+    found: list[Plan] = []
+    for pool_order, pool in _pools(ordered, clusters, network, options):
         pool_peers = [p for c in pool_order for p in pool[c]]
         if options.stages is not None and len(pool_peers) < options.stages and len(pool_peers) < len(peers):
             continue  # a standby pool too small for the stages asked for
@@ -406,38 +420,78 @@ def opfence(costs: DagCosts, peers: list[PeerProfile], network: Network, options
                 cut = cut_for(costs, groups, network, options)
                 if cut is None:
                     continue
-                candidate = evaluate(costs, cut, [[p.id for p in g] for g in groups], by_id, network, options)
-                if _better(candidate, best):
-                    best = candidate
-    if best is None:
+                found.append(evaluate(costs, cut, [[p.id for p in g] for g in groups], by_id, network, options))
+    if not found:
         raise ScheduleError("no stage count gives a valid plan for these peers and this model")
     reach = costs.num_ops if costs.num_ops <= 64 else 3
     if len(peers) <= TINY_SWARM and options.stages is None:
-        finalists = sorted([best, *_tiny_candidates(costs, peers, by_id, network, options)],
-                           key=lambda p: (not p.valid, p.iteration_s))[:6]  # fmt: skip
-    else:
-        finalists = [best]
-    refined = [_refine(costs, f, by_id, network, options, reach=reach) for f in finalists]
-    return min(refined, key=lambda p: (not p.valid, p.iteration_s))
+        found += _tiny_candidates(costs, peers, by_id, network, options)
+    refined = [_refine(costs, f, by_id, network, options, reach=reach) for f in _finalists(found)]
+    return min(refined, key=rank)
 
 
-def _pools(ordered: list[str], clusters: dict[str, list[PeerProfile]], options: Options):  # type: ignore[no-untyped-def]
-    """The peer pools OP-Fence plans with: every peer, and (with ``standby``) the
-    first 1, 2, 4, ... clusters in pipeline order and the fastest 1, 2, 4, ... peers
-    of the first cluster; the rest wait on standby (fast links beat more GPUs
-    behind slow ones)."""
-    yield ordered, clusters
+#: the best plans of the search that the refinement polishes (the bottleneck cut
+#: ignores fill, drain and round trips, so the best before it is not always the best after)
+FINALISTS = 6
+
+
+def _finalists(found: list[Plan]) -> list[Plan]:
+    out: list[Plan] = []
+    for p in sorted(found, key=rank):
+        if all(p.groups != q.groups or p.cut != q.cut for q in out):
+            out.append(p)
+        if len(out) == FINALISTS:
+            break
+    return out
+
+
+def _pools(ordered: list[str], clusters: dict[str, list[PeerProfile]], network: Network, options: Options):  # type: ignore[no-untyped-def]
+    """The peer pools OP-Fence plans with: every peer, and (with ``standby``) the first
+    1, 2, 4, ... clusters in pipeline order, the 1, 2, 3, ... clusters with the most
+    FLOP/s, the fastest 1, 2, 4, ... peers of the first and of the strongest cluster,
+    and the fastest 1, 2, 4, ... peers of the swarm; the rest wait on standby (fast
+    links beat more GPUs behind slow ones). Each pool once, its clusters in pipeline order."""
+    seen: set[frozenset[str]] = set()
+    for pool in _pool_candidates(ordered, clusters, options):
+        key = frozenset(p.id for peers in pool.values() for p in peers)
+        if key and key not in seen:
+            seen.add(key)
+            yield (ordered if len(pool) == len(clusters) else order_clusters(network, pool)), pool
+
+
+def _pool_candidates(ordered: list[str], clusters: dict[str, list[PeerProfile]], options: Options):  # type: ignore[no-untyped-def]
+    yield clusters
     if not options.standby:
         return
-    j = 1
-    while j < len(ordered):
-        yield ordered[:j], {c: clusters[c] for c in ordered[:j]}
+    strongest = sorted(clusters, key=lambda c: (-sum(p.flops for p in clusters[c]), c))
+    for j in _doubling(len(ordered)):
+        yield {c: clusters[c] for c in ordered[:j]}
+    for j in range(1, min(len(strongest), SMALL_SWARM) + 1):
+        yield {c: clusters[c] for c in strongest[:j]}
+    for c in {ordered[0], strongest[0]}:
+        first = _fastest(clusters[c])
+        for m in _doubling(len(first)):
+            yield {c: first[:m]}
+    everyone = _fastest([p for peers in clusters.values() for p in peers])
+    home = {p.id: c for c, peers in clusters.items() for p in peers}
+    for m in _doubling(len(everyone)):
+        pool: dict[str, list[PeerProfile]] = {}
+        for p in everyone[:m]:
+            pool.setdefault(home[p.id], []).append(p)
+        yield pool
+
+
+def _fastest(peers: list[PeerProfile]) -> list[PeerProfile]:
+    return sorted(peers, key=lambda p: (-p.flops, p.id))
+
+
+def _doubling(n: int) -> list[int]:
+    """1, 2, 4, ... below ``n``."""
+    out, j = [], 1
+    while j < n:
+        out.append(j)
         j *= 2
-    first = sorted(clusters[ordered[0]], key=lambda p: (-p.flops, p.id))
-    m = 1
-    while m < len(first):
-        yield ordered[:1], {ordered[0]: first[:m]}
-        m *= 2
+    return out
 
 
 def _set_partitions(items: list[PeerProfile]):  # type: ignore[no-untyped-def]

@@ -492,8 +492,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--topology", required=True, help="topology JSON file or preset (testbed1..3, internet-1k/10k)")
         p.add_argument("--stages", type=_positive, default=None, help="force the number of stages")
         p.add_argument("--max-stages", type=_positive, default=32)
-        p.add_argument("--compression", choices=["adatopk", "none"], default="adatopk")
-        p.add_argument("--min-fraction", type=_fraction, default=0.1, help="AdaTopK keeps at least this fraction")
+        p.add_argument("--compression", choices=["auto", "none"], default="auto",
+                       help="auto: slow links get the codec the live swarm's auto mode would give them (fp16, "
+                       "int8, low rank with int4 gradients), or none where that reaches the loss sooner (each "
+                       "codec's measured steps factor); none: no codec (default: auto)")  # fmt: skip
         p.add_argument("--json", action="store_true", help="print one JSON object")
         if name == "plan":
             p.add_argument("--scheduler", choices=SCHEDULERS, default="opfence")

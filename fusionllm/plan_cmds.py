@@ -98,7 +98,6 @@ def _options(args: argparse.Namespace, batch: Batch | None = None) -> Any:
         micro_batches=(batch or batch_of(args)).micro_batches,
         max_stages=args.max_stages,
         compression=args.compression != "none",
-        min_fraction=args.min_fraction,
         seed=args.seed,
         stages=args.stages,
     )
@@ -140,7 +139,8 @@ def _workload_text(batch: Batch, costs: Any) -> str:
 def _plan_text(p: Any, costs: Any) -> str:
     lines = [
         f"{p.scheduler}: {len(p.groups)} stages, predicted iteration {p.iteration_s:.4g} s "
-        f"(lower bound {p.lower_bound_s:.4g} s){'' if p.fits_memory else ', DOES NOT FIT MEMORY'}"
+        f"(lower bound {p.lower_bound_s:.4g} s), steps factor {p.steps_factor:.3g}, {p.to_loss_s:.4g} s per "
+        f"uncompressed iteration's progress{'' if p.fits_memory else ', DOES NOT FIT MEMORY'}"
     ]
     for s, ((lo, hi), g, t) in enumerate(zip(p.ranges(costs.num_ops), p.groups, p.stage_s)):
         names = ", ".join(g[:6]) + (f" and {len(g) - 6} more" if len(g) > 6 else "")

@@ -19,7 +19,7 @@ from coordinator.estimator import (
     predict,
     tied_sync_s,
     uses_1f1b,
-    wire_bytes,
+    wire_pair,
 )
 from coordinator.replan import JOIN_REPLAN_EVERY, POLICIES, checkpoint_due, rebalance, recover, wants_replan
 from coordinator.scheduler import Options, ScheduleError, plan
@@ -71,14 +71,14 @@ def iteration_seconds(costs: DagCosts, p: Plan, peers: dict[str, PeerProfile], n
     ready_f: list[dict[int, float]] = [dict.fromkeys(range(m), 0.0)] + [{} for _ in range(k - 1)]
     ready_b: list[dict[int, float]] = [{} for _ in range(k)]
     channel: dict[tuple[str, str, str], float] = {}
-    wires = [wire_bytes(costs, pos, c) for pos, c in zip(p.cut, p.codecs)]
+    wires = [wire_pair(costs, pos, c) for pos, c in zip(p.cut, p.codecs)]
 
     def send(direction: str, s: int, t: int, mb: int, end: float) -> float:
         """Stage ``s`` sends micro-batch ``mb`` to stage ``t`` once done at ``end``: when it arrives."""
         x, y = p.groups[s][mb % len(p.groups[s])], p.groups[t][mb % len(p.groups[t])]
         link = network.link(x, y)
         start = max(end, channel.get((direction, x, y), 0.0))
-        busy = wires[min(s, t)] * 8 / max(link.mbps * 1e6, 1.0)
+        busy = wires[min(s, t)][direction == "B"] * 8 / max(link.mbps * 1e6, 1.0)
         channel[(direction, x, y)] = start + busy
         return start + busy + link.latency_s
 

@@ -34,7 +34,7 @@ BENCHMARKS = [
                    "sign_verify_fraction_of_transfer", "sign_verify_fraction_of_unsigned_transfer"}),
     ("convergence.py", {"steps", "seeds", "uncompressed_val_loss", "auto_val_loss", "loss_ratio", "loss_ratio_max",
                         "slow_link_bytes_ratio", "slow_link_codec", "adatopk_val_loss", "adatopk_loss_ratio",
-                        "adatopk_bytes_ratio", "adatopk_codec", "slow_link_mbps", "per_seed"}),
+                        "adatopk_bytes_ratio", "adatopk_codec", "slow_link_mbps", "steps_factor", "per_seed"}),
     ("opdag.py", {"trace_s_default", "trace_s_24layer", "stages4_vs_reference_steps_ratio"}),
     ("pipeline.py", {"swarm_tokens_per_s", "reference_tokens_per_s", "swarm_vs_reference", "rad_64mib_mb_per_s",
                      "tcp_64mib_mb_per_s", "rad_vs_tcp", "step_ms_fp32", "step_ms_clip", "step_ms_bf16",
@@ -102,6 +102,9 @@ def _convergence(out: dict[str, Any]) -> None:
     assert out["slow_link_codec"] != "none" and out["adatopk_codec"].startswith("adatopk"), out
     assert out["slow_link_bytes_ratio"] > 1.5 and out["adatopk_bytes_ratio"] > 1.5, out
     assert out["slow_link_mbps"] > 0, out
+    # every codec of auto's ladder (and AdaTopK) priced, within the benchmark's cap
+    assert set(out["steps_factor"]) == {"fp16", "int8", "lowrank/int4sr", "adatopk"}, out
+    assert all(0.1 <= f <= 10 for f in out["steps_factor"].values()), out
     for row in out["per_seed"]:
         assert 0 < row["auto_slow_link_mb"] < row["uncompressed_slow_link_mb"], row
         assert len(row["auto_cut"]) == 2 and row["auto_cut"] == sorted(row["auto_cut"]), row
