@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator import baselines
+from coordinator import dtfm
 from coordinator.codec_price import plan_steps_factor
 from coordinator.estimator import STATE_PER_PARAM_BYTE, DagCosts, PeerTable
 from coordinator.scheduler import SCHEDULERS, Options, opfence, plan
@@ -62,7 +62,7 @@ class Sizes:
     sim_iterations: int
 
 
-FULL = Sizes(MIXED, {}, baselines.DTFM_EVALUATIONS, "internet-10k", 100)
+FULL = Sizes(MIXED, {}, dtfm.DTFM_EVALUATIONS, "internet-10k", 100)
 SHORT = Sizes(("testbed1", "lab-crowd"), {"n_layer": 2}, 200, "internet-1k", 10)
 
 
@@ -86,7 +86,7 @@ def needs_gpus(costs: DagCosts, topo: Topology) -> int:
 def run_one(name: str, costs: DagCosts, topo: Topology, options: Options, evaluations: int) -> dict[str, float]:
     start = time.perf_counter()
     if name == "dtfm":
-        p = baselines.dtfm(costs, topo.peers, topo.network, options, evaluations=evaluations)
+        p = dtfm.dtfm(costs, topo.peers, topo.network, options, evaluations=evaluations)
     else:
         p = plan(name, costs, topo.peers, topo.network, options)
     planning = time.perf_counter() - start

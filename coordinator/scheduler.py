@@ -48,7 +48,9 @@ from coordinator.estimator import (
 from coordinator.links import MIN_RANK
 from protocol.codecs import Codec
 
-SCHEDULERS = ("opfence", "even", "compute", "random")
+SCHEDULERS = ("opfence", "bw-blind", "petals", "dtfm", "even", "compute", "random")
+#: the baselines as well equipped as OP-Fence (codecs, replicas, standby peers)
+STRONG = ("bw-blind", "petals", "dtfm")
 #: the strongest compression the swarm's ``auto`` uses (what a cut may count on)
 FLOOR = Codec("lowrank", rank=MIN_RANK, grad=Codec("int4", stochastic=True))
 #: up to this many peers, OP-Fence tries every split of its peer order into stages
@@ -79,7 +81,11 @@ def plan(
         raise ScheduleError("no peers to plan for")
     if scheduler == "opfence":
         return opfence(costs, peers, network, options)
-    from coordinator import baselines
+    from coordinator import baselines, dtfm
+
+    strong = {"bw-blind": baselines.bw_blind, "petals": baselines.petals, "dtfm": dtfm.dtfm}
+    if scheduler in strong:
+        return strong[scheduler](costs, peers, network, options)
 
     k = options.stages or _baseline_stages(costs, peers, options)
     if scheduler == "even":
@@ -306,7 +312,7 @@ def _proportional_cut(costs: DagCosts, weights: list[float]) -> tuple[int, ...]:
         goal = bisect.bisect_right(costs._pf, share * total) - 1
         lo = out[-1] + 1 if out else 1
         hi = allowed[len(allowed) - (k - 1 - s)] if len(allowed) >= k - 1 - s else costs.num_ops - 1
-        pos = nearest_allowed(allowed, max(goal, lo), lo, hi)
+        pos = nearest_allowed(allowed, min(max(goal, lo), hi), lo, hi)
         if pos is None:
             raise ScheduleError(f"no room for {k} stages between tied weights")
         out.append(pos)
