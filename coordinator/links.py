@@ -42,10 +42,13 @@ def boundary_specs(
     return specs
 
 
+_FLOAT_SIZES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+
+
 def _float_tensors(spec: list[Any]) -> Iterator[tuple[str, list[int], int]]:
     """(dtype, shape, element count) of every floating tensor in a value spec."""
     for d in spec:
-        if d.get("t") == "tensor" and d["dtype"] in ("float32", "float64", "float16", "bfloat16"):
+        if d.get("t") == "tensor" and d["dtype"] in _FLOAT_SIZES:
             yield d["dtype"], d["shape"], math.prod(d["shape"])
         elif d.get("t") in ("tuple", "list"):
             yield from _float_tensors(d["items"])
@@ -53,7 +56,7 @@ def _float_tensors(spec: list[Any]) -> Iterator[tuple[str, list[int], int]]:
 
 def float_bytes(spec: list[Any]) -> int:
     """Bytes of the floating tensors in a stage's input spec (what a codec can shrink)."""
-    return sum(numel * {"float64": 8, "float32": 4}.get(dtype, 2) for dtype, _, numel in _float_tensors(spec))
+    return sum(numel * _FLOAT_SIZES[dtype] for dtype, _, numel in _float_tensors(spec))
 
 
 def choose_codecs(
@@ -121,12 +124,22 @@ def auto_codec(nbytes: float, mbps: float, bound_s: float, spec: list[Any], rank
     if nbytes <= 0 or seconds <= bound_s:
         return Codec()
     need = seconds / max(bound_s, 1e-9)
+    narrow = _itemsize(spec) / 4  # the steps shrink fp32 by their factor; half-precision values by less
     for factor, name in _AUTO_STEPS:
-        if need <= factor:
+        if 1 < factor * narrow and need <= factor * narrow:  # fp16 does nothing to bf16 values: skip it
             return Codec(name)
     budget = bound_s * mbps * 1e6 / 8  # bytes the edge moves in time, each way
     r = rank if rank is not None else lowrank_rank(spec, budget)
     return Codec("lowrank", rank=r, grad=Codec("int4", stochastic=True))
+
+
+def _itemsize(spec: list[Any]) -> int:
+    """Bytes per element of most of a spec's floating values (4 when it has none)."""
+    by_size: dict[int, int] = {}
+    for dtype, _, numel in _float_tensors(spec):
+        size = _FLOAT_SIZES[dtype]
+        by_size[size] = by_size.get(size, 0) + numel * size
+    return max(by_size, key=lambda k: by_size[k], default=4)
 
 
 def lowrank_rank(spec: list[Any], budget: float) -> int:

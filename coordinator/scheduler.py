@@ -361,13 +361,19 @@ def _groupings(ordered: list[str], clusters: dict[str, list[PeerProfile]], k: in
 def evaluate(costs: DagCosts, cut: tuple[int, ...], ids: list[list[str]], by_id: dict[str, PeerProfile],
              network: Network, options: Options, name: str = "opfence") -> Plan:  # fmt: skip
     """The plan of stage groups ``ids`` cut at ``cut``, with the codecs the swarm would
-    put on its links, and its predicted times: every scheduler finishes its plans here."""
-    plain = predict(costs, Plan(cut, ids, [Codec()] * len(cut), name), by_id, network, options.micro_batches)
-    codecs = choose_codecs(costs, plain, network, options)
+    put on its links (each kept only where it reaches the loss sooner than none), and
+    its predicted times: every scheduler finishes its plans here."""
+    m = options.micro_batches
+    best = predict(costs, Plan(cut, ids, [Codec()] * len(cut), name), by_id, network, m)
+    codecs = choose_codecs(costs, best, network, options)
     if all(c.name == "none" for c in codecs):
-        return plain
-    squeezed = predict(costs, Plan(cut, ids, codecs, name), by_id, network, options.micro_batches)
-    return squeezed if squeezed.to_loss_s < plain.to_loss_s else plain
+        return best
+    squeezed = predict(costs, Plan(cut, ids, codecs, name), by_id, network, m)
+    for b in [b for b, c in enumerate(codecs) if c.name != "none"]:
+        trial = predict(costs, Plan(cut, ids, [*squeezed.codecs[:b], Codec(), *squeezed.codecs[b + 1 :]], name),
+                        by_id, network, m)  # fmt: skip
+        squeezed = trial if trial.to_loss_s < squeezed.to_loss_s else squeezed
+    return squeezed if squeezed.to_loss_s < best.to_loss_s else best
 
 
 def _better(a: Plan, b: Plan | None) -> bool:
