@@ -39,6 +39,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from coordinator.codec_price import plan_steps_factor, price
 from protocol.codecs import Codec
 
@@ -77,7 +79,7 @@ class DagCosts:
     _pk: list[int] = field(default_factory=list, repr=False)
     _pp: list[int] = field(default_factory=list, repr=False)
     _pa: list[int] = field(default_factory=list, repr=False)
-    _wire: dict[str, list[float]] = field(default_factory=dict, repr=False)  # codec -> wire bytes per position
+    _wire: dict[str, Any] = field(default_factory=dict, repr=False)  # codec -> wire bytes per position; arrays
 
     def __post_init__(self) -> None:
         n = len(self.flops)
@@ -106,8 +108,22 @@ class DagCosts:
         return self._pf[hi] - self._pf[lo]
 
     def stage_params(self, lo: int, hi: int) -> int:
+        if not self.tied:
+            return self._pp[hi] - self._pp[lo]
         copies = sum(nbytes for first, last, nbytes in self.tied if lo <= last < hi and not lo <= first < hi)
         return self._pp[hi] - self._pp[lo] + copies
+
+    def arrays_from(self, lo: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """FLOPs, kernels, parameter bytes and activation bytes of ops ``lo .. hi - 1``
+        for every ``hi`` (index ``hi``), as arrays (tied copies included)."""
+        if "arrays" not in self._wire:
+            self._wire["arrays"] = [np.array(x, dtype=np.float64) for x in (self._pf, self._pk, self._pp, self._pa)]
+        pf, pk, pp, pa = self._wire["arrays"]  # type: ignore[misc]
+        params = pp - pp[lo]
+        for first, last, nbytes in self.tied:
+            if first < lo:  # its copy joins a stage from lo once the stage reaches past last
+                params[last + 1 :] += nbytes
+        return pf - pf[lo], pk - pk[lo], params, pa - pa[lo]
 
     def stage_acts(self, lo: int, hi: int) -> int:
         return self._pa[hi] - self._pa[lo]
@@ -451,10 +467,13 @@ def lower_bound(costs: DagCosts, peers: dict[str, PeerProfile], micro_batches: i
 def wire_pair(costs: DagCosts, position: int, codec: Codec) -> tuple[float, float]:
     """Bytes on the wire per micro-batch forward and backward for a cut before
     ``position`` (``coordinator.codec_price``: raw values go forward only)."""
-    floating = costs.float_cross[position]
-    got = price(codec, floating, costs.cross_bytes[position] - floating, costs.cross_cols[position],
-                costs.float_itemsize)  # fmt: skip
-    return got.forward_bytes, got.backward_bytes
+    key = ("pair", position, str(codec))
+    if key not in costs._wire:
+        floating = costs.float_cross[position]
+        got = price(codec, floating, costs.cross_bytes[position] - floating, costs.cross_cols[position],
+                    costs.float_itemsize)  # fmt: skip
+        costs._wire[key] = (got.forward_bytes, got.backward_bytes)
+    return costs._wire[key]
 
 
 def wire_bytes(costs: DagCosts, position: int, codec: Codec) -> float:
@@ -523,6 +542,18 @@ class GroupModel:
     def fits(self, costs: DagCosts, lo: int, hi: int) -> bool:
         return all(stage_memory(costs, lo, hi, r.in_flight) <= r.memory for r in self.replicas)
 
+    def reach(self, costs: DagCosts, lo: int) -> tuple[np.ndarray, np.ndarray]:
+        """``period(costs, lo, hi)`` and ``fits(costs, lo, hi)`` for every ``hi`` at
+        once (entries below ``lo`` mean nothing): what a cut search asks most."""
+        flops, kernels, params, acts = costs.arrays_from(lo)
+        one = np.ones_like(flops)
+        rows = np.array([[3 * r.runs / max(r.flops, 1.0), 3 * r.runs * r.overhead_s,
+                          r.runs * r.send_s_per_byte, r.runs * r.send_latency_s] for r in self.replicas])  # fmt: skip
+        periods = (rows @ np.stack([flops, kernels, params, one])).max(axis=0) / self.rounds
+        limits = np.array([[r.in_flight, r.memory] for r in self.replicas], dtype=np.float64)
+        need = STATE_PER_PARAM_BYTE * params[None, :] + limits[:, :1] * acts[None, :]
+        return periods, (need <= limits[:, 1:]).all(axis=0)
+
 
 @dataclass
 class BoundaryModel:
@@ -546,7 +577,18 @@ def rounds_of(groups: list[list[str]], micro_batches: int) -> int:
 
 
 def group_models(groups: list[list[PeerProfile]], network: Network, micro_batches: int) -> list[GroupModel]:
-    """The time and memory model of every stage group of a plan (in pipeline order)."""
+    """The time and memory model of every stage group of a plan (in pipeline order);
+    remembered by the network (with the peers' figures) while its links stay as they are."""
+    key = ("groups", micro_batches, tuple((p.id, p.flops, p.memory_bytes, p.op_overhead_s) for g in groups for p in g),
+           tuple(len(g) for g in groups))  # fmt: skip
+    got = network._memo.get(key)
+    if got is None:
+        got = _group_models(groups, network, micro_batches)
+        network._remember(key, got)
+    return got
+
+
+def _group_models(groups: list[list[PeerProfile]], network: Network, micro_batches: int) -> list[GroupModel]:
     k, lanes = len(groups), uses_1f1b([[p.id for p in g] for g in groups])
     rounds = rounds_of([[p.id for p in g] for g in groups], micro_batches)
     out = []
@@ -636,14 +678,14 @@ def _round_trips(one: list[float], there_and_back: list[float], rounds: int) -> 
     trip divided by that count. (Counting the fill's round trip again overstates a
     latency-bound pipeline by up to about 10%; the simulator has the exact figure.)"""
     k = len(one)
-    window = [min(k - s, rounds) for s in range(k)]
-    out = []
-    for s in range(k):
-        trip = one[s]
-        for t in range(s + 1, k):
-            trip += one[t] + there_and_back[t - 1]
-            out.append(trip / max(1, window[s] - window[t] + 1))
-    return out
+    if k < 2:
+        return []
+    stages = np.concatenate([[0.0], np.cumsum(one)])
+    links = np.concatenate([[0.0], np.cumsum(there_and_back)])
+    window = np.minimum(k - np.arange(k), rounds)
+    s, t = np.triu_indices(k, 1)
+    trips = stages[t + 1] - stages[s] + links[t] - links[s]
+    return [float((trips / np.maximum(1, window[s] - window[t] + 1)).max())]
 
 
 def boundary_positions(costs: DagCosts) -> list[int]:

@@ -30,6 +30,8 @@ import itertools
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from coordinator.codec_price import edge_price
 from coordinator.estimator import (
     BoundaryModel,
@@ -225,16 +227,20 @@ def bottleneck_cut(
     if latest is None:
         return None
 
+    rows: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    def row(s: int, lo: int) -> tuple[np.ndarray, np.ndarray]:
+        if (s, lo) not in rows:
+            rows[(s, lo)] = stages[s].reach(costs, lo)
+        return rows[(s, lo)]
+
     def furthest(s: int, lo: int, bound: float, limit: int) -> int:
-        """The largest hi in [lo, limit] that stage s can take within the bound."""
-        a, b = lo, limit
-        while a < b:
-            mid = (a + b + 1) // 2
-            if stages[s].period(costs, lo, mid) <= bound and stages[s].fits(costs, lo, mid):
-                a = mid
-            else:
-                b = mid - 1
-        return a
+        """The largest hi in [lo, limit] that stage s can take within the bound (both
+        its time and its memory grow with hi)."""
+        periods, fits = row(s, lo)
+        ok = (periods[lo : limit + 1] <= bound) & fits[lo : limit + 1]
+        taken = len(ok) if ok.all() else int(np.argmin(ok))
+        return lo + max(taken - 1, 0)
 
     def attempt(bound: float) -> tuple[int, ...] | None:
         out: list[int] = []
@@ -256,8 +262,8 @@ def bottleneck_cut(
                 return None
             out.append(chosen)
             lo = chosen
-        last = stages[-1]
-        if last.period(costs, lo, n) > bound or not last.fits(costs, lo, n) or costs.stage_flops(lo, n) < least:
+        periods, fits = row(k - 1, lo)
+        if periods[n] > bound or not fits[n] or costs.stage_flops(lo, n) < least:
             return None
         return tuple(out)
 

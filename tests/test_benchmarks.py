@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from coordinator.scheduler import SCHEDULERS
+
 ROOT = Path(__file__).resolve().parent.parent
 
 #: (script in benchmarks/, the top-level keys of its JSON object besides "short")
@@ -40,7 +42,9 @@ BENCHMARKS = [
                      "tcp_64mib_mb_per_s", "rad_vs_tcp", "step_ms_fp32", "step_ms_clip", "step_ms_bf16",
                      "clip_vs_fp32", "bf16_vs_fp32", "in_process_bf16_vs_fp32", "code_swarm_vs_reference",
                      "programs_vs_code", "step_ms_code"}),
-    ("scheduler.py", {"testbeds", "plan_s_1000peers_1000ops", "sim_s_10000peers_100iters"}),
+    ("scheduler.py", {"cases", "plan_s_1000peers_1000ops", "sim_s_10000peers_100iters", "cases_needing_4_gpus",
+                      "min_opfence_vs_best_blind", "max_opfence_vs_dtfm", "max_opfence_plan_vs_dtfm",
+                      "sim_vs_estimate_range"}),
     ("elastic.py", {"steps", "detect_s", "resume_s", "steps_redone", "equal_to_reference", "processes_left",
                     "checkpoints_per_run", "tokens_per_s_with_checkpoints", "tokens_per_s_without",
                     "checkpoint_overhead"}),
@@ -131,15 +135,19 @@ def _pipeline(out: dict[str, Any]) -> None:
 
 def _scheduler(out: dict[str, Any]) -> None:
     _positive(out, "plan_s_1000peers_1000ops", "sim_s_10000peers_100iters")
-    assert set(out["testbeds"]) == {"testbed1", "testbed2", "testbed3"}, out
-    for name, row in out["testbeds"].items():
-        times = {k: v for k, v in row.items() if k.endswith("_s")}
-        assert set(times) == {"opfence_s", "even_s", "compute_s", "random_s"}, row
-        _positive(times, *times)
-        best_baseline = min(v for k, v in times.items() if k != "opfence_s")
-        assert row["speedup_vs_best_baseline"] == pytest.approx(best_baseline / times["opfence_s"], rel=0.01)
-        # the mixed-bandwidth testbeds are where OP-Fence must win
-        assert row["speedup_vs_best_baseline"] >= 1, (name, row)
+    assert {c.split("/")[1] for c in out["cases"]} == {"gpt2", "gpt2-xl", "llama-7b"}, out["cases"].keys()
+    for name, row in out["cases"].items():
+        for s in SCHEDULERS:
+            assert {f"{s}_iter_s", f"{s}_to_loss_s", f"{s}_plan_s"} <= set(row), (name, s)
+        finite = {s: row[f"{s}_to_loss_s"] for s in SCHEDULERS if row[f"{s}_to_loss_s"] != "inf"}
+        assert "opfence" in finite and "dtfm" in finite, (name, row)
+        best_blind = min(v for s, v in finite.items() if s not in ("opfence", "dtfm"))
+        assert row["opfence_vs_best_blind"] == pytest.approx(best_blind / finite["opfence"], rel=0.01), (name, row)
+        assert row["opfence_vs_dtfm"] == pytest.approx(finite["opfence"] / finite["dtfm"], rel=0.01), (name, row)
+        # the simulator runs OP-Fence's plan within 15% of what the estimator predicted
+        assert 0.85 <= row["sim_vs_estimate"] <= 1.15, (name, row)
+    low, high = out["sim_vs_estimate_range"]
+    assert 0.85 <= low <= high <= 1.15, out
 
 
 #: checks of one benchmark's figures, by script
