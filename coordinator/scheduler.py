@@ -44,6 +44,7 @@ from coordinator.estimator import (
     boundary_models,
     boundary_positions,
     group_models,
+    lower_bound,
     nearest_allowed,
     predict,
 )
@@ -227,20 +228,22 @@ def bottleneck_cut(
     if latest is None:
         return None
 
-    rows: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+    rows: dict[tuple[int, int], tuple[np.ndarray, int]] = {}
 
-    def row(s: int, lo: int) -> tuple[np.ndarray, np.ndarray]:
+    def row(s: int, lo: int) -> tuple[np.ndarray, int]:
+        """Stage s's period for every end, and the furthest end whose memory fits."""
         if (s, lo) not in rows:
-            rows[(s, lo)] = stages[s].reach(costs, lo)
+            periods, fits = stages[s].reach(costs, lo)
+            rest = fits[lo:]
+            rows[(s, lo)] = (periods, lo + (len(rest) if rest.all() else int(np.argmin(rest))) - 1)
         return rows[(s, lo)]
 
     def furthest(s: int, lo: int, bound: float, limit: int) -> int:
         """The largest hi in [lo, limit] that stage s can take within the bound (both
         its time and its memory grow with hi)."""
-        periods, fits = row(s, lo)
-        ok = (periods[lo : limit + 1] <= bound) & fits[lo : limit + 1]
-        taken = len(ok) if ok.all() else int(np.argmin(ok))
-        return lo + max(taken - 1, 0)
+        periods, fit_end = row(s, lo)
+        within = lo + int(np.searchsorted(periods[lo : limit + 1], bound, side="right")) - 1
+        return max(lo, min(within, fit_end))
 
     def attempt(bound: float) -> tuple[int, ...] | None:
         out: list[int] = []
@@ -262,8 +265,8 @@ def bottleneck_cut(
                 return None
             out.append(chosen)
             lo = chosen
-        periods, fits = row(k - 1, lo)
-        if periods[n] > bound or not fits[n] or costs.stage_flops(lo, n) < least:
+        periods, fit_end = row(k - 1, lo)
+        if periods[n] > bound or fit_end < n or costs.stage_flops(lo, n) < least:
             return None
         return tuple(out)
 
@@ -272,7 +275,7 @@ def bottleneck_cut(
     if best is None:
         return None
     low = 0.0
-    for _ in range(40):
+    for _ in range(BISECTIONS):
         mid = (low + high) / 2
         got = attempt(mid)
         if got is None:
@@ -297,6 +300,8 @@ def _latest_boundaries(costs: DagCosts, allowed: list[int], k: int, least: float
     return out[::-1]
 
 
+#: halvings of the bottleneck bound (to a millionth of the first)
+BISECTIONS = 20
 #: the refinement treats positions whose prefix FLOPs differ by at most this fraction
 #: of the model's count as the same split of the compute, and takes the one where
 #: the fewest bytes cross (in a transformer: right after a residual add, where only
@@ -433,6 +438,8 @@ def opfence(costs: DagCosts, peers: list[PeerProfile], network: Network, options
         pool_peers = [p for c in pool_order for p in pool[c]]
         if options.stages is not None and len(pool_peers) < options.stages and len(pool_peers) < len(peers):
             continue  # a standby pool too small for the stages asked for
+        if found and lower_bound(costs, PeerTable(pool_peers), options.micro_batches) >= min(map(rank, found))[1]:
+            continue  # even perfect balance on these peers is slower than a plan in hand
         for k in _candidate_stages(costs, pool_peers, options):
             for groups in _groupings(pool_order, pool, k):
                 cut = cut_for(costs, groups, network, options)
@@ -444,21 +451,24 @@ def opfence(costs: DagCosts, peers: list[PeerProfile], network: Network, options
     reach = costs.num_ops if costs.num_ops <= 64 else 3
     if len(peers) <= TINY_SWARM and options.stages is None:
         found += _tiny_candidates(costs, peers, by_id, network, options)
-    refined = [_refine(costs, f, by_id, network, options, reach=reach) for f in _finalists(found)]
+    refined = [_refine(costs, f, by_id, network, options, reach=reach) for f in _finalists(found, len(peers))]
     return min(refined, key=rank)
 
 
 #: the best plans of the search that the refinement polishes (the bottleneck cut
 #: ignores fill, drain and round trips, so the best before it is not always the best after)
 FINALISTS = 6
+#: in swarms above this many peers, only the best two (planning time)
+MANY_PEERS = 64
 
 
-def _finalists(found: list[Plan]) -> list[Plan]:
+def _finalists(found: list[Plan], num_peers: int) -> list[Plan]:
+    want = FINALISTS if num_peers <= MANY_PEERS else 2
     out: list[Plan] = []
     for p in sorted(found, key=rank):
         if all(p.groups != q.groups or p.cut != q.cut for q in out):
             out.append(p)
-        if len(out) == FINALISTS:
+        if len(out) == want:
             break
     return out
 
