@@ -370,17 +370,18 @@ def _groupings(ordered: list[str], clusters: dict[str, list[PeerProfile]], k: in
 
 
 def evaluate(costs: DagCosts, cut: tuple[int, ...], ids: list[list[str]], by_id: dict[str, PeerProfile],
-             network: Network, options: Options, name: str = "opfence") -> Plan:  # fmt: skip
+             network: Network, options: Options, name: str = "opfence", revert: bool = True) -> Plan:  # fmt: skip
     """The plan of stage groups ``ids`` cut at ``cut``, with the codecs the swarm would
-    put on its links (each kept only where it reaches the loss sooner than none), and
-    its predicted times: every scheduler finishes its plans here."""
+    put on its links (each kept only where it reaches the loss sooner than none: with
+    ``revert``, else all or none), and its predicted times: every scheduler finishes
+    its plans here."""
     m = options.micro_batches
     best = predict(costs, Plan(cut, ids, [Codec()] * len(cut), name), by_id, network, m)
     codecs = choose_codecs(costs, best, network, options)
     if all(c.name == "none" for c in codecs):
         return best
     squeezed = predict(costs, Plan(cut, ids, codecs, name), by_id, network, m)
-    for b in [b for b, c in enumerate(codecs) if c.name != "none"]:
+    for b in [b for b, c in enumerate(codecs) if c.name != "none" and revert]:
         trial = predict(costs, Plan(cut, ids, [*squeezed.codecs[:b], Codec(), *squeezed.codecs[b + 1 :]], name),
                         by_id, network, m)  # fmt: skip
         squeezed = trial if trial.to_loss_s < squeezed.to_loss_s else squeezed
@@ -398,14 +399,15 @@ def rank(p: Plan) -> tuple[bool, float]:
 
 def _refine(costs: DagCosts, start: Plan, by_id: dict[str, PeerProfile], network: Network, options: Options,
             rounds: int = 3, reach: int = 3) -> Plan:  # fmt: skip
-    """Hill-climb the boundaries on the predicted iteration time (the bottleneck
+    """Hill-climb the boundaries on the predicted time to the loss (the bottleneck
     search ignores pipeline fill and drain): a few positions each way, and every
     position that splits the compute the same way (within ``TIE_FLOPS``), so a
-    boundary can move to where fewer bytes cross."""
+    boundary can move to where fewer bytes cross. Codecs are weighed all or none per
+    move, edge by edge once at the end."""
     ordered = boundary_positions(costs)
     allowed = set(ordered)
     slack = TIE_FLOPS * costs.total_flops
-    best = start
+    best = evaluate(costs, start.cut, start.groups, by_id, network, options, revert=False)  # compared alike
     for _ in range(rounds):
         improved = False
         for b in range(len(best.cut)):
@@ -419,12 +421,13 @@ def _refine(costs: DagCosts, start: Plan, by_id: dict[str, PeerProfile], network
             for pos in sorted((steps | ties) - {here}, key=lambda q: (abs(q - here), q)):
                 if lo < pos < hi and pos in allowed:
                     cut = best.cut[:b] + (pos,) + best.cut[b + 1 :]
-                    cand = evaluate(costs, cut, best.groups, by_id, network, options)
+                    cand = evaluate(costs, cut, best.groups, by_id, network, options, revert=False)
                     if _better(cand, best):
                         best, improved = cand, True
         if not improved:
             break
-    return best
+    final = evaluate(costs, best.cut, best.groups, by_id, network, options)
+    return final if rank(final) <= rank(start) else start
 
 
 def opfence(costs: DagCosts, peers: list[PeerProfile], network: Network, options: Options = Options()) -> Plan:
