@@ -85,7 +85,7 @@ def assign(
     if k is not None and k > len(adverts):
         raise ValueError(f"{k} stages need at least {k} peers, {len(adverts)} joined")
     costs = DagCosts.from_opdag(dag)
-    peers = [PeerProfile(a.peer_id, a.flops, a.memory_bytes, "swarm") for a in adverts]
+    peers = [live_profile(a) for a in adverts]
     options = Options(micro_batches=micro_batches, stages=k, standby=standby, compression=False)
     network = network_from_adverts(adverts, measured, nat)
     try:
@@ -97,6 +97,13 @@ def assign(
     if not plan.fits_memory:
         logger.warning("the best plan may not fit the peers' free memory")
     return Assignment(cut=Cut(tuple(plan.cut)), stages=plan.groups, plan=plan)
+
+
+def live_profile(advert: Advert) -> PeerProfile:
+    """A live peer as the planner sees it. Its FLOP/s are measured (a benchmark, then
+    its stage's steps), and a step's time already holds each kernel's fixed cost:
+    none is added (``PeerProfile.op_overhead_s`` is for topology files and presets)."""
+    return PeerProfile(advert.peer_id, advert.flops, advert.memory_bytes, "swarm", op_overhead_s=0.0)
 
 
 def _swapped(

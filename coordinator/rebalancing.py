@@ -12,8 +12,8 @@ import logging
 from typing import Any
 
 from coordinator import replan
-from coordinator.assign import Assignment, network_from_adverts
-from coordinator.estimator import DagCosts, PeerProfile, Plan, predict
+from coordinator.assign import Assignment, live_profile, network_from_adverts
+from coordinator.estimator import DagCosts, Plan, predict
 from coordinator.opdag import OpDag
 from coordinator.runstate import DriverParts
 from protocol.codecs import Codec
@@ -151,7 +151,7 @@ class Rebalancing(DriverParts):
         assert st.plan is not None
         if self._costs is None:
             self._costs = DagCosts.from_opdag(self.dag)
-        by_id = {a.peer_id: PeerProfile(a.peer_id, a.flops, a.memory_bytes, "swarm") for a in ads}
+        by_id = {a.peer_id: live_profile(a) for a in ads}
         bounds = tuple(st.plan.cut.boundaries)
         plan = Plan(bounds, st.plan.stages, [Codec()] * len(bounds))
         nat = {p for p, direct in self.coord.reached.items() if not direct}

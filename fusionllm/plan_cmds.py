@@ -139,8 +139,8 @@ def _workload_text(batch: Batch, costs: Any) -> str:
 def _plan_text(p: Any, costs: Any) -> str:
     lines = [
         f"{p.scheduler}: {len(p.groups)} stages, predicted iteration {p.iteration_s:.4g} s "
-        f"(lower bound {p.lower_bound_s:.4g} s); steps factor {p.steps_factor:.3g}: {p.to_loss_s:.4g} s to the loss per "
-        f"iteration uncompressed{'' if p.fits_memory else ', DOES NOT FIT MEMORY'}"
+        f"(lower bound {p.lower_bound_s:.4g} s); steps factor {p.steps_factor:.3g}: {p.to_loss_s:.4g} s to the "
+        f"loss per iteration uncompressed{'' if p.fits_memory else ', DOES NOT FIT MEMORY'}"
     ]
     for s, ((lo, hi), g, t) in enumerate(zip(p.ranges(costs.num_ops), p.groups, p.stage_s)):
         names = ", ".join(g[:6]) + (f" and {len(g) - 6} more" if len(g) > 6 else "")

@@ -19,9 +19,13 @@ pytestmark = pytest.mark.timeout(420)
 EVERY = 20
 
 
-def _equal_to_reference(tmp_path: Path, steps: int) -> bool:
+#: the demo's model (its defaults)
+DEMO: list[str] = []
+
+
+def _equal_to_reference(tmp_path: Path, steps: int, model: list[str] = SMALL) -> bool:
     ref = tmp_path / "reference.safetensors"
-    r = run_cli("train", "--reference", "--threads", "1", "--steps", str(steps), "--seed", "0", *SMALL,
+    r = run_cli("train", "--reference", "--threads", "1", "--steps", str(steps), "--seed", "0", *model,
                 "--save", str(ref))  # fmt: skip
     assert r.returncode == 0, r.stderr
     gap = compare_checkpoints(tmp_path / "swarm.safetensors", ref)
@@ -38,10 +42,13 @@ def _ops(state: dict, peer: str) -> int:
 
 
 def test_a_peer_slowed_down_gets_less_work(tmp_path: Path) -> None:
-    """(a) 4 peers; after some steps the busiest one is throttled to 0.25: within two
+    """(a) 4 peers; after some steps the busiest one is throttled to 0.05: within two
     rebalance periods the coordinator moves work off it, and the run still equals
     the reference. (Long enough that the move pays for itself also on a loaded
-    machine: the rule wants twice the move's cost back over the remaining steps.)"""
+    machine: the rule wants twice the move's cost back over the remaining steps.
+    A twentieth, not a quarter: this small model's attention ops are a large share
+    of a stage each, so a quarter-speed peer costs a 4-micro-batch pipeline under the
+    20% a move must gain, as the estimator predicts it since it counts attention.)"""
     steps = 600
     # four pipeline stages: the planner's replicas model (a share of each micro-batch by
     # FLOP/s) does not see a slow replica as the straggler it is
@@ -57,8 +64,8 @@ def test_a_peer_slowed_down_gets_less_work(tmp_path: Path) -> None:
         before = _ops(state, slow)
         # counted before the slow-down: a rebalance right after it is not missed (CI once missed one)
         at, seen = state["training"]["step"], len(swarm.coord.lines)
-        files[slow].write_text("0.25\n")
-        swarm.peers[slow].wait_line(r"throttle: 0\.25", 10)
+        files[slow].write_text("0.05\n")
+        swarm.peers[slow].wait_line(r"throttle: 0\.05", 10)
         line = swarm.coord.wait_line(r"rebalanced at step (\d+): ", 300, after=seen)
         told = [x for x in swarm.coord.lines if "rebalance" in x]
         assert int(line.group(1)) <= at + 3 * EVERY, f"re-planned within two periods (one to measure): {told}"
@@ -76,29 +83,31 @@ def test_a_peer_slowed_down_gets_less_work(tmp_path: Path) -> None:
     assert _equal_to_reference(tmp_path, steps)
 
 
-def _finish(swarm: Swarm, tmp_path: Path, steps: int) -> str:
+def _finish(swarm: Swarm, tmp_path: Path, steps: int, model: list[str] = SMALL) -> str:
     swarm.note_children()
     assert swarm.coord.wait(400) == 0, swarm.coord.output[-3000:]
     assert not swarm.reap(), "processes left behind"
     assert "Traceback" not in swarm.coord.output
-    assert _equal_to_reference(tmp_path, steps)
+    assert _equal_to_reference(tmp_path, steps, model)
     return swarm.coord.output
 
 
-def _args(tmp_path: Path, steps: int, peers: int) -> list[str]:
+def _args(tmp_path: Path, steps: int, peers: int, model: list[str] = SMALL) -> list[str]:
     # spot checks off: peers re-executing other stages' micro-batches add noise to the speeds measured here
-    return ["--steps", str(steps), "--seed", "0", *SMALL, "--min-peers", str(peers),
+    return ["--steps", str(steps), "--seed", "0", *model, "--min-peers", str(peers),
             "--rebalance-every", str(EVERY), "--save", str(tmp_path / "swarm.safetensors"),
             "--run-dir", str(tmp_path / "run"), "--spot-check", "0"]  # fmt: skip
 
 
 def test_a_lying_peer_is_corrected_at_the_first_check(tmp_path: Path) -> None:
     """(b) a peer advertising 1000x its speed gets most of the model at first; the
-    first rebalance check, on measured speeds, takes that work off it. (The run is
-    long enough that the better plan pays for the move: on this small model it
-    saves a few ms per step against about a second of checkpoint and set-up.)"""
-    steps = 1000
-    swarm = Swarm(tmp_path, _args(tmp_path, steps, 3), peers=0)
+    first rebalance check, on measured speeds, takes that work off it. (The demo's
+    model, not the smallest: there each attention op is so large a share of a stage
+    that the claim wins the liar only about half of the model, and the predicted gain
+    of undoing that is under the 20% a move needs. The run is long enough that the
+    better plan pays for the move.)"""
+    steps = 300
+    swarm = Swarm(tmp_path, _args(tmp_path, steps, 3, DEMO), peers=0)
     try:
         honest = [swarm.add_peer(i) for i in range(2)]
         liar = swarm.add_peer(2, "--advertise-flops", "1e15")
@@ -112,7 +121,7 @@ def test_a_lying_peer_is_corrected_at_the_first_check(tmp_path: Path) -> None:
         claimed, measured = speeds[liar]
         assert measured is not None and measured < claimed / 100, "its measured speed replaced its claim"
         assert after["plan"] != state["plan"], "the plan moved off the claim"
-        _finish(swarm, tmp_path, steps)
+        _finish(swarm, tmp_path, steps, DEMO)
     finally:
         swarm.close()
 
