@@ -147,7 +147,7 @@ class DagCosts:
     def from_opdag(cls, dag: Any) -> DagCosts:
         """Costs of a traced :class:`coordinator.opdag.OpDag`; what crosses each cut
         position comes from every value's producer and last consumer."""
-        from coordinator.opdag import _FREE_OPS as FREE_OPS
+        from coordinator.opdag import FREE_OPS
         from protocol.graph import operators
 
         ops = list(operators(dag.gm))

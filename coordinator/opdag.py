@@ -63,7 +63,7 @@ def _target_name(node: fx.Node) -> str:
 
 
 #: operators that only reshape, view or index: no arithmetic
-_FREE_OPS = frozenset(
+FREE_OPS = frozenset(
     "view reshape transpose permute contiguous split chunk getitem getattr size expand "
     "unsqueeze squeeze flatten unflatten narrow select arange to type float long".split()
 )
@@ -134,7 +134,7 @@ class _Meter(fx.Interpreter):
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             qkv = [*args[:3], *(kwargs[k] for k in ("query", "key", "value") if k in kwargs)]
             counted = attention_flops(*qkv[:3])
-        elif counted == 0 and n.op in OP_KINDS and _target_name(n) not in _FREE_OPS:
+        elif counted == 0 and n.op in OP_KINDS and _target_name(n) not in FREE_OPS:
             # elementwise and reduction ops: about one FLOP per element read or written
             sizes = [a.numel() for a in (*self._inputs(n), out) if _is_float(a)]
             counted = max(sizes, default=0)

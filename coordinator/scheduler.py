@@ -197,10 +197,6 @@ def _stage_groups(ordered: list[str], clusters: dict[str, list[PeerProfile]], k:
     return _contiguous_groups(flat, k)
 
 
-def stage_models(groups: list[list[PeerProfile]], network: Network, micro_batches: int) -> list[GroupModel]:
-    return group_models(groups, network, micro_batches)
-
-
 def cut_for(
     costs: DagCosts, groups: list[list[PeerProfile]], network: Network, options: Options
 ) -> tuple[int, ...] | None:

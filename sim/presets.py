@@ -60,32 +60,30 @@ def testbed2() -> dict[str, Any]:
     return {"peers": peers, "clusters": clusters}
 
 
-def testbed3() -> dict[str, Any]:
-    rng = random.Random(3)
-    peers = [_peer(f"lab{i}", "3090", "lab") for i in range(8)]
-    homes = [f"home{i}" for i in range(8)]
-    peers += [_peer(h, ["4090", "3090", "t4"][i % 3], h) for i, h in enumerate(homes)]
+def _lab_and_homes(seed: int, lab_gpu: str, homes: int, uplinks: tuple[list[int], list[int]],
+                   between: list[int]) -> dict[str, Any]:  # fmt: skip
+    """8 GPUs of one kind in a lab on 10 Gbit/s, and ``homes`` home GPUs each in its own
+    cluster: uplinks to the lab drawn from (Mbit/s, ms), links between homes from
+    ``between`` Mbit/s (40-120 ms)."""
+    rng = random.Random(seed)
+    peers = [_peer(f"lab{i}", lab_gpu, "lab") for i in range(8)]
+    names = [f"home{i}" for i in range(homes)]
+    peers += [_peer(h, ["4090", "3090", "t4"][i % 3], h) for i, h in enumerate(names)]
     clusters: dict[str, dict[str, Any]] = {"lab": {"lab": _link(10000, 0.1)}}
-    for i, h in enumerate(homes):
+    for i, h in enumerate(names):
         clusters[h] = {h: _link(10000, 0.0)}
-        clusters["lab"][h] = _link(rng.choice([8, 20, 50, 100]), rng.choice([20, 40, 80]))
-        for g in homes[i + 1 :]:
-            clusters[h][g] = _link(rng.choice([8, 20, 50]), rng.choice([40, 80, 120]))
+        clusters["lab"][h] = _link(rng.choice(uplinks[0]), rng.choice(uplinks[1]))
+        for g in names[i + 1 :]:
+            clusters[h][g] = _link(rng.choice(between), rng.choice([40, 80, 120]))
     return {"peers": peers, "clusters": clusters}
+
+
+def testbed3() -> dict[str, Any]:
+    return _lab_and_homes(3, "3090", 8, ([8, 20, 50, 100], [20, 40, 80]), [8, 20, 50])
 
 
 def lab_crowd() -> dict[str, Any]:
-    rng = random.Random(4)
-    peers = [_peer(f"lab{i}", "a100", "lab") for i in range(8)]
-    homes = [f"home{i}" for i in range(12)]
-    peers += [_peer(h, ["4090", "3090", "t4"][i % 3], h) for i, h in enumerate(homes)]
-    clusters: dict[str, dict[str, Any]] = {"lab": {"lab": _link(10000, 0.1)}}
-    for i, h in enumerate(homes):
-        clusters[h] = {h: _link(10000, 0.0)}
-        clusters["lab"][h] = _link(rng.choice([20, 50, 100]), rng.choice([30, 60, 120]))
-        for g in homes[i + 1 :]:
-            clusters[h][g] = _link(rng.choice([10, 20, 50]), rng.choice([40, 80, 120]))
-    return {"peers": peers, "clusters": clusters}
+    return _lab_and_homes(4, "a100", 12, ([20, 50, 100], [30, 60, 120]), [10, 20, 50])
 
 
 def three_regions() -> dict[str, Any]:
