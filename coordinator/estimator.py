@@ -79,7 +79,7 @@ class DagCosts:
     _pk: list[int] = field(default_factory=list, repr=False)
     _pp: list[int] = field(default_factory=list, repr=False)
     _pa: list[int] = field(default_factory=list, repr=False)
-    _wire: dict[str, Any] = field(default_factory=dict, repr=False)  # codec -> wire bytes per position; arrays
+    _wire: dict[Any, Any] = field(default_factory=dict, repr=False)  # what ``cached`` keeps
 
     def __post_init__(self) -> None:
         n = len(self.flops)
@@ -141,6 +141,12 @@ class DagCosts:
         key = str(codec)
         if key not in self._wire:
             self._wire[key] = [wire_bytes(self, p, codec) for p in range(self.num_ops)]
+        return self._wire[key]
+
+    def cached(self, key: Any, make: Any) -> Any:
+        """``make()``, computed once per key for these costs (what searches ask again and again)."""
+        if key not in self._wire:
+            self._wire[key] = make()
         return self._wire[key]
 
     @classmethod
@@ -527,6 +533,7 @@ class GroupModel:
 
     replicas: list[Replica]  # distinct kinds that run micro-batches
     rounds: int  # micro-batches of the busiest lane (the plan's)
+    window: int = 0  # under 1F1B: micro-batches in flight (``windows``); 0 under GPipe
 
     def latency(self, costs: DagCosts, lo: int, hi: int, part: str = "FB") -> float:
         """One micro-batch through the stage (on its slowest replica)."""
@@ -542,17 +549,18 @@ class GroupModel:
     def fits(self, costs: DagCosts, lo: int, hi: int) -> bool:
         return all(stage_memory(costs, lo, hi, r.in_flight) <= r.memory for r in self.replicas)
 
-    def reach(self, costs: DagCosts, lo: int) -> tuple[np.ndarray, np.ndarray]:
-        """``period(costs, lo, hi)`` and ``fits(costs, lo, hi)`` for every ``hi`` at
-        once (entries below ``lo`` mean nothing): what a cut search asks most."""
+    def reach(self, costs: DagCosts, lo: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``period``, ``fits`` and ``latency`` of ``(costs, lo, hi)`` for every ``hi``
+        at once (entries below ``lo`` mean nothing): what a cut search asks most."""
         flops, kernels, params, acts = costs.arrays_from(lo)
         one = np.ones_like(flops)
-        rows = np.array([[3 * r.runs / max(r.flops, 1.0), 3 * r.runs * r.overhead_s,
-                          r.runs * r.send_s_per_byte, r.runs * r.send_latency_s] for r in self.replicas])  # fmt: skip
-        periods = (rows @ np.stack([flops, kernels, params, one])).max(axis=0) / self.rounds
+        rows = np.array([[3 / max(r.flops, 1.0), 3 * r.overhead_s, r.send_s_per_byte, r.send_latency_s]
+                         for r in self.replicas])  # fmt: skip
+        each = rows @ np.stack([flops, kernels, params, one])  # one micro-batch, per replica kind
+        runs = np.array([r.runs for r in self.replicas], dtype=np.float64)[:, None]
         limits = np.array([[r.in_flight, r.memory] for r in self.replicas], dtype=np.float64)
         need = STATE_PER_PARAM_BYTE * params[None, :] + limits[:, :1] * acts[None, :]
-        return periods, (need <= limits[:, 1:]).all(axis=0)
+        return (runs * each).max(axis=0) / self.rounds, (need <= limits[:, 1:]).all(axis=0), each.max(axis=0)
 
 
 @dataclass
@@ -591,6 +599,7 @@ def group_models(groups: list[list[PeerProfile]], network: Network, micro_batche
 def _group_models(groups: list[list[PeerProfile]], network: Network, micro_batches: int) -> list[GroupModel]:
     k, lanes = len(groups), uses_1f1b([[p.id for p in g] for g in groups])
     rounds = rounds_of([[p.id for p in g] for g in groups], micro_batches)
+    window = windows(k, rounds) if lanes else [0] * k
     out = []
     for s, g in enumerate(groups):
         sums = network.send_sums(tuple(p.id for p in g)) if len(g) > 1 else [(0.0, 0.0)]
@@ -599,7 +608,7 @@ def _group_models(groups: list[list[PeerProfile]], network: Network, micro_batch
             for p, n, (lat, spb) in zip(g, dealt(micro_batches, len(g)), sums)
             if n
         }
-        out.append(GroupModel(sorted(kinds, key=repr), rounds))
+        out.append(GroupModel(sorted(kinds, key=repr), rounds, int(window[s])))
     return out
 
 
@@ -670,6 +679,11 @@ def tied_sync_s(costs: DagCosts, plan: Plan, network: Network) -> float:
     return out
 
 
+def windows(k: int, rounds: int) -> np.ndarray:
+    """Micro-batches each of ``k`` stages holds in flight under 1F1B."""
+    return np.minimum(k - np.arange(k), rounds)
+
+
 def _round_trips(one: list[float], there_and_back: list[float], rounds: int) -> list[float]:
     """Under 1F1B stage ``s`` starts a forward only after a backward once it holds
     ``w_s = min(k - s, rounds)`` micro-batches: the round trip from stage ``s`` to a
@@ -682,15 +696,15 @@ def _round_trips(one: list[float], there_and_back: list[float], rounds: int) -> 
         return []
     stages = np.concatenate([[0.0], np.cumsum(one)])
     links = np.concatenate([[0.0], np.cumsum(there_and_back)])
-    window = np.minimum(k - np.arange(k), rounds)
+    window = windows(k, rounds)
     s, t = np.triu_indices(k, 1)
     trips = stages[t + 1] - stages[s] + links[t] - links[s]
     return [float((trips / np.maximum(1, window[s] - window[t] + 1)).max())]
 
 
 def boundary_positions(costs: DagCosts) -> list[int]:
-    """Positions a cut may use (tied weights excluded)."""
-    return [p for p in range(1, costs.num_ops) if p not in costs.forbidden]
+    """Positions a cut may use (tied weights excluded); the list is shared, not to be changed."""
+    return costs.cached("positions", lambda: [p for p in range(1, costs.num_ops) if p not in costs.forbidden])
 
 
 def nearest_allowed(allowed: list[int], goal: int, lo: int, hi: int) -> int | None:

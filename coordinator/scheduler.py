@@ -44,7 +44,6 @@ from coordinator.estimator import (
     boundary_models,
     boundary_positions,
     group_models,
-    lower_bound,
     nearest_allowed,
     predict,
 )
@@ -127,8 +126,10 @@ def order_clusters(network: Network, clusters: dict[str, list[PeerProfile]]) -> 
     if len(names) <= 1:
         return names
 
+    speeds = {(a, b): network.link(clusters[a][0].id, clusters[b][0].id).mbps for a in names for b in names}
+
     def bw(a: str, b: str) -> float:
-        return network.link(clusters[a][0].id, clusters[b][0].id).mbps
+        return speeds[(a, b)]
 
     def score(order: tuple[str, ...]) -> tuple[float, float]:
         links = [bw(a, b) for a, b in zip(order, order[1:])]
@@ -212,73 +213,122 @@ def bottleneck_cut(
     """Cut positions minimizing the slowest stage or link (binary search on the bound;
     each stage takes the most ops it can run within the bound and its memory, and
     ends at the furthest position whose boundary tensors cross the link in time,
-    compressed as far as ``FLOOR`` where allowed). None: nothing fits."""
-    k, n = len(stages), costs.num_ops
-    least = costs.min_stage_flops(k)  # no empty stage
-    allowed = boundary_positions(costs)
+    compressed as far as ``FLOOR`` where allowed; under 1F1B also where the round
+    trip to the next stage and back, that stage taken at the bound, keeps up: see
+    ``_Cutter``). None: nothing fits."""
+    k = len(stages)
     if k == 1:
-        return () if stages[0].fits(costs, 0, n) else None
-    floor_bytes = costs.wire_table(FLOOR if options.compression else Codec())
-    per_byte = [link.per_byte() for link in links]  # steady-state seconds per byte on each link
-    latest = _latest_boundaries(costs, allowed, k, least)
-    if latest is None:
+        return () if stages[0].fits(costs, 0, costs.num_ops) else None
+    cutter = _Cutter(costs, stages, links, options)
+    if cutter.latest is None:
         return None
-
-    rows: dict[tuple[int, int], tuple[np.ndarray, int]] = {}
-
-    def row(s: int, lo: int) -> tuple[np.ndarray, int]:
-        """Stage s's period for every end, and the furthest end whose memory fits."""
-        if (s, lo) not in rows:
-            periods, fits = stages[s].reach(costs, lo)
-            rest = fits[lo:]
-            rows[(s, lo)] = (periods, lo + (len(rest) if rest.all() else int(np.argmin(rest))) - 1)
-        return rows[(s, lo)]
-
-    def furthest(s: int, lo: int, bound: float, limit: int) -> int:
-        """The largest hi in [lo, limit] that stage s can take within the bound (both
-        its time and its memory grow with hi)."""
-        periods, fit_end = row(s, lo)
-        within = lo + int(np.searchsorted(periods[lo : limit + 1], bound, side="right")) - 1
-        return max(lo, min(within, fit_end))
-
-    def attempt(bound: float) -> tuple[int, ...] | None:
-        out: list[int] = []
-        lo = 0
-        for s in range(k - 1):
-            room = latest[s]  # leave room for every later stage
-            hi = furthest(s, lo, bound, room)
-            top = bisect.bisect_right(allowed, hi) - 1
-            chosen = None
-            limit = bound / per_byte[s]  # bytes the link carries within the bound
-            for table in (costs.cross_bytes, floor_bytes):  # a position that needs no compression first
-                i = top
-                while i >= 0 and allowed[i] > lo and table[allowed[i]] > limit:
-                    i -= 1
-                if i >= 0 and allowed[i] > lo:
-                    chosen = allowed[i]
-                    break
-            if chosen is None or costs.stage_flops(lo, chosen) < least:
-                return None
-            out.append(chosen)
-            lo = chosen
-        periods, fit_end = row(k - 1, lo)
-        if periods[n] > bound or fit_end < n or costs.stage_flops(lo, n) < least:
-            return None
-        return tuple(out)
-
-    high = max(st.period(costs, 0, n) for st in stages) + max(floor_bytes) * max(per_byte) + 1e-9
-    best = attempt(high)
-    if best is None:
-        return None
-    low = 0.0
+    ceiling = 2 * cutter.ceiling() + 1e-9
+    if cutter.attempt(ceiling) is None:
+        return None  # memory
+    low = high = max(balanced_period(costs, stages), ceiling * 1e-9)
+    best = None
+    while best is None:  # the first bound that cuts, growing from perfect balance
+        high = min(high * GROWTH, ceiling)
+        best = cutter.attempt(high)
+        low = high if best is None else low
     for _ in range(BISECTIONS):
         mid = (low + high) / 2
-        got = attempt(mid)
+        got = cutter.attempt(mid)
         if got is None:
             low = mid
         else:
             best, high = got, mid
     return best
+
+
+class _Cutter:
+    """One bottleneck-cut search: ``attempt(bound)`` cuts greedily within a bound.
+
+    A 1F1B stage ``s`` holds ``w_s`` micro-batches and the next ``w_s - gap``: the
+    round trip from ``s`` to ``s + 1`` and back (both stages' work and both ways of
+    the link) carries ``gap + 1`` micro-batches (the estimator's ``_round_trips``),
+    so with the next stage as busy, keeping up needs ``2 * latency_s + link both ways
+    <= (gap + 1) * bound``. A boundary where fewer bytes cross may end a stage earlier."""
+
+    def __init__(self, costs: DagCosts, stages: list[GroupModel], links: list[BoundaryModel],
+                 options: Options) -> None:  # fmt: skip
+        self.costs, self.stages, self.k = costs, stages, len(stages)
+        self.least = costs.min_stage_flops(self.k)  # no empty stage
+        allowed = boundary_positions(costs)
+        self.allowed = costs.cached("allowed", lambda: np.array(allowed, dtype=np.int64))
+        self.latest = costs.cached(("latest", self.k), lambda: _latest_boundaries(costs, allowed, self.k, self.least))
+        plain = costs.cached("plain", lambda: np.array(costs.cross_bytes, dtype=np.float64))
+        codec = FLOOR if options.compression else Codec()
+        floor = costs.cached(("floor", str(codec)), lambda: np.array(costs.wire_table(codec), dtype=np.float64))
+        self.tables = [(t, [_both_ways(link, t) for link in links]) for t in (plain, floor)]  # no codec first
+        self.per_byte = [link.per_byte() for link in links]  # steady-state seconds per byte on each link
+        self.gaps = [a.window - b.window if b.window else 0 for a, b in zip(stages, stages[1:])]
+        self.rows: dict[tuple[int, int], tuple[np.ndarray, int, np.ndarray]] = {}
+
+    def ceiling(self) -> float:
+        """A bound every cut that fits memory meets."""
+        n = self.costs.num_ops
+        floor, trips = self.tables[1]
+        worst_link = max(floor) * max(self.per_byte) + max(float(t.max()) for t in trips)
+        return max(st.latency(self.costs, 0, n) + st.period(self.costs, 0, n) for st in self.stages) + worst_link
+
+    def row(self, s: int, lo: int) -> tuple[np.ndarray, int, np.ndarray]:
+        """Stage s's period for every end, the furthest end whose memory fits, and its latency."""
+        if (s, lo) not in self.rows:
+            periods, fits, latency = self.stages[s].reach(self.costs, lo)
+            rest = fits[lo:]
+            self.rows[(s, lo)] = (periods, lo + (len(rest) if rest.all() else int(np.argmin(rest))) - 1, latency)
+        return self.rows[(s, lo)]
+
+    def furthest(self, s: int, lo: int, bound: float, limit: int) -> int:
+        """The largest hi in [lo, limit] that stage s can take within the bound (both
+        its time and its memory grow with hi)."""
+        periods, fit_end, _ = self.row(s, lo)
+        within = lo + int(np.searchsorted(periods[lo : limit + 1], bound, side="right")) - 1
+        return max(lo, min(within, fit_end))
+
+    def end(self, s: int, lo: int, bound: float) -> int | None:
+        """Where stage s (from ``lo``) ends within the bound: the furthest allowed
+        position whose link keeps up, uncompressed if one does, else at ``FLOOR``."""
+        hi = self.furthest(s, lo, bound, self.latest[s])  # type: ignore[index]
+        a, z = np.searchsorted(self.allowed, [lo, hi], side="right")
+        latency = self.row(s, lo)[2]
+        for table, trips in self.tables:
+            found = self._scan(table, trips[s], latency, self.allowed[max(a, z - SCAN) : z], s, bound)
+            if found is None and z - a > SCAN:  # the rest at once
+                found = self._scan(table, trips[s], latency, self.allowed[a : z - SCAN], s, bound)
+            if found is not None:
+                return found
+        return None
+
+    def _scan(self, table: np.ndarray, trips: np.ndarray, latency: np.ndarray, where: np.ndarray, s: int,
+              bound: float) -> int | None:  # fmt: skip
+        """The last of the positions ``where`` whose link keeps up within the bound."""
+        ok = table[where] * self.per_byte[s] <= bound
+        if self.gaps[s]:
+            ok &= 2 * latency[where] + trips[where] <= (self.gaps[s] + 1) * bound
+        hits = np.flatnonzero(ok)
+        return int(where[hits[-1]]) if hits.size else None
+
+    def attempt(self, bound: float) -> tuple[int, ...] | None:
+        out: list[int] = []
+        lo = 0
+        for s in range(self.k - 1):
+            chosen = self.end(s, lo, bound)
+            if chosen is None or self.costs.stage_flops(lo, chosen) < self.least:
+                return None
+            out.append(chosen)
+            lo = chosen
+        periods, fit_end, _ = self.row(self.k - 1, lo)
+        n = self.costs.num_ops
+        if periods[n] > bound or fit_end < n or self.costs.stage_flops(lo, n) < self.least:
+            return None
+        return tuple(out)
+
+
+def _both_ways(link: BoundaryModel, nbytes: np.ndarray) -> np.ndarray:
+    """A micro-batch's bytes over ``link`` and back (its slowest pair), at every position."""
+    return 2 * np.max([lat + nbytes * spb for _, lat, spb in link.pairs], axis=0)
 
 
 def _latest_boundaries(costs: DagCosts, allowed: list[int], k: int, least: float) -> list[int] | None:
@@ -296,8 +346,12 @@ def _latest_boundaries(costs: DagCosts, allowed: list[int], k: int, least: float
     return out[::-1]
 
 
-#: halvings of the bottleneck bound (to a millionth of the first)
-BISECTIONS = 20
+#: the cut search looks at this many positions below a stage's furthest end first
+SCAN = 64
+#: the bottleneck bound grows by this factor from perfect balance until a cut fits,
+#: then is halved between the last two tries this many times (to a 4,000th)
+GROWTH = 2.0
+BISECTIONS = 12
 #: the refinement treats positions whose prefix FLOPs differ by at most this fraction
 #: of the model's count as the same split of the compute, and takes the one where
 #: the fewest bytes cross (in a transformer: right after a residual add, where only
@@ -432,37 +486,133 @@ def opfence(costs: DagCosts, peers: list[PeerProfile], network: Network, options
     for p in peers:
         clusters.setdefault(network.cluster_of.get(p.id, p.cluster), []).append(p)
     ordered = order_clusters(network, clusters)
-    found: list[Plan] = []
+    shapes = []
     for pool_order, pool in _pools(ordered, clusters, network, options):
         pool_peers = [p for c in pool_order for p in pool[c]]
         if options.stages is not None and len(pool_peers) < options.stages and len(pool_peers) < len(peers):
             continue  # a standby pool too small for the stages asked for
-        if found and lower_bound(costs, PeerTable(pool_peers), options.micro_batches) >= min(map(rank, found))[1]:
-            continue  # even perfect balance on these peers is slower than a plan in hand
-        for k in _candidate_stages(costs, pool_peers, options):
-            for groups in _groupings(pool_order, pool, k):
-                cut = cut_for(costs, groups, network, options)
-                if cut is None:
-                    continue
-                found.append(evaluate(costs, cut, [[p.id for p in g] for g in groups], by_id, network, options))
+        shapes += [g for k in _candidate_stages(costs, pool_peers, options) for g in _groupings(pool_order, pool, k)]
+    found = _best_first(costs, shapes, by_id, network, options, math.inf)
     if not found:
         raise ScheduleError("no stage count gives a valid plan for these peers and this model")
     reach = costs.num_ops if costs.num_ops <= 64 else 3
     if len(peers) <= TINY_SWARM and options.stages is None:
         found += _tiny_candidates(costs, peers, by_id, network, options)
-    refined = [_refine(costs, f, by_id, network, options, reach=reach) for f in _finalists(found, len(peers))]
+    finalists = _finalists(found, len(peers))
+    finalists.append(_peer_moves(costs, finalists[0], peers, by_id, network, options))
+    refined = [_refine(costs, f, by_id, network, options, reach=reach) for f in finalists]
     return min(refined, key=rank)
+
+
+def _best_first(costs: DagCosts, shapes: list[list[list[PeerProfile]]], by_id: PeerTable, network: Network,
+                options: Options, beat: float) -> list[Plan]:  # fmt: skip
+    """The plans of these stage groupings (each cut by ``cut_for``), in the order of
+    their ``plan_floor``, until no grouping left can beat the best valid plan found
+    (or ``beat``): branch and bound."""
+    keyed = {tuple(tuple(p.id for p in g) for g in groups): groups for groups in shapes}
+    floors = sorted((plan_floor(costs, g, network, options), key) for key, g in keyed.items())
+    out: list[Plan] = []
+    for floor, key in floors:
+        if floor >= beat:
+            break
+        got = _cut_and_evaluate(costs, keyed[key], by_id, network, options)
+        if got is not None:
+            out.append(got)
+            beat = min(beat, got.to_loss_s) if got.valid else beat
+    return out
+
+
+def plan_floor(costs: DagCosts, groups: list[list[PeerProfile]], network: Network, options: Options) -> float:
+    """No cut of these stage groups reaches the loss sooner: the steady state alone,
+    at perfect balance of the work, and never faster than a 1F1B round trip's link
+    latency allows (codecs only add steps)."""
+    m = options.micro_batches
+    models = group_models(groups, network, m)
+    steady = balanced_period(costs, models)
+    edges = boundary_models([[p.id for p in g] for g in groups], network, m)
+    for a, b, edge in zip(models, models[1:], edges):
+        if b.window:
+            steady = max(steady, 2 * edge.latency(0.0) / (a.window - b.window + 1))
+    return (models[0].rounds - 1) * steady
+
+
+def balanced_period(costs: DagCosts, models: list[GroupModel]) -> float:
+    """The slowest stage's period if every stage could take any fraction of the work."""
+    n = costs.num_ops
+    return 1 / sum(1 / max(st.period(costs, 0, n), 1e-30) for st in models)
+
+
+#: rounds of OP-Fence's peer-move search (each takes the best single move, if it
+#: gains at least ``MOVE_GAIN``)
+MOVE_ROUNDS = 2
+MOVE_GAIN = 1.005
+
+
+def _peer_moves(costs: DagCosts, start: Plan, peers: list[PeerProfile], by_id: PeerTable, network: Network,
+                options: Options) -> Plan:  # fmt: skip
+    """A bounded local search over who runs the stages (the pools and stage counts
+    only try shapes in proportion to compute): move one stage to the back or one
+    place later, take one peer out, or put in one
+    standby peer (each cluster's fastest) as a stage of its own after its cluster's
+    last stage, or as a replica of a stage of its cluster; every move re-cut by
+    ``cut_for``. The best move per round while it helps, ``MOVE_ROUNDS`` at most."""
+    best = start
+    for _ in range(MOVE_ROUNDS):
+        moves = _moves([[by_id[i] for i in g] for g in best.groups], peers, network, options)
+        gain = best.to_loss_s / MOVE_GAIN if best.valid else math.inf
+        top = min(_best_first(costs, moves, by_id, network, options, gain), key=rank, default=None)
+        if top is None or rank(top) >= (best.valid, gain):
+            break
+        best = top
+    return best
+
+
+def _cut_and_evaluate(costs: DagCosts, groups: list[list[PeerProfile]], by_id: PeerTable, network: Network,
+                      options: Options) -> Plan | None:  # fmt: skip
+    cut = cut_for(costs, groups, network, options)
+    return None if cut is None else evaluate(costs, cut, [[p.id for p in g] for g in groups], by_id, network, options)
+
+
+def _moves(groups: list[list[PeerProfile]], peers: list[PeerProfile], network: Network,
+           options: Options) -> list[list[list[PeerProfile]]]:  # fmt: skip
+    """Every stage grouping one peer away from ``groups`` (see ``_peer_moves``)."""
+    keep_k = options.stages is not None
+    out = []
+    for s, g in enumerate(groups):
+        for i in range(len(g)):
+            rest = g[:i] + g[i + 1 :]
+            if rest or (not keep_k and len(groups) > 1):
+                out.append(groups[:s] + ([rest] if rest else []) + groups[s + 1 :])
+    for s in range(len(groups)):  # stage order: a stage to the front, to the back, or one later
+        rest = groups[:s] + groups[s + 1 :]
+        out += [
+            [groups[s], *rest],
+            [*rest, groups[s]],
+            groups[:s] + groups[s + 1 : s + 2] + [groups[s]] + groups[s + 2 :],
+        ]
+    home = {p.id: network.cluster_of.get(p.id, p.cluster) for p in peers}
+    used = {p.id for g in groups for p in g}
+    spare: dict[str, PeerProfile] = {}
+    for p in _fastest([p for p in peers if p.id not in used]):
+        spare.setdefault(home[p.id], p)
+    for cluster, p in spare.items():
+        mine = [s for s, g in enumerate(groups) if any(home[q.id] == cluster for q in g)]
+        for s in mine:
+            out.append(groups[:s] + [[*groups[s], p]] + groups[s + 1 :])
+        if not keep_k and mine:
+            out.append(groups[: mine[-1] + 1] + [[p]] + groups[mine[-1] + 1 :])
+    return out
 
 
 #: the best plans of the search that the refinement polishes (the bottleneck cut
 #: ignores fill, drain and round trips, so the best before it is not always the best after)
-FINALISTS = 6
-#: in swarms above this many peers, only the best two (planning time)
+FINALISTS = 2
+#: in swarms above this many peers, only the best (planning time)
 MANY_PEERS = 64
 
 
 def _finalists(found: list[Plan], num_peers: int) -> list[Plan]:
-    want = FINALISTS if num_peers <= MANY_PEERS else 2
+    want = FINALISTS if num_peers <= MANY_PEERS else 1
     out: list[Plan] = []
     for p in sorted(found, key=rank):
         if all(p.groups != q.groups or p.cut != q.cut for q in out):
@@ -475,7 +625,7 @@ def _finalists(found: list[Plan], num_peers: int) -> list[Plan]:
 def _pools(ordered: list[str], clusters: dict[str, list[PeerProfile]], network: Network, options: Options):  # type: ignore[no-untyped-def]
     """The peer pools OP-Fence plans with: every peer, and (with ``standby``) the first
     1, 2, 4, ... clusters in pipeline order, the 1, 2, 3, ... clusters with the most
-    FLOP/s, the fastest 1, 2, 4, ... peers of the first and of the strongest cluster,
+    FLOP/s and each of them alone, the fastest 1, 2, 4, ... peers of the first and of the strongest cluster,
     and the fastest 1, 2, 4, ... peers of the swarm; the rest wait on standby (fast
     links beat more GPUs behind slow ones). Each pool once, its clusters in pipeline order."""
     seen: set[frozenset[str]] = set()
@@ -495,6 +645,7 @@ def _pool_candidates(ordered: list[str], clusters: dict[str, list[PeerProfile]],
         yield {c: clusters[c] for c in ordered[:j]}
     for j in range(1, min(len(strongest), SMALL_SWARM) + 1):
         yield {c: clusters[c] for c in strongest[:j]}
+        yield {strongest[j - 1]: clusters[strongest[j - 1]]}
     for c in {ordered[0], strongest[0]}:
         first = _fastest(clusters[c])
         for m in _doubling(len(first)):
