@@ -32,6 +32,7 @@ on these peers can beat perfect compute balance with free communication.
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 import random
 import statistics
@@ -697,9 +698,15 @@ def _round_trips(one: list[float], there_and_back: list[float], rounds: int) -> 
     stages = np.concatenate([[0.0], np.cumsum(one)])
     links = np.concatenate([[0.0], np.cumsum(there_and_back)])
     window = windows(k, rounds)
-    s, t = np.triu_indices(k, 1)
+    s, t = _pairs_after(k)
     trips = stages[t + 1] - stages[s] + links[t] - links[s]
     return [float((trips / np.maximum(1, window[s] - window[t] + 1)).max())]
+
+
+@functools.lru_cache(maxsize=256)
+def _pairs_after(k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every pair of stages ``s < t`` of ``k`` (as two index arrays)."""
+    return np.triu_indices(k, 1)
 
 
 def boundary_positions(costs: DagCosts) -> list[int]:

@@ -46,6 +46,7 @@ from coordinator.estimator import (
     group_models,
     nearest_allowed,
     predict,
+    stage_memory,
 )
 from coordinator.links import MIN_RANK
 from protocol.codecs import Codec
@@ -248,69 +249,68 @@ class _Cutter:
     round trip from ``s`` to ``s + 1`` and back (both stages' work and both ways of
     the link) carries ``gap + 1`` micro-batches (the estimator's ``_round_trips``),
     so with the next stage as busy, keeping up needs ``2 * latency_s + link both ways
-    <= (gap + 1) * bound``. A boundary where fewer bytes cross may end a stage earlier."""
+    <= (gap + 1) * bound``. A boundary where fewer bytes cross may end a stage earlier.
+
+    Each allowed end of a stage has the least bound its link needs there (steady
+    bytes and that round trip), per wire table: uncompressed first, then ``FLOOR``."""
 
     def __init__(self, costs: DagCosts, stages: list[GroupModel], links: list[BoundaryModel],
                  options: Options) -> None:  # fmt: skip
         self.costs, self.stages, self.k = costs, stages, len(stages)
         self.least = costs.min_stage_flops(self.k)  # no empty stage
-        allowed = boundary_positions(costs)
-        self.allowed = costs.cached("allowed", lambda: np.array(allowed, dtype=np.int64))
-        self.latest = costs.cached(("latest", self.k), lambda: _latest_boundaries(costs, allowed, self.k, self.least))
-        plain = costs.cached("plain", lambda: np.array(costs.cross_bytes, dtype=np.float64))
+        self.positions = boundary_positions(costs)
+        allowed = costs.cached("allowed", lambda: np.array(self.positions, dtype=np.int64))
+        self.latest = costs.cached(("latest", self.k), lambda: _latest_boundaries(costs, self.positions, self.k,
+                                                                                   self.least))  # fmt: skip
+        plain = costs.cached("plain", lambda: np.array(costs.cross_bytes, dtype=np.float64)[allowed])
         codec = FLOOR if options.compression else Codec()
-        floor = costs.cached(("floor", str(codec)), lambda: np.array(costs.wire_table(codec), dtype=np.float64))
-        self.tables = [(t, [_both_ways(link, t) for link in links]) for t in (plain, floor)]  # no codec first
-        self.per_byte = [link.per_byte() for link in links]  # steady-state seconds per byte on each link
-        self.gaps = [a.window - b.window if b.window else 0 for a, b in zip(stages, stages[1:])]
-        self.rows: dict[tuple[int, int], tuple[np.ndarray, int, np.ndarray]] = {}
+        floor = costs.cached(
+            ("floor", str(codec)), lambda: np.array(costs.wire_table(codec), dtype=np.float64)[allowed]
+        )
+        self.allowed = allowed
+        gaps = [a.window - b.window if b.window else 0 for a, b in zip(stages, stages[1:])]
+        #: per stage s and table: (the bound its link's bytes need, its round trip's link part, divisor or 0)
+        self.links = [[(t * link.per_byte(), _both_ways(link, t), gap + 1 if gap else 0) for t in (plain, floor)]
+                      for link, gap in zip(links, gaps)]  # fmt: skip
+        self.rows: dict[tuple[int, int], tuple[np.ndarray, int, list[np.ndarray]]] = {}
 
     def ceiling(self) -> float:
         """A bound every cut that fits memory meets."""
         n = self.costs.num_ops
-        floor, trips = self.tables[1]
-        worst_link = max(floor) * max(self.per_byte) + max(float(t.max()) for t in trips)
+        worst_link = max(float(bytes_.max()) + float(trip.max()) for per in self.links for bytes_, trip, _ in per)
         return max(st.latency(self.costs, 0, n) + st.period(self.costs, 0, n) for st in self.stages) + worst_link
 
-    def row(self, s: int, lo: int) -> tuple[np.ndarray, int, np.ndarray]:
-        """Stage s's period for every end, the furthest end whose memory fits, and its latency."""
+    def row(self, s: int, lo: int) -> tuple[np.ndarray, int, list[np.ndarray]]:
+        """Stage s's period for every end, the furthest end whose memory fits, and
+        (not for the last stage) the bound each allowed end needs, per table."""
         if (s, lo) not in self.rows:
             periods, fits, latency = self.stages[s].reach(self.costs, lo)
             rest = fits[lo:]
-            self.rows[(s, lo)] = (periods, lo + (len(rest) if rest.all() else int(np.argmin(rest))) - 1, latency)
+            fit_end = lo + (len(rest) if rest.all() else int(np.argmin(rest))) - 1
+            needs = []
+            if s < self.k - 1:
+                there = 2 * latency[self.allowed]
+                needs = [np.maximum(b, (there + trip) / div) if div else b for b, trip, div in self.links[s]]
+            self.rows[(s, lo)] = (periods, fit_end, needs)
         return self.rows[(s, lo)]
-
-    def furthest(self, s: int, lo: int, bound: float, limit: int) -> int:
-        """The largest hi in [lo, limit] that stage s can take within the bound (both
-        its time and its memory grow with hi)."""
-        periods, fit_end, _ = self.row(s, lo)
-        within = lo + int(np.searchsorted(periods[lo : limit + 1], bound, side="right")) - 1
-        return max(lo, min(within, fit_end))
 
     def end(self, s: int, lo: int, bound: float) -> int | None:
         """Where stage s (from ``lo``) ends within the bound: the furthest allowed
-        position whose link keeps up, uncompressed if one does, else at ``FLOOR``."""
-        hi = self.furthest(s, lo, bound, self.latest[s])  # type: ignore[index]
-        a, z = np.searchsorted(self.allowed, [lo, hi], side="right")
-        latency = self.row(s, lo)[2]
-        for table, trips in self.tables:
-            found = self._scan(table, trips[s], latency, self.allowed[max(a, z - SCAN) : z], s, bound)
-            if found is None and z - a > SCAN:  # the rest at once
-                found = self._scan(table, trips[s], latency, self.allowed[a : z - SCAN], s, bound)
-            if found is not None:
-                return found
+        position (within its time, its memory, and room for the later stages) whose
+        link keeps up, uncompressed if one does, else at ``FLOOR``."""
+        periods, fit_end, needs = self.row(s, lo)
+        limit = min(self.latest[s], fit_end)  # type: ignore[index]
+        hi = lo + int(np.searchsorted(periods[lo : limit + 1], bound, side="right")) - 1
+        a, z = bisect.bisect_right(self.positions, lo), bisect.bisect_right(self.positions, hi)
+        for need in needs:
+            for x, y in ((max(a, z - SCAN), z), (a, max(a, z - SCAN))):  # near the end first
+                hits = np.flatnonzero(need[x:y] <= bound)
+                if hits.size:
+                    return self.positions[x + int(hits[-1])]
         return None
 
-    def _scan(self, table: np.ndarray, trips: np.ndarray, latency: np.ndarray, where: np.ndarray, s: int,
-              bound: float) -> int | None:  # fmt: skip
-        """The last of the positions ``where`` whose link keeps up within the bound."""
-        ok = table[where] * self.per_byte[s] <= bound
-        if self.gaps[s]:
-            ok &= 2 * latency[where] + trips[where] <= (self.gaps[s] + 1) * bound
-        hits = np.flatnonzero(ok)
-        return int(where[hits[-1]]) if hits.size else None
-
     def attempt(self, bound: float) -> tuple[int, ...] | None:
+        """The greedy cut within ``bound`` (None: none fits)."""
         out: list[int] = []
         lo = 0
         for s in range(self.k - 1):
@@ -447,8 +447,13 @@ def rank(p: Plan) -> tuple[bool, float]:
     return (not p.valid, p.to_loss_s)
 
 
+#: the boundary hill-climb: rounds over every boundary, and positions tried each way
+REFINE_ROUNDS = 3
+REFINE_REACH = 3
+
+
 def _refine(costs: DagCosts, start: Plan, by_id: dict[str, PeerProfile], network: Network, options: Options,
-            rounds: int = 3, reach: int = 3) -> Plan:  # fmt: skip
+            reach: int) -> Plan:  # fmt: skip
     """Hill-climb the boundaries on the predicted time to the loss (the bottleneck
     search ignores pipeline fill and drain): a few positions each way, and every
     position that splits the compute the same way (within ``TIE_FLOPS``), so a
@@ -458,7 +463,7 @@ def _refine(costs: DagCosts, start: Plan, by_id: dict[str, PeerProfile], network
     allowed = set(ordered)
     slack = TIE_FLOPS * costs.total_flops
     best = evaluate(costs, start.cut, start.groups, by_id, network, options, revert=False)  # compared alike
-    for _ in range(rounds):
+    for _ in range(REFINE_ROUNDS):
         improved = False
         for b in range(len(best.cut)):
             lo = best.cut[b - 1] if b else 0
@@ -495,13 +500,11 @@ def opfence(costs: DagCosts, peers: list[PeerProfile], network: Network, options
     found = _best_first(costs, shapes, by_id, network, options, math.inf)
     if not found:
         raise ScheduleError("no stage count gives a valid plan for these peers and this model")
-    reach = costs.num_ops if costs.num_ops <= 64 else 3
+    reach = costs.num_ops if costs.num_ops <= 64 else REFINE_REACH
     if len(peers) <= TINY_SWARM and options.stages is None:
         found += _tiny_candidates(costs, peers, by_id, network, options)
-    finalists = _finalists(found, len(peers))
-    finalists.append(_peer_moves(costs, finalists[0], peers, by_id, network, options))
-    refined = [_refine(costs, f, by_id, network, options, reach=reach) for f in finalists]
-    return min(refined, key=rank)
+    best = _peer_moves(costs, min(found, key=rank), peers, by_id, network, options)
+    return _refine(costs, best, by_id, network, options, reach=reach)
 
 
 def _best_first(costs: DagCosts, shapes: list[list[list[PeerProfile]]], by_id: PeerTable, network: Network,
@@ -513,7 +516,7 @@ def _best_first(costs: DagCosts, shapes: list[list[list[PeerProfile]]], by_id: P
     floors = sorted((plan_floor(costs, g, network, options), key) for key, g in keyed.items())
     out: list[Plan] = []
     for floor, key in floors:
-        if floor >= beat:
+        if floor >= beat or math.isinf(floor):
             break
         got = _cut_and_evaluate(costs, keyed[key], by_id, network, options)
         if got is not None:
@@ -525,9 +528,14 @@ def _best_first(costs: DagCosts, shapes: list[list[list[PeerProfile]]], by_id: P
 def plan_floor(costs: DagCosts, groups: list[list[PeerProfile]], network: Network, options: Options) -> float:
     """No cut of these stage groups reaches the loss sooner: the steady state alone,
     at perfect balance of the work, and never faster than a 1F1B round trip's link
-    latency allows (codecs only add steps)."""
+    latency allows (codecs only add steps); infinite when their memory cannot hold
+    the training state, however cut."""
     m = options.micro_batches
     models = group_models(groups, network, m)
+    held = sum(min(r.memory for r in g.replicas) for g in models)
+    in_flight = min(r.in_flight for g in models for r in g.replicas)
+    if held < stage_memory(costs, 0, costs.num_ops, in_flight):
+        return math.inf
     steady = balanced_period(costs, models)
     edges = boundary_models([[p.id for p in g] for g in groups], network, m)
     for a, b, edge in zip(models, models[1:], edges):
@@ -555,7 +563,8 @@ def _peer_moves(costs: DagCosts, start: Plan, peers: list[PeerProfile], by_id: P
     place later, take one peer out, or put in one
     standby peer (each cluster's fastest) as a stage of its own after its cluster's
     last stage, or as a replica of a stage of its cluster; every move re-cut by
-    ``cut_for``. The best move per round while it helps, ``MOVE_ROUNDS`` at most."""
+    ``cut_for``. The best move per round while it gains ``MOVE_GAIN``,
+    ``MOVE_ROUNDS`` at most."""
     best = start
     for _ in range(MOVE_ROUNDS):
         moves = _moves([[by_id[i] for i in g] for g in best.groups], peers, network, options)
@@ -601,24 +610,6 @@ def _moves(groups: list[list[PeerProfile]], peers: list[PeerProfile], network: N
             out.append(groups[:s] + [[*groups[s], p]] + groups[s + 1 :])
         if not keep_k and mine:
             out.append(groups[: mine[-1] + 1] + [[p]] + groups[mine[-1] + 1 :])
-    return out
-
-
-#: the best plans of the search that the refinement polishes (the bottleneck cut
-#: ignores fill, drain and round trips, so the best before it is not always the best after)
-FINALISTS = 2
-#: in swarms above this many peers, only the best (planning time)
-MANY_PEERS = 64
-
-
-def _finalists(found: list[Plan], num_peers: int) -> list[Plan]:
-    want = FINALISTS if num_peers <= MANY_PEERS else 1
-    out: list[Plan] = []
-    for p in sorted(found, key=rank):
-        if all(p.groups != q.groups or p.cut != q.cut for q in out):
-            out.append(p)
-        if len(out) == want:
-            break
     return out
 
 
