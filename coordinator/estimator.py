@@ -312,22 +312,27 @@ class Network:
             for b in group:
                 c = self.cluster_of.get(b, "")
                 counts[c] = counts.get(c, 0) + 1
+            base = {ca: self._sums_to(ca, counts) for ca in counts}
             members, index = set(group), self._overrides_of()
-            got = [self._sums_from(a, counts, members, index) for a in group]
+            got = []
+            for a in group:
+                ca = self.cluster_of.get(a, "")
+                lat, spb = base[ca]
+                for b, (mbps, latency) in index.get(a, {}).items():
+                    if b in members and b != a:  # this pair's own link instead of its clusters'
+                        c_mbps, c_latency = self._cluster_link(ca, self.cluster_of.get(b, ""))
+                        lat += latency - c_latency
+                        spb += 8 / max(mbps * 1e6, 1.0) - 8 / max(c_mbps * 1e6, 1.0)
+                got.append((lat, spb))
             self._remember(key, got)
         return got
 
-    def _sums_from(self, a: str, counts: dict[str, int], members: set[str],
-                   index: dict[str, dict[str, tuple[float, float]]]) -> tuple[float, float]:  # fmt: skip
-        ca = self.cluster_of.get(a, "")
-        left = dict(counts)
-        left[ca] -= 1  # not to itself
+    def _sums_to(self, ca: str, counts: dict[str, int]) -> tuple[float, float]:
+        """A member of cluster ``ca``'s summed links to every other member (``counts``
+        per cluster, itself included), as the clusters' links give them."""
         lat = spb = 0.0
-        for b, (mbps, latency) in index.get(a, {}).items():
-            if b in members and b != a:
-                left[self.cluster_of.get(b, "")] -= 1
-                lat, spb = lat + latency, spb + 8 / max(mbps * 1e6, 1.0)
-        for c, n in left.items():
+        for c, n in counts.items():
+            n -= c == ca  # not to itself
             if n:
                 mbps, latency = self._cluster_link(ca, c)
                 lat, spb = lat + n * latency, spb + n * 8 / max(mbps * 1e6, 1.0)
