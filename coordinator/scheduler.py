@@ -587,7 +587,7 @@ def _moves(groups: list[list[PeerProfile]], peers: list[PeerProfile], network: N
     """Every stage grouping one peer away from ``groups`` (see ``_peer_moves``)."""
     keep_k = options.stages is not None
     out = []
-    for s, g in enumerate(groups):
+    for s, g in enumerate(groups if options.standby else []):  # every peer plans without standby
         for i in range(len(g)):
             rest = g[:i] + g[i + 1 :]
             if rest or (not keep_k and len(groups) > 1):
