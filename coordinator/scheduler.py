@@ -6,19 +6,22 @@ OP-Fence:
 1. clusters peers by the bandwidth between them (the network's clusters);
 2. orders the clusters along the pipeline so consecutive clusters have the
    fastest links between them (every order for up to 7 clusters, else greedy);
-3. for each candidate number of stages, gives each cluster stages in proportion
-   to its FLOP/s and splits its peers into that many balanced replica groups, so
-   stage groups never straddle a slow link when there are at least as many
-   stages as clusters;
-4. cuts the DAG by binary search on the bottleneck time: each stage takes as many
-   ops as its group computes within the bound, and ends at the position whose
-   boundary tensors cross the link in time (compressed as far as the swarm's
-   ``auto`` ever goes, where needed);
+3. for each pool of peers (``_pools``) and candidate number of stages, gives each
+   cluster stages in proportion to its FLOP/s and splits its peers into that many
+   balanced replica groups, so stage groups never straddle a slow link when there
+   are at least as many stages as clusters (and runs of peers);
+4. cuts those groupings in the order of their lower bound (``plan_floor``) until
+   none left can beat the best plan (``_best_first``), each by binary search on the
+   bottleneck time: each stage takes as many ops as its group computes within the
+   bound, and ends at the position whose boundary tensors cross the link in time
+   (compressed as far as the swarm's ``auto`` ever goes, where needed) and whose
+   1F1B round trip to the next stage keeps up (``_Cutter``);
 5. gives each slow edge the codec the live swarm's ``auto`` would (fp16, int8, low
    rank with int4 gradients: just enough) or none, whichever reaches the loss
    sooner (``coordinator.codec_price``: each codec's measured steps factor), and
    keeps the plans that fit memory and reach the loss soonest;
-6. polishes the best few (``FINALISTS``) by moving boundaries (``_refine``).
+6. moves peers in a bounded local search (``_peer_moves``) and polishes the best
+   plan by moving boundaries (``_refine``).
 
 The baselines live in ``coordinator.baselines``; ``plan`` runs any of them by name.
 """
@@ -503,8 +506,27 @@ def opfence(costs: DagCosts, peers: list[PeerProfile], network: Network, options
     reach = costs.num_ops if costs.num_ops <= 64 else REFINE_REACH
     if len(peers) <= TINY_SWARM and options.stages is None:
         found += _tiny_candidates(costs, peers, by_id, network, options)
-    best = _peer_moves(costs, min(found, key=rank), peers, by_id, network, options)
-    return _refine(costs, best, by_id, network, options, reach=reach)
+    found.sort(key=rank)
+    best = _peer_moves(costs, found[0], peers, by_id, network, options)
+    others = _distinct(found, FINALISTS - 1) if len(peers) <= SMALL_SWARM else []
+    return min((_refine(costs, f, by_id, network, options, reach=reach) for f in [best, *others]), key=rank)
+
+
+#: in swarms of up to ``SMALL_SWARM`` peers, the refinement also polishes the best
+#: plans of the search but one, up to this many in all (the bottleneck cut ignores
+#: fill and drain, which few micro-batches or few peers make count)
+FINALISTS = 6
+
+
+def _distinct(plans: list[Plan], want: int) -> list[Plan]:
+    """The first ``want`` plans of ``plans`` that differ in groups or cut (and from the first)."""
+    out: list[Plan] = []
+    for p in plans[1:]:
+        if len(out) == want:
+            break
+        if all(p.groups != q.groups or p.cut != q.cut for q in [plans[0], *out]):
+            out.append(p)
+    return out
 
 
 def _best_first(costs: DagCosts, shapes: list[list[list[PeerProfile]]], by_id: PeerTable, network: Network,

@@ -4,6 +4,7 @@ simulator: pure functions on hand-made and seeded random instances."""
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 
@@ -11,9 +12,19 @@ import pytest
 
 from coordinator.baselines import exhaustive
 from coordinator.codec_price import steps_factor
-from coordinator.estimator import DagCosts, Network, PeerProfile, Plan, predict
+from coordinator.estimator import DagCosts, Network, PeerProfile, PeerTable, Plan, predict
 from coordinator.replan import POLICIES
-from coordinator.scheduler import SCHEDULERS, Options, ScheduleError, opfence, plan
+from coordinator.scheduler import (
+    SCHEDULERS,
+    Options,
+    ScheduleError,
+    _moves,
+    cut_for,
+    evaluate,
+    opfence,
+    plan,
+    plan_floor,
+)
 from protocol.codecs import Codec
 from sim.engine import Churn, iteration_seconds, simulate
 from sim.presets import PRESETS, preset
@@ -285,3 +296,75 @@ def test_simulated_policies_rebalance_beats_waiting_and_restarting() -> None:
     assert runs["rebalance"].goodput > runs["restart"].goodput
     with pytest.raises(ValueError, match="policy 'sometimes'"):
         simulate(costs, topo, "opfence", opts, 5, policy="sometimes")
+
+
+def test_a_stage_ends_early_where_its_round_trip_keeps_up() -> None:
+    """Two equal peers, eight equal ops (0.3 s forward and backward each), 1 Gbit/s
+    between them: the balanced boundary (after op 4) sends 100 MB, so under 1F1B its
+    round trip takes (1.2 + 1.2 + 1.6) / 2 = 2.0 s a micro-batch; the boundary a op
+    earlier sends 1 kB and runs at the slower stage's 1.5 s. The cut takes it."""
+    cross = [100 * 10**6] * 7
+    cross[2] = 1000  # the boundary after op 3
+    costs = _chain([10**12] * 8, cross)
+    peers = [PeerProfile(f"{c}0", 10e12, 80 * GB, c) for c in "ab"]
+    net = Network({"a0": "a", "b0": "b"}, {("a", "b"): (1000.0, 1e-3)})
+    opts = Options(micro_batches=16, stages=2, standby=False, compression=False)
+    cut = cut_for(costs, [[peers[0]], [peers[1]]], net, opts)
+    assert cut == (3,)
+    by_id = PeerTable(peers)
+    at = {c: evaluate(costs, c, [["a0"], ["b0"]], by_id, net, opts).iteration_s for c in [(3,), (4,)]}
+    assert at[(3,)] < 0.8 * at[(4,)]
+    assert opfence(costs, peers, net, opts).cut == (3,)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_plan_floor_never_exceeds_a_plan_of_its_groups(seed: int) -> None:
+    """The bound OP-Fence prunes groupings by is below every cut's predicted time to
+    the loss, and infinite only where no cut fits memory."""
+    costs, peers, net = _random_instance(seed, 6, [10, 12])
+    rng = random.Random(seed)
+    opts = Options(micro_batches=rng.choice([2, 4, 8]))
+    by_id = PeerTable(peers)
+    for _ in range(6):
+        k = rng.randint(1, len(peers))
+        order = rng.sample(peers, len(peers))
+        groups = [order[i::k] for i in range(k)]
+        floor = plan_floor(costs, groups, net, opts)
+        cut = cut_for(costs, groups, net, opts)
+        if cut is None:
+            continue
+        got = evaluate(costs, cut, [[p.id for p in g] for g in groups], by_id, net, opts)
+        assert floor <= got.to_loss_s * (1 + 1e-9)
+        assert math.isfinite(floor)
+    tiny = [PeerProfile("t", 1e12, 1, "c0")]
+    assert plan_floor(costs, [tiny], net, opts) == math.inf
+
+
+def test_peer_moves_keep_every_peer_without_standby_and_the_stage_count_when_forced() -> None:
+    peers = [PeerProfile(f"p{i}", (i + 1) * 1e12, 80 * GB, "c") for i in range(4)]
+    net = Network({p.id: "c" for p in peers}, {("c", "c"): (10_000.0, 1e-4)})
+    groups = [[peers[0], peers[1]], [peers[2]]]
+    no_standby = _moves(groups, peers, net, Options(standby=False))
+    assert no_standby and all({"p0", "p1", "p2"} <= {p.id for g in m for p in g} for m in no_standby)
+    forced = _moves(groups, peers, net, Options(stages=2))
+    assert forced and all(len(m) == 2 for m in forced)
+    free = _moves(groups, peers, net, Options())
+    assert [[peers[2]], [peers[0], peers[1]]] in free  # a stage to the back
+    assert [[peers[0], peers[1]], [peers[2]], [peers[3]]] in free  # the standby peer as a stage
+    assert [[peers[1]], [peers[2]]] in free  # one peer out
+
+
+def test_send_sums_equal_every_pair_summed() -> None:
+    rng = random.Random(5)
+    peers = [f"p{i}" for i in range(12)]
+    cluster_of = {p: f"c{rng.randrange(3)}" for p in peers}
+    clusters = {(f"c{a}", f"c{b}"): (rng.choice([10.0, 100.0, 1000.0]), rng.random() / 10)
+                for a in range(3) for b in range(a, 3)}  # fmt: skip
+    net = Network(cluster_of, clusters)
+    net.learn("p1", "p7", net.link("p1", "p7").__class__(5.0, 0.2, True))
+    net.learn("p3", "p1", net.link("p3", "p1").__class__(50.0, 0.01, True))
+    group = tuple(rng.sample(peers, 8))
+    for a, (lat, spb) in zip(group, net.send_sums(group)):
+        links = [net.link(a, b) for b in group if b != a]
+        assert lat == pytest.approx(sum(x.latency_s for x in links))
+        assert spb == pytest.approx(sum(8 / max(x.mbps * 1e6, 1.0) for x in links))
