@@ -457,6 +457,10 @@ class EpochRunner:
     ) -> Verdict:  # fmt: skip
         """Re-execute a replica's micro-batch with the stage as it was in the audited
         step (on the compute thread, between two of this step's operations)."""
+        missing = ex.not_covered(at[0])
+        if missing:  # a stage cut otherwise since: its kept weights are not this stage's
+            return Verdict(msg.run_id, msg.step, msg.mb, msg.suspect, False,
+                           f"its weights of step {msg.step} lack {missing[0]}", msg.epoch, False)  # fmt: skip
         with ex.holding(*at):
             return self._rechecker(ex, self.s).verdict(msg, values, own)
 

@@ -205,7 +205,11 @@ class StageExecutor:
         """Run with ``state``'s weights and buffers (a :meth:`snapshot`) and loss scale
         in place of the current ones: the same tensors, their data swapped, and back on
         exit. Only between two uses on one thread: a forward saved for backward would
-        see the other data."""
+        see the other data. A ``state`` that lacks any of the stage's weights or saved
+        buffers is refused (KeyError): nothing may run half on the current weights."""
+        missing = self.not_covered(state)
+        if missing:
+            raise KeyError(f"the kept state lacks {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
         tensors = {**dict(self.module.named_parameters()), **dict(self.module.named_buffers())}
         swapped, current_scale = [], self.loss_scale
         try:
@@ -219,6 +223,11 @@ class StageExecutor:
             for t, data in swapped:
                 t.data = data
             self.loss_scale = current_scale
+
+    def not_covered(self, state: Mapping[str, torch.Tensor]) -> list[str]:
+        """The stage's weights and saved buffers that ``state`` has no tensor for (a
+        snapshot of another stage, or of a stage cut differently)."""
+        return sorted(set(self.module.state_dict()) - set(state))
 
     def evaluate(self, inputs: Sequence[Any]) -> Any:
         """The stage's forward in eval mode, without autograd (validation batches)."""

@@ -124,3 +124,19 @@ def test_a_replica_re_executes_a_committed_step_with_the_weights_it_kept() -> No
     noisy_msg, noisy, noisy_own, _ = _evidence(noise=1e-2)
     with ex.holding(kept, ex.loss_scale):
         assert not view.verdict(noisy_msg, noisy, noisy_own).agree
+
+
+def test_kept_weights_that_do_not_cover_the_stage_are_refused() -> None:
+    """A re-execution never runs half on the current weights: a kept state that lacks
+    one of the stage's tensors (a snapshot of a stage cut otherwise) is refused."""
+    _, _, _, view = _evidence(noise=0.0)
+    ex = view.ex
+    kept = ex.snapshot()
+    name = next(iter(kept))
+    del kept[name]
+    assert ex.not_covered(kept) == [name]
+    before = {n: t.clone() for n, t in ex.module.state_dict().items()}
+    with pytest.raises(KeyError, match="lacks"):
+        with ex.holding(kept, ex.loss_scale):
+            pass
+    assert all(torch.equal(t, before[n]) for n, t in ex.module.state_dict().items())
