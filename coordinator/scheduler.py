@@ -550,8 +550,8 @@ def _best_first(costs: DagCosts, shapes: list[list[list[PeerProfile]]], by_id: P
 def plan_floor(costs: DagCosts, groups: list[list[PeerProfile]], network: Network, options: Options) -> float:
     """No cut of these stage groups reaches the loss sooner: the steady state alone,
     at perfect balance of the work, and never faster than a 1F1B round trip's link
-    latency allows (codecs only add steps); infinite when their memory cannot hold
-    the training state, however cut."""
+    latency allows (codecs only add steps);
+    infinite when their memory cannot hold the training state, however cut."""
     m = options.micro_batches
     models = group_models(groups, network, m)
     held = sum(min(r.memory for r in g.replicas) for g in models)
@@ -559,10 +559,10 @@ def plan_floor(costs: DagCosts, groups: list[list[PeerProfile]], network: Networ
     if held < stage_memory(costs, 0, costs.num_ops, in_flight):
         return math.inf
     steady = balanced_period(costs, models)
-    edges = boundary_models([[p.id for p in g] for g in groups], network, m)
-    for a, b, edge in zip(models, models[1:], edges):
-        if b.window:
-            steady = max(steady, 2 * edge.latency(0.0) / (a.window - b.window + 1))
+    for s, (a, b) in enumerate(zip(models, models[1:])):
+        if b.window:  # micro-batch 0 goes between the groups' first peers
+            link = network.link(groups[s][0].id, groups[s + 1][0].id)
+            steady = max(steady, 2 * link.latency_s / (a.window - b.window + 1))
     return (models[0].rounds - 1) * steady
 
 
