@@ -56,7 +56,7 @@ BENCHMARKS = [
 ]  # fmt: skip
 
 #: a benchmark run that takes longer than this is a regression of its short mode
-TIMEOUT_S = 240
+TIMEOUT_S = 480
 
 #: the byte vocabulary's loss of a uniform guess is ln 256 = 5.55; a few steps of
 #: training from random weights stay near it, never far above
