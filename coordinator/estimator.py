@@ -80,7 +80,7 @@ class DagCosts:
     _pk: list[int] = field(default_factory=list, repr=False)
     _pp: list[int] = field(default_factory=list, repr=False)
     _pa: list[int] = field(default_factory=list, repr=False)
-    _wire: dict[Any, Any] = field(default_factory=dict, repr=False)  # what ``cached`` keeps
+    _wire: dict[Any, Any] = field(default_factory=dict, repr=False, init=False, compare=False)  # what ``cached`` keeps
 
     def __post_init__(self) -> None:
         n = len(self.flops)
@@ -545,6 +545,19 @@ class GroupModel:
         """One micro-batch through the stage (on its slowest replica)."""
         return max(r.seconds(costs, lo, hi, part) for r in self.replicas)
 
+    def _rows(self) -> np.ndarray:
+        """Per replica kind, a micro-batch's seconds per FLOP, per kernel, per parameter
+        byte (its gradient sends) and fixed (their latency)."""
+        return np.array([[3 / max(r.flops, 1.0), 3 * r.overhead_s, r.send_s_per_byte, r.send_latency_s]
+                         for r in self.replicas])  # fmt: skip
+
+    def per_unit(self) -> np.ndarray:
+        """The period's most seconds per FLOP, kernel and parameter byte of the stage,
+        and its fixed part, each over its replicas (``period`` is at least each of them
+        times the stage's amount)."""
+        runs = np.array([r.runs for r in self.replicas], dtype=np.float64)[:, None]
+        return (runs * self._rows()).max(axis=0) / self.rounds
+
     def period(self, costs: DagCosts, lo: int, hi: int, part: str = "FB") -> float:
         """The stage's steady-state time per round of micro-batches (its busiest replica's work)."""
         return max(r.runs * r.seconds(costs, lo, hi, part) for r in self.replicas) / self.rounds
@@ -559,10 +572,7 @@ class GroupModel:
         """``period``, ``fits`` and ``latency`` of ``(costs, lo, hi)`` for every ``hi``
         at once (entries below ``lo`` mean nothing): what a cut search asks most."""
         flops, kernels, params, acts = costs.arrays_from(lo)
-        one = np.ones_like(flops)
-        rows = np.array([[3 / max(r.flops, 1.0), 3 * r.overhead_s, r.send_s_per_byte, r.send_latency_s]
-                         for r in self.replicas])  # fmt: skip
-        each = rows @ np.stack([flops, kernels, params, one])  # one micro-batch, per replica kind
+        each = self._rows() @ np.stack([flops, kernels, params, np.ones_like(flops)])  # a micro-batch, per kind
         runs = np.array([r.runs for r in self.replicas], dtype=np.float64)[:, None]
         limits = np.array([[r.in_flight, r.memory] for r in self.replicas], dtype=np.float64)
         need = STATE_PER_PARAM_BYTE * params[None, :] + limits[:, :1] * acts[None, :]

@@ -567,9 +567,17 @@ def plan_floor(costs: DagCosts, groups: list[list[PeerProfile]], network: Networ
 
 
 def balanced_period(costs: DagCosts, models: list[GroupModel]) -> float:
-    """The slowest stage's period if every stage could take any fraction of the work."""
+    """No cut's slowest stage is faster: each stage's period is at least its fixed
+    part, and at least its seconds per FLOP (per kernel, per parameter byte) times
+    the FLOPs (kernels, bytes) it takes, which add up to the model's, so the slowest
+    takes at least that total over the sum of the stages' inverse rates."""
     n = costs.num_ops
-    return 1 / sum(1 / max(st.period(costs, 0, n), 1e-30) for st in models)
+    units = np.array([st.per_unit() for st in models])
+    bound = float(units[:, 3].max())
+    for d, total in enumerate((costs.stage_flops(0, n), costs.stage_kernels(0, n), costs.stage_params(0, n))):
+        if (units[:, d] > 0).all():
+            bound = max(bound, total / float((1 / units[:, d]).sum()))
+    return bound
 
 
 #: rounds of OP-Fence's peer-move search (each takes the best single move, if it
@@ -592,7 +600,7 @@ def _peer_moves(costs: DagCosts, start: Plan, peers: list[PeerProfile], by_id: P
         moves = _moves([[by_id[i] for i in g] for g in best.groups], peers, network, options)
         gain = best.to_loss_s / MOVE_GAIN if best.valid else math.inf
         top = min(_best_first(costs, moves, by_id, network, options, gain), key=rank, default=None)
-        if top is None or rank(top) >= (best.valid, gain):
+        if top is None or rank(top) >= (not best.valid, gain):
             break
         best = top
     return best
@@ -630,7 +638,7 @@ def _moves(groups: list[list[PeerProfile]], peers: list[PeerProfile], network: N
         mine = [s for s, g in enumerate(groups) if any(home[q.id] == cluster for q in g)]
         for s in mine:
             out.append(groups[:s] + [[*groups[s], p]] + groups[s + 1 :])
-        if not keep_k and mine:
+        if not keep_k and mine and len(groups) < options.max_stages:
             out.append(groups[: mine[-1] + 1] + [[p]] + groups[mine[-1] + 1 :])
     return out
 

@@ -368,3 +368,37 @@ def test_send_sums_equal_every_pair_summed() -> None:
         links = [net.link(a, b) for b in group if b != a]
         assert lat == pytest.approx(sum(x.latency_s for x in links))
         assert spb == pytest.approx(sum(8 / max(x.mbps * 1e6, 1.0) for x in links))
+
+
+def test_the_floor_and_the_cut_hold_when_stages_differ_in_their_cost_mix() -> None:
+    """Ten heavy ops, then a thousand light ones; a peer that is fast per FLOP but pays
+    1 ms per kernel, and one that is slow per FLOP and pays nothing per kernel: the
+    first takes the heavy ops, the second the many light ones. A bound that balances
+    the whole model's mixed cost (5.05 s a round) is above that plan (3.03 s): the
+    floor must stay below it, and the cut must find it."""
+    flops = [10**11] * 10 + [10**7] * 1000
+    n = len(flops)
+    costs = DagCosts(flops, [0] * n, [1] * n, [0] + [1000] * (n - 1), [0] + [1000] * (n - 1))
+    a = PeerProfile("A", 1e12, 10**12, "c", op_overhead_s=1e-3)
+    b = PeerProfile("B", 1e11, 10**12, "c", op_overhead_s=0.0)
+    net = Network({"A": "c", "B": "c"}, {("c", "c"): (1e4, 1e-4)})
+    opts = Options(micro_batches=64)
+    best = evaluate(costs, (10,), [["A"], ["B"]], PeerTable([a, b]), net, opts)
+    assert plan_floor(costs, [[a], [b]], net, opts) <= best.to_loss_s
+    assert cut_for(costs, [[a], [b]], net, opts) == (10,)
+    assert opfence(costs, [a, b], net, opts).to_loss_s == pytest.approx(best.to_loss_s)
+
+
+def test_peer_moves_never_take_a_slower_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The moves' search keeps its start unless a move is faster (a slower valid plan
+    once passed the comparison, which had the validity flag the wrong way round)."""
+    import coordinator.scheduler as sched
+
+    costs, peers, net = _random_instance(1, 5, [8])
+    opts = Options(micro_batches=4)
+    by_id = PeerTable(peers)
+    start = opfence(costs, peers, net, opts)
+    slower = evaluate(costs, start.cut, start.groups, by_id, net, opts)
+    slower.iteration_s = 2 * start.to_loss_s / slower.steps_factor
+    monkeypatch.setattr(sched, "_best_first", lambda *a, **k: [slower])
+    assert sched._peer_moves(costs, start, peers, by_id, net, opts) is start
