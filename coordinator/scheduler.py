@@ -32,6 +32,7 @@ import bisect
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -533,8 +534,9 @@ def _best_first(costs: DagCosts, shapes: list[list[list[PeerProfile]]], by_id: P
                 options: Options, beat: float) -> list[Plan]:  # fmt: skip
     """The plans of these stage groupings (each cut by ``cut_for``), in the order of
     their ``plan_floor``, until no grouping left can beat the best valid plan found
-    (or ``beat``): branch and bound."""
-    keyed = {tuple(tuple(p.id for p in g) for g in groups): groups for groups in shapes}
+    (or ``beat``): branch and bound. Groupings the estimator cannot tell apart are
+    cut once (``_alike``)."""
+    keyed = {_alike(groups, network): groups for groups in shapes}
     floors = sorted((plan_floor(costs, g, network, options), key) for key, g in keyed.items())
     out: list[Plan] = []
     for floor, key in floors:
@@ -545,6 +547,15 @@ def _best_first(costs: DagCosts, shapes: list[list[list[PeerProfile]]], by_id: P
             out.append(got)
             beat = min(beat, got.to_loss_s) if got.valid else beat
     return out
+
+
+def _alike(groups: list[list[PeerProfile]], network: Network) -> tuple[tuple[Any, ...], ...]:
+    """What the estimator sees of a grouping: each member's cluster and figures, in
+    order (peer ids where single links were measured: then any two peers may differ)."""
+    if network.overrides:
+        return tuple(tuple(p.id for p in g) for g in groups)
+    return tuple(tuple((network.cluster_of.get(p.id, p.cluster), p.flops, p.memory_bytes, p.op_overhead_s)
+                       for p in g) for g in groups)  # fmt: skip
 
 
 def plan_floor(costs: DagCosts, groups: list[list[PeerProfile]], network: Network, options: Options) -> float:

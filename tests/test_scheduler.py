@@ -18,6 +18,7 @@ from coordinator.scheduler import (
     SCHEDULERS,
     Options,
     ScheduleError,
+    _alike,
     _moves,
     cut_for,
     evaluate,
@@ -402,3 +403,12 @@ def test_peer_moves_never_take_a_slower_plan(monkeypatch: pytest.MonkeyPatch) ->
     slower.iteration_s = 2 * start.to_loss_s / slower.steps_factor
     monkeypatch.setattr(sched, "_best_first", lambda *a, **k: [slower])
     assert sched._peer_moves(costs, start, peers, by_id, net, opts) is start
+
+
+def test_groupings_the_estimator_cannot_tell_apart_are_cut_once() -> None:
+    peers = [PeerProfile(f"p{i}", 10e12, 80 * GB, "c") for i in range(3)]
+    net = Network({p.id: "c" for p in peers}, {("c", "c"): (10_000.0, 1e-4)})
+    one, other = [[peers[0]], [peers[1]]], [[peers[2]], [peers[0]]]
+    assert _alike(one, net) == _alike(other, net)
+    net.learn("p0", "p1", net.link("p0", "p1").__class__(8.0, 0.1, True))  # a measured pair: peers differ now
+    assert _alike(one, net) != _alike(other, net)
