@@ -600,8 +600,8 @@ MOVE_GAIN = 1.005
 def _peer_moves(costs: DagCosts, start: Plan, peers: list[PeerProfile], by_id: PeerTable, network: Network,
                 options: Options) -> Plan:  # fmt: skip
     """A bounded local search over who runs the stages (the pools and stage counts
-    only try shapes in proportion to compute): move one stage to the back or one
-    place later, take one peer out, or put in one
+    only try shapes in proportion to compute): move one stage to the front, to the
+    back or one place later, take one peer out, or put in one
     standby peer (each cluster's fastest) as a stage of its own after its cluster's
     last stage, or as a replica of a stage of its cluster; every move re-cut by
     ``cut_for``. The best move per round while it gains ``MOVE_GAIN``,
