@@ -412,7 +412,8 @@ def _convicted(suspect: str, twin: str, against: list[tuple[str, Verdict]], rtol
     lost = {suspect: f"{EXCLUDED}spot check: {found}"}
     for c, v in against[:-1]:
         if not alike(v.computed, verdict.computed, rtol):
-            lost[c] = f"{EXCLUDED}its re-execution of {suspect}'s work matched neither it nor {twin} and {last}"
+            gave = v.detail[:200]  # what its own re-execution gave (a fake loss is named here)
+            lost[c] = f"{EXCLUDED}its re-execution of {suspect}'s work matched neither it nor {twin} and {last}: {gave}"
     return PeerLost(lost)
 
 

@@ -32,7 +32,7 @@ from coordinator.links import boundary_specs
 from coordinator.messaging import Messaging
 from coordinator.opdag import build_opdag
 from coordinator.rebalancing import Rebalancing
-from coordinator.runstate import EXCLUDED, PeerLost, RunState
+from coordinator.runstate import BANNED, EXCLUDED, PeerLost, RunState
 from coordinator.weights import InitError, read_init
 from protocol.envelope import Rejected, match_values
 from protocol.graph import Cut
@@ -318,7 +318,9 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
         for m, mb in enumerate(mbs):
             await self._send(first[m % len(first)], Activations(cfg.run_id, step, m, 0, st.epoch), list(mb))
         losses, norms = await self._await_done(step, len(mbs))
+        waited = time.perf_counter()
         await self._audit_settled()  # peers hold one committed step for its spot checks
+        st.audit_wait_s += time.perf_counter() - waited
         checks = self._sample_checks()
         if checks and step + 1 == self.job.steps:  # the result is never left unchecked
             await self._spot_check(step, checks, self.mb_losses)
@@ -529,6 +531,8 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
         assert st.plan is not None
         lost, rollback_to = await self._audit_before_recovery(lost, rollback_to)
         for p, why in lost.items():
+            # revoked at once, a banned peer may be lost to a refused frame before its ban is enforced
+            why = BANNED if p in self.coord.banned else why
             where = self.coord.where(p, st.plan)
             st.lost[p] = why
             self._failed.pop(p, None)

@@ -46,6 +46,8 @@ class DriverParts:
 #: how the reason a peer was dropped begins when it is excluded for the rest of the run
 #: (it sent non-finite values or a non-finite loss), rather than lost (died, stalled)
 EXCLUDED = "excluded: "
+#: why a peer the swarm's host banned left the run
+BANNED = f"{EXCLUDED}banned by the swarm's host"
 
 
 class PeerLost(Exception):
@@ -91,6 +93,7 @@ class RunState:
     tokens_per_step: int = 0
     redone: int = 0
     spot_checks: int = 0  # micro-batches re-executed by a replica (coordinator.auditing)
+    audit_wait_s: float = 0.0  # how long commits waited for the spot checks of the step before
     model_failures: dict[tuple[int, str], set[str]] = field(default_factory=dict)  # (step, reason) -> reporters
     speeds: dict[str, list[float]] = field(default_factory=dict)  # peer -> measured effective FLOP/s
     levels: dict[str, list[float | None]] = field(default_factory=dict)  # peer -> its speed at each check

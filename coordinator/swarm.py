@@ -26,7 +26,7 @@ from coordinator.checkpoint import DB_NAME, CheckpointError, RunDir, default_run
 from coordinator.links import choose_codecs, float_bytes
 from coordinator.private import SECRET_FILE, Admission
 from coordinator.run import Driver
-from coordinator.runstate import EXCLUDED, RunState
+from coordinator.runstate import BANNED, EXCLUDED, RunState
 from coordinator.status import StatusBoard
 from coordinator.web import StatusServer
 from protocol.admission import CERT_TTL_S, issue_certificate, renewal_period, renewal_send_s
@@ -133,6 +133,7 @@ class RunSummary:
     rebalances: list[dict[str, Any]] = field(default_factory=list)  # step, why, what moved, tokens/s before
     val_losses: list[tuple[int, float]] = field(default_factory=list)  # (steps done, validation loss)
     spot_checks: int = 0  # micro-batches re-executed by another replica
+    audit_wait_s: float = 0.0  # seconds commits waited for spot checks still under way
     connections: dict[str, str] = field(default_factory=dict)  # planned peer -> direct, dial-out or forwarded
     forwarded_bytes: int = 0  # frames this coordinator passed between peers behind NATs
 
@@ -176,6 +177,7 @@ class Coordinator:
         self._hello_ports: dict[str, list[int]] = {}  # the ports its hello said it listens on
         self._telling: set[asyncio.Task[None]] = set()
         self._refused: dict[str, str] = {}  # peer -> why its advert is ignored (said once)
+        self.banned: set[str] = set()  # peers the host banned during this run (each lost for that reason)
 
     def _expect(self, env: Envelope, message: Message, sender: str) -> None:
         """Checked before a payload is read: peers send only their kinds, and only a
@@ -523,6 +525,7 @@ class Coordinator:
         known = {p: key_hex(k) for p, k in self.gate.keys.items() if p != me}
         hit = self.admission.banned_among(known)
         telling = []
+        self.banned |= hit
         for p in hit:
             self.gate.revoke(p)
             self.board.event("failure", f"peer {p} is banned by the swarm's host")
@@ -530,7 +533,7 @@ class Coordinator:
         await asyncio.gather(*(t for t in telling if t is not None))  # each bounded by _abort_quietly
         planned = self.driver.st.planned if self.driver is not None else set()  # it may have changed meanwhile
         for p in (hit | self.admission.banned()) & planned:
-            self.driver.fail(p, f"{EXCLUDED}banned by the swarm's host")  # type: ignore[union-attr]
+            self.driver.fail(p, BANNED)  # type: ignore[union-attr]
 
     async def wait_for_peers(self, on_change: Callable[[int], None] | None = None) -> dict[str, Advert]:
         cfg = self.config
@@ -620,6 +623,7 @@ class Coordinator:
             rebalances=list(st.rebalances),
             val_losses=list(st.val_losses),
             spot_checks=st.spot_checks,
+            audit_wait_s=st.audit_wait_s,
             connections={p: self.board.connections.get(p, "direct") for p in st.planned},
             forwarded_bytes=sum(self.transport.forwarded.values()),
         )

@@ -19,7 +19,7 @@ from coordinator.assign import Assignment, network_from_adverts
 from coordinator.auditing import AUDIT_BOX_PER_PEER
 from coordinator.checkpoint import RunDir
 from coordinator.run import Driver
-from coordinator.runstate import EXCLUDED, PeerLost
+from coordinator.runstate import BANNED, EXCLUDED, PeerLost
 from coordinator.swarm import Coordinator, CoordinatorConfig
 from protocol.graph import Cut
 from protocol.job import JobSpec
@@ -139,6 +139,16 @@ def test_recover_with_replicas_keeps_state(tmp_path: Path) -> None:
     st = driver.st
     assert st.epoch == 1 and st.step == 17 and st.restore == "keep" and not st.dispatched
     assert st.plan is not None and st.plan.stages == [["p0"], ["p2"]]
+
+
+def test_a_banned_peer_lost_to_a_refused_frame_is_lost_as_banned(tmp_path: Path) -> None:
+    """A ban revokes the peer at once: its next frame is refused and it may be lost as
+    stalled before the ban itself reaches the driver; it still leaves as banned
+    (excluded, and said so), not as a peer that merely stalled (CI saw the ban line missing)."""
+    driver = _driver(tmp_path, [["p0", "p1"], ["p2"]])
+    driver.coord.banned.add("p1")
+    _recover(driver, {"p1": "it sent no StepDone of step 3 within 30 s"})
+    assert driver.st.lost["p1"] == BANNED
 
 
 def _with_checkpoint(driver: Driver, step: int) -> None:

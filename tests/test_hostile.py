@@ -113,7 +113,7 @@ def test_wrong_but_finite_work_is_caught_by_re_execution(tmp_path: Path) -> None
         for mode, pid in cheats.items():
             assert re.search(rf"peer {pid} .*failed: excluded: ", out), (mode, out[-3000:])
         named = re.search(r"\b0\.0(099\d*|1)\b", out)
-        assert named, "the fake loss is named (as reported, or as its own re-execution gave it)"
+        assert named, ("the fake loss is named (as reported, or as its own re-execution gave it)", out[-4000:])
         assert not any(re.search(rf"peer {h} .*failed", out) for h in honest), "no honest peer was blamed"
         assert set(re.findall(r"stage \d replica \d: peer (\w+)", out)) == honest
         assert re.search(r"(\d+) spot checks", out) and int(re.search(r"(\d+) spot checks", out).group(1)) >= 4 * steps

@@ -105,8 +105,10 @@ def test_a_lying_peer_is_corrected_at_the_first_check(tmp_path: Path) -> None:
     model, not the smallest: there each attention op is so large a share of a stage
     that the claim wins the liar only about half of the model, and the predicted gain
     of undoing that is under the 20% a move needs. The run is long enough that the
-    better plan pays for the move.)"""
-    steps = 300
+    better plan pays twice for the move: 600 steps, as at 300 a 4 s move on a busy
+    machine came within 20% of what the new plan saves, and CI once saw the check at
+    step 20 decline.)"""
+    steps = 600
     swarm = Swarm(tmp_path, _args(tmp_path, steps, 3, DEMO), peers=0)
     try:
         honest = [swarm.add_peer(i) for i in range(2)]
@@ -115,7 +117,7 @@ def test_a_lying_peer_is_corrected_at_the_first_check(tmp_path: Path) -> None:
         before = _ops(state, liar)
         assert before > max(_ops(state, p) for p in honest), "the claim won it the most work"
         line = swarm.coord.wait_line(r"rebalanced at step (\d+): ", 300)
-        assert int(line.group(1)) == EVERY, "corrected at the first check"
+        assert int(line.group(1)) == EVERY, ("corrected at the first check", swarm.coord.output[-3000:])
         after = wait_for(swarm.url, lambda s: s["training"]["epoch"] >= 1 and s["phase"] == "training", 60)
         speeds = {p["id"]: (p["flops"], p.get("measured_flops")) for p in after["peers"]}
         claimed, measured = speeds[liar]

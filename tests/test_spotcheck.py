@@ -140,3 +140,23 @@ def test_kept_weights_that_do_not_cover_the_stage_are_refused() -> None:
         with ex.holding(kept, ex.loss_scale):
             pass
     assert all(torch.equal(t, before[n]) for n, t in ex.module.state_dict().items())
+
+
+def test_a_disputer_that_matched_no_one_is_named_with_what_it_computed() -> None:
+    """Two checkers agree that the suspect's loss is wrong; a third computed something
+    else (it reports a fake loss of its own): it is excluded too, and its line says what
+    its re-execution gave, so the fake loss is on the record (CI once saw it unnamed)."""
+    from coordinator.auditing import _convicted
+    from protocol.messages import Verdict
+
+    def said(detail: str, computed: list[float]) -> Verdict:
+        return Verdict("r", 3, 1, "cheat", False, detail, 0, True, computed)
+
+    against = [
+        ("faker", said("it reported a loss of 5.5; its inputs give 0.01", [0.01, 0.0])),
+        ("twin", said("it reported a loss of 5.5; its inputs give 5.4", [5.4, 0.0])),
+        ("last", said("it reported a loss of 5.5; its inputs give 5.4", [5.4, 0.0])),
+    ]
+    lost = _convicted("cheat", "twin", against, 1e-6).lost
+    assert set(lost) == {"cheat", "faker"}
+    assert lost["faker"].endswith("matched neither it nor twin and last: " + against[0][1].detail)
