@@ -16,7 +16,11 @@ Prints one JSON object:
   alternated (goal <= 0.05); ``spot_check_step_ms_off``/``_on`` are the medians
   of the runs' median step times; ``spot_check_overhead_tokens`` is 1 - tokens/s
   with over tokens/s without, over whole runs (warm-up and every slow step in it:
-  the noisier figure, reported beside).
+  the noisier figure, reported beside). ``spot_check_compute_share``: the peers'
+  own count of their compute on spot checks (weight copies kept, re-executions,
+  a rebuilt stage's weights loaded) over their compute on training, in the runs
+  with checks: free of run-to-run noise, and what the checks cost where the
+  peers have no idle time (as here: 4 peers and a coordinator on 2 cores).
 - ``cheater_caught_within_steps``: the step at which a replica corrupting 10% of
   its micro-batches (finite noise) was excluded by spot checks at the default
   rate (goal <= 20); ``cheater_survival_20_steps`` is the formula's chance that
@@ -109,8 +113,9 @@ async def _attacks(short: bool) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------- swarms
-def _demo(flags: list[str], steps: int) -> tuple[float, float]:
-    """(median step ms, tokens/s over the whole run) of a demo swarm with ``flags``."""
+def _demo(flags: list[str], steps: int) -> tuple[float, float, float]:
+    """(median step ms, tokens/s over the whole run, the peers' compute on spot checks
+    over their compute on training) of a demo swarm with ``flags``."""
     argv = [sys.executable, "-m", "fusionllm", "demo", "--steps", str(steps), *SMALL, *flags]
     done = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=600)
     out = done.stdout
@@ -118,8 +123,9 @@ def _demo(flags: list[str], steps: int) -> tuple[float, float]:
         raise SystemExit(f"the demo {' '.join(flags)} exited {done.returncode}:\n{out[-3000:]}\n{done.stderr[-3000:]}")
     median = re.search(r"measured ([\d.]+) ms \(median\)", out)  # the estimator's line: the measured step
     rate = re.search(r"([\d,]+) tokens/s", out)
-    assert median and rate, out
-    return float(median.group(1)), float(rate.group(1).replace(",", ""))
+    share = re.search(r"([\d.]+)% of the peers' training compute", out)
+    assert median and rate and share, out
+    return float(median.group(1)), float(rate.group(1).replace(",", "")), float(share.group(1)) / 100
 
 
 def spot_check_overhead(short: bool) -> dict[str, float]:
@@ -133,13 +139,14 @@ def spot_check_overhead(short: bool) -> dict[str, float]:
     for _ in range(rounds):
         off.append(_demo([*base, "--spot-check", "0"], steps))
         on.append(_demo([*base, "--spot-check", str(DEFAULT_SPOT_CHECK)], steps))
-    ms_off, ms_on = (statistics.median(ms for ms, _ in runs) for runs in (off, on))
-    rate_off, rate_on = (statistics.median(rate for _, rate in runs) for runs in (off, on))
+    ms_off, ms_on = (statistics.median(run[0] for run in runs) for runs in (off, on))
+    rate_off, rate_on = (statistics.median(run[1] for run in runs) for runs in (off, on))
     return {
         "spot_check_overhead": round(max(0.0, ms_on / ms_off - 1.0), 3),
         "spot_check_step_ms_off": round(ms_off, 2),
         "spot_check_step_ms_on": round(ms_on, 2),
         "spot_check_overhead_tokens": round(max(0.0, 1.0 - rate_on / rate_off), 3),
+        "spot_check_compute_share": round(statistics.median(run[2] for run in on), 3),
     }
 
 

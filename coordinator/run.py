@@ -378,6 +378,8 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
             if self.recipe.needs_norm and inbound.sender in (g[0] for g in st.plan.stages):
                 norms.update(self._checked_norms(inbound.sender, msg))
             st.compute.setdefault(inbound.sender, []).append(msg.compute_s)
+            st.train_compute_s += _seconds(msg.compute_s)
+            st.audit_compute_s += _seconds(msg.audit_s)
             self._measure(inbound.sender, msg)
             st.link_bytes[inbound.sender] = msg.bytes_sent
             st.raw_bytes[inbound.sender] = msg.raw_sent
@@ -608,6 +610,13 @@ def _norm_value(v: object) -> bool:
     """A gradient norm as a peer may report it: a number, not negative (inf and nan
     say the gradients were not finite)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and not v < 0
+
+
+def _seconds(reported: float) -> float:
+    """Seconds a peer reports (of one step: at most an hour), or 0 where the figure is
+    not a finite, non-negative number of them."""
+    ok = isinstance(reported, (int, float)) and math.isfinite(reported) and 0 <= reported <= 3600
+    return float(reported) if ok else 0.0
 
 
 def _finite_losses(sender: str, losses: dict[str, float], overflow_ok: bool = False) -> dict[str, float]:

@@ -94,6 +94,8 @@ class RunState:
     redone: int = 0
     spot_checks: int = 0  # micro-batches re-executed by a replica (coordinator.auditing)
     audit_wait_s: float = 0.0  # how long commits waited for the spot checks of the step before
+    audit_compute_s: float = 0.0  # the peers' compute on spot checks (as they report it)
+    train_compute_s: float = 0.0  # the peers' compute on training steps (as they report it)
     model_failures: dict[tuple[int, str], set[str]] = field(default_factory=dict)  # (step, reason) -> reporters
     speeds: dict[str, list[float]] = field(default_factory=dict)  # peer -> measured effective FLOP/s
     levels: dict[str, list[float | None]] = field(default_factory=dict)  # peer -> its speed at each check

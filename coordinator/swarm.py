@@ -134,6 +134,7 @@ class RunSummary:
     val_losses: list[tuple[int, float]] = field(default_factory=list)  # (steps done, validation loss)
     spot_checks: int = 0  # micro-batches re-executed by another replica
     audit_wait_s: float = 0.0  # seconds commits waited for spot checks still under way
+    audit_share: float = 0.0  # the peers' compute on spot checks over their compute on training
     connections: dict[str, str] = field(default_factory=dict)  # planned peer -> direct, dial-out or forwarded
     forwarded_bytes: int = 0  # frames this coordinator passed between peers behind NATs
 
@@ -624,6 +625,7 @@ class Coordinator:
             val_losses=list(st.val_losses),
             spot_checks=st.spot_checks,
             audit_wait_s=st.audit_wait_s,
+            audit_share=st.audit_compute_s / max(st.train_compute_s, 1e-9),
             connections={p: self.board.connections.get(p, "direct") for p in st.planned},
             forwarded_bytes=sum(self.transport.forwarded.values()),
         )

@@ -58,7 +58,8 @@ def _summary(summary: Any, save: str | None) -> str:
         f"cut {summary.assignment.cut.to_list()}",
         f"{len(summary.checkpoint_s)} checkpoints, {summary.epochs} plan epochs, {summary.failures} peers lost, "
         f"{summary.steps_redone} steps redone, {len(summary.rebalances)} rebalances, {summary.spot_checks} spot checks "
-        f"(commits waited {summary.audit_wait_s:.1f} s for them)",
+        f"({summary.audit_share:.1%} of the peers' training compute; commits waited "
+        f"{summary.audit_wait_s:.1f} s for them)",
     ]
     lines += [f"validation loss after step {steps}: {loss:.6f}" for steps, loss in summary.val_losses]
     for s, group in enumerate(summary.assignment.stages):

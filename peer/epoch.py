@@ -118,6 +118,7 @@ class EpochRunner:
         self.uploads: list[asyncio.Task[int]] = []  # checkpoint states on their way
         self.mb_grads: dict[int, dict[str, torch.Tensor]] = {}  # replicated stages: own gradients per micro-batch
         self.busy_s = 0.0  # compute and throttle pauses (not waits for messages) since the step began
+        self.audit_s = 0.0  # compute spent on spot checks since the last StepDone (reported in it)
         self.kept: dict[tuple[str, int], Inbound] = {}  # this step's received frames: evidence for spot checks
         self.hold: AuditHold | None = None  # the last committed step's, for its spot checks
         self._others: dict[int, StageExecutor] = {}  # other stages of this cut, built to arbitrate
@@ -339,7 +340,8 @@ class EpochRunner:
             await t
         held.pending = step
         sent, raw = dict(tp.bytes_sent), dict(tp.raw_sent)
-        done = StepDone(a.run_id, step, self.s, self.r, losses, self.busy_s, sent, raw, a.epoch, norms)
+        done = StepDone(a.run_id, step, self.s, self.r, losses, self.busy_s, sent, raw, a.epoch, norms, self.audit_s)
+        self.audit_s = 0.0
         await tp.send(node.coordinator.peer_id, done)
         commit: Commit = (await self.mailbox.get(("commit", step), self.timeout)).message
         snapshot = self._snapshot(held.ex, commit.audit)
@@ -399,7 +401,7 @@ class EpochRunner:
     def _snapshot(self, ex: StageExecutor, wanted: bool) -> asyncio.Future[dict[str, torch.Tensor] | None]:
         """The stage's state before this step's update, if the coordinator will spot-check it."""
         if wanted:
-            return asyncio.ensure_future(self.node.run_compute(ex.snapshot))
+            return asyncio.ensure_future(self._audit_compute(ex.snapshot))
         none: asyncio.Future[dict[str, torch.Tensor] | None] = asyncio.get_running_loop().create_future()
         none.set_result(None)
         return none
@@ -426,7 +428,7 @@ class EpochRunner:
             return hold.kept, await hold.state, hold.scale
         if held.pending == step:  # not updated yet: a copy made before the update (both on the compute thread)
             kept, scale = self.kept, held.ex.loss_scale
-            return kept, await self.node.run_compute(held.ex.snapshot), scale
+            return kept, await self._audit_compute(held.ex.snapshot), scale
         return None
 
     async def _answer(self, held: HeldStage, inbound: Inbound) -> None:
@@ -436,7 +438,7 @@ class EpochRunner:
         if found is None:
             return
         kept, state, scale = found
-        compute = self.node.run_compute  # not the step's busy time: the next step may be training
+        compute = self._audit_compute  # not the step's busy time: the next step may be training
         if isinstance(msg, Audit):
             reply, values = audit.evidence_for(msg, kept, state)
         elif msg.stage not in (-1, self.s):  # an arbiter: it rebuilds the other stage from the weights shown
@@ -535,6 +537,12 @@ class EpochRunner:
         event loop: messages and heartbeats go on); both count as busy time."""
         out, seconds = await self.node.run_compute(_timed, self.node.device, fn, *args)
         self.busy_s += seconds + await self.node.throttle.idle(seconds)
+        return out
+
+    async def _audit_compute(self, fn: Any, *args: Any) -> Any:
+        """``fn`` on the compute thread for a spot check, its seconds counted apart."""
+        out, seconds = await self.node.run_compute(_timed, self.node.device, fn, *args)
+        self.audit_s += seconds
         return out
 
     async def _average_replicas(self, ex: StageExecutor, step: int) -> None:

@@ -232,6 +232,7 @@ class StepDone(Message):
     raw_sent: dict[str, int] = field(default_factory=dict)  # destination peer -> those bytes uncompressed
     epoch: int = 0
     grad_norms: dict[str, float] = field(default_factory=dict)  # parameter -> its unscaled gradient's 2-norm
+    audit_s: float = 0.0  # compute seconds spent on spot checks (copies kept, re-executions) since its last StepDone
 
 
 @dataclass(frozen=True)

@@ -502,3 +502,13 @@ def test_a_plan_undone_is_not_proposed_again_with_its_replicas_reordered() -> No
     assert _signature(Assignment(Cut((30,)), [["a"], ["b", "c"]])) != _signature(
         Assignment(Cut((30,)), [["b"], ["a", "c"]])
     )
+
+
+def test_reported_seconds_count_only_when_finite_and_in_range() -> None:
+    """A peer's StepDone says how long it computed, for training and for spot checks;
+    the run's summary adds them up, so a NaN, negative or absurd figure counts as 0."""
+    from coordinator.run import _seconds
+
+    assert [_seconds(x) for x in (0.25, 0, 3600)] == [0.25, 0.0, 3600.0]
+    assert [_seconds(x) for x in (float("nan"), float("inf"), -1.0, 1e9)] == [0.0] * 4
+    assert _seconds("1") == 0.0  # type: ignore[arg-type]
