@@ -4,11 +4,15 @@ its payload into a buffer that grows as bytes arrive (never sized by a claim).""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import sys
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from protocol.envelope import HEAD, MAGIC, Reject, Rejected
 from protocol.identity import SIGNATURE_BYTES
 from protocol.wire import MAX_HEADER_BYTES, read_growing
+
+T = TypeVar("T")
 
 
 async def read_or_end(reader: asyncio.StreamReader, n: int, what: str) -> bytes | None:
@@ -36,10 +40,40 @@ async def read_frame_head(reader: asyncio.StreamReader) -> bytes | None:
     return first + await reader.readexactly(hlen + SIGNATURE_BYTES)
 
 
+#: a payload must arrive at this average rate at least, after a grace of
+#: ``PAYLOAD_GRACE_S``: a sender that trickles bytes (or stops inside a payload) holds
+#: its stream, its budget and the bytes read so far no longer than that
+MIN_PAYLOAD_RATE = 64 * 1024  # bytes per second (an honest 8 Mbit/s uplink is 16 times that)
+PAYLOAD_GRACE_S = 30.0
+
+
+def payload_deadline(size: int) -> float:
+    """Seconds a payload of ``size`` bytes may take to arrive."""
+    return PAYLOAD_GRACE_S + size / MIN_PAYLOAD_RATE
+
+
+async def _within(read: Awaitable[T], seconds: float) -> T:
+    """``read``, cancelled after ``seconds`` (``asyncio.TimeoutError``); on Python 3.11+
+    without the task ``wait_for`` makes for each call (this runs for every payload)."""
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(seconds):
+            return await read
+    return await asyncio.wait_for(read, seconds)
+
+
 async def read_payload(
     reader: asyncio.StreamReader, size: int, on_chunk: Callable[[], None] | None = None
 ) -> memoryview:
-    payload = await read_growing(reader, size, on_chunk)
+    """A payload of ``size`` bytes (``Rejected``: the stream ended inside it, or it came
+    slower than ``MIN_PAYLOAD_RATE``)."""
+    limit = payload_deadline(size)
+    try:
+        payload = await _within(read_growing(reader, size, on_chunk), limit)
+    except asyncio.TimeoutError:
+        raise Rejected(
+            Reject.TRUNCATED,
+            f"a payload of {size} bytes did not arrive within {limit:.0f} s (slower than {MIN_PAYLOAD_RATE} B/s)",
+        ) from None
     if payload is None:
         raise Rejected(Reject.TRUNCATED, "stream ended inside a payload")
     return payload

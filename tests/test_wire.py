@@ -101,3 +101,29 @@ def test_transport_sends_small_and_laned_frames() -> None:
             assert a.bytes_sent[b.peer_id] > big.nbytes
 
     asyncio.run(go())
+
+
+def test_a_payload_trickled_slower_than_the_minimum_rate_is_cut(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sender that claims a payload and then sends a few bytes and stops (or
+    trickles them) holds its stream only until the payload's deadline: grace plus its
+    size at ``MIN_PAYLOAD_RATE``; an honest payload arrives whole."""
+    from protocol import streams
+    from protocol.envelope import Reject, Rejected
+
+    monkeypatch.setattr(streams, "PAYLOAD_GRACE_S", 0.2)
+    monkeypatch.setattr(streams, "MIN_PAYLOAD_RATE", 1000)
+    assert streams.payload_deadline(1000) == pytest.approx(1.2)
+
+    async def run() -> None:
+        honest = asyncio.StreamReader()
+        honest.feed_data(b"x" * 100)
+        assert bytes(await streams.read_payload(honest, 100)) == b"x" * 100
+        slow = asyncio.StreamReader()
+        slow.feed_data(b"x" * 10)  # then nothing: the payload's 0.3 s pass
+        start = asyncio.get_running_loop().time()
+        with pytest.raises(Rejected) as err:
+            await streams.read_payload(slow, 100)
+        assert err.value.code is Reject.TRUNCATED and "did not arrive within" in str(err.value)
+        assert asyncio.get_running_loop().time() - start < 2.0
+
+    asyncio.run(run())
