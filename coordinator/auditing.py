@@ -59,6 +59,9 @@ MAX_MORE_CHECKERS = 3
 AUDIT_GRACE_S = 10.0
 #: spot-check answers waiting to be read from one peer (a peer that sends more loses the surplus)
 AUDIT_BOX_PER_PEER = 8
+#: the run directory's record of checkpoints written while an earlier step's spot checks were
+#: under way: {checkpoint step: the checked step}, each cleared when its checks pass
+UNAUDITED = "unaudited"
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +75,7 @@ class Auditing(DriverParts):
     audit_queued: collections.Counter[str]  # answers waiting in the box, by sender
     _audit: tuple[int, asyncio.Task[None]] | None  # the committed step whose spot checks are under way
     _audit_rng = random.Random()  # seeded from the OS: peers cannot predict which micro-batch is checked
+    _marked = False  # whether the run directory records a checkpoint written while checks were under way
 
     def _sample_checks(self) -> list[tuple[int, int]]:
         """The (stage, micro-batch) pairs of this step to re-execute, each drawn with the
@@ -121,10 +125,44 @@ class Auditing(DriverParts):
         step, task = self._audit
         self._audit = None
         exc = task.exception()
+        if exc is None:  # passed: the checkpoints written meanwhile are trusted
+            self._unmark(lambda _, checked: checked == step)
         if isinstance(exc, PeerLost):
             raise PeerLost(exc.lost, rollback_to=step)
         if exc is not None:
             raise exc
+
+    def _note_unaudited(self, checkpoint_step: int) -> None:
+        """A checkpoint was written while the spot checks of an earlier step (whose update
+        it holds) are under way: a resume must not start from it unless they pass."""
+        if self._audit is None or self._audit[0] >= checkpoint_step:
+            return
+        marks = {**self.run_dir.get_meta(UNAUDITED, {}), str(checkpoint_step): self._audit[0]}
+        self.run_dir.set_meta(UNAUDITED, marks)
+        self._marked = True
+
+    def _unmark(self, settled: Callable[[int, int], bool]) -> None:
+        """Forget the records (checkpoint step, checked step) that ``settled``: their
+        checks passed, or a rollback dropped their checkpoints."""
+        if not self._marked:  # nothing recorded (the common case: no read)
+            return
+        marks = self.run_dir.get_meta(UNAUDITED, {})
+        left = {c: s for c, s in marks.items() if not settled(int(c), s)}
+        self.run_dir.set_meta(UNAUDITED, left)
+        self._marked = bool(left)
+
+    def _drop_unaudited(self) -> None:
+        """On resume: checkpoints written while spot checks were under way that never
+        finished (the coordinator stopped) hold an update no one verified: dropped, so
+        the run resumes from before the checked step."""
+        marks = self.run_dir.get_meta(UNAUDITED, {})
+        if not marks:
+            return
+        step = min(marks.values())
+        self.run_dir.drop_after(step)
+        self.run_dir.set_meta(UNAUDITED, {})
+        self.on_event(f"the spot checks of step {step} had not finished when the coordinator stopped: "
+                      f"the checkpoints written since are dropped")  # fmt: skip
 
     async def _audit_settled(self, grace: float | None = None) -> None:
         """Wait for the audit under way (within ``grace`` seconds: then it is given up,

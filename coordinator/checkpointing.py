@@ -119,6 +119,7 @@ class Checkpointing(DriverParts):
         asked = st.asked_at.pop(step, None)
         if asked is not None:  # what a checkpoint costs, from the commit that asked for it to written
             st.checkpoint_cost_s = time.perf_counter() - asked
+        self._note_unaudited(step)  # type: ignore[attr-defined]
         if st.checkpoint is None or saved.step >= st.checkpoint.step:
             st.checkpoint = saved
         self.coord.board.checkpoint(step, str(saved.path), seconds, saved.nbytes)

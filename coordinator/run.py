@@ -150,6 +150,7 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
 
     async def _resume(self, on_peers: Callable[[int], None] | None) -> None:
         st = self.st
+        self._drop_unaudited()
         info = self.run_dir.latest()
         st.checkpoint = info
         st.step = info.step if info else 0
@@ -583,6 +584,7 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
         await self._flush_writes()
         if at_most is not None and st.checkpoint is not None and st.checkpoint.step > at_most:
             self.run_dir.drop_after(at_most)
+            self._unmark(lambda ckpt, _: ckpt > at_most)
             st.checkpoint = self.run_dir.latest()
         to = st.checkpoint.step if st.checkpoint else 0
         redone = st.step - to

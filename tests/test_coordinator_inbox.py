@@ -512,3 +512,53 @@ def test_reported_seconds_count_only_when_finite_and_in_range() -> None:
     assert [_seconds(x) for x in (0.25, 0, 3600)] == [0.25, 0.0, 3600.0]
     assert [_seconds(x) for x in (float("nan"), float("inf"), -1.0, 1e9)] == [0.0] * 4
     assert _seconds("1") == 0.0  # type: ignore[arg-type]
+
+
+def test_a_checkpoint_written_while_checks_were_under_way_is_not_resumed_from(tmp_path: Path) -> None:
+    """The checkpoint of step 6 is written while the spot checks of step 5 (whose update
+    it holds) are under way. Passed, it is trusted; if the coordinator stops before they
+    finish, a resume drops it and starts from step 4; a rollback that drops it forgets it."""
+
+    async def under_way() -> None:
+        await asyncio.sleep(60)
+
+    def written_while_checking(driver: Driver) -> asyncio.Task[None]:
+        for step in (4, 6):
+            _with_checkpoint(driver, step)
+        task = asyncio.get_running_loop().create_task(under_way())
+        driver._audit = (5, task)
+        driver._note_unaudited(6)
+        driver._note_unaudited(5)  # the checks of step 5 do not touch the checkpoint of step 5
+        return task
+
+    async def go() -> None:
+        driver = _driver(tmp_path / "a", [["p0"], ["p1"]])
+        task = written_while_checking(driver)
+        assert driver.run_dir.get_meta("unaudited") == {"6": 5}
+        task.cancel()
+        driver._audit = None
+        events: list[str] = []
+        driver.on_event = events.append
+        driver._drop_unaudited()  # what a resume does first
+        assert driver.run_dir.latest().step == 4 and "spot checks of step 5 had not finished" in events[0]
+        assert driver.run_dir.get_meta("unaudited") == {}
+
+        passed = _driver(tmp_path / "b", [["p0"], ["p1"]])
+        task = written_while_checking(passed)
+        task.cancel()
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        passed._audit = (5, done)  # the checks of step 5 passed
+        passed._audit_outcome()
+        assert passed.run_dir.get_meta("unaudited") == {}
+        passed._drop_unaudited()
+        assert passed.run_dir.latest().step == 6
+
+        failed = _driver(tmp_path / "c", [["p0"], ["p1"]])
+        written_while_checking(failed).cancel()
+        failed._audit = None
+        failed.st.step, failed.st.losses, failed.st.checkpoint = 7, [1.0] * 7, failed.run_dir.latest()
+        await failed._rollback("audit", at_most=5)  # the checks of step 5 found a cheat
+        assert failed.st.step == 4 and failed.run_dir.get_meta("unaudited") == {}
+
+    asyncio.run(go())
