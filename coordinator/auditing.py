@@ -161,7 +161,7 @@ class Auditing(DriverParts):
         step = min(marks.values())
         self.run_dir.drop_after(step)
         self.run_dir.set_meta(UNAUDITED, {})
-        self.on_event(f"the spot checks of step {step} had not finished when the coordinator stopped: "
+        self.on_event(f"the spot checks of step {step} had not passed when the coordinator stopped: "
                       f"the checkpoints written since are dropped")  # fmt: skip
 
     async def _audit_settled(self, grace: float | None = None) -> None:
@@ -451,7 +451,8 @@ def _convicted(suspect: str, twin: str, against: list[tuple[str, Verdict]], rtol
     for c, v in against[:-1]:
         if not alike(v.computed, verdict.computed, rtol):
             gave = v.detail[:200]  # what its own re-execution gave (a fake loss is named here)
-            lost[c] = f"{EXCLUDED}its re-execution of {suspect}'s work matched neither it nor {twin} and {last}: {gave}"
+            lost[c] = (f"{EXCLUDED}its re-execution of {suspect}'s work matched neither it nor {twin} and {last} "
+                       f"(its own verdict: {gave})")  # fmt: skip
     return PeerLost(lost)
 
 

@@ -110,6 +110,7 @@ class Checkpointing(DriverParts):
         st, plan = self.st, self.st.plan
         assert plan is not None
         info = {"cut": plan.cut.to_list(), "stages": plan.stages, "codecs": [str(c) for c in st.codecs]}
+        self._note_unaudited(step)  # type: ignore[attr-defined]  # before the save: a stop may cut it short
         t0 = time.perf_counter()
         saved = await asyncio.get_running_loop().run_in_executor(
             None, self.run_dir.save_checkpoint, step, st.epoch, stages, info
@@ -119,7 +120,6 @@ class Checkpointing(DriverParts):
         asked = st.asked_at.pop(step, None)
         if asked is not None:  # what a checkpoint costs, from the commit that asked for it to written
             st.checkpoint_cost_s = time.perf_counter() - asked
-        self._note_unaudited(step)  # type: ignore[attr-defined]
         if st.checkpoint is None or saved.step >= st.checkpoint.step:
             st.checkpoint = saved
         self.coord.board.checkpoint(step, str(saved.path), seconds, saved.nbytes)

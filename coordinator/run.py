@@ -535,7 +535,7 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
         lost, rollback_to = await self._audit_before_recovery(lost, rollback_to)
         for p, why in lost.items():
             # revoked at once, a banned peer may be lost to a refused frame before its ban is enforced
-            why = BANNED if p in self.coord.banned else why
+            why = BANNED if p in self.coord.banned and not why.startswith(EXCLUDED) else why
             where = self.coord.where(p, st.plan)
             st.lost[p] = why
             self._failed.pop(p, None)

@@ -533,7 +533,9 @@ class Coordinator:
             telling.append(self._tell_refused(p, f"{p} is banned from run '{self.config.run_id}' by the swarm's host"))
         await asyncio.gather(*(t for t in telling if t is not None))  # each bounded by _abort_quietly
         planned = self.driver.st.planned if self.driver is not None else set()  # it may have changed meanwhile
-        for p in (hit | self.admission.banned()) & planned:
+        dropped = (hit | self.admission.banned()) & planned
+        self.banned |= dropped
+        for p in dropped:
             self.driver.fail(p, BANNED)  # type: ignore[union-attr]
 
     async def wait_for_peers(self, on_change: Callable[[int], None] | None = None) -> dict[str, Advert]:

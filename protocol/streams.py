@@ -42,9 +42,13 @@ async def read_frame_head(reader: asyncio.StreamReader) -> bytes | None:
 
 #: a payload must arrive at this average rate at least, after a grace of
 #: ``PAYLOAD_GRACE_S``: a sender that trickles bytes (or stops inside a payload) holds
-#: its stream, its budget and the bytes read so far no longer than that
-MIN_PAYLOAD_RATE = 64 * 1024  # bytes per second (an honest 8 Mbit/s uplink is 16 times that)
-PAYLOAD_GRACE_S = 30.0
+#: its stream, its budget and the bytes read so far no longer than that. One stream's
+#: floor is a sixteenth of a laned frame's (``FRAME_MIN_RATE``): a frame's lanes and
+#: the sender's other streams share its uplink (an 8 Mbit/s one carries 120 streams at it)
+MIN_PAYLOAD_RATE = 8 * 1024  # bytes per second
+PAYLOAD_GRACE_S = 120.0
+#: a whole frame sent over lanes must arrive at this average rate (1 Mbit/s), after the same grace
+FRAME_MIN_RATE = 125_000
 
 
 def payload_deadline(size: int) -> float:

@@ -29,7 +29,7 @@ from protocol.envelope import Envelope, Gate, Reject, Rejected, Sealer, inline_p
 from protocol.forward import FWD_PROTOCOL, Forwarding
 from protocol.identity import Identity
 from protocol.messages import Message
-from protocol.streams import discard, linger, read_frame_head, read_payload
+from protocol.streams import FRAME_MIN_RATE, PAYLOAD_GRACE_S, discard, linger, read_frame_head, read_payload
 from protocol.wire import (
     Frame,
     Link,
@@ -391,8 +391,7 @@ class Transport(Forwarding):
         lanes = env.lanes or {}
         sizes = lanes["bytes"]
         keys = [(sender, lanes["id"], i) for i in range(len(sizes))]
-        # two minutes, plus the time the payload takes at 1 Mbit/s
-        limit = 120 + sum(sizes) / 125_000
+        limit = PAYLOAD_GRACE_S + sum(sizes) / FRAME_MIN_RATE
         try:
             parts = await asyncio.wait_for(asyncio.gather(*(self._lane_future(k) for k in keys)), limit)
         except asyncio.TimeoutError:

@@ -540,7 +540,7 @@ def test_a_checkpoint_written_while_checks_were_under_way_is_not_resumed_from(tm
         events: list[str] = []
         driver.on_event = events.append
         driver._drop_unaudited()  # what a resume does first
-        assert driver.run_dir.latest().step == 4 and "spot checks of step 5 had not finished" in events[0]
+        assert driver.run_dir.latest().step == 4 and "spot checks of step 5 had not passed" in events[0]
         assert driver.run_dir.get_meta("unaudited") == {}
 
         passed = _driver(tmp_path / "b", [["p0"], ["p1"]])
@@ -560,5 +560,35 @@ def test_a_checkpoint_written_while_checks_were_under_way_is_not_resumed_from(tm
         failed.st.step, failed.st.losses, failed.st.checkpoint = 7, [1.0] * 7, failed.run_dir.latest()
         await failed._rollback("audit", at_most=5)  # the checks of step 5 found a cheat
         assert failed.st.step == 4 and failed.run_dir.get_meta("unaudited") == {}
+
+    asyncio.run(go())
+
+
+def test_a_peer_convicted_and_banned_keeps_its_conviction(tmp_path: Path) -> None:
+    driver = _driver(tmp_path, [["p0", "p1"], ["p2"]])
+    driver.coord.banned.add("p1")
+    _recover(driver, {"p1": f"{EXCLUDED}spot check: it reported a loss of 0.01"})
+    assert driver.st.lost["p1"].endswith("it reported a loss of 0.01")
+
+
+def test_the_record_is_written_before_the_checkpoint_itself(tmp_path: Path) -> None:
+    """The real write path records the checkpoint as unchecked before it saves it: a
+    coordinator stopped mid-save leaves a record, never an unrecorded checkpoint."""
+
+    async def go() -> None:
+        driver = _driver(tmp_path, [["p0"], ["p1"]])
+        seen: list[object] = []
+        save = driver.run_dir.save_checkpoint
+
+        def saving(*args: object) -> object:
+            seen.append(driver.run_dir.get_meta("unaudited"))
+            return save(*args)
+
+        driver.run_dir.save_checkpoint = saving  # type: ignore[method-assign]
+        task = asyncio.get_running_loop().create_task(asyncio.sleep(60))
+        driver._audit = (5, task)
+        await driver._write(6, [{"w": torch.zeros(1)} for _ in range(2)])
+        task.cancel()
+        assert seen == [{"6": 5}] and driver.run_dir.latest().step == 6
 
     asyncio.run(go())

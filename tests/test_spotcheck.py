@@ -159,4 +159,4 @@ def test_a_disputer_that_matched_no_one_is_named_with_what_it_computed() -> None
     ]
     lost = _convicted("cheat", "twin", against, 1e-6).lost
     assert set(lost) == {"cheat", "faker"}
-    assert lost["faker"].endswith("matched neither it nor twin and last: " + against[0][1].detail)
+    assert lost["faker"].endswith(f"matched neither it nor twin and last (its own verdict: {against[0][1].detail})")
