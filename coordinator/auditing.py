@@ -294,8 +294,8 @@ class Auditing(DriverParts):
         for checker, ask in more[:MAX_MORE_CHECKERS]:
             verdict = await ask()
             if verdict.agree:
-                return PeerLost({c: f"{EXCLUDED}it disputed {suspect}'s work that {checker} re-executed the same"
-                                 for c, _ in against})  # fmt: skip
+                return PeerLost({c: f"{EXCLUDED}it disputed {suspect}'s work that {checker} re-executed the same "
+                                 f"{_own(v)}" for c, v in against})  # fmt: skip
             twin = next((c for c, v in against if alike(v.computed, verdict.computed, self._rtol(c, checker))), None)
             against.append((checker, verdict))
             if twin is not None:
@@ -450,10 +450,15 @@ def _convicted(suspect: str, twin: str, against: list[tuple[str, Verdict]], rtol
     lost = {suspect: f"{EXCLUDED}spot check: {found}"}
     for c, v in against[:-1]:
         if not alike(v.computed, verdict.computed, rtol):
-            gave = v.detail[:200]  # what its own re-execution gave (a fake loss is named here)
-            lost[c] = (f"{EXCLUDED}its re-execution of {suspect}'s work matched neither it nor {twin} and {last} "
-                       f"(its own verdict: {gave})")  # fmt: skip
+            neither = f"its re-execution of {suspect}'s work matched neither it nor {twin} and {last}"
+            lost[c] = f"{EXCLUDED}{neither} {_own(v)}"
     return PeerLost(lost)
+
+
+def _own(verdict: Verdict) -> str:
+    """What a disputing checker's own re-execution gave, for its exclusion's line (a
+    checker that fakes a loss is named with it)."""
+    return f"(its own verdict: {verdict.detail[:200]})"
 
 
 def _same(a: tuple[list[str], list[torch.Tensor]], b: tuple[list[str], list[torch.Tensor]]) -> bool:

@@ -592,3 +592,30 @@ def test_the_record_is_written_before_the_checkpoint_itself(tmp_path: Path) -> N
         assert seen == [{"6": 5}] and driver.run_dir.latest().step == 6
 
     asyncio.run(go())
+
+
+def test_disputers_of_honest_work_are_named_with_their_own_verdicts(tmp_path: Path) -> None:
+    """A noisy cheat checks honest work and disputes it, a fake-loss cheat disputes it
+    too (with its own loss), an honest third agrees with the suspect: both disputers are
+    excluded, each line saying what its own re-execution gave (CI once saw the fake
+    loss unnamed when the fake-loss peer was caught this way)."""
+    from protocol.messages import Verdict
+
+    def said(agree: bool, detail: str, computed: list[float]) -> Verdict:
+        return Verdict("r", 0, 1, "p0", agree, detail, 0, True, computed)
+
+    async def go() -> PeerLost:
+        driver = _driver(tmp_path, [["p0", "noisy", "faker", "p1"]])
+
+        async def fake() -> Verdict:
+            return said(False, "it reported a loss of 5.5; its inputs give 0.01", [0.01, 0.0])
+
+        async def honest() -> Verdict:
+            return said(True, "", [])
+
+        first = ("noisy", said(False, "it reported a loss of 5.5; its inputs give 5.6", [5.6, 0.0]))
+        return await driver._settle((0, 1), "p0", first, [("faker", fake), ("p1", honest)])
+
+    lost = asyncio.run(go()).lost
+    assert set(lost) == {"noisy", "faker"}
+    assert lost["faker"].endswith("(its own verdict: it reported a loss of 5.5; its inputs give 0.01)")
