@@ -380,7 +380,7 @@ class Auditing(DriverParts):
         coord, msg, values = self.coord, inbound.message, inbound.values()
         kind = ROLES[role][0].KIND
         i = msg.kinds.index(kind) if kind in msg.kinds and len(values) == 2 * len(msg.kinds) else -1
-        key = coord.identity.public_key if signer == coord.transport.peer_id else coord.gate.keys.get(signer)
+        key = coord.identity.public_key if signer == coord.transport.peer_id else coord.gate.signer_key(signer)
         pair = values[2 * i : 2 * i + 2] if i >= 0 else []
         found = signed_frame(self.cfg.run_id, signer, key, pair)
         step, mb, s = where

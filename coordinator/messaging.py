@@ -141,7 +141,7 @@ class Messaging(DriverParts):
         if not suspect or suspect not in self.st.planned:
             return {reporter: msg.reason}
         if msg.poison:  # the suspect's own signed frame must show the NaN, or the reporter lied
-            if poisoned_frame(self.cfg.run_id, suspect, self.coord.gate.keys.get(suspect), inbound.values()):
+            if poisoned_frame(self.cfg.run_id, suspect, self.coord.gate.signer_key(suspect), inbound.values()):
                 return {suspect: f"{EXCLUDED}{msg.reason[:200]} (reported by {reporter}, its signed frame checked)"}
             return {
                 reporter: f"{EXCLUDED}it reported poison from {suspect} that the signed frame it sent does not show"

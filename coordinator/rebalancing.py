@@ -84,23 +84,28 @@ class Rebalancing(DriverParts):
         try:
             candidate = self._plan(ads, leave_out=True)
         except Exception as exc:  # no plan for these peers now: keep the current one
-            logger.info("no rebalancing plan: %s", exc)
+            self._said(f"rebalance check at step {st.step}: no plan for the measured speeds: {exc}")
             return None
         if candidate.cut == st.plan.cut and candidate.stages == st.plan.stages or candidate.plan is None:
-            logger.info("rebalance check at step %d: the plan on measured speeds is the current one", st.step)
+            self._said(f"rebalance check at step {st.step}: the plan on measured speeds is the current one")
             return None
         if _signature(candidate) in st.reverted:
-            logger.info("rebalance check at step %d: the plan on measured speeds was tried and undone", st.step)
+            self._said(f"rebalance check at step {st.step}: the plan on measured speeds was tried and undone")
             return None
         remaining, move = self.job.steps - st.step, self._move_seconds()
         decision = replan.rebalance(
             self._predicted(ads), candidate.plan.iteration_s, remaining, move, st.rebalance_doubt
         )
-        logger.info("rebalance check at step %d: %s", st.step, decision.why)
+        self._said(f"rebalance check at step {st.step}: {decision.why}")
         if not decision.go:
             return None
         st.rebalance_why, st.rebalance_gain = decision.why, decision.current_s / decision.candidate_s
         return candidate
+
+    def _said(self, text: str) -> None:
+        """A rebalance check's outcome: logged, and shown on the page (its own history)."""
+        logger.info("%s", text)
+        self.coord.board.event("check", text)
 
     def _supersede_rebalance(self) -> None:
         """Peers were lost before the last rebalance was judged: what follows measures the

@@ -45,11 +45,12 @@ none changed meaning):
   ``forwarded`` when both are, through the coordinator).
 - ``rejected``: counts of rejected messages by reason code.
 - ``events``: ``{"t", "kind", "text"}``, oldest first: the last 50 ``rejected``,
-  the last 20 ``checkpoint`` and the last 200 of the other kinds, merged, so
-  neither a flood of rejections nor routine checkpoints hide a failure. Kinds:
+  the last 20 ``checkpoint``, the last 20 ``check`` (a rebalance check's outcome,
+  also when the plan is kept) and the last 200 of the other kinds, merged, so
+  neither a flood of rejections nor routine events hide a failure. Kinds:
   join, leave, plan, links, epoch, failure, replace, rollback, checkpoint,
-  resume, audit, rejected, done and failed. *(revision 2: the separate histories and
-  the kinds from epoch to resume)*
+  resume, audit, rebalance, check, rejected, done and failed. *(revision 2: the
+  separate histories and the kinds from epoch to resume, rebalance and check)*
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ LATE_S, SILENT_S = 10.0, 30.0
 MAX_EVENTS = 200
 # Kinds that come in floods (rejections) or routinely (a checkpoint every N steps) keep
 # their own shorter histories, so they never push the rare ones (joins, plans, failures) out.
-ROUTINE_EVENTS = {"rejected": 50, "checkpoint": 20}
+ROUTINE_EVENTS = {"rejected": 50, "checkpoint": 20, "check": 20}
 MAX_REJECTED_EVENTS = ROUTINE_EVENTS["rejected"]
 PEER_STATES = ("joined", "serving", "standby", "lost")
 #: how far above its measured speed a peer's advertised FLOP/s may be before the page flags the claim: step

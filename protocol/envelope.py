@@ -264,6 +264,9 @@ class Gate:
         self.max_payload = max_payload
         self.window = window
         self.keys: dict[str, Ed25519PublicKey] = {}
+        #: the keys of revoked senders (at most MAX_SENDERS, oldest dropped first): what they
+        #: signed while admitted is still checked against them (a spot check's evidence)
+        self.former: collections.OrderedDict[str, Ed25519PublicKey] = collections.OrderedDict()
         #: sender -> when its admission certificate ends (wall-clock seconds; absent: it does not end)
         self.until: dict[str, float] = {}
         self.wall: Callable[[], float] = time.time
@@ -292,12 +295,23 @@ class Gate:
 
     def admit(self, peer_id: str, key: Ed25519PublicKey) -> None:
         self.keys[peer_id] = key
+        self.former.pop(peer_id, None)
         self.refused.discard(peer_id)
 
     def revoke(self, peer_id: str) -> None:
         """Refuse ``peer_id``'s messages from now on (until admitted again)."""
-        self.keys.pop(peer_id, None)
+        key = self.keys.pop(peer_id, None)
         self.until.pop(peer_id, None)
+        if key is not None:
+            self.former[peer_id] = key
+            self.former.move_to_end(peer_id)
+            while len(self.former) > MAX_SENDERS:
+                self.former.popitem(last=False)
+
+    def signer_key(self, peer_id: str) -> Ed25519PublicKey | None:
+        """The key ``peer_id`` signs with: its admitted one, else the one it had when it
+        was revoked (frames it signed before a ban are still its own)."""
+        return self.keys.get(peer_id) or self.former.get(peer_id)
 
     def expired(self, peer_id: str) -> float | None:
         """Seconds since ``peer_id``'s admission certificate ended, or None if it holds."""

@@ -278,6 +278,9 @@ def test_a_lying_advert_is_corrected_by_measurement(tmp_path: Path) -> None:
     assert speeds["p1"] == pytest.approx(speeds["p0"], rel=1e-6)
     measured = {a.peer_id: a.flops for a in driver._measured(list(driver.coord.adverts.values()))}
     assert measured["p1"] == pytest.approx(speeds["p1"]) and measured["p1"] < 1e12
+    driver._rebalance_check()  # what it decided, shown on the page (CI could not tell why a check declined)
+    checks = [e["text"] for e in driver.coord.board.state()["events"] if e["kind"] == "check"]
+    assert len(checks) == 1 and checks[0].startswith("rebalance check at step 5: "), checks
 
 
 def test_rebalances_that_do_not_deliver_raise_the_bar() -> None:

@@ -160,3 +160,24 @@ def test_a_disputer_that_matched_no_one_is_named_with_what_it_computed() -> None
     lost = _convicted("cheat", "twin", against, 1e-6).lost
     assert set(lost) == {"cheat", "faker"}
     assert lost["faker"].endswith(f"matched neither it nor twin and last (its own verdict: {against[0][1].detail})")
+
+
+def test_frames_signed_before_a_ban_are_still_checked_against_the_signers_key() -> None:
+    """A ban revokes a peer's admission, not what it signed while admitted: a spot check
+    of an earlier step checks the banned peer's frame that an honest peer shows (CI: the
+    honest receiver was excluded, "it could not show the grad_in frame: none came")."""
+    from protocol.envelope import MAX_SENDERS, Gate, signed_frame
+
+    gate = Gate(RUN)
+    gate.admit("next", IDS["next"].public_key)
+    evidence, _ = _signed("next", Gradients(RUN, 0, 0, 0), [torch.ones(3)])
+    gate.revoke("next")
+    assert "next" not in gate.keys, "its new frames are refused"
+    assert signed_frame(RUN, "next", gate.signer_key("next"), evidence) is not None
+    assert gate.signer_key("checker") is None
+    gate.admit("next", IDS["checker"].public_key)  # admitted again, with another key: that one counts
+    assert gate.signer_key("next") is IDS["checker"].public_key and "next" not in gate.former
+    for i in range(MAX_SENDERS + 5):  # revoked keys are kept for a bounded number of peers
+        gate.admit(f"p{i}", IDS["next"].public_key)
+        gate.revoke(f"p{i}")
+    assert len(gate.former) == MAX_SENDERS and gate.signer_key("p0") is None

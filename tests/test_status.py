@@ -194,10 +194,11 @@ def test_a_flood_of_rejections_does_not_push_out_a_failure() -> None:
         board.reject("x", "bad_signature", f"message {i}")
         if i % 2 == 0:  # routine checkpoints do not push it out either
             board.checkpoint(i, f"/runs/r/ckpt-{i}", 0.5, 1000)
+            board.event("check", f"rebalance check at step {i}: the plan on measured speeds is the current one")
     board.checkpoint(6, "/runs/r/ckpt-6", 0.5, 1000)
     events = board.state()["events"]
     kinds = [e["kind"] for e in events]
-    assert kinds.count("rejected") == MAX_REJECTED_EVENTS and kinds.count("checkpoint") == 20
+    assert kinds.count("rejected") == MAX_REJECTED_EVENTS and kinds.count("checkpoint") == kinds.count("check") == 20
     assert events[-2]["text"].endswith("message 999") and kinds[-1] == "checkpoint"
     assert kinds[:9] == ["join"] * 4 + ["epoch", "plan", "links", "failure", "rejected"]
     assert [e["t"] for e in events] == sorted(e["t"] for e in events)
