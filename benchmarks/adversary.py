@@ -24,7 +24,10 @@ Prints one JSON object:
 - ``cheater_caught_within_steps``: the step at which a replica corrupting 10% of
   its micro-batches (finite noise) was excluded by spot checks at the default
   rate (goal <= 20); ``cheater_survival_20_steps`` is the formula's chance that
-  such a cheater passes 20 steps (``protocol.spotcheck.survival``).
+  such a cheater passes 20 steps (``protocol.spotcheck.survival``), and
+  ``gradient_cheater_survival_20_steps`` that of one corrupting only its gradients
+  in 10% of its micro-batches, which only the backward checks (``BACKWARD_SHARE``
+  of them) see.
 
 ``--short`` runs each smaller, for the test suite."""
 
@@ -50,7 +53,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from p2p import claiming, transport_pair  # noqa: E402
 
-from protocol.spotcheck import DEFAULT_SPOT_CHECK, survival  # noqa: E402
+from protocol.spotcheck import BACKWARD_SHARE, DEFAULT_SPOT_CHECK, survival  # noqa: E402
 from protocol.transport import _LANE_HEAD, BW_PROTOCOL, LANE_PROTOCOL, MAX_WAITING_PARTS, MSG_PROTOCOL, PeerUnreachable  # noqa: E402
 from protocol.wire import write_frame  # noqa: E402
 from tests.swarmproc import SMALL, Swarm  # noqa: E402
@@ -150,10 +153,11 @@ def spot_check_overhead(short: bool) -> dict[str, float]:
     }
 
 
-def cheater_caught(short: bool) -> tuple[int, float]:
+def cheater_caught(short: bool) -> tuple[int, float, float]:
     """(the step at which a noisy cheat was excluded, or steps + 1 if never; its
-    survival chance over 20 steps by the formula) in a swarm of one stage on two
-    honest replicas and the cheat, at the default spot-check rate."""
+    survival chance over 20 steps by the formula; that of a cheat only in gradients,
+    which only the backward checks see) in a swarm of one stage on two honest
+    replicas and the cheat, at the default spot-check rate."""
     steps, mbs = (25, 32) if short else (60, 64)
     args = ["--steps", str(steps), "--seed", "0", *SMALL, "--micro-batches", str(mbs), "--data-args",
             f"batch_size={mbs}", "--min-peers", "3", "--stages", "1"]  # fmt: skip
@@ -168,7 +172,8 @@ def cheater_caught(short: bool) -> tuple[int, float]:
         finally:
             swarm.close()
     alive = survival(CHEAT_FRACTION, DEFAULT_SPOT_CHECK, round(mbs / 3), 20)
-    return _step_excluded(out, cheater) or steps + 1, alive
+    gradients_only = survival(CHEAT_FRACTION, DEFAULT_SPOT_CHECK * BACKWARD_SHARE, round(mbs / 3), 20)
+    return _step_excluded(out, cheater) or steps + 1, alive, gradients_only
 
 
 def _step_excluded(out: str, peer: str) -> int | None:
@@ -195,9 +200,10 @@ def main() -> None:
     out.update(asyncio.run(_attacks(short)))
     t0 = time.perf_counter()
     out.update(spot_check_overhead(short))
-    step, alive = cheater_caught(short)
+    step, alive, gradients_only = cheater_caught(short)
     out["cheater_caught_within_steps"] = step
     out["cheater_survival_20_steps"] = round(alive, 4)
+    out["gradient_cheater_survival_20_steps"] = round(gradients_only, 4)
     out["spot_check_rate"] = DEFAULT_SPOT_CHECK
     out["swarm_s"] = round(time.perf_counter() - t0, 1)
     if short:

@@ -48,11 +48,13 @@ from safetensors.torch import save_file
 from coordinator.runstate import EXCLUDED, DriverParts, PeerLost
 from protocol.envelope import signed_frame
 from protocol.messages import Audit, Evidence, Message, Recheck, Verdict
-from protocol.spotcheck import ROLES, alike, roles_for, tolerance, wrong_frame
+from protocol.spotcheck import BACKWARD_SHARE, ROLES, alike, roles_for, tolerance, wrong_frame
 from protocol.transport import Inbound
 
 #: a re-execution of a spot check, asked of one checker
 Asker = Callable[[], Awaitable[Verdict]]
+#: a sampled spot check: (stage, micro-batch, whether the backward is re-executed too)
+Check = tuple[int, int, bool]
 #: checkers asked after a first one disputes a micro-batch (each costs a re-execution)
 MAX_MORE_CHECKERS = 3
 #: how long spot checks under way may still take when the plan must change (then they are given up)
@@ -77,26 +79,27 @@ class Auditing(DriverParts):
     _audit_rng = random.Random()  # seeded from the OS: peers cannot predict which micro-batch is checked
     _marked = False  # whether the run directory records a checkpoint written while checks were under way
 
-    def _sample_checks(self) -> list[tuple[int, int]]:
-        """The (stage, micro-batch) pairs of this step to re-execute, each drawn with the
-        ``spot_check`` chance (none where one peer serves the only stage)."""
-        st, rate = self.st, self.cfg.spot_check
+    def _sample_checks(self) -> list[Check]:
+        """The (stage, micro-batch, backward too) of this step to re-execute, each drawn
+        with the ``spot_check`` chance, the backward with ``BACKWARD_SHARE`` of that
+        (none where one peer serves the only stage)."""
+        st, rate, rng = self.st, self.cfg.spot_check, self._audit_rng
         assert st.plan is not None
         if rate <= 0 or (len(st.plan.stages) < 2 and len(st.plan.stages[0]) < 2):
             return []
-        mbs = range(self.job.micro_batches)
-        return [(s, mb) for s in range(len(st.plan.stages)) for mb in mbs if self._audit_rng.random() < rate]
+        drawn = [(s, mb) for s in range(len(st.plan.stages)) for mb in range(self.job.micro_batches)]
+        return [(s, mb, rng.random() < BACKWARD_SHARE) for s, mb in drawn if rng.random() < rate]
 
-    async def _spot_check(self, step: int, checks: list[tuple[int, int]], losses: dict[str, float]) -> None:
+    async def _spot_check(self, step: int, checks: list[Check], losses: dict[str, float]) -> None:
         """Re-execute ``checks`` of ``step`` (``PeerLost`` on a mismatch)."""
         st = self.st
         assert st.plan is not None
         self.audit_losses = losses
         self._empty_audit_box()
-        for s, mb in checks:
+        for s, mb, backward in checks:
             st.spot_checks += 1
             self.coord.board.spot_checks = st.spot_checks
-            await (self._check_one if len(st.plan.stages[s]) > 1 else self._check_alone)(step, s, mb)
+            await (self._check_one if len(st.plan.stages[s]) > 1 else self._check_alone)(step, s, mb, backward)
 
     def _empty_audit_box(self) -> None:
         """Forget answers no check waits for (late ones, or a peer's unasked)."""
@@ -111,7 +114,7 @@ class Auditing(DriverParts):
             self.audit_queued[inbound.sender] += 1
             self.audit_box.put_nowait(inbound)
 
-    def _start_audit(self, step: int, checks: list[tuple[int, int]], losses: dict[str, float]) -> None:
+    def _start_audit(self, step: int, checks: list[Check], losses: dict[str, float]) -> None:
         """Spot-check committed ``step`` while the next one trains (its peers hold what
         it needs: ``Commit.audit``); ``_audit_outcome`` raises what it found."""
         task = asyncio.get_running_loop().create_task(self._spot_check(step, checks, dict(losses)))
@@ -224,23 +227,25 @@ class Auditing(DriverParts):
             at["next"] = stages[s + 1][mb % len(stages[s + 1])]
         return at
 
-    async def _evidence(self, step: int, s: int, mb: int) -> tuple[list[str], dict[str, str], list[torch.Tensor]]:
+    async def _evidence(
+        self, step: int, s: int, mb: int, backward: bool
+    ) -> tuple[list[str], dict[str, str], list[torch.Tensor]]:
         """The roles, signers and signed frames of micro-batch ``mb`` around stage ``s``."""
         st = self.st
         assert st.plan is not None
-        at, roles = self._route(s, mb), roles_for(s, len(st.plan.stages))
+        at, roles = self._route(s, mb), roles_for(s, len(st.plan.stages), backward)
         nxt = at.get("next", "")
         signers = {"input": at["prev"], "grad_out": nxt, "output": at["suspect"], "grad_in": at["suspect"]}
         holders = {"input": at["suspect"], "grad_out": at["suspect"], "output": nxt, "grad_in": at["prev"]}
         return roles, signers, await self._gather(step, s, mb, roles, holders, signers)
 
-    async def _check_alone(self, step: int, s: int, mb: int) -> None:
+    async def _check_alone(self, step: int, s: int, mb: int, backward: bool) -> None:
         """A stage served by one peer: peers of other stages rebuild it with the weights
         the suspect shows and re-execute the micro-batch (its parameter gradients, which
         no one else saw, are not compared); if the first disagrees, more decide."""
         st = self.st
         assert st.plan is not None
-        roles, signers, evidence = await self._evidence(step, s, mb)
+        roles, signers, evidence = await self._evidence(step, s, mb, backward)
         suspect = st.plan.stages[s][0]
         shown = await self._weights_of(step, mb, suspect)
         if shown is None:
@@ -249,11 +254,12 @@ class Auditing(DriverParts):
         checkers = [p for i, group in enumerate(st.plan.stages) if i != s for p in group]
         self._audit_rng.shuffle(checkers)
         case = (roles, signers, [*evidence, *weights])
-        first = await self._recheck(step, s, mb, *case, checkers[0], names, grads=False)
+        ask = functools.partial(self._recheck, step, s, mb, *case, weights=names, grads=False, backward=backward)
+        first = await ask(checkers[0])
         if first.agree:
             return
         self._disputed(step, s, mb, suspect, checkers[0], (roles, evidence), first)
-        more = [(p, functools.partial(self._recheck, step, s, mb, *case, p, names, grads=False)) for p in checkers[1:]]
+        more = [(p, functools.partial(ask, p)) for p in checkers[1:]]
         raise await self._settle((step, mb), suspect, (checkers[0], first), more)
 
     def _disputed(
@@ -266,20 +272,21 @@ class Auditing(DriverParts):
         self.coord.board.event("audit", text + verdict.detail)
         self.on_event(text + verdict.detail)
 
-    async def _check_one(self, step: int, s: int, mb: int) -> None:
+    async def _check_one(self, step: int, s: int, mb: int, backward: bool) -> None:
         st = self.st
         assert st.plan is not None
-        roles, signers, evidence = await self._evidence(step, s, mb)
+        roles, signers, evidence = await self._evidence(step, s, mb, backward)
         suspect, group = self._route(s, mb)["suspect"], st.plan.stages[s]
         others = [p for p in group if p != suspect]
         self._audit_rng.shuffle(others)
-        first = await self._recheck(step, s, mb, roles, signers, evidence, others[0])
+        ask = functools.partial(self._recheck, step, s, mb, roles, signers, evidence, backward=backward)
+        first = await ask(others[0])
         if first.agree:
             return
         self._disputed(step, s, mb, suspect, others[0], (roles, evidence), first)
-        more = [(p, functools.partial(self._recheck, step, s, mb, roles, signers, evidence, p)) for p in others[1:]]
+        more = [(p, functools.partial(ask, p)) for p in others[1:]]
         if not more:
-            more = await self._arbiters(step, s, mb, (roles, signers, evidence), others[0])
+            more = await self._arbiters(step, s, mb, (roles, signers, evidence), others[0], backward)
         raise await self._settle((step, mb), suspect, (others[0], first), more)
 
     async def _settle(
@@ -303,11 +310,18 @@ class Auditing(DriverParts):
         return _undecided(*at, suspect, [c for c, _ in against])
 
     async def _arbiters(
-        self, step: int, s: int, mb: int, case: tuple[list[str], dict[str, str], list[torch.Tensor]], checker: str
+        self,
+        step: int,
+        s: int,
+        mb: int,
+        case: tuple[list[str], dict[str, str], list[torch.Tensor]],
+        checker: str,
+        backward: bool,
     ) -> list[tuple[str, Asker]]:
         """Two replicas disagree: peers of another stage can re-execute the micro-batch
         on the stage rebuilt with the weights both show (none if they differ, or there
-        is no other stage)."""
+        is no other stage); with the suspect's parameter gradients, if the backward is
+        checked."""
         st, (roles, signers, evidence) = self.st, case
         assert st.plan is not None
         suspect = self._route(s, mb)["suspect"]
@@ -318,10 +332,12 @@ class Auditing(DriverParts):
         if shown[0] is None or shown[1] is None or not _same(shown[0], shown[1]):
             return []
         names, weights = shown[0]
-        grads = await self._gather(step, s, mb, ["param_grads"], {"param_grads": checker}, {"param_grads": suspect})
+        if backward:
+            grads = await self._gather(step, s, mb, ["param_grads"], {"param_grads": checker}, {"param_grads": suspect})
+            roles, signers, evidence = [*roles, "param_grads"], {**signers, "param_grads": suspect}, [*evidence, *grads]
         self._audit_rng.shuffle(arbiters)
-        case = ([*roles, "param_grads"], {**signers, "param_grads": suspect}, [*evidence, *grads, *weights])
-        return [(p, functools.partial(self._recheck, step, s, mb, *case, p, names)) for p in arbiters]
+        ask = functools.partial(self._recheck, step, s, mb, roles, signers, [*evidence, *weights], backward=backward)
+        return [(p, functools.partial(ask, p, names)) for p in arbiters]
 
     def _rtol(self, a: str, b: str) -> float:
         """The tolerance between re-executions on the devices of peers ``a`` and ``b``."""
@@ -402,6 +418,7 @@ class Auditing(DriverParts):
         checker: str,
         weights: list[str] | None = None,
         grads: bool = True,
+        backward: bool = True,
     ) -> Verdict:
         """``checker``'s verdict on the suspect's micro-batch (an arbiter of another
         stage gets the stage's ``weights`` by name, after the evidence)."""
@@ -412,7 +429,7 @@ class Auditing(DriverParts):
         program = self._program_payloads(st.plan.cut)[s] if arbiter and self.as_programs else []  # type: ignore[attr-defined,union-attr]
         msg = Recheck(cfg.run_id, step, mb, suspect, roles, [signers[r] for r in roles], st.epoch, loss,
                       self._rtol(suspect, checker), s if arbiter else -1, weights or [],
-                      len(program), grads)  # fmt: skip
+                      len(program), grads, backward)  # fmt: skip
         await self._send(checker, msg, [*evidence, *program])  # type: ignore[attr-defined]
         deadline = self._deadline()
         while True:

@@ -346,7 +346,7 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
         if checkpoint and self.recipe.scales_loss:
             self.run_dir.set_meta(f"loss_scale@{st.step}", [st.scale.scale, st.scale.good])
         evaluate = len(self._eval_micro_batches()) if self.job.eval_due(st.step) else 0
-        audited = {p for s, _ in checks for p in st.plan.stages[s]}  # they keep this step's weights
+        audited = {p for s, _, _ in checks for p in st.plan.stages[s]}  # they keep this step's weights
         try:
             for p in st.planned:
                 msg = Commit(cfg.run_id, step, st.epoch, checkpoint, update.factor, update.skip, st.scale.scale,

@@ -89,8 +89,7 @@ class Rechecker:
         """What differs ('' if nothing) and, if something does, the fingerprint of what
         this re-execution computed (the coordinator compares it with another checker's)."""
         frames = {role: values for role, (_, values) in found.items()}
-        grad_out = frames.get("grad_out")
-        out, grads_in, params = self.ex.replay(frames["input"], grad_out, self.divisor)
+        out, grads_in, params = self.ex.replay(frames["input"], frames.get("grad_out"), self.divisor, msg.backward)
         computed: list[Any] = [out]
         if self.forward is None:
             problem = loss_differs(float(out), msg.loss, msg.tolerance)
@@ -98,19 +97,35 @@ class Rechecker:
             computed = _through(list(out), self.forward)
             problem = differs(computed, frames["output"], msg.tolerance)
             problem = problem and f"its activations: {problem}"
-        if "grad_in" in frames and self.backward is not None and self.backward.lossless:
+        if msg.backward:
+            later = self._backward_differs(msg, found, (grads_in, params), own_grads, computed)
+            problem = problem or later
+        return problem, fingerprint(computed, seed_of(msg.step, msg.mb)) if problem else []
+
+    def _backward_differs(
+        self,
+        msg: Recheck,
+        found: dict[str, tuple[Any, list[Any]]],
+        grads: tuple[list[Any], dict[str, torch.Tensor]],
+        own_grads: Inbound | None,
+        computed: list[Any],
+    ) -> str:
+        """What of the backward differs ('' if nothing); what it computed is added to
+        ``computed`` (its fingerprint covers the whole re-execution)."""
+        grads_in, params = grads
+        problem = ""
+        if "grad_in" in found and self.backward is not None and self.backward.lossless:
             sent_back = _through(grads_in, self.backward)
             computed += sent_back
-            if not problem:
-                problem = differs(sent_back, frames["grad_in"], msg.tolerance)
-                problem = problem and f"its input gradients: {problem}"
+            problem = differs(sent_back, found["grad_in"][1], msg.tolerance)
+            problem = problem and f"its input gradients: {problem}"
         if msg.grads:
             computed += [params[n] for n in sorted(params)]
             if not problem:
                 shown = found.get("param_grads")
                 theirs = (list(shown[0].names), shown[1]) if shown else _named(own_grads)
                 problem = _param_grads_differ(params, theirs, msg.tolerance)
-        return problem, fingerprint(computed, seed_of(msg.step, msg.mb)) if problem else []
+        return problem
 
 
 def _through(values: list[Any], codec: Codec) -> list[Any]:

@@ -177,17 +177,24 @@ class StageExecutor:
         return [_grad_of(x) for x in leaves]
 
     def replay(
-        self, inputs: Sequence[Any], grad_outputs: Sequence[torch.Tensor | None] | None, loss_divisor: int
+        self,
+        inputs: Sequence[Any],
+        grad_outputs: Sequence[torch.Tensor | None] | None,
+        loss_divisor: int,
+        backward: bool = True,
     ) -> tuple[Any, list[torch.Tensor | None], dict[str, torch.Tensor]]:
-        """Forward and backward of one micro-batch again, exactly as ``forward`` and
-        ``backward`` run it, leaving this step's saved forwards and gradients as they
-        were: (outputs or loss, the inputs' gradients, the parameters' gradients)."""
+        """Forward and (with ``backward``) backward of one micro-batch again, exactly as
+        ``forward`` and ``backward`` run it, leaving this step's saved forwards and
+        gradients as they were: (outputs or loss, the inputs' gradients, the parameters'
+        gradients; both empty without ``backward``)."""
         saved, stash = self._saved, [(p, p.grad) for p in self.params]
         self._saved = {}
         try:
             for p in self.params:
                 p.grad = None
             out = self.forward(-1, inputs)
+            if not backward:
+                return out, [], {}
             grads = self.backward(-1, grad_outputs, loss_divisor)
             own = {n: p.grad for n, p in self.module.named_parameters() if p.grad is not None}
         finally:

@@ -389,6 +389,7 @@ class Recheck(Message):
     weights: list[str] = field(default_factory=list)  # an arbiter's: the weights that follow the evidence
     program: int = 0  # an arbiter's: how many tensors of the stage's program follow the weights
     grads: bool = True  # compare parameter gradients (False: a stage of one peer, whose gradients no one else saw)
+    backward: bool = True  # re-execute the backward too (False: the forward only; ``roles`` hold no gradients)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,13 @@ grad_in    grad    the suspect               previous st.   s - 1
 param_gr.  rgrad   the suspect               its replicas   s
 =========  ======  ========================  ============  ==================
 
+Most checks re-execute the forward only (``input`` and ``output``, or the loss on
+the last stage): it is about a third of the micro-batch's compute and catches wrong
+activations and losses. A share ``BACKWARD_SHARE`` of them runs the backward too
+(``grad_out`` and ``grad_in`` join the evidence, and the parameter gradients are
+compared): a peer that corrupts only its gradients is caught at that lower rate
+(``survival``).
+
 A replica re-executing compares the parameter gradients with the suspect's
 ``ReplicaGrads`` it received itself; an arbiter of another stage (two replicas
 disagreed) gets them as the ``param_grads`` evidence.
@@ -60,15 +67,17 @@ HALF_PRECISION_FACTOR = 100.0
 FINGERPRINT_CHUNK = 1 << 20
 #: the chance that a micro-batch of a replicated stage is re-executed (``--spot-check``)
 DEFAULT_SPOT_CHECK = 0.05
+#: the share of spot checks that re-execute the backward too (the rest: the forward only)
+BACKWARD_SHARE = 0.25
 
 
-def roles_for(stage: int, num_stages: int) -> list[str]:
+def roles_for(stage: int, num_stages: int, backward: bool = True) -> list[str]:
     """The evidence a re-execution of ``stage`` uses (the first stage has no previous
-    stage, the last no next one)."""
+    stage, the last no next one; a forward-only check needs no gradients)."""
     roles = ["input"]
     if stage < num_stages - 1:
-        roles += ["grad_out", "output"]
-    if stage > 0:
+        roles += ["grad_out", "output"] if backward else ["output"]
+    if stage > 0 and backward:
         roles.append("grad_in")
     return roles
 
@@ -173,5 +182,7 @@ def alike(a: Sequence[float], b: Sequence[float], rtol: float) -> bool:
 def survival(f: float, checked: float, micro_batches: int, steps: int) -> float:
     """The probability that a peer corrupting a fraction ``f`` of its micro-batches,
     ``micro_batches`` of them a step, each re-executed with probability ``checked``,
-    passes ``steps`` steps uncaught: ``(1 - f * checked) ** (micro_batches * steps)``."""
+    passes ``steps`` steps uncaught: ``(1 - f * checked) ** (micro_batches * steps)``.
+    A cheat in activations or losses is seen by every check (``checked`` = the rate);
+    one only in gradients by the backward ones (the rate times ``BACKWARD_SHARE``)."""
     return (1.0 - f * checked) ** (micro_batches * steps)

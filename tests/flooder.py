@@ -2,8 +2,9 @@
 the flood costs a training swarm.
 
 ``python -m tests.flooder --initial-peers MADDR [--run RUN] [--frames N]
-[--min-seconds S] [--mode wrong_run|unadmitted]`` starts a fresh hivemind P2P
-node with an identity of its own that was never admitted, and sends the
+[--min-seconds S] [--mode wrong_run|unadmitted] [--go-file F]`` starts a fresh
+hivemind P2P node with an identity of its own that was never admitted (with
+``--go-file``: prints ``ready`` and waits until that file exists), and sends the
 coordinator at least N small signed frames (of another run, or of this run from
 a sender nobody admitted) as fast as it can, for at least S seconds, reopening
 a stream whenever one is closed on it (or held unread for a second). It prints
@@ -35,7 +36,14 @@ _STEP = re.compile(r"\|\s*(\d+)/\d+ \[")
 
 
 async def flood(
-    maddrs: list[str], run_id: str, frames: int, min_seconds: float, mode: str, workers: int, linger: float = 0.0
+    maddrs: list[str],
+    run_id: str,
+    frames: int,
+    min_seconds: float,
+    mode: str,
+    workers: int,
+    linger: float = 0.0,
+    go_file: str = "",
 ) -> None:
     from hivemind.p2p import P2P, PeerID
 
@@ -52,6 +60,10 @@ async def flood(
     batch = [sealer.seal(Beat(run, step), [], [])[0] for step in range(100)]
     pid = PeerID.from_base58(target)
     tally = {"sent": 0, "streams": 0, "refused": 0}
+    if go_file:
+        print("ready", flush=True)
+        while not os.path.exists(go_file):
+            await asyncio.sleep(0.01)
     start = time.monotonic()
 
     def done() -> bool:
@@ -97,11 +109,12 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--cpus", default="", help="run on these CPUs only, e.g. 1 or 2,3")
     ap.add_argument("--linger", type=float, default=0.0, help="seconds to stay up after the flood")
+    ap.add_argument("--go-file", default="", help="print 'ready', then start once this file exists")
     args = ap.parse_args()
     if args.cpus:
         os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})  # the p2p daemon inherits it
     a = args
-    asyncio.run(flood(a.initial_peers, a.run, a.frames, a.min_seconds, a.mode, a.workers, a.linger))
+    asyncio.run(flood(a.initial_peers, a.run, a.frames, a.min_seconds, a.mode, a.workers, a.linger, a.go_file))
 
 
 # ---------------------------------------------------------------- measurement
@@ -198,17 +211,19 @@ def measure_flood(
     mode: str = "wrong_run",
     sustained: bool = False,
 ) -> FloodResult:
-    """Train a 2-peer loopback swarm and measure its steps per second over ``seconds``
-    without flood, then over as long from the start of a flood of ``frames`` frames,
-    sent as fast as an outsider can (or longer, if the flood lasts longer; with
-    ``sustained``, the outsider goes on flooding for the whole window), then over
-    ``seconds`` without flood again: the baseline is the mean of the two clean windows,
-    so a drift of the swarm's own speed is not counted as the flood's. Spot checks are
-    off: their random re-executions would add noise that is not the flood's. With
-    ``split_cpus`` (and at least 2 CPUs) the swarm runs on every CPU but the last and
-    the flooder on the last, in both windows: the attacker's own CPU time is not the
+    """Train a 2-peer loopback swarm and measure its steps per second in three windows
+    back to back, with the flooder's process up and connected in all three: over
+    ``seconds`` without flood, then over as long from the start of a flood of
+    ``frames`` frames, sent as fast as an outsider can (or longer, if the flood lasts
+    longer; with ``sustained``, the outsider goes on flooding for the whole window),
+    then over ``seconds`` without flood again. The baseline is the mean of the two
+    clean windows, so a drift of the swarm's own speed (on this KVM machine, 10-15%
+    within half a minute, flood or not) is not counted as the flood's. Spot checks
+    are off: their random re-executions would add noise that is not the flood's.
+    With ``split_cpus`` (and at least 2 CPUs) the swarm runs on every CPU but the
+    last and the flooder on the last: the attacker's own CPU time is not the
     victim's cost (a real one floods from its own machine). When other processes on
-    the machine used more than ``OTHERS_MAX`` CPUs in a window, both windows are
+    the machine used more than ``OTHERS_MAX`` CPUs in a window, the windows are
     measured again with a new flooder (a fresh identity)."""
     from tests.swarmproc import SMALL, Proc, Swarm, api, wait_for
 
@@ -226,27 +241,28 @@ def measure_flood(
     coord = swarm.coord
     cpu_arg = ["--cpus", ",".join(map(str, flood_cpus))] if flood_cpus != cpus else []
     flood_args = ["--frames", str(frames), "--min-seconds", str(seconds if sustained else 0), "--mode", mode,
-                  "--linger", str(seconds + 5), *cpu_arg]  # fmt: skip
+                  "--linger", str(2 * seconds + 5), *cpu_arg]  # fmt: skip
     tries: list[tuple[float, float, float]] = []
     try:
         wait_for(swarm.url, lambda s: s["training"]["step"] >= 20, timeout=120)
         time.sleep(1.0)  # past the first steps' warm-up
         while True:
+            go = tmp / f"go-{len(tries)}"
+            flooder = Proc(*swarm.join_args, *flood_args, "--go-file", str(go), module="tests.flooder")
+            swarm.procs.append(flooder)
+            flooder.wait_line(r"^ready$", 60)  # it is up (and stays up) in all three windows
             clean = _Window()
             time.sleep(seconds)
             clean.end()
-            flooder = Proc(*swarm.join_args, *flood_args, module="tests.flooder")
-            swarm.procs.append(flooder)
-            flooder.wait_line(r"^flooding$", 60)
+            go.touch()
             flood = _Window()
-            flood.start = flooder.last_time
             tally = json.loads(flooder.wait_line(r"^\{.*\}$", 120 + seconds + frames / 1000).group(0))
             time.sleep(max(0.0, flood.start + seconds - time.monotonic()))
             flood.end(max(flooder.last_time, flood.start + seconds))
-            flooder.kill_all()
             after = _Window()
             time.sleep(seconds)
             after.end()
+            flooder.kill_all()
             lines, times = list(coord.lines), list(coord.times)
             ratio = flood.rate(lines, times) / _baseline(clean, after, lines, times)
             others = max(clean.others, after.others)

@@ -622,3 +622,18 @@ def test_disputers_of_honest_work_are_named_with_their_own_verdicts(tmp_path: Pa
     lost = asyncio.run(go()).lost
     assert set(lost) == {"noisy", "faker"}
     assert lost["faker"].endswith("(its own verdict: it reported a loss of 5.5; its inputs give 0.01)")
+
+
+def test_spot_checks_are_drawn_at_the_rate_and_a_share_of_them_runs_the_backward(tmp_path: Path) -> None:
+    import random
+
+    from protocol.spotcheck import BACKWARD_SHARE
+
+    driver = _driver(tmp_path, [["p0"], ["p1", "p2"]])
+    driver.cfg.spot_check = 0.5
+    driver._audit_rng = random.Random(0)
+    drawn = [c for _ in range(2000) for c in driver._sample_checks()]
+    units = 2000 * 2 * driver.job.micro_batches
+    assert len(drawn) == pytest.approx(0.5 * units, rel=0.05)
+    assert sum(backward for _, _, backward in drawn) == pytest.approx(BACKWARD_SHARE * len(drawn), rel=0.1)
+    assert {s for s, _, _ in drawn} == {0, 1} and {mb for _, mb, _ in drawn} == set(range(driver.job.micro_batches))

@@ -181,3 +181,24 @@ def test_frames_signed_before_a_ban_are_still_checked_against_the_signers_key() 
         gate.admit(f"p{i}", IDS["next"].public_key)
         gate.revoke(f"p{i}")
     assert len(gate.former) == MAX_SENDERS and gate.signer_key("p0") is None
+
+
+def test_a_forward_only_check_sees_activations_and_not_gradients() -> None:
+    """Most checks re-execute the forward only (``BACKWARD_SHARE`` of them the backward
+    too): from the input and output frames alone, noisy activations are caught, and a
+    cheat only in the parameter gradients is caught by a full check, not by these."""
+    msg, evidence, own, checker = _evidence(noise=0.0)
+    roles = roles_for(0, 2, backward=False)
+    assert roles == ["input", "output"] and roles_for(1, 2, backward=False) == ["input"]
+    forward = dataclasses.replace(msg, roles=roles, signers=["coord", "suspect"], backward=False)
+    frames = [*evidence[0:2], *evidence[4:6]]  # input, output (grad_out is not needed)
+    assert checker.verdict(forward, frames, None).agree
+    names = list(own.message.names)  # type: ignore[attr-defined]
+    _, bad = _signed("suspect", ReplicaGrads(RUN, 0, 0, 1, names), [g * 1.01 for g in own.values()])
+    full = checker.verdict(msg, evidence, bad)
+    assert not full.agree and "parameter gradients" in full.detail
+    assert checker.verdict(forward, frames, bad).agree, "a forward-only check does not look at gradients"
+    noisy_msg, noisy, _, _ = _evidence(noise=1e-3)
+    noisy_forward = dataclasses.replace(noisy_msg, roles=roles, signers=["coord", "suspect"], backward=False)
+    caught = checker.verdict(noisy_forward, [*noisy[0:2], *noisy[4:6]], None)
+    assert not caught.agree and "its activations" in caught.detail and caught.computed
