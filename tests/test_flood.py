@@ -146,11 +146,12 @@ def test_a_flood_of_100000_outsider_frames_costs_training_under_10_percent(tmp_p
     """A 2-peer loopback swarm trains; its steps per second over 8 s from the start of
     100,000 wrong-run frames that a node never admitted sends as fast as it can (on a
     CPU of its own: the attacker's CPU is not the victim's cost), against the mean of
-    8 s without flood before it and 8 s after. (CI once saw 0.865 against one window
-    before. Here the swarm's processes used the same CPU in all three windows, within
-    0.01 CPUs, while its speed varied by 5% from window to window.) The flooder is
-    muted after ``MUTE_REJECTS`` of them; the coordinator logs a few lines, shows one
-    ``muted`` event, and its page still shows the joins and the plan."""
+    8 s without flood before it and 8 s after: the swarm's own speed drifts by 10-15%
+    within half a minute here. (CI once saw 0.865 against one window before. Known,
+    not fixed: the flood also slows the swarm by about 15% for 3-5 s after it starts,
+    which takes this ratio below 0.9 in about 1 run in 4.) The flooder is muted after
+    ``MUTE_REJECTS`` of them; the coordinator logs a few lines, shows one ``muted``
+    event, and its page still shows the joins and the plan."""
     from tests.flooder import FRAMES, measure_flood
 
     r = measure_flood(tmp_path)
