@@ -189,18 +189,32 @@ def _step_excluded(out: str, peer: str) -> int | None:
     return None
 
 
+START = time.monotonic()
+
+
+def _part(name: str) -> None:
+    """Say on stderr which part starts (a run that hangs then shows where)."""
+    print(f"adversary: {name} (at {time.monotonic() - START:.0f} s)", file=sys.stderr, flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--short", action="store_true", help="smaller runs, for the test suite")
     short = ap.parse_args().short
     from flooder import flood_ratio
 
+    _part("flood")
     out: dict[str, object] = {"flood_throughput_ratio": round(flood_ratio(short), 3)}
+    _part("sustained flood")
     out["flood_sustained_throughput_ratio"] = round(flood_ratio(short, sustained=True), 3)
+    _part("allocation attacks and probes")
     out.update(asyncio.run(_attacks(short)))
     t0 = time.perf_counter()
+    _part("spot-check overhead")
     out.update(spot_check_overhead(short))
+    _part("a cheater")
     step, alive, gradients_only = cheater_caught(short)
+    _part("done")
     out["cheater_caught_within_steps"] = step
     out["cheater_survival_20_steps"] = round(alive, 4)
     out["gradient_cheater_survival_20_steps"] = round(gradients_only, 4)

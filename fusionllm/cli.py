@@ -24,6 +24,7 @@ from protocol.recipe import PRECISIONS, SCHEDULES, RecipeError, parse_betas
 from protocol.spotcheck import DEFAULT_SPOT_CHECK
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # Ctrl-C or SIGTERM, as shells report a SIGINT
 
 
 class UsageError(Exception):
@@ -572,7 +573,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         print("fusionllm: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 def run() -> NoReturn:

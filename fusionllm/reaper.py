@@ -6,6 +6,9 @@ SO_REUSEPORT, so a restarted coordinator silently shares its port).
 :func:`start_reaper` starts a small watchdog process (psutil only, no torch or
 hivemind) that remembers the command's descendants while the command lives, and
 terminates those still running once it is gone, however it went.
+:func:`exit_within` ends the command itself should its own shutdown hang (a task
+that swallows its cancellation, a thread that never returns): the watchdog then
+ends what it started.
 :func:`check_listen_ports` refuses a listen address whose port is still taken.
 """
 
@@ -16,6 +19,8 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -26,7 +31,31 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.2  # how often the watchdog looks at the parent and its descendants
 GRACE_S = 2.0  # SIGTERM, then this long, then SIGKILL
 
+EXIT_GRACE_S = 20.0  # how long a command may take to shut down once it is done or interrupted
+
 _started: dict[int, subprocess.Popen[bytes]] = {}  # pid of the watched process -> its watchdog
+
+
+def exit_within(code: int, grace_s: float | None = None) -> threading.Timer:
+    """Arm a timer that ends this process with ``code`` if it is still shutting down
+    after ``grace_s`` (default ``EXIT_GRACE_S``): one line names the file where every
+    thread's stack was written."""
+    grace_s = EXIT_GRACE_S if grace_s is None else grace_s
+
+    def expire() -> None:
+        import faulthandler
+
+        fd, path = tempfile.mkstemp(prefix=f"fusionllm-shutdown-{os.getpid()}-", suffix=".txt")
+        with os.fdopen(fd, "w") as out:
+            faulthandler.dump_traceback(out, all_threads=True)
+        print(f"fusionllm: shutting down took over {grace_s:.0f} s; stopped (stacks in {path})", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(code)
+
+    timer = threading.Timer(grace_s, expire)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def start_reaper() -> None:

@@ -19,8 +19,8 @@ from multiaddr import Multiaddr
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from fusionllm.cli import UsageError, job_from_args
-from fusionllm.reaper import start_reaper
+from fusionllm.cli import EXIT_INTERRUPTED, UsageError, job_from_args
+from fusionllm.reaper import exit_within, start_reaper
 from protocol.admission import CERT_TTL_S
 from protocol.job import foreign_code
 from protocol.ports import PortTaken, check_listen_ports
@@ -39,14 +39,38 @@ def check_maddrs(values: list[str], flag: str) -> list[str]:
     return values
 
 
+def _interrupted(signum: int, frame: Any) -> None:
+    exit_within(EXIT_INTERRUPTED)  # however the shutdown goes, it ends
+    raise KeyboardInterrupt
+
+
+async def _bounded(coro: Coroutine[Any, Any, int]) -> int:
+    """``coro``'s exit code; once it has one, the process ends within ``EXIT_GRACE_S``
+    (the event loop's own shutdown cancels and awaits every task first)."""
+    code = 1
+    try:
+        code = await coro
+        return code
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        code = EXIT_INTERRUPTED
+        raise
+    finally:
+        exit_within(code)
+
+
 def run_async(coro: Coroutine[Any, Any, int]) -> int:
-    start_reaper()  # whatever kills us, the DHT child and p2pd die too
+    """Run a command's coroutine; Ctrl-C (even where a shell started us with SIGINT
+    ignored) and SIGTERM stop it, and whatever kills us, the DHT child, p2pd and the
+    peers a demo started die too."""
+    start_reaper()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _interrupted)
     try:
         import uvloop
 
-        return uvloop.run(coro)
+        return uvloop.run(_bounded(coro))
     except ImportError:  # no uvloop on this platform
-        return asyncio.run(coro)
+        return asyncio.run(_bounded(coro))
 
 
 def _summary(summary: Any, save: str | None) -> str:
@@ -325,23 +349,27 @@ def cmd_ban(args: argparse.Namespace) -> int:
     return 0
 
 
-def _kill_group(proc: subprocess.Popen[bytes], grace: float = 5.0) -> None:
-    if proc.poll() is not None:
+def _kill_groups(procs: list[subprocess.Popen[bytes]], grace: float = 5.0) -> None:
+    """SIGTERM each process's group (a peer, its DHT child and p2pd), then SIGKILL
+    every group after ``grace`` s at most, all at once."""
+
+    def signal_all(sig: int) -> None:
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    signal_all(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for proc in procs:
         try:
-            os.killpg(proc.pid, signal.SIGKILL)  # leftovers (DHT child, p2pd) in its group
-        except ProcessLookupError:
-            pass
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(grace)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            break
+    signal_all(signal.SIGKILL)  # leftovers (DHT child, p2pd) in each group
+    for proc in procs:
+        proc.wait()
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -388,18 +416,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"started {args.peers} peer processes (logs in {log_dir})", flush=True)
 
     print(f"fusionllm demo: a coordinator and {args.peers} peers on loopback, talking libp2p", flush=True)
-
-    def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
-    # Ctrl-C (even where a shell started us with SIGINT ignored) and SIGTERM stop every peer we started.
-    signal.signal(signal.SIGINT, interrupt)
-    signal.signal(signal.SIGTERM, interrupt)
     try:
         code = run_async(_coordinate(args, spawn))
     finally:
-        for p in procs:
-            _kill_group(p)
+        _kill_groups(procs)
     if code != 0:
         for i in range(len(procs)):
             tail = (log_dir / f"peer{i}.log").read_text(errors="replace").strip().splitlines()[-3:]

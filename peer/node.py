@@ -71,8 +71,29 @@ BEAT_S = 1.0
 LOST_AFTER_S = 3.0
 #: how long a peer in a private swarm waits for its admission certificate after its hello
 CERT_WAIT_S = 20.0
+#: the longest a peer waits for a cancelled epoch to end before it goes on without it
+STOP_EPOCH_S = 10.0
+#: the longest a peer waits for its DHT to tell its addresses
+MADDRS_TIMEOUT_S = 5.0
 
 __all__ = ["JoinError", "PeerConfig", "PeerNode", "RunRefused"]
+
+
+async def cancel_and_wait(task: asyncio.Future[Any], timeout: float) -> bool:
+    """Cancel ``task`` and wait up to ``timeout`` s for it to end, cancelling it again
+    each second (Python 3.11's ``wait_for`` can swallow a cancellation that races its
+    inner future's result); whether it ended. Its own failure is not raised: a new
+    epoch follows anyway."""
+    deadline = time.monotonic() + timeout
+    while not task.done():
+        task.cancel()
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        await asyncio.wait({task}, timeout=min(1.0, left))
+    if not task.cancelled():
+        task.exception()  # retrieved: no "never retrieved" warning
+    return True
 
 
 class JoinError(RuntimeError):
@@ -120,6 +141,8 @@ class PeerNode:
         self.audits: asyncio.Queue[Inbound] = asyncio.Queue()  # the coordinator's spot checks (peer.audit)
         self.coordinator: CoordinatorRecord | None = None
         self.advert: Advert | None = None
+        #: this peer's addresses as its DHT last told them (see ``_visible_maddrs``)
+        self.maddrs: list[str] = []
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
         self._tasks: list[asyncio.Task[Any]] = []
         self.identity: Identity | None = None
@@ -186,7 +209,7 @@ class PeerNode:
         flops = cfg.advertise_flops or flops
         try:
             # hello first: the coordinator answers probes of admitted peers only
-            await self.transport.send(self.coordinator.peer_id, self._hello_message(again=False))
+            await self.transport.send(self.coordinator.peer_id, await self._hello_message(again=False))
             up, down = await self.transport.measure_bandwidth(self.coordinator.peer_id, cfg.bandwidth_probe_bytes)
         except (PeerUnreachable, ConnectionError, asyncio.IncompleteReadError) as exc:
             raise JoinError(
@@ -195,7 +218,7 @@ class PeerNode:
             ) from None
         self.advert = Advert(
             peer_id=self.transport.peer_id,
-            maddrs=[str(m) for m in self.dht.get_visible_maddrs()],
+            maddrs=await self._visible_maddrs(),
             device=str(self.device) if self.device.type == "cpu" else torch.cuda.get_device_name(self.device),
             flops=flops,
             memory_bytes=free_memory(self.device),
@@ -409,6 +432,10 @@ class PeerNode:
 
     async def _control(self, kind: str, item: Any) -> int | None:
         """Act on one control event; an exit code ends serving."""
+        if kind == "revoked":  # leaving: nothing of the epoch is needed
+            raise JoinError(item)
+        if kind == "abort" and item.message.reason.startswith(NOT_ADMITTED):
+            raise JoinError(f"the coordinator no longer admits this peer: {item.message.reason[len(NOT_ADMITTED) :]}")
         await self._stop_epoch()
         if kind == "assign":
             a: Assign = item.message
@@ -437,16 +464,12 @@ class PeerNode:
         elif kind == "finish":
             self._say("the run is finished")
             return 0
-        elif kind == "abort" and item.message.reason.startswith(NOT_ADMITTED):
-            raise JoinError(f"the coordinator no longer admits this peer: {item.message.reason[len(NOT_ADMITTED) :]}")
         elif kind == "abort":
             logger.error("the coordinator aborted the run: %s", item.message.reason)
             self._say(f"the coordinator aborted the run: {item.message.reason}")
             return 1
         elif kind == "lost":
             return await self._reattach(item)
-        elif kind == "revoked":
-            raise JoinError(item)
         return None
 
     @property
@@ -497,12 +520,8 @@ class PeerNode:
         self.serve_audits(None)
         task, self._epoch_task = self._epoch_task, None
         if task is not None:
-            task.cancel()
-            try:
-                await task
-            except BaseException as exc:  # cancelled, or it failed just now: a new epoch follows anyway
-                if not isinstance(exc, (asyncio.CancelledError, Exception)):
-                    raise
+            if not await cancel_and_wait(task, STOP_EPOCH_S):
+                logger.warning("the cancelled epoch did not end within %.0f s; going on without it", STOP_EPOCH_S)
             await self.run_compute(lambda: None)
 
     async def _report_failure(
@@ -536,16 +555,27 @@ class PeerNode:
         """Say hello again: after an eviction or a lost coordinator (``again``: no stage
         held), or to have a lapsed certificate renewed (the stage still held)."""
         assert self.transport is not None and self.coordinator is not None and self.identity is not None
-        hello = self._hello_message(again=again)
+        hello = await self._hello_message(again=again)
         await asyncio.wait_for(self.transport.send(self.coordinator.peer_id, hello), 5)
 
-    def _hello_message(self, again: bool) -> Hello:
+    async def _visible_maddrs(self) -> list[str]:
+        """This peer's addresses as its DHT sees them now (relayed ones appear later),
+        asked off the event loop (the DHT process answers a blocking call), or as last
+        told if it does not answer within ``MADDRS_TIMEOUT_S``."""
+        if self.dht is not None:
+            ask = asyncio.get_running_loop().run_in_executor(None, self.dht.get_visible_maddrs)
+            try:
+                self.maddrs = [str(m) for m in await asyncio.wait_for(ask, MADDRS_TIMEOUT_S)]
+            except asyncio.TimeoutError:
+                logger.warning("the DHT did not tell this peer's addresses within %.0f s", MADDRS_TIMEOUT_S)
+        return self.maddrs
+
+    async def _hello_message(self, again: bool) -> Hello:
         """Hello, with the proof that this peer holds a private swarm's secret (if given)."""
         assert self.identity is not None and self.transport is not None
         cfg, key = self.config, self.identity.public_hex
         proof = hello_proof(cfg.swarm_secret, cfg.run_id, self.transport.peer_id, key) if cfg.swarm_secret else ""
-        maddrs = [str(m) for m in self.dht.get_visible_maddrs()] if self.dht is not None else []
-        return Hello(cfg.run_id, key, again=again, proof=proof, maddrs=maddrs)
+        return Hello(cfg.run_id, key, again=again, proof=proof, maddrs=await self._visible_maddrs())
 
     async def _beat(self) -> None:
         """Heartbeats while this peer is in the plan (also after its last step, until

@@ -7,7 +7,8 @@ hivemind P2P node with an identity of its own that was never admitted (with
 ``--go-file``: prints ``ready`` and waits until that file exists), and sends the
 coordinator at least N small signed frames (of another run, or of this run from
 a sender nobody admitted) as fast as it can, for at least S seconds, reopening
-a stream whenever one is closed on it (or held unread for a second). It prints
+a stream whenever one is closed on it (or held unread for a second), but for
+``MAX_FLOOD_S`` at most. It prints
 ``flooding`` when its first stream is open and one JSON line when done: frames
 sent, seconds, streams opened and refused; then it stays up ``--linger`` seconds.
 
@@ -32,6 +33,8 @@ from typing import Any
 #: the frames of one flood, and how long it lasts at least
 FRAMES = 100_000
 FLOOD_S = 8.0
+#: a flood ends after this long even if not all its frames got through
+MAX_FLOOD_S = 60.0
 _STEP = re.compile(r"\|\s*(\d+)/\d+ \[")
 
 
@@ -44,6 +47,7 @@ async def flood(
     workers: int,
     linger: float = 0.0,
     go_file: str = "",
+    max_seconds: float = MAX_FLOOD_S,
 ) -> None:
     from hivemind.p2p import P2P, PeerID
 
@@ -67,7 +71,8 @@ async def flood(
     start = time.monotonic()
 
     def done() -> bool:
-        return tally["sent"] >= frames and time.monotonic() - start >= min_seconds
+        took = time.monotonic() - start
+        return (tally["sent"] >= frames and took >= min_seconds) or took >= max_seconds
 
     async def worker() -> None:
         while not done():
@@ -210,6 +215,7 @@ def measure_flood(
     split_cpus: bool = True,
     mode: str = "wrong_run",
     sustained: bool = False,
+    attempts: int = ATTEMPTS,
 ) -> FloodResult:
     """Train a 2-peer loopback swarm and measure its steps per second in three windows
     back to back, with the flooder's process up and connected in all three: over
@@ -224,7 +230,7 @@ def measure_flood(
     last and the flooder on the last: the attacker's own CPU time is not the
     victim's cost (a real one floods from its own machine). When other processes on
     the machine used more than ``OTHERS_MAX`` CPUs in a window, the windows are
-    measured again with a new flooder (a fresh identity)."""
+    measured again with a new flooder (a fresh identity), ``attempts`` times in all."""
     from tests.swarmproc import SMALL, Proc, Swarm, api, wait_for
 
     cpus = sorted(os.sched_getaffinity(0))
@@ -267,7 +273,7 @@ def measure_flood(
             ratio = flood.rate(lines, times) / _baseline(clean, after, lines, times)
             others = max(clean.others, after.others)
             tries.append((round(ratio, 3), round(others, 2), round(flood.others, 2)))
-            if max(others, flood.others) <= OTHERS_MAX or len(tries) == ATTEMPTS:
+            if max(others, flood.others) <= OTHERS_MAX or len(tries) >= attempts:
                 break
         state = api(swarm.url)
         assert coord.popen.poll() is None, coord.output[-3000:]
@@ -290,12 +296,14 @@ def measure_flood(
 
 def flood_ratio(short: bool, sustained: bool = False) -> float:
     """Training throughput during a flood of ``FRAMES`` frames over throughput without:
-    the goal is >= 0.9 (``short``: 4-second windows instead of 8; ``sustained``: the
-    outsider floods for the whole window, not only ``FRAMES`` frames)."""
+    the goal is >= 0.9 (``short``: 4-second windows instead of 8, measured once
+    however busy the machine is; ``sustained``: the outsider floods for the whole
+    window, not only ``FRAMES`` frames)."""
     import tempfile
 
+    seconds, attempts = (FLOOD_S / 2, 1) if short else (FLOOD_S, ATTEMPTS)
     with tempfile.TemporaryDirectory() as tmp:
-        return measure_flood(Path(tmp), seconds=FLOOD_S / 2 if short else FLOOD_S, sustained=sustained).ratio
+        return measure_flood(Path(tmp), seconds=seconds, sustained=sustained, attempts=attempts).ratio
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -56,8 +57,8 @@ BENCHMARKS = [
                       "recovery_vs_ideal", "replan_s", "sim_1000_peers"}),
 ]  # fmt: skip
 
-#: a benchmark run that takes longer than this is a regression of its short mode
-TIMEOUT_S = 480
+#: a benchmark run that takes longer than this is a regression of its short mode (or a hang)
+TIMEOUT_S = 400
 
 #: the byte vocabulary's loss of a uniform guess is ln 256 = 5.55; a few steps of
 #: training from random weights stay near it, never far above
@@ -207,25 +208,35 @@ CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
 
 
 def run_short(script: str) -> dict[str, Any]:
-    """Run ``benchmarks/<script> --short``; its one JSON object."""
-    proc = subprocess.run(
+    """Run ``benchmarks/<script> --short``; its one JSON object. Past ``TIMEOUT_S`` its
+    process group is killed and the failure shows what it printed on stderr (the
+    benchmarks say there which part they are in)."""
+    proc = subprocess.Popen(
         [sys.executable, str(ROOT / "benchmarks" / script), "--short"],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=TIMEOUT_S,
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
+        start_new_session=True,
     )
-    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    try:
+        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"{script} --short ran over {TIMEOUT_S} s:\n{stdout[-2000:]}\n{stderr[-3000:]}") from None
+    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{stdout[-2000:]}\n{stderr[-3000:]}"
     # pipeline.py's TCP baseline once left its server's reader to be cancelled: a traceback on every run
-    assert "Traceback" not in proc.stderr, f"{script} printed a traceback:\n{proc.stderr[-3000:]}"
-    lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    assert len(lines) == 1, f"{script} printed {len(lines)} lines, not one JSON object:\n{proc.stdout[-2000:]}"
+    assert "Traceback" not in stderr, f"{script} printed a traceback:\n{stderr[-3000:]}"
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, f"{script} printed {len(lines)} lines, not one JSON object:\n{stdout[-2000:]}"
     out = json.loads(lines[0])
     assert isinstance(out, dict), lines[0]
     return out
 
 
+@pytest.mark.timeout(TIMEOUT_S + 60)
 @pytest.mark.parametrize(("script", "keys"), BENCHMARKS, ids=[s.removesuffix(".py") for s, _ in BENCHMARKS])
 def test_short_mode(script: str, keys: set[str]) -> None:
     out = run_short(script)

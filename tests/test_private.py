@@ -6,8 +6,11 @@ rotates the token from the run directory while the run goes on."""
 
 from __future__ import annotations
 
+import asyncio
 import re
+import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,6 +19,7 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils.serializer import MSGPackSerializer
 
 from coordinator.private import Admission, write_secret
+from peer.node import JoinError, PeerConfig, PeerNode, cancel_and_wait
 from protocol.admission import (
     CERT_TTL_S,
     MAX_CERT_TTL_S,
@@ -32,7 +36,7 @@ from protocol.admission import (
 )
 from protocol.envelope import Gate, Reject, Rejected, Sealer
 from protocol.identity import Identity, sign_record
-from protocol.messages import Beat, dht_key
+from protocol.messages import NOT_ADMITTED, Abort, Beat, dht_key
 from protocol.run_records import RunRecords
 from tests.conftest import run_cli
 from tests.swarmproc import SMALL, Proc, Swarm, api, wait_for
@@ -105,6 +109,48 @@ def test_a_private_swarm_admits_token_holders_and_drops_a_banned_peer(tmp_path: 
         assert new.returncode == 0 and parse_token(new.stdout.split()[-1]).secret != token.secret
     finally:
         swarm.close()
+
+
+async def _stubborn(swallow: list[int]) -> None:
+    """An epoch that swallows its first ``swallow[0]`` cancellations (Python 3.11's
+    ``wait_for`` can lose one that races its inner result)."""
+    while True:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            if swallow[0] <= 0:
+                raise
+            swallow[0] -= 1
+
+
+def test_a_cancelled_epoch_that_will_not_end_does_not_hold_the_peer() -> None:
+    """CI once saw a banned peer print nothing for 90 s: each control event waited for
+    the cancelled epoch first, and the ban's word (and the certificate watchdog's)
+    queued behind it. Now a peer told to leave leaves at once, and a stop of an epoch
+    that swallows cancellations is cancelled again each second, and bounded."""
+
+    async def go() -> None:
+        once = asyncio.ensure_future(_stubborn([1]))
+        await asyncio.sleep(0)
+        assert await cancel_and_wait(once, 5.0) and once.cancelled()
+        swallow = [10**9]
+        forever = asyncio.ensure_future(_stubborn(swallow))
+        await asyncio.sleep(0)
+        t = time.monotonic()
+        assert not await cancel_and_wait(forever, 1.5)
+        assert 1.4 < time.monotonic() - t < 3.0
+        node = PeerNode(PeerConfig(initial_peers=[], run_id="r"))
+        node._epoch_task = forever  # never ends: leaving must not wait for it
+        banned = SimpleNamespace(message=Abort("r", f"{NOT_ADMITTED}peer x is banned from run r"))
+        for kind, item in [("abort", banned), ("revoked", "its admission certificate ran out")]:
+            t = time.monotonic()
+            with pytest.raises(JoinError):
+                await node._control(kind, item)
+            assert time.monotonic() - t < 0.5
+        swallow[0] = 0
+        assert await cancel_and_wait(forever, 5.0)
+
+    asyncio.run(go())
 
 
 def test_a_damaged_secret_admits_nobody_and_never_raises(tmp_path: Path) -> None:

@@ -220,3 +220,60 @@ def test_reaper_ends_the_children_of_a_killed_parent() -> None:
         _kill_all(kids)
         if parent.poll() is None:
             _kill9(parent)
+
+
+HANGING_SHUTDOWN = """
+import asyncio, os, signal, sys, time
+import fusionllm.reaper
+fusionllm.reaper.EXIT_GRACE_S = 1.0
+from fusionllm.swarm_cmds import run_async
+
+async def stubborn() -> None:  # swallows every cancellation: the loop's shutdown waits for it forever
+    while True:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            pass
+
+async def command() -> int:
+    asyncio.ensure_future(stubborn())
+    await asyncio.sleep(0.1)
+    print("ready", flush=True)
+    if sys.argv[1] == "interrupt":
+        await asyncio.sleep(3600)
+    return 3
+
+sys.exit(run_async(command()))
+"""
+
+
+@pytest.mark.parametrize("how", ["done", "interrupt"])
+def test_a_command_whose_shutdown_hangs_ends_anyway(how: str) -> None:
+    """A task that swallows its cancellation keeps asyncio's shutdown waiting forever;
+    the command still ends ``EXIT_GRACE_S`` after its outcome (or after Ctrl-C), with
+    its exit code, one line, and every thread's stack in a file."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HANGING_SHUTDOWN, how],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        _readline_until(proc, "ready", timeout=30)
+        if how == "interrupt":
+            proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            _kill9(proc)
+    assert proc.returncode == (130 if how == "interrupt" else 3), err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "shutting down took over 1 s" in lines[0], err
+    stacks = Path(lines[0].split("stacks in ")[1].rstrip(")"))
+    try:
+        assert "Thread" in stacks.read_text()
+    finally:
+        stacks.unlink()
