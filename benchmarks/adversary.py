@@ -76,11 +76,12 @@ async def _probe(a: object, peer: str, up: int, down: int) -> tuple[int, int]:
     return up, got
 
 
-async def _refused(write: Any) -> None:
+async def _refused(write: Any, short: bool) -> None:
     """An attack's write; the receiver may cut the stream, or leave it unread (TCP holds
-    the attacker back: its own unpaid claim holds up its later payloads): both defend."""
+    the attacker back: its own unpaid claim holds up its later payloads): both defend.
+    Given 10 s (``short``: 3 s; an allocation on a claim would show in milliseconds)."""
     try:
-        await asyncio.wait_for(write, 10)
+        await asyncio.wait_for(write, 3 if short else 10)
     except (PeerUnreachable, asyncio.TimeoutError):
         pass
 
@@ -93,10 +94,11 @@ async def _attacks(short: bool) -> dict[str, float]:
         peak = idle
         sealer = a.sealer
         for _ in range(2 if short else 8):  # 4 GiB claimed, 1 MiB sent, each
-            await _refused(a._write("claim", b.peer_id, MSG_PROTOCOL, [claiming(sealer, 4 << 30), bytes(1 << 20)]))
+            claim = [claiming(sealer, 4 << 30), bytes(1 << 20)]
+            await _refused(a._write("claim", b.peer_id, MSG_PROTOCOL, claim), short)
             peak = max(peak, me.memory_info().rss)
         parts = [_LANE_HEAD.pack(1000 + i, 0, 1 << 20) + bytes(1 << 20) for i in range(MAX_WAITING_PARTS * 4)]
-        await _refused(a._write("orphans", b.peer_id, LANE_PROTOCOL, parts))
+        await _refused(a._write("orphans", b.peer_id, LANE_PROTOCOL, parts), short)
         await asyncio.sleep(0.5)
         peak = max(peak, me.memory_info().rss)
         ratios = []

@@ -77,7 +77,7 @@ def _slowed_run(tmp: Path, steps: int) -> dict[str, Any]:
         else:
             slowed = after = _rate(swarm.url)
             replan_s = None
-        assert swarm.coord.wait(600) == 0, swarm.coord.output[-3000:]
+        assert swarm.coord.popen.poll() in (None, 0), swarm.coord.output[-3000:]  # the rest is not measured
     finally:
         swarm.close()
     print("\n".join(line for line in swarm.coord.lines if "rebalance" in line), file=sys.stderr)  # what it did

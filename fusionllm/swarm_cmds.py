@@ -39,7 +39,14 @@ def check_maddrs(values: list[str], flag: str) -> list[str]:
     return values
 
 
+_command_pid = 0  # the process that installed ``_interrupted`` (forked children inherit it)
+
+
 def _interrupted(signum: int, frame: Any) -> None:
+    if os.getpid() != _command_pid:  # hivemind's DHT child, forked: the signal's default (it ends)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
     exit_within(EXIT_INTERRUPTED)  # however the shutdown goes, it ends
     raise KeyboardInterrupt
 
@@ -62,7 +69,9 @@ def run_async(coro: Coroutine[Any, Any, int]) -> int:
     """Run a command's coroutine; Ctrl-C (even where a shell started us with SIGINT
     ignored) and SIGTERM stop it, and whatever kills us, the DHT child, p2pd and the
     peers a demo started die too."""
+    global _command_pid
     start_reaper()
+    _command_pid = os.getpid()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupted)
     try:
@@ -416,13 +425,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"started {args.peers} peer processes (logs in {log_dir})", flush=True)
 
     print(f"fusionllm demo: a coordinator and {args.peers} peers on loopback, talking libp2p", flush=True)
+    failed: list[int] = []  # peers that exited with an error before the demo stopped them: their logs say why
     try:
         code = run_async(_coordinate(args, spawn))
     finally:
+        failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
         _kill_groups(procs)
-    if code != 0:
-        for i in range(len(procs)):
-            tail = (log_dir / f"peer{i}.log").read_text(errors="replace").strip().splitlines()[-3:]
-            if tail:
-                print(f"peer {i} log ({log_dir / f'peer{i}.log'}): " + " | ".join(tail), file=sys.stderr)
+    for i in failed if code != 0 else []:
+        tail = (log_dir / f"peer{i}.log").read_text(errors="replace").strip().splitlines()[-3:]
+        if tail:
+            print(f"peer {i} log ({log_dir / f'peer{i}.log'}): " + " | ".join(tail), file=sys.stderr)
     return code

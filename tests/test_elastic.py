@@ -139,10 +139,10 @@ def test_stalled_peer_is_replaced_and_its_old_frames_refused(tmp_path: Path) -> 
         )
         proc.wait_line(r"dropped from the run: .*stalled", 30)
         assert st["training"]["step"] < steps, "the run must still be going when the late peer wakes up"
-        out = _finish(swarm, tmp_path, steps)
+        swarm.coord.wait_line(rf"peer {victim} is back; it waits as standby", 60)
+        assert "Traceback" not in swarm.coord.output
     finally:
         swarm.close()
-    assert f"peer {victim} is back; it waits as standby" in out
 
 
 def test_coordinator_killed_and_resumed(tmp_path: Path) -> None:

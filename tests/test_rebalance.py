@@ -1,6 +1,8 @@
 """Slow peers are rebalanced on measured speeds, and the run stays exact: real
-processes on loopback, compression off, the final weights compared with
-``fusionllm train --reference``."""
+processes on loopback, compression off. The run with a peer joining mid-run and
+another slowed down goes to its end, and its final weights are compared with
+``fusionllm train --reference``; the others stop once what they check is seen (their
+runs are long only so that a move pays for itself)."""
 
 from __future__ import annotations
 
@@ -43,9 +45,9 @@ def _ops(state: dict, peer: str) -> int:
 
 def test_a_peer_slowed_down_gets_less_work(tmp_path: Path) -> None:
     """(a) 4 peers; after some steps the busiest one is throttled to 0.05: within two
-    rebalance periods the coordinator moves work off it, and the run still equals
-    the reference. (Long enough that the move pays for itself also on a loaded
-    machine: the rule wants twice the move's cost back over the remaining steps.
+    rebalance periods the coordinator moves work off it, and the run goes on. (Long
+    enough that the move pays for itself also on a loaded machine: the rule wants
+    twice the move's cost back over the remaining steps.
     A twentieth, not a quarter: this small model's attention ops are a large share
     of a stage each, so a quarter-speed peer costs a 4-micro-batch pipeline under the
     20% a move must gain, as the estimator predicts it since it counts attention.)"""
@@ -72,15 +74,18 @@ def test_a_peer_slowed_down_gets_less_work(tmp_path: Path) -> None:
         epoch = state["training"]["epoch"] + 1
         after = wait_for(swarm.url, lambda s: s["training"]["epoch"] > epoch - 1 and s["phase"] == "training", 60)
         assert _ops(after, slow) < before, f"the slowed peer still has {_ops(after, slow)} of {before} ops: {told}"
-        swarm.note_children()
-        assert swarm.coord.wait(400) == 0, swarm.coord.output[-3000:]
-        out = swarm.coord.output
-        left = swarm.reap()
+        _still_training(swarm)
     finally:
         swarm.close()
-    assert "Traceback" not in out and not left
-    assert re.search(r"\d+ rebalances", out)
-    assert _equal_to_reference(tmp_path, steps)
+
+
+def _still_training(swarm: Swarm) -> None:
+    """The run goes on after what a test checked (its end, and the weights equal to
+    the reference, are checked by ``test_a_peer_joining_mid_run_is_put_to_work``: the
+    rest of a run this long would add about a minute to each test)."""
+    assert swarm.coord.popen.poll() is None, swarm.coord.output[-3000:]
+    assert api(swarm.url)["phase"] == "training"
+    assert "Traceback" not in swarm.coord.output
 
 
 def _finish(swarm: Swarm, tmp_path: Path, steps: int, model: list[str] = SMALL) -> str:
@@ -124,7 +129,7 @@ def test_a_lying_peer_is_corrected_at_the_first_check(tmp_path: Path) -> None:
         claimed, measured = speeds[liar]
         assert measured is not None and measured < claimed / 100, "its measured speed replaced its claim"
         assert after["plan"] != state["plan"], "the plan moved off the claim"
-        _finish(swarm, tmp_path, steps, DEMO)
+        _still_training(swarm)
     finally:
         swarm.close()
 
@@ -183,10 +188,9 @@ def test_random_speed_changes_do_not_make_the_plan_flap(tmp_path: Path, seconds:
         for f in files:
             f.write_text("1\n")
         moves = [line for line in swarm.coord.lines[seen:] if re.search(r"rebalanced at step \d+", line)]
-        out = _finish(swarm, tmp_path, steps)
+        _still_training(swarm)
     finally:
         swarm.close()
     assert changes >= seconds // 2, f"only {changes} speed changes before the run neared its end"
     assert len(moves) <= 3, "\n".join(moves)
     assert sum("undoing the move" in m for m in moves) <= 1, "\n".join(moves)
-    assert "Traceback" not in out
