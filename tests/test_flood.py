@@ -146,12 +146,14 @@ def test_a_flood_of_100000_outsider_frames_costs_training_under_10_percent(tmp_p
     """A 2-peer loopback swarm trains; its steps per second over 8 s from the start of
     100,000 wrong-run frames that a node never admitted sends as fast as it can (on a
     CPU of its own: the attacker's CPU is not the victim's cost), against the mean of
-    8 s without flood before it and 8 s after: the swarm's own speed drifts by 10-15%
-    within half a minute here. (CI once saw 0.865 against one window before. Known,
-    not fixed: the flood also slows the swarm by about 15% for 3-5 s after it starts,
-    which takes this ratio below 0.9 in about 1 run in 4.) The flooder is muted after
-    ``MUTE_REJECTS`` of them; the coordinator logs a few lines, shows one ``muted``
-    event, and its page still shows the joins and the plan."""
+    the 8 s without flood before and after; three such floods, each from a new node,
+    between four clean windows. The swarm's own speed varies by 10-20% from one
+    second to the next here while its processes' CPU use stays the same, and drifts
+    by 10-15% within half a minute: one flood against its two neighbours fell below
+    0.9 in about 1 run in 4, while per half-second CPU samples showed the flood
+    costing the coordinator's p2p daemon about 0.03 CPU-seconds in all. The flooder
+    is muted after ``MUTE_REJECTS`` of them; the coordinator logs a few lines, shows
+    one ``muted`` event per flooder, and its page still shows the joins and the plan."""
     from tests.flooder import FRAMES, measure_flood
 
     r = measure_flood(tmp_path)
@@ -159,9 +161,9 @@ def test_a_flood_of_100000_outsider_frames_costs_training_under_10_percent(tmp_p
     assert r.ratio >= 0.9, str(r)
     kinds = [e["kind"] for e in r.state["events"]]
     assert kinds.count("join") == 2 and "plan" in kinds, kinds
-    assert r.state["rejected"].get("muted") == r.attempts, r.state["rejected"]  # each flooder muted once
-    assert r.state["rejected"].get("wrong_run", 0) <= 2 * MUTE_REJECTS * r.attempts, r.state["rejected"]
-    assert r.output.count("muting ") == r.attempts
-    # each attempt's flooder is a new sender: its own burst of log lines (CI once needed three attempts)
-    assert r.output.count("rejected a message from") <= 2 * LOG_BURST * r.attempts
+    assert r.state["rejected"].get("muted") == r.flooders, r.state["rejected"]  # each flooder muted once
+    assert r.state["rejected"].get("wrong_run", 0) <= 2 * MUTE_REJECTS * r.flooders, r.state["rejected"]
+    assert r.output.count("muting ") == r.flooders
+    # each flooder is a new sender: its own burst of log lines
+    assert r.output.count("rejected a message from") <= 2 * LOG_BURST * r.flooders
     assert "Traceback" not in r.output
