@@ -98,6 +98,7 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
         self.audit_queued: collections.Counter[str] = collections.Counter()
         self._audit: tuple[int, asyncio.Task[None]] | None = None
         self._rejoined: set[str] = set()  # planned peers that said hello again (their stage is gone)
+        self._done_at: dict[str, float] = {}  # when each peer's last StepDone came (time.perf_counter)
         self.recipe = self.job.recipe()
         self.st.scale = initial_scale(self.recipe)
         self._param_order = [n for n, _ in model.named_parameters()]
@@ -318,7 +319,7 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
         first = st.plan.stages[0]
         for m, mb in enumerate(mbs):
             await self._send(first[m % len(first)], Activations(cfg.run_id, step, m, 0, st.epoch), list(mb))
-        losses, norms = await self._await_done(step, len(mbs))
+        losses, norms = await self._await_done(step, len(mbs), t0)
         waited = time.perf_counter()
         await self._audit_settled()  # peers hold one committed step for its spot checks
         st.audit_wait_s += time.perf_counter() - waited
@@ -361,8 +362,9 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
         if candidate is not None:
             await self._rebalance_to(candidate)
 
-    async def _await_done(self, step: int, micro_batches: int) -> tuple[float, dict[str, float]]:
-        """The step's mean loss, and the gradient norms of every stage's replica 0."""
+    async def _await_done(self, step: int, micro_batches: int, began: float) -> tuple[float, dict[str, float]]:
+        """The step's mean loss, and the gradient norms of every stage's replica 0 (the
+        step began at ``began``, by ``time.perf_counter``)."""
         from coordinator.swarm import SwarmError
 
         st = self.st
@@ -379,8 +381,10 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
             if self.recipe.needs_norm and inbound.sender in (g[0] for g in st.plan.stages):
                 norms.update(self._checked_norms(inbound.sender, msg))
             st.compute.setdefault(inbound.sender, []).append(msg.compute_s)
-            st.train_compute_s += _seconds(msg.compute_s)
-            st.audit_compute_s += _seconds(msg.audit_s)
+            now = time.perf_counter()  # no peer computes longer than the time that went by
+            st.train_compute_s += _seconds(msg.compute_s, now - began)
+            st.audit_compute_s += _seconds(msg.audit_s, now - self._done_at.get(inbound.sender, began))
+            self._done_at[inbound.sender] = now
             self._measure(inbound.sender, msg)
             st.link_bytes[inbound.sender] = msg.bytes_sent
             st.raw_bytes[inbound.sender] = msg.raw_sent
@@ -614,11 +618,12 @@ def _norm_value(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and not v < 0
 
 
-def _seconds(reported: float) -> float:
-    """Seconds a peer reports (of one step: at most an hour), or 0 where the figure is
-    not a finite, non-negative number of them."""
+def _seconds(reported: float, went_by: float = 3600.0) -> float:
+    """Seconds a peer reports (of one step: at most an hour), at most the ``went_by``
+    seconds the coordinator saw pass meanwhile, or 0 where the figure is not a finite,
+    non-negative number of them."""
     ok = isinstance(reported, (int, float)) and math.isfinite(reported) and 0 <= reported <= 3600
-    return float(reported) if ok else 0.0
+    return min(float(reported), max(went_by, 0.0)) if ok else 0.0
 
 
 def _finite_losses(sender: str, losses: dict[str, float], overflow_ok: bool = False) -> dict[str, float]:

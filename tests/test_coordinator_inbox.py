@@ -509,12 +509,16 @@ def test_a_plan_undone_is_not_proposed_again_with_its_replicas_reordered() -> No
 
 def test_reported_seconds_count_only_when_finite_and_in_range() -> None:
     """A peer's StepDone says how long it computed, for training and for spot checks;
-    the run's summary adds them up, so a NaN, negative or absurd figure counts as 0."""
+    the run's summary adds them up, so a NaN, negative or absurd figure counts as 0,
+    and none counts for more than the time the coordinator saw go by (a hostile peer
+    inflating its spot-check seconds skewed the page's share of them)."""
     from coordinator.run import _seconds
 
     assert [_seconds(x) for x in (0.25, 0, 3600)] == [0.25, 0.0, 3600.0]
     assert [_seconds(x) for x in (float("nan"), float("inf"), -1.0, 1e9)] == [0.0] * 4
     assert _seconds("1") == 0.0  # type: ignore[arg-type]
+    assert [_seconds(x, 0.5) for x in (0.25, 3600, float("nan"))] == [0.25, 0.5, 0.0]
+    assert _seconds(0.25, -1.0) == 0.0
 
 
 def test_a_checkpoint_written_while_checks_were_under_way_is_not_resumed_from(tmp_path: Path) -> None:
@@ -637,3 +641,21 @@ def test_spot_checks_are_drawn_at_the_rate_and_a_share_of_them_runs_the_backward
     assert len(drawn) == pytest.approx(0.5 * units, rel=0.05)
     assert sum(backward for _, _, backward in drawn) == pytest.approx(BACKWARD_SHARE * len(drawn), rel=0.1)
     assert {s for s, _, _ in drawn} == {0, 1} and {mb for _, mb, _ in drawn} == set(range(driver.job.micro_batches))
+
+
+def test_a_peer_cannot_claim_more_compute_than_the_time_that_went_by(tmp_path: Path) -> None:
+    """A hostile peer reporting an hour of spot-check and training compute for a step
+    that took a moment adds that moment, not an hour, to the run's totals."""
+
+    async def go() -> None:
+        driver = _driver(tmp_path, [["p0"], ["p1"]])
+        inbox = driver.coord.transport.inbox  # type: ignore[union-attr]
+        began = time.perf_counter()
+        await inbox.put(_inbound("p0", StepDone("r", 0, 0, 0, compute_s=3000.0, audit_s=3000.0)))
+        await inbox.put(_inbound("p1", StepDone("r", 0, 1, 0, {"0": 2.5}, compute_s=0.001, audit_s=0.0)))
+        await driver._await_done(0, 1, began)
+        went_by = time.perf_counter() - began
+        assert driver.st.train_compute_s <= 2 * went_by < 1.0  # each report at most the time gone by
+        assert driver.st.audit_compute_s <= went_by
+
+    asyncio.run(go())
