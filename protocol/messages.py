@@ -11,7 +11,9 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-PROTOCOL_VERSION = 1
+#: 2: spot checks may re-execute the forward only (``Recheck.backward``); a peer of 1
+#: would take such a check for a full one with its gradients missing, and fail it
+PROTOCOL_VERSION = 2
 
 
 class MessageError(ValueError):

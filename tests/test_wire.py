@@ -9,7 +9,7 @@ import pytest
 import torch
 from p2p import transport_pair
 
-from protocol.messages import Activations, Message, MessageError, StepDone
+from protocol.messages import PROTOCOL_VERSION, Activations, Message, MessageError, StepDone
 from protocol.transport import LANE_THRESHOLD
 from protocol.wire import MAGIC, WireError, pack_bytes, read_frame, split_buffers
 
@@ -71,9 +71,9 @@ def test_messages_decode_tolerantly_and_validate_strictly() -> None:
     with pytest.raises(MessageError, match="must be int"):
         Message.from_header({**msg.header(), "step": "3"})
     with pytest.raises(MessageError, match="unknown message kind"):
-        Message.from_header({"kind": "nope", "v": 1})
+        Message.from_header({"kind": "nope", "v": PROTOCOL_VERSION})
     with pytest.raises(MessageError, match="lacks field 'run_id'"):
-        Message.from_header({"kind": "done", "v": 1, "step": 1, "stage": 0, "replica": 0})
+        Message.from_header({"kind": "done", "v": PROTOCOL_VERSION, "step": 1, "stage": 0, "replica": 0})
 
 
 def test_split_buffers_keeps_bytes_in_order() -> None:
