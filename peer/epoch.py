@@ -491,7 +491,7 @@ class EpochRunner:
             detail = f"could not build the stage: {exc}"[:400]
             return Verdict(msg.run_id, msg.step, msg.mb, msg.suspect, False, detail, msg.epoch, False)
         try:
-            other.load_state_tensors(dict(zip(msg.weights, weights, strict=True)))
+            other.load_weights(dict(zip(msg.weights, weights, strict=True)))
         except ValueError as exc:
             return Verdict(msg.run_id, msg.step, msg.mb, msg.suspect, False, f"the weights: {exc}", msg.epoch)
         self._others = {msg.stage: other}  # kept while it arbitrates the same stage (its weights load whole)

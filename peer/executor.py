@@ -330,6 +330,25 @@ class StageExecutor:
         if steps_done is not None:
             self.steps_done = steps_done
 
+    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy ``tensors`` (this stage's weights and buffers by ``state_dict`` name: what
+        a suspect shows for a spot check) into the stage, in place; the optimizer's state
+        is left alone. A fraction of :meth:`load_state_tensors`' cost, which rebuilds
+        the optimizer's state as well. Raises ``ValueError`` (one line) and changes
+        nothing on a mismatch."""
+        current = self.module.state_dict(keep_vars=True)
+        problems = Problems()
+        problems.add("unexpected", [k for k in tensors if k not in current])
+        problems.add("missing", [k for k in current if k not in tensors])
+        for k, v in tensors.items():
+            if k in current:
+                problems.check(k, v, current[k])
+        if problems:
+            raise ValueError(f"stage state does not match: {problems}")
+        with torch.no_grad():
+            for k, t in current.items():
+                t.copy_(tensors[k])
+
     def _optim_state(self, mine: Mapping[str, torch.Tensor], problems: Problems) -> dict[int, dict[str, Any]]:
         """The optimizer's per-parameter state (by index, as ``Optimizer.state_dict`` has it)."""
         if self.optimizer is None:

@@ -268,6 +268,28 @@ def test_load_errors_are_one_line_and_change_nothing(batches: list[Batch], cuts:
     ex.load_state_tensors(good, steps_done=1)  # its own snapshot loads
 
 
+def test_shown_weights_load_in_place_and_a_mismatch_changes_nothing(batches: list[Batch], cuts: dict[int, Cut]) -> None:
+    """An arbiter loads a suspect's shown weights into its rebuilt stage in place (not
+    through the optimizer's state: a spot check's fixed cost); the stage then holds
+    exactly the shown tensors, and a wrong set of weights is refused in one line."""
+    trained = _executors(JOB.build_model(), cuts[3], JOB)
+    _train(trained, batches[:1])
+    shown = trained[1].snapshot()
+    arbiter = _executors(JOB.build_model(), cuts[3], JOB)[1]
+    arbiter.load_weights(shown)
+    assert all(torch.equal(v, shown[k]) for k, v in arbiter.module.state_dict().items())
+    before = {k: v.clone() for k, v in arbiter.module.state_dict().items()}
+    first, second = list(shown)[:2]
+    bad = {k: v + 1 for k, v in shown.items() if k != first}
+    bad.update({second: torch.zeros(3), "elsewhere.weight": torch.ones(1)})
+    with pytest.raises(ValueError) as err:
+        arbiter.load_weights(bad)
+    msg = str(err.value)
+    assert "\n" not in msg and f"missing {first}" in msg and f"mis-shaped {second} [3]" in msg
+    assert "unexpected elsewhere.weight" in msg
+    assert all(torch.equal(v, before[k]) for k, v in arbiter.module.state_dict().items())
+
+
 def test_discard_step_then_redo_equals_clean_step(batches: list[Batch], cuts: dict[int, Cut]) -> None:
     clean = JOB.build_model()
     _train(_executors(clean, cuts[3], JOB), batches[:2])
