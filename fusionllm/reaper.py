@@ -36,26 +36,47 @@ EXIT_GRACE_S = 20.0  # how long a command may take to shut down once it is done 
 _started: dict[int, subprocess.Popen[bytes]] = {}  # pid of the watched process -> its watchdog
 
 
-def exit_within(code: int, grace_s: float | None = None) -> threading.Timer:
-    """Arm a timer that ends this process with ``code`` if it is still shutting down
-    after ``grace_s`` (default ``EXIT_GRACE_S``): one line names the file where every
-    thread's stack was written."""
+_exit_at: list[tuple[float, int, float]] = []  # the first deadline armed: (time.monotonic, exit code, grace)
+_watcher: list[threading.Thread] = []
+
+
+def exit_within(code: int, grace_s: float | None = None) -> None:
+    """End this process with ``code`` if it is still shutting down after ``grace_s``
+    (default ``EXIT_GRACE_S``): one line names the file where every thread's stack was
+    written. Only the first call counts. Safe in a signal handler: it only sets the
+    deadline, which a thread started by :func:`watch_exit` acts on."""
     grace_s = EXIT_GRACE_S if grace_s is None else grace_s
+    if not _exit_at:
+        _exit_at.append((time.monotonic() + grace_s, code, grace_s))
 
-    def expire() -> None:
-        import faulthandler
 
+def watch_exit(poll_s: float = 0.1) -> None:
+    """Start (once per process) the thread that ends it at the deadline :func:`exit_within` sets."""
+    if _watcher and _watcher[0].is_alive():
+        return
+
+    def watch() -> None:
+        while not _exit_at or time.monotonic() < _exit_at[0][0]:
+            time.sleep(poll_s)
+        _expire(*_exit_at[0][1:])
+
+    _watcher[:] = [threading.Thread(target=watch, name="fusionllm-exit-watch", daemon=True)]
+    _watcher[0].start()
+
+
+def _expire(code: int, grace_s: float) -> None:
+    """Write every thread's stack to a file, say so in one line, and end the process,
+    whatever of the first two fails (a full disk, a closed stderr)."""
+    import faulthandler
+
+    try:
         fd, path = tempfile.mkstemp(prefix=f"fusionllm-shutdown-{os.getpid()}-", suffix=".txt")
         with os.fdopen(fd, "w") as out:
             faulthandler.dump_traceback(out, all_threads=True)
-        print(f"fusionllm: shutting down took over {grace_s:.0f} s; stopped (stacks in {path})", file=sys.stderr)
-        sys.stderr.flush()
+        line = f"fusionllm: shutting down took over {grace_s:.0f} s; stopped (stacks in {path})\n"
+        os.write(2, line.encode())
+    finally:
         os._exit(code)
-
-    timer = threading.Timer(grace_s, expire)
-    timer.daemon = True
-    timer.start()
-    return timer
 
 
 def start_reaper() -> None:

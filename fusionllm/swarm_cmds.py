@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from fusionllm.cli import EXIT_INTERRUPTED, UsageError, job_from_args
-from fusionllm.reaper import exit_within, start_reaper
+from fusionllm.reaper import exit_within, start_reaper, watch_exit
 from protocol.admission import CERT_TTL_S
 from protocol.job import foreign_code
 from protocol.ports import PortTaken, check_listen_ports
@@ -71,6 +71,7 @@ def run_async(coro: Coroutine[Any, Any, int]) -> int:
     peers a demo started die too."""
     global _command_pid
     start_reaper()
+    watch_exit()
     _command_pid = os.getpid()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupted)

@@ -145,6 +145,7 @@ class PeerNode:
         self.maddrs: list[str] = []
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
         self._tasks: list[asyncio.Task[Any]] = []
+        self._abandoned: list[asyncio.Future[Any]] = []  # epochs that would not end when cancelled
         self.identity: Identity | None = None
         self.checks: PlanChecks | None = None
         self.coordinator_key: Any = None  # pinned at the first contact (trust on first use)
@@ -522,6 +523,8 @@ class PeerNode:
         if task is not None:
             if not await cancel_and_wait(task, STOP_EPOCH_S):
                 logger.warning("the cancelled epoch did not end within %.0f s; going on without it", STOP_EPOCH_S)
+                self.held = None  # it may still change the stage: the next plan must not keep it
+                self._abandoned.append(task)
             await self.run_compute(lambda: None)
 
     async def _report_failure(
@@ -560,10 +563,10 @@ class PeerNode:
 
     async def _visible_maddrs(self) -> list[str]:
         """This peer's addresses as its DHT sees them now (relayed ones appear later),
-        asked off the event loop (the DHT process answers a blocking call), or as last
-        told if it does not answer within ``MADDRS_TIMEOUT_S``."""
+        awaited (hivemind's own call blocks the event loop until the DHT process
+        answers), or as last told if it does not answer within ``MADDRS_TIMEOUT_S``."""
         if self.dht is not None:
-            ask = asyncio.get_running_loop().run_in_executor(None, self.dht.get_visible_maddrs)
+            ask = self.dht.run_coroutine(hivemind.DHT._get_visible_maddrs, return_future=True)
             try:
                 self.maddrs = [str(m) for m in await asyncio.wait_for(ask, MADDRS_TIMEOUT_S)]
             except asyncio.TimeoutError:
@@ -678,7 +681,7 @@ class PeerNode:
 
     async def aclose(self) -> None:
         self.serve_audits(None)
-        for t in [*self._tasks, *([self._epoch_task] if self._epoch_task else [])]:
+        for t in [*self._tasks, *self._abandoned, *([self._epoch_task] if self._epoch_task else [])]:
             t.cancel()
         if self.transport is not None:
             await self.transport.aclose()

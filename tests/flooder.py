@@ -33,8 +33,8 @@ from typing import Any
 #: the frames of one flood, and how long it lasts at least
 FRAMES = 100_000
 FLOOD_S = 8.0
-#: a flood ends after this long even if not all its frames got through
-MAX_FLOOD_S = 60.0
+#: a flood ends after this long even if not all its frames got through (within one mute)
+MAX_FLOOD_S = 45.0
 _STEP = re.compile(r"\|\s*(\d+)/\d+ \[")
 
 

@@ -9,6 +9,7 @@ noise, never compared with fixed results. A new benchmark is one more line in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -19,6 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from coordinator.scheduler import SCHEDULERS
@@ -208,9 +210,9 @@ CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
 
 
 def run_short(script: str) -> dict[str, Any]:
-    """Run ``benchmarks/<script> --short``; its one JSON object. Past ``TIMEOUT_S`` its
-    process group is killed and the failure shows what it printed on stderr (the
-    benchmarks say there which part they are in)."""
+    """Run ``benchmarks/<script> --short``; its one JSON object. Past ``TIMEOUT_S`` it and
+    every process it started are killed, and the failure shows what it printed on
+    stderr (the benchmarks say there which part they are in)."""
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "benchmarks" / script), "--short"],
         stdout=subprocess.PIPE,
@@ -223,6 +225,10 @@ def run_short(script: str) -> dict[str, Any]:
     try:
         stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
+        # the swarms it started run in sessions of their own (and their watchdogs watch them, not it)
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
         raise AssertionError(f"{script} --short ran over {TIMEOUT_S} s:\n{stdout[-2000:]}\n{stderr[-3000:]}") from None

@@ -123,11 +123,16 @@ async def _stubborn(swallow: list[int]) -> None:
             swallow[0] -= 1
 
 
-def test_a_cancelled_epoch_that_will_not_end_does_not_hold_the_peer() -> None:
+def test_a_cancelled_epoch_that_will_not_end_does_not_hold_the_peer(monkeypatch: pytest.MonkeyPatch) -> None:
     """CI once saw a banned peer print nothing for 90 s: each control event waited for
     the cancelled epoch first, and the ban's word (and the certificate watchdog's)
     queued behind it. Now a peer told to leave leaves at once, and a stop of an epoch
-    that swallows cancellations is cancelled again each second, and bounded."""
+    that swallows cancellations is cancelled again each second, and bounded: the
+    peer then holds no stage (the epoch may still change it), and cancels the epoch
+    again when it closes."""
+    import peer.node
+
+    monkeypatch.setattr(peer.node, "STOP_EPOCH_S", 1.0)
 
     async def go() -> None:
         once = asyncio.ensure_future(_stubborn([1]))
@@ -147,6 +152,10 @@ def test_a_cancelled_epoch_that_will_not_end_does_not_hold_the_peer() -> None:
             with pytest.raises(JoinError):
                 await node._control(kind, item)
             assert time.monotonic() - t < 0.5
+        node.held = SimpleNamespace()  # type: ignore[assignment]
+        t = time.monotonic()
+        await node._stop_epoch()
+        assert time.monotonic() - t < 3.0 and node.held is None and node._abandoned == [forever]
         swallow[0] = 0
         assert await cancel_and_wait(forever, 5.0)
 

@@ -84,7 +84,7 @@ def _still_training(swarm: Swarm) -> None:
     the reference, are checked by ``test_a_peer_joining_mid_run_is_put_to_work``: the
     rest of a run this long would add about a minute to each test)."""
     assert swarm.coord.popen.poll() is None, swarm.coord.output[-3000:]
-    assert api(swarm.url)["phase"] == "training"
+    assert api(swarm.url)["phase"] in ("training", "planning")  # (a move may be under way)
     assert "Traceback" not in swarm.coord.output
 
 
