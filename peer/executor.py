@@ -314,10 +314,7 @@ class StageExecutor:
         if strict_extra:
             problems.add("unexpected", [k for k in tensors if k not in mine])
         weights = {k: v for k, v in mine.items() if not k.startswith(OPTIM_PREFIX)}
-        current = self.module.state_dict(keep_vars=True)
-        problems.add("missing", [k for k in current if k not in weights])
-        for k, v in weights.items():
-            problems.check(k, v, current[k])
+        _check_weights(weights, self.module.state_dict(keep_vars=True), problems)
         optim_state = self._optim_state(mine, problems)
         if problems:
             raise ValueError(f"stage state does not match: {problems}")
@@ -339,10 +336,7 @@ class StageExecutor:
         current = self.module.state_dict(keep_vars=True)
         problems = Problems()
         problems.add("unexpected", [k for k in tensors if k not in current])
-        problems.add("missing", [k for k in current if k not in tensors])
-        for k, v in tensors.items():
-            if k in current:
-                problems.check(k, v, current[k])
+        _check_weights({k: v for k, v in tensors.items() if k in current}, current, problems)
         if problems:
             raise ValueError(f"stage state does not match: {problems}")
         with torch.no_grad():
@@ -383,3 +377,13 @@ def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
 def _optim_param(key: str) -> str:
     """The parameter name of an ``optim/<param>/<key>`` entry."""
     return key[len(OPTIM_PREFIX) :].rpartition("/")[0]
+
+
+def _check_weights(
+    weights: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor], problems: Problems
+) -> None:
+    """Note in ``problems`` the stage's weights and buffers (``current``) that ``weights``
+    lacks, and those it has with another shape or dtype."""
+    problems.add("missing", [k for k in current if k not in weights])
+    for k, v in weights.items():
+        problems.check(k, v, current[k])

@@ -219,7 +219,7 @@ class PeerNode:
             ) from None
         self.advert = Advert(
             peer_id=self.transport.peer_id,
-            maddrs=await self._visible_maddrs(),
+            maddrs=self.maddrs,  # as the hello just asked them
             device=str(self.device) if self.device.type == "cpu" else torch.cuda.get_device_name(self.device),
             flops=flops,
             memory_bytes=free_memory(self.device),
