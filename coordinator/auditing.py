@@ -227,17 +227,32 @@ class Auditing(DriverParts):
             at["next"] = stages[s + 1][mb % len(stages[s + 1])]
         return at
 
-    async def _evidence(
-        self, step: int, s: int, mb: int, backward: bool
-    ) -> tuple[list[str], dict[str, str], list[torch.Tensor]]:
-        """The roles, signers and signed frames of micro-batch ``mb`` around stage ``s``."""
-        st = self.st
-        assert st.plan is not None
-        at, roles = self._route(s, mb), roles_for(s, len(st.plan.stages), backward)
+    def _around(self, s: int, mb: int) -> tuple[dict[str, str], dict[str, str]]:
+        """Who signed, and who holds, each role's frame of micro-batch ``mb`` around stage ``s``."""
+        at = self._route(s, mb)
         nxt = at.get("next", "")
         signers = {"input": at["prev"], "grad_out": nxt, "output": at["suspect"], "grad_in": at["suspect"]}
         holders = {"input": at["suspect"], "grad_out": at["suspect"], "output": nxt, "grad_in": at["prev"]}
-        return roles, signers, await self._gather(step, s, mb, roles, holders, signers)
+        return signers, holders
+
+    async def _evidence(
+        self, step: int, s: int, mb: int, backward: bool
+    ) -> tuple[list[str], dict[str, str], list[torch.Tensor]]:
+        """The roles, signers and frames of micro-batch ``mb`` around stage ``s``, as
+        their holders show them: the checker verifies them, and the coordinator only
+        where the check does not pass (``_verify_shown``)."""
+        assert self.st.plan is not None
+        roles, (signers, holders) = roles_for(s, len(self.st.plan.stages), backward), self._around(s, mb)
+        return roles, signers, await self._gather(step, s, mb, roles, holders, signers, verify=False)
+
+    def _verify_shown(self, step: int, s: int, mb: int, roles: list[str], evidence: list[torch.Tensor]) -> None:
+        """Check the frames ``_evidence`` gathered (a pair per role, in order) before a
+        check that did not pass blames anyone: a holder that showed a frame its signer
+        did not send for this micro-batch is excluded (``PeerLost``)."""
+        signers, holders = self._around(s, mb)
+        for i, role in enumerate(roles):
+            if role in holders:  # not param_grads (an arbiter's: checked as gathered)
+                self._checked_evidence(holders[role], evidence[2 * i : 2 * i + 2], role, signers[role], (step, mb, s))
 
     async def _check_alone(self, step: int, s: int, mb: int, backward: bool) -> None:
         """A stage served by one peer: peers of other stages rebuild it with the weights
@@ -266,7 +281,9 @@ class Auditing(DriverParts):
         self, step: int, s: int, mb: int, suspect: str, checker: str, kept: tuple[list[str], list[torch.Tensor]],
         verdict: Verdict,
     ) -> None:  # fmt: skip
-        """Keep the evidence of a disagreement and say it on the page and the log."""
+        """Keep the evidence of a disagreement (once the coordinator has checked it) and
+        say it on the page and the log."""
+        self._verify_shown(step, s, mb, *kept)
         self._keep_evidence(step, mb, suspect, *kept)
         text = f"spot check of step {step}, micro-batch {mb} (stage {s}): {checker} says {suspect} is wrong: "
         self.coord.board.event("audit", text + verdict.detail)
@@ -362,10 +379,17 @@ class Auditing(DriverParts):
         return list(msg.names), values
 
     async def _gather(
-        self, step: int, s: int, mb: int, roles: list[str], holders: dict[str, str], signers: dict[str, str]
+        self,
+        step: int,
+        s: int,
+        mb: int,
+        roles: list[str],
+        holders: dict[str, str],
+        signers: dict[str, str],
+        verify: bool = True,
     ) -> list[torch.Tensor]:
-        """The signed frames of ``roles``, asked of the peers that received them, each
-        checked to be what its signer sent for this micro-batch."""
+        """The signed frames of ``roles``, asked of the peers that received them (each
+        checked to be what its signer sent for this micro-batch, if ``verify``)."""
         st = self.st
         asked: dict[str, list[str]] = {}
         for role in roles:
@@ -383,29 +407,27 @@ class Auditing(DriverParts):
                     continue
                 pending.discard(inbound.sender)
                 for role in asked[inbound.sender]:
-                    got[role] = self._checked_evidence(inbound, role, signers[role], (step, mb, s))
+                    got[role] = _frame_of(inbound, role)
+                    if verify or not got[role]:
+                        self._checked_evidence(inbound.sender, got[role], role, signers[role], (step, mb, s))
         finally:
             self.auditing.difference_update(asked)
         return [t for role in roles for t in got[role]]
 
     def _checked_evidence(
-        self, inbound: Any, role: str, signer: str, where: tuple[int, int, int]
-    ) -> list[torch.Tensor]:
-        """The frame of ``role`` in an ``Evidence`` answer, if its signer sent it for this
-        (step, micro-batch, stage); else the peer that showed it is excluded."""
-        coord, msg, values = self.coord, inbound.message, inbound.values()
-        kind = ROLES[role][0].KIND
-        i = msg.kinds.index(kind) if kind in msg.kinds and len(values) == 2 * len(msg.kinds) else -1
+        self, holder: str, pair: list[torch.Tensor], role: str, signer: str, where: tuple[int, int, int]
+    ) -> None:
+        """Whether ``pair``, the frame of ``role`` that ``holder`` showed, is what its
+        signer sent for this (step, micro-batch, stage); else ``holder`` is excluded."""
+        coord = self.coord
         key = coord.identity.public_key if signer == coord.transport.peer_id else coord.gate.signer_key(signer)
-        pair = values[2 * i : 2 * i + 2] if i >= 0 else []
-        found = signed_frame(self.cfg.run_id, signer, key, pair)
+        found = signed_frame(self.cfg.run_id, signer, key, pair) if pair else None
         step, mb, s = where
         problem = (
             "none came" if found is None else wrong_frame(role, found[0], self.cfg.run_id, step, mb, s, self.st.epoch)
         )
         if problem:
-            raise PeerLost({inbound.sender: f"{EXCLUDED}it could not show the {role} frame of a spot check: {problem}"})
-        return pair
+            raise PeerLost({holder: f"{EXCLUDED}it could not show the {role} frame of a spot check: {problem}"})
 
     async def _recheck(
         self,
@@ -436,7 +458,8 @@ class Auditing(DriverParts):
             verdict: Verdict = (await self._answer_of((Verdict,), {checker}, deadline)).message
             if (verdict.step, verdict.mb, verdict.suspect) != (step, mb, suspect):
                 continue
-            if not verdict.checked:  # the coordinator checked that evidence: the checker could not use it
+            if not verdict.checked:  # if the evidence is sound, the checker could not use it
+                self._verify_shown(step, s, mb, roles, evidence)
                 raise PeerLost({checker: f"it could not run a spot check: {verdict.detail[:200]}"})
             return verdict
 
@@ -450,6 +473,14 @@ class Auditing(DriverParts):
             save_file(tensors, str(folder / f"step{step}-mb{mb}-{suspect[:16]}.safetensors"))
         except OSError as exc:
             logger.warning("could not keep the evidence of a spot check: %s", exc)
+
+
+def _frame_of(inbound: Any, role: str) -> list[torch.Tensor]:
+    """The (head, payload) of ``role``'s frame in an ``Evidence`` answer ([] if it has none)."""
+    msg, values = inbound.message, inbound.values()
+    kind = ROLES[role][0].KIND
+    i = msg.kinds.index(kind) if kind in msg.kinds and len(values) == 2 * len(msg.kinds) else -1
+    return values[2 * i : 2 * i + 2] if i >= 0 else []
 
 
 def _undecided(step: int, mb: int, suspect: str, checkers: list[str]) -> PeerLost:

@@ -309,6 +309,7 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
         st, cfg = self.st, self.cfg
         assert st.plan is not None
         step, t0 = st.step, time.perf_counter()
+        audited = self._audit is not None  # the last step's spot checks run in this one's time
         batch = self._batch(step)
         mbs = split_batch(batch, self.job.micro_batches)
         for m, mb in enumerate(mbs):
@@ -326,7 +327,7 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
         checks = self._sample_checks()
         if checks and step + 1 == self.job.steps:  # the result is never left unchecked
             await self._spot_check(step, checks, self.mb_losses)
-            checks = []
+            checks, audited = [], True
         update = self._decide(step, norms)
         # the step counts from here: a peer lost now finds the survivors holding or applying it
         st.step += 1
@@ -336,6 +337,7 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
         self.run_dir.record_loss(step, losses)
         seconds = time.perf_counter() - t0
         st.step_seconds.append(seconds)
+        st.audited.append(audited)
         st.trained_s += seconds
         st.tokens += batch[0].numel()
         st.tokens_per_step = batch[0].numel()
@@ -347,11 +349,11 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
         if checkpoint and self.recipe.scales_loss:
             self.run_dir.set_meta(f"loss_scale@{st.step}", [st.scale.scale, st.scale.good])
         evaluate = len(self._eval_micro_batches()) if self.job.eval_due(st.step) else 0
-        audited = {p for s, _, _ in checks for p in st.plan.stages[s]}  # they keep this step's weights
+        keep = {p for s, _, _ in checks for p in st.plan.stages[s]}  # they keep this step's weights
         try:
             for p in st.planned:
                 msg = Commit(cfg.run_id, step, st.epoch, checkpoint, update.factor, update.skip, st.scale.scale,
-                             evaluate, p in audited)  # fmt: skip
+                             evaluate, p in keep)  # fmt: skip
                 await self._send(p, msg)
         except PeerLost as exc:  # a peer gone before its commit (a cheat leaving?) cannot dodge the checks
             raise PeerLost(exc.lost, rollback_to=step if checks else None) from None

@@ -76,6 +76,7 @@ class RunState:
     mbps: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)  # per committed step
     step_seconds: list[float] = field(default_factory=list)
+    audited: list[bool] = field(default_factory=list)  # per step_seconds: whether spot checks ran in its time
     compute: dict[str, list[float]] = field(default_factory=dict)
     link_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
     raw_bytes: dict[str, dict[str, int]] = field(default_factory=dict)

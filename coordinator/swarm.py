@@ -50,7 +50,7 @@ from protocol.messages import (
 from protocol.ports import PortTaken, check_listen_ports
 from protocol.reach import DIAL_BACK_TIMEOUT_S, dial_back, observed_ip, tcp_ports
 from protocol.run_records import RunRecords
-from protocol.spotcheck import DEFAULT_SPOT_CHECK
+from protocol.spotcheck import DEFAULT_SPOT_CHECK, step_overhead
 from protocol.transport import Inbound, PeerUnreachable, Transport
 
 #: steps between two checks whether a plan on the measured speeds pays for moving to it;
@@ -135,6 +135,7 @@ class RunSummary:
     spot_checks: int = 0  # micro-batches re-executed by another replica
     audit_wait_s: float = 0.0  # seconds commits waited for spot checks still under way
     audit_share: float = 0.0  # the peers' compute on spot checks over their compute on training
+    check_overhead: float | None = None  # what spot checks cost the median step (protocol.spotcheck.step_overhead)
     connections: dict[str, str] = field(default_factory=dict)  # planned peer -> direct, dial-out or forwarded
     forwarded_bytes: int = 0  # frames this coordinator passed between peers behind NATs
 
@@ -628,6 +629,7 @@ class Coordinator:
             spot_checks=st.spot_checks,
             audit_wait_s=st.audit_wait_s,
             audit_share=st.audit_compute_s / max(st.train_compute_s, 1e-9),
+            check_overhead=step_overhead(st.step_seconds, st.audited),
             connections={p: self.board.connections.get(p, "direct") for p in st.planned},
             forwarded_bytes=sum(self.transport.forwarded.values()),
         )

@@ -83,6 +83,12 @@ def run_async(coro: Coroutine[Any, Any, int]) -> int:
         return asyncio.run(_bounded(coro))
 
 
+def _check_cost(overhead: float | None) -> str:
+    if overhead is None:
+        return ""
+    return f"; median step {overhead:+.1%} against the steps with no check under way"
+
+
 def _summary(summary: Any, save: str | None) -> str:
     k = min(10, len(summary.losses))
     first, last = sum(summary.losses[:k]) / k, sum(summary.losses[-k:]) / k
@@ -93,7 +99,7 @@ def _summary(summary: Any, save: str | None) -> str:
         f"{len(summary.checkpoint_s)} checkpoints, {summary.epochs} plan epochs, {summary.failures} peers lost, "
         f"{summary.steps_redone} steps redone, {len(summary.rebalances)} rebalances, {summary.spot_checks} spot checks "
         f"({summary.audit_share:.1%} of the peers' training compute; commits waited "
-        f"{summary.audit_wait_s:.1f} s for them)",
+        f"{summary.audit_wait_s:.1f} s for them{_check_cost(summary.check_overhead)})",
     ]
     lines += [f"validation loss after step {steps}: {loss:.6f}" for steps, loss in summary.val_losses]
     for s, group in enumerate(summary.assignment.stages):

@@ -130,9 +130,20 @@ class Rechecker:
 
 def _through(values: list[Any], codec: Codec) -> list[Any]:
     """``values`` as a receiver decodes them after ``codec`` (activations carry no
-    error feedback, so a deterministic codec encodes them the same on every peer)."""
+    error feedback, so a deterministic codec encodes them the same on every peer;
+    the lossless one carries them unchanged, so they are not encoded at all)."""
+    if codec.lossless:
+        return [_on_cpu(v) for v in values]
     descs, chunks = encode_values(values, Link(codec))
     return Frame({"values": descs}, memoryview(bytearray(b"".join(bytes(c) for c in chunks)))).values()
+
+
+def _on_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if type(value) in (tuple, list):
+        return type(value)(_on_cpu(v) for v in value)
+    return value
 
 
 def _named(own: Inbound | None) -> tuple[list[str], list[Any]] | None:

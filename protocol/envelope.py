@@ -38,7 +38,7 @@ from blake3 import blake3
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from protocol.identity import SIGNATURE_BYTES, Identity, IdentityError, public_key, verify
-from protocol.messages import PROTOCOL_VERSION, Message, MessageError
+from protocol.messages import PROTOCOL_VERSION, Message, MessageError, fields_of
 from protocol.text import clean
 from protocol.wire import MAX_HEADER_BYTES, Frame, WireError, all_finite, check_descriptions
 
@@ -105,7 +105,7 @@ class Envelope:
     epoch: int = -1  # the plan epoch the message belongs to (-1: none, e.g. a hello)
 
     def header(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
+        out = fields_of(self)
         if self.lanes is None:
             del out["lanes"]
         return out
@@ -177,7 +177,7 @@ class Sealer:
         for c in chunks:
             digest.update(c)
         run, step, mb, stage, epoch = routing(message)
-        body = {k: v for k, v in dataclasses.asdict(message).items() if k not in _ROUTING}
+        body = {k: v for k, v in fields_of(message).items() if k not in _ROUTING}
         env = Envelope(
             PROTOCOL_VERSION,
             run,

@@ -64,6 +64,18 @@ def _check(name: str, value: Any, tp: Any) -> Any:
     return value
 
 
+def fields_of(obj: Any) -> dict[str, Any]:
+    """A dataclass's fields by name, not copied: ``dataclasses.asdict`` without its
+    deep copy (a message's fields are JSON values, serialised at once; the copy was a
+    third of the cost of sending a small message)."""
+    return {name: getattr(obj, name) for name in _names(type(obj))}
+
+
+@functools.cache
+def _names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
 @dataclass(frozen=True)
 class Message:
     KIND: ClassVar[str] = ""
@@ -74,9 +86,7 @@ class Message:
             _REGISTRY[cls.KIND] = cls
 
     def header(self) -> dict[str, Any]:
-        out = {"kind": self.KIND, "v": PROTOCOL_VERSION}
-        out.update(dataclasses.asdict(self))
-        return out
+        return {"kind": self.KIND, "v": PROTOCOL_VERSION, **fields_of(self)}
 
     @classmethod
     def from_header(cls, header: dict[str, Any]) -> Message:

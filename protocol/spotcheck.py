@@ -40,6 +40,7 @@ values).
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -69,6 +70,8 @@ FINGERPRINT_CHUNK = 1 << 20
 DEFAULT_SPOT_CHECK = 0.05
 #: the share of spot checks that re-execute the backward too (the rest: the forward only)
 BACKWARD_SHARE = 0.25
+#: steps with no spot check under way that a run needs to say what the checks cost its steps
+MIN_CLEAN_STEPS = 10
 
 
 def roles_for(stage: int, num_stages: int, backward: bool = True) -> list[str]:
@@ -177,6 +180,19 @@ def alike(a: Sequence[float], b: Sequence[float], rtol: float) -> bool:
         if abs(a[i] - b[i]) > bound or abs(a[i + 1] - b[i + 1]) > bound:
             return False
     return True
+
+
+def step_overhead(seconds: Sequence[float], audited: Sequence[bool]) -> float | None:
+    """What spot checks cost a run's median step: the median of its step times over
+    the median of those of its steps in which no check ran, minus 1. Both come from
+    one run (the same plan, peers and machine), and checked and clean steps are drawn
+    at random among each other; across two runs, the plans and the machine differ by
+    more than the checks cost. None without ``MIN_CLEAN_STEPS`` clean steps, or with
+    no checked one."""
+    clean = [s for s, a in zip(seconds, audited, strict=True) if not a]
+    if len(clean) < MIN_CLEAN_STEPS or len(clean) == len(seconds):
+        return None
+    return statistics.median(seconds) / statistics.median(clean) - 1.0
 
 
 def survival(f: float, checked: float, micro_batches: int, steps: int) -> float:

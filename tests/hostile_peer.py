@@ -8,7 +8,8 @@ computes (activations or loss forward, gradients backward) is NaN; or ``framer``
 it reports every sender's (finite) values as poison; or ``noisy``: wrong but finite work,
 small noise on a fraction ``FUSIONLLM_CHEAT_FRACTION`` (default 1) of the values its
 stage computes forward (its activations, or its loss); or ``fakeloss``: it computes
-honestly but reports a loss of 0.01 (on the last stage)."""
+honestly but reports a loss of 0.01 (on the last stage); or ``liar``: honest work, but
+the frames it shows for a spot check have one payload byte changed."""
 
 from __future__ import annotations
 
@@ -21,12 +22,12 @@ from typing import Any
 
 import torch
 
-from peer import epoch
+from peer import audit, epoch
 from peer.executor import StageExecutor
 from peer.node import PeerConfig, PeerNode
 
 CLAIMS = {"nan": float("nan"), "inf": float("inf"), "negative": -1e12, "maddr": None}
-CLAIMS |= dict.fromkeys(("poison", "framer", "noisy", "fakeloss"))
+CLAIMS |= dict.fromkeys(("poison", "framer", "noisy", "fakeloss", "liar"))
 
 
 def _nan(value: Any) -> Any:
@@ -47,6 +48,22 @@ def frame_others(node: PeerNode) -> None:
         raise epoch.Poisoned(inbound, what)
 
     epoch._finite = accuse  # type: ignore[assignment]
+
+
+def lie() -> None:
+    """Show spot checks frames with one payload byte changed (their signatures no longer hold)."""
+    honest = audit.evidence_for
+
+    def tampered(*args: Any) -> Any:
+        reply, values = honest(*args)
+        if reply.kinds != ["weights"]:
+            values = [v.clone() for v in values]
+            for payload in values[1::2]:
+                if payload.numel():
+                    payload[0] ^= 1
+        return reply, values
+
+    audit.evidence_for = tampered  # type: ignore[assignment]
 
 
 def poison() -> None:
@@ -91,6 +108,8 @@ async def main() -> None:
     args = ap.parse_args()
     if args.mode == "poison":
         poison()
+    if args.mode == "liar":
+        lie()
     if args.mode in ("noisy", "fakeloss"):
         cheat(args.mode)
     claim = CLAIMS[args.mode] or float(os.environ.get("FUSIONLLM_CLAIM_FLOPS", "0")) or None

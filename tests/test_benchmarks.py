@@ -33,7 +33,7 @@ BENCHMARKS = [
                       "max_rss_mb_under_alloc_attack", "probe_amplification", "spot_check_overhead",
                       "cheater_caught_within_steps", "cheater_survival_20_steps", "spot_check_rate", "swarm_s",
                       "spot_check_step_ms_off", "spot_check_step_ms_on", "spot_check_overhead_tokens",
-                      "spot_check_compute_share", "gradient_cheater_survival_20_steps"}),
+                      "spot_check_overhead_runs", "spot_check_compute_share", "gradient_cheater_survival_20_steps"}),
     ("codecs.py", {"adatopk_encode_gbps", "adatopk_decode_gbps", "global_topk_gbps", "adatopk_vs_global_topk",
                    "adatopk_wire_vs_ideal", "fp16_encode_gbps", "int4sr_encode_gbps", "lowrank8_encode_gbps",
                    "lowrank8_wire_ratio", "sign_verify_ms_4mib", "transfer_ms_4mib",
@@ -181,8 +181,9 @@ def _adversary(out: dict[str, Any]) -> None:
     assert 0 < out["flood_throughput_ratio"] < 2 and 0 < out["flood_sustained_throughput_ratio"] < 2, out
     # nothing is allocated on a claim: the attacks leave RSS near idle, and no probe draws back more than it sent
     assert out["max_rss_mb_under_alloc_attack"] <= 2 * out["idle_rss_mb"] and out["probe_amplification"] <= 1, out
-    assert 0 <= out["spot_check_overhead"] < 1 and 0 < out["cheater_survival_20_steps"] < 1, out
-    assert 0 <= out["spot_check_overhead_tokens"] < 1, out
+    # overheads are ratios of measured times, so noise can make them a little negative
+    assert -1 < out["spot_check_overhead"] < 1 and 0 < out["cheater_survival_20_steps"] < 1, out
+    assert -1 < out["spot_check_overhead_runs"] < 1 and 0 <= out["spot_check_overhead_tokens"] < 1, out
     assert out["cheater_survival_20_steps"] < out["gradient_cheater_survival_20_steps"] < 1, out
     # checks ran (the rate is 0.05 of 16 micro-batch stages a step), and cost less than training did
     assert 0 < out["spot_check_compute_share"] < 1, out

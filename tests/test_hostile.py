@@ -95,23 +95,27 @@ def test_hostile_peers_are_left_out_and_the_run_ends_equal_to_a_clean_one(tmp_pa
 
 
 def test_wrong_but_finite_work_is_caught_by_re_execution(tmp_path: Path) -> None:
-    """Accountable compute: one stage served by four replicas, two of them cheats whose
-    values stay finite: one adds noise to what it computes, one reports a fake loss
-    while computing honestly. Every micro-batch is re-executed by another replica
-    (``--spot-check 1``): each cheat is excluded by the majority, its signed frames are
-    kept as evidence, no honest peer is blamed, and the run ends equal to a clean one."""
+    """Accountable compute: one stage served by five replicas, three of them cheats:
+    one adds (finite) noise to what it computes, one reports a fake loss while
+    computing honestly, one computes honestly but shows tampered frames as evidence.
+    Every micro-batch is re-executed by another replica (``--spot-check 1``): each
+    cheat is excluded (by the majority, or as its frames' signatures fail), the
+    disputed frames are kept as evidence, no honest peer is blamed, and the run ends
+    equal to a clean one."""
     steps = 4
     save, run_dir = tmp_path / "swarm.safetensors", tmp_path / "run"
     common = ["--steps", str(steps), "--seed", "0", *SMALL]
-    args = [*common, "--min-peers", "4", "--stages", "1", "--spot-check", "1", "--save", str(save)]
+    args = [*common, "--min-peers", "5", "--stages", "1", "--spot-check", "1", "--save", str(save)]
     swarm = Swarm(tmp_path, [*args, "--run-dir", str(run_dir)], peers=0)
     try:
-        cheats = {mode: swarm.add_hostile(mode, f"c{i}.key") for i, mode in enumerate(("noisy", "fakeloss"))}
+        modes = ("noisy", "fakeloss", "liar")
+        cheats = {mode: swarm.add_hostile(mode, f"c{i}.key") for i, mode in enumerate(modes)}
         honest = {swarm.add_peer(i) for i in range(2)}
         assert swarm.coord.wait(300) == 0, swarm.coord.output[-3000:]
         out = swarm.coord.output
         for mode, pid in cheats.items():
             assert re.search(rf"peer {pid} .*failed: excluded: ", out), (mode, out[-3000:])
+        assert re.search(rf"peer {cheats['liar']} .*excluded: it could not show the input frame", out), out[-3000:]
         named = re.search(r"\b0\.0(099\d*|1)\b", out)
         assert named, ("the fake loss is named (as reported, or as its own re-execution gave it)", out[-4000:])
         assert not any(re.search(rf"peer {h} .*failed", out) for h in honest), "no honest peer was blamed"

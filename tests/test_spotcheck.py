@@ -202,3 +202,27 @@ def test_a_forward_only_check_sees_activations_and_not_gradients() -> None:
     noisy_forward = dataclasses.replace(noisy_msg, roles=roles, signers=["coord", "suspect"], backward=False)
     caught = checker.verdict(noisy_forward, [*noisy[0:2], *noisy[4:6]], None)
     assert not caught.agree and "its activations" in caught.detail and caught.computed
+
+
+def test_values_through_the_lossless_codec_are_what_the_wire_delivers() -> None:
+    """A re-execution compares its activations as a receiver would decode them; on the
+    lossless codec it skips the encoding, which must change nothing."""
+    from peer.audit import _through
+
+    values = [torch.randn(2, 3)[:, 1:], (torch.arange(4), None, torch.Size([2, 3])), 7, torch.zeros(0)]
+    descs, chunks = encode_values(values)
+    wire = Frame({"values": descs}, memoryview(bytearray(b"".join(bytes(c) for c in chunks)))).values()
+    skipped = _through(values, Codec())
+    assert differs(wire, skipped, 0.0) == "" and len(skipped) == len(wire)
+    assert [type(v) for v in skipped] == [type(v) for v in wire]
+    assert skipped[1][2] == wire[1][2] and skipped[2] == wire[2] == 7
+
+
+def test_what_checks_cost_the_median_step_is_measured_against_the_runs_clean_steps() -> None:
+    from protocol.spotcheck import MIN_CLEAN_STEPS, step_overhead
+
+    clean, checked = [0.10] * MIN_CLEAN_STEPS, [0.12] * (MIN_CLEAN_STEPS + 1)
+    assert step_overhead([*clean, *checked], [False] * len(clean) + [True] * len(checked)) == pytest.approx(0.2)
+    assert step_overhead(clean, [False] * len(clean)) is None, "no step was checked"
+    few = [False] * (MIN_CLEAN_STEPS - 1)
+    assert step_overhead([0.1] * (len(few) + 5), few + [True] * 5) is None, "too few clean steps to say"
