@@ -12,8 +12,9 @@ Prints one JSON object:
 - ``probe_amplification``: the most bytes any probe drew back per byte sent
   (unadmitted, over-asking and honest probes; goal <= 1).
 - ``spot_check_overhead``: in a replicated swarm with the default ``--spot-check``,
-  the median step time over the median of the steps in which no check ran, minus 1
-  (``protocol.spotcheck.step_overhead``; the median of the runs'; goal <= 0.05).
+  the share of steps in which checks ran times how much longer (median) they took
+  than those in which none did (``protocol.spotcheck.step_overhead``; the median
+  of the runs'; goal <= 0.05).
   Checked and clean steps are drawn at random among each other in one run, so the
   plan, the peers and the machine are the same for both.
   ``spot_check_overhead_runs`` compares whole runs instead: the median step time
@@ -125,7 +126,7 @@ async def _attacks(short: bool) -> dict[str, float]:
 # ---------------------------------------------------------------- swarms
 def _demo(flags: list[str], steps: int) -> tuple[float, float, float, float | None]:
     """(median step ms, tokens/s over the whole run, the peers' compute on spot checks
-    over their compute on training, what the checks cost the median step against the
+    over their compute on training, what the checks cost its steps on average against the
     run's steps without any) of a demo swarm with ``flags``."""
     argv = [sys.executable, "-m", "fusionllm", "demo", "--steps", str(steps), *SMALL, *flags]
     done = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=600)
@@ -135,7 +136,7 @@ def _demo(flags: list[str], steps: int) -> tuple[float, float, float, float | No
     median = re.search(r"measured ([\d.]+) ms \(median\)", out)  # the estimator's line: the measured step
     rate = re.search(r"([\d,]+) tokens/s", out)
     share = re.search(r"([\d.]+)% of the peers' training compute", out)
-    cost = re.search(r"median step ([+-][\d.]+)% against the steps with no check", out)
+    cost = re.search(r"steps ([+-][\d.]+)% on average against those with no check", out)
     assert median and rate and share, out
     in_run = float(cost.group(1)) / 100 if cost else None
     return float(median.group(1)), float(rate.group(1).replace(",", "")), float(share.group(1)) / 100, in_run
@@ -143,7 +144,7 @@ def _demo(flags: list[str], steps: int) -> tuple[float, float, float, float | No
 
 def spot_check_overhead(short: bool) -> dict[str, float]:
     """A replicated swarm (4 peers on 2 stages) with spot checks: what they cost its
-    median step against its steps without any; and the same swarm without checks,
+    steps against those without any; and the same swarm without checks,
     runs alternated: the median step's overhead across runs, the medians of the runs'
     median step times, and the overhead in tokens/s over whole runs (warm-up
     included, and every slow step)."""

@@ -48,7 +48,7 @@ from safetensors.torch import save_file
 from coordinator.runstate import EXCLUDED, DriverParts, PeerLost
 from protocol.envelope import signed_frame
 from protocol.messages import Audit, Evidence, Message, Recheck, Verdict
-from protocol.spotcheck import BACKWARD_SHARE, ROLES, alike, roles_for, tolerance, wrong_frame
+from protocol.spotcheck import BACKWARD_SHARE, ROLES, alike, lone_draw, roles_for, tolerance, wrong_frame
 from protocol.transport import Inbound
 
 #: a re-execution of a spot check, asked of one checker
@@ -77,24 +77,37 @@ class Auditing(DriverParts):
     audit_queued: collections.Counter[str]  # answers waiting in the box, by sender
     _audit: tuple[int, asyncio.Task[None]] | None  # the committed step whose spot checks are under way
     _audit_rng = random.Random()  # seeded from the OS: peers cannot predict which micro-batch is checked
+    _shown: dict[int, tuple[list[str], list[torch.Tensor]] | None]  # a lone stage's weights shown for the checked step
+    _lone_checkers: dict[tuple[int, int, int], list[str]]  # (epoch, step, stage) -> its checkers, in order
+    _loaded: dict[str, tuple[int, int, int]]  # arbiter -> (epoch, stage, step) of the weights it last loaded
     _marked = False  # whether the run directory records a checkpoint written while checks were under way
 
     def _sample_checks(self) -> list[Check]:
-        """The (stage, micro-batch, backward too) of this step to re-execute, each drawn
-        with the ``spot_check`` chance, the backward with ``BACKWARD_SHARE`` of that
-        (none where one peer serves the only stage)."""
-        st, rate, rng = self.st, self.cfg.spot_check, self._audit_rng
+        """The (stage, micro-batch, backward too) of this step to re-execute: each
+        micro-batch of a replicated stage with the ``spot_check`` chance; those of a
+        stage of one peer as many on average, drawn together (``lone_draw``); the
+        backward with ``BACKWARD_SHARE`` of that (none where one peer serves the only
+        stage)."""
+        st, rate, rng, mbs = self.st, self.cfg.spot_check, self._audit_rng, self.job.micro_batches
         assert st.plan is not None
         if rate <= 0 or (len(st.plan.stages) < 2 and len(st.plan.stages[0]) < 2):
             return []
-        drawn = [(s, mb) for s in range(len(st.plan.stages)) for mb in range(self.job.micro_batches)]
-        return [(s, mb, rng.random() < BACKWARD_SHARE) for s, mb in drawn if rng.random() < rate]
+        drawn: list[tuple[int, int]] = []
+        for s, group in enumerate(st.plan.stages):
+            if len(group) > 1:
+                drawn += [(s, mb) for mb in range(mbs) if rng.random() < rate]
+                continue
+            chance, k = lone_draw(rate, mbs)
+            if rng.random() < chance:
+                drawn += [(s, mb) for mb in sorted(rng.sample(range(mbs), k))]
+        return [(s, mb, rng.random() < BACKWARD_SHARE) for s, mb in drawn]
 
     async def _spot_check(self, step: int, checks: list[Check], losses: dict[str, float]) -> None:
         """Re-execute ``checks`` of ``step`` (``PeerLost`` on a mismatch)."""
         st = self.st
         assert st.plan is not None
         self.audit_losses = losses
+        self._shown.clear()
         self._empty_audit_box()
         for s, mb, backward in checks:
             st.spot_checks += 1
@@ -262,14 +275,18 @@ class Auditing(DriverParts):
         assert st.plan is not None
         roles, signers, evidence = await self._evidence(step, s, mb, backward)
         suspect = st.plan.stages[s][0]
-        shown = await self._weights_of(step, mb, suspect)
+        if s not in self._shown:  # once for all the micro-batches of this stage checked in this step
+            self._shown[s] = await self._weights_of(step, mb, suspect)
+        shown = self._shown[s]
         if shown is None:
             raise PeerLost({suspect: f"{EXCLUDED}it could not show its weights for a spot check"})
-        names, weights = shown
-        checkers = [p for i, group in enumerate(st.plan.stages) if i != s for p in group]
-        self._audit_rng.shuffle(checkers)
-        case = (roles, signers, [*evidence, *weights])
-        ask = functools.partial(self._recheck, step, s, mb, *case, weights=names, grads=False, backward=backward)
+        checkers = self._lone_checkers.get((st.epoch, step, s))
+        if checkers is None:  # the first checker of the step's first check asked first for the others too
+            checkers = [p for i, group in enumerate(st.plan.stages) if i != s for p in group]
+            self._audit_rng.shuffle(checkers)
+            self._lone_checkers = {(st.epoch, step, s): checkers}
+        case = (roles, signers, evidence)
+        ask = functools.partial(self._recheck, step, s, mb, *case, shown=shown, grads=False, backward=backward)
         first = await ask(checkers[0])
         if first.agree:
             return
@@ -348,13 +365,12 @@ class Auditing(DriverParts):
         shown = [await self._weights_of(step, mb, p) for p in (suspect, checker)]
         if shown[0] is None or shown[1] is None or not _same(shown[0], shown[1]):
             return []
-        names, weights = shown[0]
         if backward:
             grads = await self._gather(step, s, mb, ["param_grads"], {"param_grads": checker}, {"param_grads": suspect})
             roles, signers, evidence = [*roles, "param_grads"], {**signers, "param_grads": suspect}, [*evidence, *grads]
         self._audit_rng.shuffle(arbiters)
-        ask = functools.partial(self._recheck, step, s, mb, roles, signers, [*evidence, *weights], backward=backward)
-        return [(p, functools.partial(ask, p, names)) for p in arbiters]
+        ask = functools.partial(self._recheck, step, s, mb, roles, signers, evidence, shown=shown[0], backward=backward)
+        return [(p, functools.partial(ask, p)) for p in arbiters]
 
     def _rtol(self, a: str, b: str) -> float:
         """The tolerance between re-executions on the devices of peers ``a`` and ``b``."""
@@ -438,21 +454,22 @@ class Auditing(DriverParts):
         signers: dict[str, str],
         evidence: list[torch.Tensor],
         checker: str,
-        weights: list[str] | None = None,
+        shown: tuple[list[str], list[torch.Tensor]] | None = None,
         grads: bool = True,
         backward: bool = True,
     ) -> Verdict:
         """``checker``'s verdict on the suspect's micro-batch (an arbiter of another
-        stage gets the stage's ``weights`` by name, after the evidence)."""
+        stage gets that stage's program and the weights ``shown``, by name, after the
+        evidence: neither if it holds them from its last arbitration)."""
         st, cfg = self.st, self.cfg
+        assert st.plan is not None
         suspect = self._route(s, mb)["suspect"]
-        loss = self.audit_losses.get(str(mb)) if s == len(st.plan.stages) - 1 else None  # type: ignore[union-attr]
-        arbiter = weights is not None  # of another stage: it rebuilds this one (a stage may hold no weights)
-        program = self._program_payloads(st.plan.cut)[s] if arbiter and self.as_programs else []  # type: ignore[attr-defined,union-attr]
+        loss = self.audit_losses.get(str(mb)) if s == len(st.plan.stages) - 1 else None
+        names, weights, program, same = self._arbiter_parts(checker, step, s, shown)
         msg = Recheck(cfg.run_id, step, mb, suspect, roles, [signers[r] for r in roles], st.epoch, loss,
-                      self._rtol(suspect, checker), s if arbiter else -1, weights or [],
-                      len(program), grads, backward)  # fmt: skip
-        await self._send(checker, msg, [*evidence, *program])  # type: ignore[attr-defined]
+                      self._rtol(suspect, checker), -1 if shown is None else s, names, len(program), grads,
+                      backward, same)  # fmt: skip
+        await self._send(checker, msg, [*evidence, *weights, *program])  # type: ignore[attr-defined]
         deadline = self._deadline()
         while True:
             verdict: Verdict = (await self._answer_of((Verdict,), {checker}, deadline)).message
@@ -462,6 +479,23 @@ class Auditing(DriverParts):
                 self._verify_shown(step, s, mb, roles, evidence)
                 raise PeerLost({checker: f"it could not run a spot check: {verdict.detail[:200]}"})
             return verdict
+
+    def _arbiter_parts(
+        self, checker: str, step: int, s: int, shown: tuple[list[str], list[torch.Tensor]] | None
+    ) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor], bool]:
+        """What a Recheck carries to rebuild stage ``s`` on ``checker`` (weight names,
+        weights, program; whether it uses the weights it loaded last): nothing for a
+        replica; for an arbiter, what it does not hold from its last arbitration (it
+        keeps one stage built, with the weights it last loaded)."""
+        if shown is None:
+            return [], [], [], False
+        epoch, last = self.st.epoch, self._loaded.get(checker)
+        self._loaded[checker] = (epoch, s, step)
+        if last == (epoch, s, step):
+            return [], [], [], True
+        built = last is not None and last[:2] == (epoch, s)
+        program = [] if built or not self.as_programs else self._program_payloads(self.st.plan.cut)[s]  # type: ignore[attr-defined,union-attr]
+        return shown[0], shown[1], program, False
 
     def _keep_evidence(self, step: int, mb: int, suspect: str, roles: list[str], evidence: list[torch.Tensor]) -> None:
         """The disputed micro-batch's signed frames, in the run directory."""

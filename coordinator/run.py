@@ -96,6 +96,9 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
         self.audit_losses: dict[str, float] = {}
         self.audit_box: asyncio.Queue[Inbound] = asyncio.Queue()
         self.audit_queued: collections.Counter[str] = collections.Counter()
+        self._shown: dict[int, tuple[list[str], list[torch.Tensor]] | None] = {}
+        self._lone_checkers: dict[tuple[int, int, int], list[str]] = {}
+        self._loaded: dict[str, tuple[int, int, int]] = {}
         self._audit: tuple[int, asyncio.Task[None]] | None = None
         self._rejoined: set[str] = set()  # planned peers that said hello again (their stage is gone)
         self._done_at: dict[str, float] = {}  # when each peer's last StepDone came (time.perf_counter)

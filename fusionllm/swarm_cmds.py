@@ -86,7 +86,7 @@ def run_async(coro: Coroutine[Any, Any, int]) -> int:
 def _check_cost(overhead: float | None) -> str:
     if overhead is None:
         return ""
-    return f"; median step {overhead:+.1%} against the steps with no check under way"
+    return f"; steps {overhead:+.1%} on average against those with no check under way"
 
 
 def _summary(summary: Any, save: str | None) -> str:

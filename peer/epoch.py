@@ -122,6 +122,7 @@ class EpochRunner:
         self.kept: dict[tuple[str, int], Inbound] = {}  # this step's received frames: evidence for spot checks
         self.hold: AuditHold | None = None  # the last committed step's, for its spot checks
         self._others: dict[int, StageExecutor] = {}  # other stages of this cut, built to arbitrate
+        self._others_at: tuple[int, int] | None = None  # (stage, step) of the weights last loaded to arbitrate
         self.activation_bytes = 0  # what the stage's program computes per micro-batch (its dry run's count)
 
     async def run(self) -> None:
@@ -475,8 +476,9 @@ class EpochRunner:
         return audit.Rechecker(ex, s, keys, forward, backward, self.job.micro_batches)
 
     def _arbitrate(self, scale: LossScale, msg: Recheck, values: list[Any]) -> Verdict:
-        """Re-execute a micro-batch of another stage (two of its replicas disagreed):
-        that stage rebuilt from the job, with the weights both replicas showed."""
+        """Re-execute a micro-batch of another stage (two of its replicas disagreed, or
+        its only peer is checked): that stage rebuilt from the job, with the weights
+        shown (or, ``same_weights``, those loaded for its last arbitration)."""
         n = 2 * len(msg.roles)
         evidence, weights, program = (
             values[:n],
@@ -490,11 +492,16 @@ class EpochRunner:
         except (ProgramError, SpecError) as exc:  # it could not check: the coordinator drops it, blames no one
             detail = f"could not build the stage: {exc}"[:400]
             return Verdict(msg.run_id, msg.step, msg.mb, msg.suspect, False, detail, msg.epoch, False)
-        try:
-            other.load_weights(dict(zip(msg.weights, weights, strict=True)))
-        except ValueError as exc:
-            return Verdict(msg.run_id, msg.step, msg.mb, msg.suspect, False, f"the weights: {exc}", msg.epoch)
-        self._others = {msg.stage: other}  # kept while it arbitrates the same stage (its weights load whole)
+        if msg.same_weights and (self._others_at != (msg.stage, msg.step) or msg.stage not in self._others):
+            detail = f"it holds no weights of stage {msg.stage} at step {msg.step} to arbitrate with"
+            return Verdict(msg.run_id, msg.step, msg.mb, msg.suspect, False, detail, msg.epoch, False)
+        self._others, self._others_at = {msg.stage: other}, None  # kept while it arbitrates the same stage
+        if not msg.same_weights:
+            try:
+                other.load_weights(dict(zip(msg.weights, weights, strict=True)))
+            except ValueError as exc:
+                return Verdict(msg.run_id, msg.step, msg.mb, msg.suspect, False, f"the weights: {exc}", msg.epoch)
+        self._others_at = (msg.stage, msg.step)
         other.loss_scale = scale
         return self._rechecker(other, msg.stage).verdict(msg, evidence, None)
 

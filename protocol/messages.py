@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 #: 2: spot checks may re-execute the forward only (``Recheck.backward``); a peer of 1
-#: would take such a check for a full one with its gradients missing, and fail it
-PROTOCOL_VERSION = 2
+#: would take such a check for a full one with its gradients missing, and fail it.
+#: 3: an arbitration may come without weights (``Recheck.same_weights``); a peer of 2
+#: would take it for a stage that has none, and fail it
+PROTOCOL_VERSION = 3
 
 
 class MessageError(ValueError):
@@ -402,6 +404,7 @@ class Recheck(Message):
     program: int = 0  # an arbiter's: how many tensors of the stage's program follow the weights
     grads: bool = True  # compare parameter gradients (False: a stage of one peer, whose gradients no one else saw)
     backward: bool = True  # re-execute the backward too (False: the forward only; ``roles`` hold no gradients)
+    same_weights: bool = False  # an arbiter's: no weights follow; those of its last arbitration (this stage and step)
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,10 @@ FINGERPRINT_CHUNK = 1 << 20
 DEFAULT_SPOT_CHECK = 0.05
 #: the share of spot checks that re-execute the backward too (the rest: the forward only)
 BACKWARD_SHARE = 0.25
+#: micro-batches of a stage served by one peer that are checked together, at least: its
+#: weights travel to the checker once for them (a stage's weights can outweigh the
+#: step's activations many times over)
+LONE_DRAW = 4
 #: steps with no spot check under way that a run needs to say what the checks cost its steps
 MIN_CLEAN_STEPS = 10
 
@@ -183,16 +187,26 @@ def alike(a: Sequence[float], b: Sequence[float], rtol: float) -> bool:
 
 
 def step_overhead(seconds: Sequence[float], audited: Sequence[bool]) -> float | None:
-    """What spot checks cost a run's median step: the median of its step times over
-    the median of those of its steps in which no check ran, minus 1. Both come from
-    one run (the same plan, peers and machine), and checked and clean steps are drawn
-    at random among each other; across two runs, the plans and the machine differ by
-    more than the checks cost. None without ``MIN_CLEAN_STEPS`` clean steps, or with
-    no checked one."""
+    """What spot checks cost a run's steps: the share of its steps in which checks
+    ran, times how much longer those took than the others (medians of each, so that
+    a rare slow step, a checkpoint's, sways neither; a median of all the steps would
+    hide checks that come rarely but cost much each). Both kinds come from one run
+    (the same plan, peers and machine) and are drawn at random among each other;
+    across two runs, the plans and the machine differ by more than the checks cost.
+    None without ``MIN_CLEAN_STEPS`` clean steps, or with no checked one."""
+    checked = [s for s, a in zip(seconds, audited, strict=True) if a]
     clean = [s for s, a in zip(seconds, audited, strict=True) if not a]
-    if len(clean) < MIN_CLEAN_STEPS or len(clean) == len(seconds):
+    if len(clean) < MIN_CLEAN_STEPS or not checked:
         return None
-    return statistics.median(seconds) / statistics.median(clean) - 1.0
+    return len(checked) / len(seconds) * (statistics.median(checked) / statistics.median(clean) - 1.0)
+
+
+def lone_draw(rate: float, micro_batches: int) -> tuple[float, int]:
+    """(the chance that a stage served by one peer is checked in a step, how many of
+    its micro-batches then): as many checks on average as ``rate`` per micro-batch
+    gives, drawn together, ``LONE_DRAW`` of them at least (all at most)."""
+    k = min(micro_batches, max(LONE_DRAW, math.ceil(rate * micro_batches)))
+    return rate * micro_batches / k, k
 
 
 def survival(f: float, checked: float, micro_batches: int, steps: int) -> float:
@@ -202,3 +216,13 @@ def survival(f: float, checked: float, micro_batches: int, steps: int) -> float:
     A cheat in activations or losses is seen by every check (``checked`` = the rate);
     one only in gradients by the backward ones (the rate times ``BACKWARD_SHARE``)."""
     return (1.0 - f * checked) ** (micro_batches * steps)
+
+
+def lone_survival(f: float, rate: float, micro_batches: int, steps: int, share: float = 1.0) -> float:
+    """``survival`` for the peer of a stage served by one: its micro-batches are drawn
+    together (``lone_draw``), so a step passes unseen unless it is drawn and one of the
+    drawn micro-batches is corrupted (and, ``share``, checked that way):
+    ``(1 - q (1 - (1 - f share) ** k)) ** steps``. A little above ``survival`` at
+    the same rate: the checks come in fewer steps."""
+    chance, k = lone_draw(rate, micro_batches)
+    return (1.0 - chance * (1.0 - (1.0 - f * share) ** k)) ** steps
