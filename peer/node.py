@@ -140,6 +140,7 @@ class PeerNode:
         self.mailbox = Mailbox()
         self.audits: asyncio.Queue[Inbound] = asyncio.Queue()  # the coordinator's spot checks (peer.audit)
         self.coordinator: CoordinatorRecord | None = None
+        self._foreign: dict[str, object] = {}  # key (hex) -> the other protocol version its coordinator record speaks
         self.advert: Advert | None = None
         #: this peer's addresses as its DHT last told them (see ``_visible_maddrs``)
         self.maddrs: list[str] = []
@@ -244,6 +245,7 @@ class PeerNode:
         others: set[str] = set()
         while time.monotonic() < deadline:
             records = await self._coordinator_records()
+            self._refuse_other_versions(records)
             if pinned:
                 if pinned in records:
                     return records[pinned], public_key(pinned)
@@ -264,6 +266,17 @@ class PeerNode:
             f"no coordinator{whose} for run '{run}' in the DHT after {self.config.join_timeout:.0f} s{ignored}"
         )
 
+    def _refuse_other_versions(self, records: dict[str, CoordinatorRecord]) -> None:
+        """A JoinError at once if the run's coordinator (the pinned one, or, unpinned,
+        the only one) speaks another protocol version than this peer."""
+        pinned, foreign = self.config.coordinator_key, self._foreign
+        key = pinned if pinned else next(iter(foreign)) if len(foreign) == 1 and not records else None
+        if key is not None and key not in records and key in foreign:
+            raise JoinError(
+                f"the coordinator of run '{self.config.run_id}' speaks protocol version {clean(str(foreign[key]))[:20]}"
+                f"; this peer speaks {PROTOCOL_VERSION}: install the fusionllm version the coordinator runs"
+            )
+
     async def _coordinator_records(self) -> dict[str, CoordinatorRecord]:
         """The run's fresh, validly signed coordinator records in the DHT, by key (hex).
         Each coordinator stores its record under its own key, so an outsider's claim
@@ -276,8 +289,11 @@ class PeerNode:
         out = {}
         for item in found.value.values():
             try:
-                rec = CoordinatorRecord.from_header(item.value)
                 signer = key_hex(check_record(item.value))
+                version = item.value.get("v")
+                if version != PROTOCOL_VERSION:  # signed, but in a language this peer does not speak
+                    self._foreign[signer] = version
+                rec = CoordinatorRecord.from_header(item.value)
             except Exception as exc:
                 logger.debug("ignoring a bad coordinator record: %s", exc)
                 continue

@@ -136,3 +136,29 @@ def test_a_program_calling_operators_outside_the_allowlist_is_refused(tmp_path: 
         assert swarm.coord.wait(300) == 0, swarm.coord.output[-3000:]
     finally:
         swarm.close()
+
+
+def test_a_coordinator_speaking_another_protocol_version_is_named_at_once(tmp_path: Path) -> None:
+    """The run's coordinator record is signed by the pinned key but in another protocol
+    version: the peer says so in one line at once, not a generic 'no coordinator'
+    after the join timeout."""
+    from protocol.messages import PROTOCOL_VERSION
+
+    dht = hivemind.DHT(start=True)
+    peer = None
+    try:
+        other, expires = Identity.generate(), get_dht_time() + 600
+        maddrs = [str(m) for m in dht.get_visible_maddrs()]
+        record = CoordinatorRecord(dht.peer_id.to_base58(), maddrs, "r", expires)
+        header = {**record.header(), "v": PROTOCOL_VERSION + 1}
+        assert dht.store(dht_key("r", "coordinator"), sign_record(other, header), expires, subkey=other.public_hex)
+        argv = ["--initial-peers", maddrs[0], "--run", "r", "--coordinator-key", other.public_hex]
+        peer = Proc("join", *argv, "--join-timeout", "300", "--identity", str(tmp_path / "p.key"))
+        assert peer.wait(120) == 2, peer.output[-2000:]
+        line = peer.wait_line(r"fusionllm: error: .*").group(0)
+        assert f"speaks protocol version {PROTOCOL_VERSION + 1}; this peer speaks {PROTOCOL_VERSION}" in line, line
+        assert "Traceback" not in peer.output
+    finally:
+        if peer is not None:
+            peer.kill_all()
+        dht.shutdown()

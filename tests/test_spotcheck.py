@@ -227,3 +227,28 @@ def test_what_checks_cost_the_median_step_is_measured_against_the_runs_clean_ste
     assert step_overhead(clean, [False] * len(clean)) is None, "no step was checked"
     few = [False] * (MIN_CLEAN_STEPS - 1)
     assert step_overhead([0.1] * (len(few) + 5), few + [True] * 5) is None, "too few clean steps to say"
+
+
+def test_a_lone_stage_is_checked_a_few_micro_batches_at_a_time_as_often_on_average() -> None:
+    """A stage of one peer: its micro-batches are drawn together (its weights travel
+    once for them), as many a step on average as the rate gives a replicated stage."""
+    import random
+    from types import SimpleNamespace
+
+    from coordinator.auditing import Auditing
+    from protocol.spotcheck import LONE_DRAW, lone_draw, lone_survival
+
+    assert lone_draw(0.05, 8) == (pytest.approx(0.1), LONE_DRAW)
+    assert lone_draw(1.0, 8) == (1.0, 8), "every micro-batch, where every one is to be checked"
+    assert lone_draw(0.05, 2) == (0.05, 2)
+    assert lone_survival(0.1, 1.0, 8, 1) == pytest.approx(0.9**8)
+    assert survival(0.1, 0.05, 8, 20) < lone_survival(0.1, 0.05, 8, 20) < 0.5
+    plan = SimpleNamespace(stages=[["lone"], ["a", "b"]])
+    fake = SimpleNamespace(st=SimpleNamespace(plan=plan), cfg=SimpleNamespace(spot_check=0.05),
+                           job=SimpleNamespace(micro_batches=8), _audit_rng=random.Random(0))  # fmt: skip
+    draws = [Auditing._sample_checks(fake) for _ in range(4000)]  # type: ignore[arg-type]
+    lone = [[mb for s, mb, _ in d if s == 0] for d in draws]
+    assert all(len(mbs) in (0, LONE_DRAW) and len(set(mbs)) == len(mbs) for mbs in lone)
+    for s in (0, 1):
+        per_step = sum(1 for d in draws for c in d if c[0] == s) / len(draws)
+        assert per_step == pytest.approx(0.05 * 8, rel=0.15), (s, per_step)
