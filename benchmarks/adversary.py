@@ -148,7 +148,7 @@ def spot_check_overhead(short: bool) -> dict[str, float]:
     runs alternated: the median step's overhead across runs, the medians of the runs'
     median step times, and the overhead in tokens/s over whole runs (warm-up
     included, and every slow step)."""
-    steps, rounds = (50, 1) if short else (300, 3)
+    steps, rounds = (50, 1) if short else (300, 5)
     base = ["--peers", "4", "--stages", "2", "--micro-batches", "8", "--data-args", "batch_size=16"]
     on, off = [], []
     for _ in range(rounds):
