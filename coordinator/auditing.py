@@ -107,12 +107,14 @@ class Auditing(DriverParts):
         st = self.st
         assert st.plan is not None
         self.audit_losses = losses
-        self._shown.clear()
         self._empty_audit_box()
-        for s, mb, backward in checks:
-            st.spot_checks += 1
-            self.coord.board.spot_checks = st.spot_checks
-            await (self._check_one if len(st.plan.stages[s]) > 1 else self._check_alone)(step, s, mb, backward)
+        try:
+            for s, mb, backward in checks:
+                st.spot_checks += 1
+                self.coord.board.spot_checks = st.spot_checks
+                await (self._check_one if len(st.plan.stages[s]) > 1 else self._check_alone)(step, s, mb, backward)
+        finally:
+            self._shown.clear()  # a stage's weights: not kept past its step's checks
 
     def _empty_audit_box(self) -> None:
         """Forget answers no check waits for (late ones, or a peer's unasked)."""

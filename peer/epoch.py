@@ -487,13 +487,13 @@ class EpochRunner:
         )
         if not 0 <= msg.stage < self.k or len(weights) != len(msg.weights) or msg.program < 0:
             return Verdict(msg.run_id, msg.step, msg.mb, msg.suspect, False, "a malformed arbitration", msg.epoch)
+        if msg.same_weights and (self._others_at != (msg.stage, msg.step) or msg.stage not in self._others):
+            detail = f"it holds no weights of stage {msg.stage} at step {msg.step} to arbitrate with"
+            return Verdict(msg.run_id, msg.step, msg.mb, msg.suspect, False, detail, msg.epoch, False)
         try:
             other = self._others.get(msg.stage) or self._other_stage(msg.stage, program)
         except (ProgramError, SpecError) as exc:  # it could not check: the coordinator drops it, blames no one
             detail = f"could not build the stage: {exc}"[:400]
-            return Verdict(msg.run_id, msg.step, msg.mb, msg.suspect, False, detail, msg.epoch, False)
-        if msg.same_weights and (self._others_at != (msg.stage, msg.step) or msg.stage not in self._others):
-            detail = f"it holds no weights of stage {msg.stage} at step {msg.step} to arbitrate with"
             return Verdict(msg.run_id, msg.step, msg.mb, msg.suspect, False, detail, msg.epoch, False)
         self._others, self._others_at = {msg.stage: other}, None  # kept while it arbitrates the same stage
         if not msg.same_weights:

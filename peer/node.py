@@ -245,8 +245,8 @@ class PeerNode:
         others: set[str] = set()
         while time.monotonic() < deadline:
             records = await self._coordinator_records()
-            self._refuse_other_versions(records)
             if pinned:
+                self._refuse_other_version(pinned, records)
                 if pinned in records:
                     return records[pinned], public_key(pinned)
                 others |= set(records)
@@ -260,22 +260,35 @@ class PeerNode:
                 raise JoinError(f"{len(records)} coordinators claim run '{run}' (keys {keys}); pass the "
                                 "--coordinator-key that your coordinator printed")  # fmt: skip
             await asyncio.sleep(0.5)
+        if not pinned and len(self._foreign) == 1:  # unpinned: anyone may claim the run, so only at the end
+            self._refuse_other_version(next(iter(self._foreign)), {})
         ignored = f" ({len(others)} other claims of the run ignored)" if others else ""
         whose = " signed by the pinned key" if pinned else ""
         raise JoinError(
             f"no coordinator{whose} for run '{run}' in the DHT after {self.config.join_timeout:.0f} s{ignored}"
         )
 
-    def _refuse_other_versions(self, records: dict[str, CoordinatorRecord]) -> None:
-        """A JoinError at once if the run's coordinator (the pinned one, or, unpinned,
-        the only one) speaks another protocol version than this peer."""
-        pinned, foreign = self.config.coordinator_key, self._foreign
-        key = pinned if pinned else next(iter(foreign)) if len(foreign) == 1 and not records else None
-        if key is not None and key not in records and key in foreign:
+    def _refuse_other_version(self, key: str, records: dict[str, CoordinatorRecord]) -> None:
+        """A JoinError if the coordinator of ``key`` claims the run, fresh, only in
+        another protocol version than this peer's."""
+        foreign = self._foreign
+        if key not in records and key in foreign:
             raise JoinError(
                 f"the coordinator of run '{self.config.run_id}' speaks protocol version {clean(str(foreign[key]))[:20]}"
                 f"; this peer speaks {PROTOCOL_VERSION}: install the fusionllm version the coordinator runs"
             )
+
+    def _note_version(self, signer: str, record: dict[str, Any]) -> None:
+        """Remember a signed coordinator record of this run, fresh, in another protocol
+        version (forget it once the signer speaks this peer's)."""
+        version = record.get("v")
+        if version == PROTOCOL_VERSION:
+            self._foreign.pop(signer, None)
+            return
+        expires = record.get("expires_at")
+        fresh = isinstance(expires, (int, float)) and expires > get_dht_time()
+        if fresh and record.get("run_id") == self.config.run_id:
+            self._foreign[signer] = version
 
     async def _coordinator_records(self) -> dict[str, CoordinatorRecord]:
         """The run's fresh, validly signed coordinator records in the DHT, by key (hex).
@@ -290,9 +303,7 @@ class PeerNode:
         for item in found.value.values():
             try:
                 signer = key_hex(check_record(item.value))
-                version = item.value.get("v")
-                if version != PROTOCOL_VERSION:  # signed, but in a language this peer does not speak
-                    self._foreign[signer] = version
+                self._note_version(signer, item.value)
                 rec = CoordinatorRecord.from_header(item.value)
             except Exception as exc:
                 logger.debug("ignoring a bad coordinator record: %s", exc)

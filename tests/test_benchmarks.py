@@ -243,6 +243,10 @@ def run_short(script: str) -> dict[str, Any]:
     return out
 
 
+#: figures that may be a little negative: an overhead measured as a ratio of two times, within noise
+SIGNED = {".spot_check_overhead", ".spot_check_overhead_runs"}
+
+
 @pytest.mark.timeout(TIMEOUT_S + 60)
 @pytest.mark.parametrize(("script", "keys"), BENCHMARKS, ids=[s.removesuffix(".py") for s, _ in BENCHMARKS])
 def test_short_mode(script: str, keys: set[str]) -> None:
@@ -252,5 +256,5 @@ def test_short_mode(script: str, keys: set[str]) -> None:
     assert set(out) == keys | {"short"}, f"{script}: keys {sorted(set(out) ^ (keys | {'short'}))} differ"
     assert out["short"] is True
     for where, x in _numbers(out):
-        assert math.isfinite(x) and x >= 0, f"{script}: {where} = {x}"
+        assert math.isfinite(x) and (x >= 0 or where in SIGNED), f"{script}: {where} = {x}"
     CHECKS.get(script, lambda _: None)(out)

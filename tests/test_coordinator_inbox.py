@@ -428,7 +428,7 @@ def test_an_arbiter_is_told_the_stage_even_when_it_holds_no_weights(tmp_path: Pa
 
     driver._send = send  # type: ignore[method-assign]
     driver._answer_of = answer  # type: ignore[method-assign]
-    verdict = asyncio.run(driver._recheck(3, 1, 0, ["input"], {"input": "p0"}, [], "p0", []))
+    verdict = asyncio.run(driver._recheck(3, 1, 0, ["input"], {"input": "p0"}, [], "p0", ([], [])))
     recheck, values = sent[0]
     assert verdict.agree and isinstance(recheck, Recheck)
     assert recheck.stage == 1 and recheck.weights == [] and recheck.program == len(values) > 0

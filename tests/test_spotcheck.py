@@ -252,3 +252,16 @@ def test_a_lone_stage_is_checked_a_few_micro_batches_at_a_time_as_often_on_avera
     for s in (0, 1):
         per_step = sum(1 for d in draws for c in d if c[0] == s) / len(draws)
         assert per_step == pytest.approx(0.05 * 8, rel=0.15), (s, per_step)
+
+
+def test_an_arbiter_asked_to_reuse_weights_it_does_not_hold_cannot_check_and_blames_no_one() -> None:
+    from types import SimpleNamespace
+
+    from peer.epoch import EpochRunner
+    from protocol.recipe import LossScale
+
+    msg = Recheck(RUN, 5, 1, "suspect", ["input"], ["coord"], 0, stage=0, same_weights=True)
+    for held in (None, (0, 4), (1, 5)):  # nothing loaded, another step's weights, another stage's
+        arbiter = SimpleNamespace(k=2, _others={}, _others_at=held)
+        verdict = EpochRunner._arbitrate(arbiter, LossScale(1.0), msg, [torch.empty(0), torch.empty(0)])  # type: ignore[arg-type]
+        assert not verdict.checked and not verdict.agree and "holds no weights of stage 0 at step 5" in verdict.detail
