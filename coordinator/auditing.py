@@ -190,10 +190,19 @@ class Auditing(DriverParts):
         step, task = self._audit
         done, _ = await asyncio.wait({task}, timeout=grace)
         if not done:
-            task.cancel()
-            self._audit = None
+            await self._drop_audit()
             raise PeerLost({}, rollback_to=step)
         self._audit_outcome()
+
+    async def _drop_audit(self) -> None:
+        """Cancel the audit under way and wait until it has ended (what it was sending
+        must not outlive the transport, nor fail unobserved)."""
+        if self._audit is None:
+            return
+        task = self._audit[1]
+        self._audit = None
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
     async def _audit_before_recovery(
         self, lost: dict[str, str], rollback_to: int | None

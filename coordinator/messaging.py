@@ -14,6 +14,7 @@ from coordinator import replan
 from coordinator.runstate import EXCLUDED, DriverParts, PeerLost, log_failure
 from protocol.envelope import poisoned_frame
 from protocol.messages import Beat, Evict, Hello, Message, PeerFailure, State
+from protocol.tasks import honour_cancel
 from protocol.text import clean
 from protocol.transport import Inbound, PeerUnreachable
 
@@ -34,6 +35,7 @@ class Messaging(DriverParts):
     _failed: dict[str, str]
     _evicted: set[str]
     _rejoined: set[str]
+    _side: set[asyncio.Task[Any]]  # tasks on the side (``_background``)
 
     async def _send(self, peer: str, msg: Message, values: list[Any] | None = None) -> None:
         """Send to a planned peer; a peer that cannot be reached is lost."""
@@ -129,6 +131,8 @@ class Messaging(DriverParts):
     def _background(self, coro: Any) -> None:
         """Run ``coro`` on the side; its failure is logged, never lost."""
         task = asyncio.get_running_loop().create_task(coro)
+        self._side.add(task)  # held: the loop keeps only a weak reference to a task
+        task.add_done_callback(self._side.discard)
         task.add_done_callback(log_failure)
 
     async def _blame(self, reporter: str, msg: PeerFailure, inbound: Inbound) -> dict[str, str]:
@@ -183,6 +187,7 @@ class Messaging(DriverParts):
                     if not await self.coord.reachable(p):
                         self._failed[p] = "its connection dropped and it cannot be reached"
             except Exception as exc:  # the daemon may hiccup; the next round retries
+                honour_cancel()
                 logger.debug("link watch failed: %s", exc)
 
     def _on_reject(self, sender: str, code: str, detail: str) -> None:
@@ -192,4 +197,4 @@ class Messaging(DriverParts):
             self._evicted.add(sender)
             reason = f"dropped from the plan ({st.lost[sender]}); the run is at epoch {st.epoch}"
             msg = Evict(self.cfg.run_id, reason, st.epoch)
-            asyncio.get_running_loop().create_task(self._send_quietly(sender, msg))
+            self._background(self._send_quietly(sender, msg))

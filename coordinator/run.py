@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -91,6 +91,7 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
         self.final: dict[str, torch.Tensor] | None = None
         self._final_write: asyncio.Task[None] | None = None
         self._evicted: set[str] = set()
+        self._side: set[asyncio.Task[Any]] = set()
         self.auditing: set[str] = set()
         self.mb_losses: dict[str, float] = {}
         self.audit_losses: dict[str, float] = {}
@@ -140,8 +141,7 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
                     await self._recover(exc.lost, exc.rollback_to)
         finally:
             watcher.cancel()
-            if self._audit is not None:
-                self._audit[1].cancel()
+            await self._drop_audit()
         await self._release()
         return self.st
 

@@ -51,6 +51,7 @@ from protocol.ports import PortTaken, check_listen_ports
 from protocol.reach import DIAL_BACK_TIMEOUT_S, dial_back, observed_ip, tcp_ports
 from protocol.run_records import RunRecords
 from protocol.spotcheck import DEFAULT_SPOT_CHECK, step_overhead
+from protocol.tasks import honour_cancel
 from protocol.transport import Inbound, PeerUnreachable, Transport
 
 #: steps between two checks whether a plan on the measured speeds pays for moving to it;
@@ -60,6 +61,7 @@ DEFAULT_REBALANCE_EVERY = 0
 #: the longest a DHT store or get may take. DHT calls are awaited as futures, never run on
 #: executor threads: a thread blocked on a DHT that shut down kept the event loop from closing
 DHT_TIMEOUT_S = 30.0
+CLOSE_WAIT_S = 5.0  # how long closing waits for the coordinator's own background tasks to end
 #: what peers may send the coordinator
 _FROM_PEERS = ("hello", "ready", "done", "state", "failure", "beat", "evaldone", "evidence", "verdict")
 logger = logging.getLogger(__name__)
@@ -326,6 +328,7 @@ class Coordinator:
             try:
                 await self._publish_record()
             except Exception as exc:
+                honour_cancel()
                 logger.warning("coordinator record refresh failed: %s", exc)
 
     async def live_adverts(self) -> dict[str, Advert]:
@@ -380,6 +383,7 @@ class Coordinator:
             try:
                 live = await self.live_adverts()
             except Exception as exc:  # the DHT may hiccup; the next poll retries
+                honour_cancel()
                 logger.debug("advert poll failed: %s", exc)
                 continue
             st = self.driver.st if self.driver is not None else None
@@ -668,6 +672,8 @@ class Coordinator:
     async def aclose(self) -> None:
         for t in self._tasks:
             t.cancel()
+        if self._tasks:  # ended before the transport they use (a task stuck past the wait is left to the loop)
+            await asyncio.wait(self._tasks, timeout=CLOSE_WAIT_S)
         if self.status is not None:
             await self.status.aclose()
         if self.transport is not None:

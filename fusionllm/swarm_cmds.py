@@ -55,6 +55,7 @@ async def _bounded(coro: Coroutine[Any, Any, int]) -> int:
     """``coro``'s exit code; once it has one, the process ends within ``EXIT_GRACE_S``
     (the event loop's own shutdown cancels and awaits every task first)."""
     code = 1
+    asyncio.get_running_loop().set_exception_handler(_one_line)
     try:
         code = await coro
         return code
@@ -63,6 +64,15 @@ async def _bounded(coro: Coroutine[Any, Any, int]) -> int:
         raise
     finally:
         exit_within(code)
+
+
+def _one_line(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """asyncio's own reports (a task that failed with no one awaiting it, a callback
+    that raised): one warning line; the traceback only at debug level."""
+    exc = context.get("exception")
+    what = f"{type(exc).__name__}: {exc}" if exc is not None else ""
+    logger.warning("%s %s", clean(str(context.get("message", "asyncio"))), clean(what)[:500])
+    logger.debug("asyncio's report in full: %s", context, exc_info=exc)
 
 
 def run_async(coro: Coroutine[Any, Any, int]) -> int:

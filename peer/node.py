@@ -57,6 +57,7 @@ from protocol.messages import (
 from protocol.program import DEFAULT_NAMESPACES
 from protocol.reach import HOW_TO_BE_REACHABLE
 from protocol.run_records import RunRecords
+from protocol.tasks import honour_cancel
 from protocol.text import clean
 from protocol.transport import Inbound, PeerUnreachable, Transport
 
@@ -375,6 +376,7 @@ class PeerNode:
             try:
                 await self._publish()
             except Exception as exc:  # the DHT may hiccup; the next refresh retries
+                honour_cancel()
                 logger.warning("advert refresh failed: %s", exc)
 
     # ---------------------------------------------------------------- messages
@@ -637,6 +639,7 @@ class PeerNode:
                     await asyncio.wait_for(self.transport.connect(cid), 2)
                 down_since = None
             except Exception as exc:
+                honour_cancel()
                 logger.debug("the coordinator is unreachable: %s", exc)
                 now = time.monotonic()
                 down_since = down_since or now

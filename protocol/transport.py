@@ -30,6 +30,7 @@ from protocol.forward import FWD_PROTOCOL, Forwarding
 from protocol.identity import Identity
 from protocol.messages import Message
 from protocol.streams import FRAME_MIN_RATE, PAYLOAD_GRACE_S, discard, linger, read_frame_head, read_payload
+from protocol.tasks import honour_cancel
 from protocol.wire import (
     Frame,
     Link,
@@ -257,6 +258,7 @@ class Transport(Forwarding):
                 _, reader, writer = await asyncio.wait_for(self.p2p.call_binary_stream_handler(pid, protocol), 20)
                 return reader, writer
             except Exception as exc:
+                honour_cancel()
                 if time.monotonic() >= deadline:
                     raise PeerUnreachable(
                         f"cannot open a stream to peer {peer_id}: {exc or type(exc).__name__}", peer_id

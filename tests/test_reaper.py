@@ -277,3 +277,33 @@ def test_a_command_whose_shutdown_hangs_ends_anyway(how: str) -> None:
         assert "Thread" in stacks.read_text()
     finally:
         stacks.unlink()
+
+
+UNOBSERVED = """
+import asyncio, gc, sys
+from fusionllm.swarm_cmds import run_async
+
+async def fails() -> None:
+    raise FileNotFoundError(2, "No such file or directory")
+
+async def command() -> int:
+    task = asyncio.ensure_future(fails())
+    await asyncio.sleep(0.1)
+    del task
+    gc.collect()  # asyncio reports the exception no one retrieved
+    await asyncio.sleep(0.1)
+    return 0
+
+sys.exit(run_async(command()))
+"""
+
+
+def test_a_task_failing_unobserved_is_one_line_not_a_traceback() -> None:
+    """asyncio reports a task whose exception nobody retrieved with a traceback; a
+    command says it in one warning line (a CI run showed such a traceback at exit)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", UNOBSERVED], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert len(lines) == 1 and "never retrieved" in lines[0] and "FileNotFoundError" in lines[0], proc.stderr

@@ -359,3 +359,29 @@ def test_a_sender_not_admitted_holds_two_streams_and_only_briefly(monkeypatch: p
                 w.close()
 
     asyncio.run(go())
+
+
+def test_a_cancel_that_comes_as_a_stream_open_fails_is_honoured() -> None:
+    """When a stream open fails at the moment its task is cancelled, asyncio's
+    ``wait_for`` raises the failure, not the cancel; ``_open`` must still stop, not
+    retry and later fail a task nobody awaits (a CI run showed that traceback)."""
+    from types import SimpleNamespace
+
+    calls = 0
+
+    async def run() -> None:
+        me = asyncio.current_task()
+
+        async def failing_open(pid: object, protocol: str) -> None:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                me.cancel()  # the cancel arrives while this call fails
+            raise FileNotFoundError(2, "No such file or directory")
+
+        fake = SimpleNamespace(_known={}, dials_in=set(), p2p=SimpleNamespace(call_binary_stream_handler=failing_open))
+        await Transport._open(fake, "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N", MSG_PROTOCOL)  # type: ignore[arg-type]
+
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(run())
+    assert calls == 1
