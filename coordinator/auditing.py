@@ -49,6 +49,7 @@ from coordinator.runstate import EXCLUDED, DriverParts, PeerLost
 from protocol.envelope import signed_frame
 from protocol.messages import Audit, Evidence, Message, Recheck, Verdict
 from protocol.spotcheck import BACKWARD_SHARE, ROLES, alike, lone_draw, roles_for, tolerance, wrong_frame
+from protocol.tasks import cancel_and_wait
 from protocol.transport import Inbound
 
 #: a re-execution of a spot check, asked of one checker
@@ -201,8 +202,7 @@ class Auditing(DriverParts):
             return
         task = self._audit[1]
         self._audit = None
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await cancel_and_wait(task, AUDIT_GRACE_S)
 
     async def _audit_before_recovery(
         self, lost: dict[str, str], rollback_to: int | None

@@ -25,7 +25,7 @@ import torch
 
 from coordinator import replan
 from coordinator.assign import Assignment, assign
-from coordinator.auditing import Auditing
+from coordinator.auditing import AUDIT_GRACE_S, Auditing
 from coordinator.checkpoint import RunDir
 from coordinator.checkpointing import Checkpointing
 from coordinator.links import boundary_specs
@@ -55,6 +55,7 @@ from protocol.messages import (
 )
 from protocol.program import ProgramError, export_stages
 from protocol.recipe import LossScale, Update, decide_update, in_model_order, initial_scale
+from protocol.tasks import cancel_all
 from protocol.transport import Inbound
 from protocol.wire import encode_values
 
@@ -142,6 +143,7 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
         finally:
             watcher.cancel()
             await self._drop_audit()
+            await cancel_all(self._side, AUDIT_GRACE_S)
         await self._release()
         return self.st
 

@@ -51,7 +51,7 @@ from protocol.ports import PortTaken, check_listen_ports
 from protocol.reach import DIAL_BACK_TIMEOUT_S, dial_back, observed_ip, tcp_ports
 from protocol.run_records import RunRecords
 from protocol.spotcheck import DEFAULT_SPOT_CHECK, step_overhead
-from protocol.tasks import honour_cancel
+from protocol.tasks import cancel_all, honour_cancel
 from protocol.transport import Inbound, PeerUnreachable, Transport
 
 #: steps between two checks whether a plan on the measured speeds pays for moving to it;
@@ -520,6 +520,7 @@ class Coordinator:
             try:
                 await self._certify(peers)
             except Exception as exc:  # never lose the renewals to one failure
+                honour_cancel()
                 logger.warning("renewing certificates failed: %s", exc)
 
     async def _enforce_bans(self) -> None:
@@ -579,6 +580,7 @@ class Coordinator:
             await asyncio.wait_for(self.transport.connect(peer_id), timeout)
             return True
         except Exception:
+            honour_cancel()
             return False
 
     def traffic(self, st: RunState) -> list[tuple[int, int]]:
@@ -670,10 +672,8 @@ class Coordinator:
                 pass
 
     async def aclose(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        if self._tasks:  # ended before the transport they use (a task stuck past the wait is left to the loop)
-            await asyncio.wait(self._tasks, timeout=CLOSE_WAIT_S)
+        # ended before the transport they use (one stuck past the wait is left to the loop)
+        await cancel_all([*self._tasks, *self._certifying, *self._telling], CLOSE_WAIT_S)
         if self.status is not None:
             await self.status.aclose()
         if self.transport is not None:

@@ -71,7 +71,9 @@ def _one_line(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
     that raised): one warning line; the traceback only at debug level."""
     exc = context.get("exception")
     what = f"{type(exc).__name__}: {exc}" if exc is not None else ""
-    logger.warning("%s %s", clean(str(context.get("message", "asyncio"))), clean(what)[:500])
+    coro = getattr(context.get("future"), "get_coro", lambda: None)()
+    where = f" (in {coro.__qualname__})" if coro is not None else ""
+    logger.warning("%s%s %s", clean(str(context.get("message", "asyncio"))), where, clean(what)[:500])
     logger.debug("asyncio's report in full: %s", context, exc_info=exc)
 
 

@@ -57,7 +57,7 @@ from protocol.messages import (
 from protocol.program import DEFAULT_NAMESPACES
 from protocol.reach import HOW_TO_BE_REACHABLE
 from protocol.run_records import RunRecords
-from protocol.tasks import honour_cancel
+from protocol.tasks import cancel_and_wait, honour_cancel
 from protocol.text import clean
 from protocol.transport import Inbound, PeerUnreachable, Transport
 
@@ -77,24 +77,7 @@ STOP_EPOCH_S = 10.0
 #: the longest a peer waits for its DHT to tell its addresses
 MADDRS_TIMEOUT_S = 5.0
 
-__all__ = ["JoinError", "PeerConfig", "PeerNode", "RunRefused"]
-
-
-async def cancel_and_wait(task: asyncio.Future[Any], timeout: float) -> bool:
-    """Cancel ``task`` and wait up to ``timeout`` s for it to end, cancelling it again
-    each second (Python 3.11's ``wait_for`` can swallow a cancellation that races its
-    inner future's result); whether it ended. Its own failure is not raised: a new
-    epoch follows anyway."""
-    deadline = time.monotonic() + timeout
-    while not task.done():
-        task.cancel()
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return False
-        await asyncio.wait({task}, timeout=min(1.0, left))
-    if not task.cancelled():
-        task.exception()  # retrieved: no "never retrieved" warning
-    return True
+__all__ = ["JoinError", "PeerConfig", "PeerNode", "RunRefused", "cancel_and_wait"]
 
 
 class JoinError(RuntimeError):
@@ -621,6 +604,7 @@ class PeerNode:
                 beat = Beat(self.config.run_id, self.step, self.epoch)
                 await asyncio.wait_for(self.transport.send(self.coordinator.peer_id, beat), 5)
             except (PeerUnreachable, asyncio.TimeoutError) as exc:
+                honour_cancel()
                 logger.debug("heartbeat failed: %s", exc)
 
     async def _watch_coordinator(self) -> None:
@@ -669,6 +653,7 @@ class PeerNode:
                 try:
                     await self._hello(again=False)
                 except Exception as exc:  # unreachable, or anything else: the wait below decides
+                    honour_cancel()
                     logger.debug("could not say hello again: %s", exc)
             elif now - asked > CERT_WAIT_S:
                 self.control.put_nowait(("revoked", revoked(late)))

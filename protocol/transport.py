@@ -251,6 +251,7 @@ class Transport(Forwarding):
             try:
                 await asyncio.wait_for(self.p2p._client.connect(pid, addrs), timeout=15)
             except Exception as exc:
+                honour_cancel()
                 logger.debug("direct connect to %s failed: %s", peer_id, exc)
         deadline = time.monotonic() + (DIAL_IN_WAIT_S if peer_id in self.dials_in else OPEN_RETRY_S)
         while True:

@@ -306,4 +306,4 @@ def test_a_task_failing_unobserved_is_one_line_not_a_traceback() -> None:
     assert proc.returncode == 0, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert "Traceback" not in proc.stderr, proc.stderr
-    assert len(lines) == 1 and "never retrieved" in lines[0] and "FileNotFoundError" in lines[0], proc.stderr
+    assert len(lines) == 1 and "never retrieved (in fails)" in lines[0] and "FileNotFoundError" in lines[0], proc.stderr
