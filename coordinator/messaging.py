@@ -11,10 +11,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from coordinator import replan
-from coordinator.runstate import EXCLUDED, DriverParts, PeerLost, log_failure
+from coordinator.runstate import EXCLUDED, DriverParts, PeerLost
 from protocol.envelope import poisoned_frame
 from protocol.messages import Beat, Evict, Hello, Message, PeerFailure, State
-from protocol.tasks import honour_cancel
+from protocol.tasks import honour_cancel, log_failure
 from protocol.text import clean
 from protocol.transport import Inbound, PeerUnreachable
 

@@ -131,8 +131,3 @@ class RunState:
 def owner(name: str) -> str:
     """The weight a checkpoint tensor belongs to (``optim/<param>/<key>`` -> ``<param>``)."""
     return name[len(OPTIM_PREFIX) :].rsplit("/", 1)[0] if name.startswith(OPTIM_PREFIX) else name
-
-
-def log_failure(task: asyncio.Task[Any]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        logger.error("a background task failed: %s", task.exception())

@@ -43,7 +43,7 @@ from protocol.messages import (
 )
 from protocol.program import Program, ProgramError, build_checked
 from protocol.recipe import LossScale, Recipe, Update
-from protocol.tasks import honour_cancel
+from protocol.tasks import honour_cancel, log_failure
 from protocol.transport import Inbound
 from protocol.wire import Link, all_finite, raw_bytes
 
@@ -585,13 +585,7 @@ class EpochRunner:
         send = node.transport.send(node.coordinator.peer_id, msg, [state[n] for n in names])
         self.uploads = [t for t in self.uploads if not t.done()]
         self.uploads.append(asyncio.create_task(send))
-        self.uploads[-1].add_done_callback(_upload_failed)
-
-
-def _upload_failed(task: asyncio.Task[int]) -> None:
-    """A state upload that failed: said (the coordinator, missing the state, decides)."""
-    if not task.cancelled() and task.exception() is not None:
-        logger.warning("sending a checkpoint state failed: %s", task.exception())
+        self.uploads[-1].add_done_callback(log_failure)
 
 
 def _bytes_tensor(data: bytes | memoryview) -> torch.Tensor:

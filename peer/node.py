@@ -77,7 +77,7 @@ STOP_EPOCH_S = 10.0
 #: the longest a peer waits for its DHT to tell its addresses
 MADDRS_TIMEOUT_S = 5.0
 
-__all__ = ["JoinError", "PeerConfig", "PeerNode", "RunRefused", "cancel_and_wait"]
+__all__ = ["JoinError", "PeerConfig", "PeerNode", "RunRefused"]
 
 
 class JoinError(RuntimeError):

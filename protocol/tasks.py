@@ -8,9 +8,12 @@ that fails later with no one awaiting it, or a shutdown that waits for ever."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Iterable
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 def honour_cancel() -> None:
@@ -20,6 +23,12 @@ def honour_cancel() -> None:
     cancelling = getattr(asyncio.current_task(), "cancelling", None)
     if cancelling is not None and cancelling() > 0:
         raise asyncio.CancelledError
+
+
+def log_failure(task: asyncio.Future[Any]) -> None:
+    """A done-callback: a background task's failure is logged, never left unretrieved."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("a background task failed: %s", task.exception())
 
 
 async def cancel_and_wait(task: asyncio.Future[Any], timeout: float) -> bool:

@@ -19,7 +19,7 @@ from hivemind.dht.validation import DHTRecord
 from hivemind.utils.serializer import MSGPackSerializer
 
 from coordinator.private import Admission, write_secret
-from peer.node import JoinError, PeerConfig, PeerNode, cancel_and_wait
+from peer.node import JoinError, PeerConfig, PeerNode
 from protocol.admission import (
     CERT_TTL_S,
     MAX_CERT_TTL_S,
@@ -38,6 +38,7 @@ from protocol.envelope import Gate, Reject, Rejected, Sealer
 from protocol.identity import Identity, sign_record
 from protocol.messages import NOT_ADMITTED, Abort, Beat, dht_key
 from protocol.run_records import RunRecords
+from protocol.tasks import cancel_and_wait
 from tests.conftest import run_cli
 from tests.swarmproc import SMALL, Proc, Swarm, api, wait_for
 

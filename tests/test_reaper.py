@@ -288,10 +288,9 @@ async def fails() -> None:
 
 async def command() -> int:
     task = asyncio.ensure_future(fails())
-    await asyncio.sleep(0.1)
+    await asyncio.wait({task})
     del task
     gc.collect()  # asyncio reports the exception no one retrieved
-    await asyncio.sleep(0.1)
     return 0
 
 sys.exit(run_async(command()))
