@@ -13,7 +13,7 @@ Prints one JSON object:
   (unadmitted, over-asking and honest probes; goal <= 1).
 - ``spot_check_overhead``: in a replicated swarm with the default ``--spot-check``,
   the share of steps in which checks ran times how much longer (median) they took
-  than those in which none did (``protocol.spotcheck.step_overhead``; the median
+  than those in which none did (``protocol.trust.spotcheck.step_overhead``; the median
   of the runs'; goal <= 0.05).
   Checked and clean steps are drawn at random among each other in one run, so the
   plan, the peers and the machine are the same for both.
@@ -30,7 +30,7 @@ Prints one JSON object:
 - ``cheater_caught_within_steps``: the step at which a replica corrupting 10% of
   its micro-batches (finite noise) was excluded by spot checks at the default
   rate (goal <= 20); ``cheater_survival_20_steps`` is the formula's chance that
-  such a cheater passes 20 steps (``protocol.spotcheck.survival``), and
+  such a cheater passes 20 steps (``protocol.trust.spotcheck.survival``), and
   ``gradient_cheater_survival_20_steps`` that of one corrupting only its gradients
   in 10% of its micro-batches, which only the backward checks (``BACKWARD_SHARE``
   of them) see.
@@ -59,9 +59,16 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from p2p import claiming, transport_pair  # noqa: E402
 
-from protocol.spotcheck import BACKWARD_SHARE, DEFAULT_SPOT_CHECK, MIN_CLEAN_STEPS, survival  # noqa: E402
-from protocol.transport import _LANE_HEAD, BW_PROTOCOL, LANE_PROTOCOL, MAX_WAITING_PARTS, MSG_PROTOCOL, PeerUnreachable  # noqa: E402
-from protocol.wire import write_frame  # noqa: E402
+from protocol.net.transport import (  # noqa: E402
+    _LANE_HEAD,
+    BW_PROTOCOL,
+    LANE_PROTOCOL,
+    MAX_WAITING_PARTS,
+    MSG_PROTOCOL,
+    PeerUnreachable,
+)
+from protocol.trust.spotcheck import BACKWARD_SHARE, DEFAULT_SPOT_CHECK, MIN_CLEAN_STEPS, survival  # noqa: E402
+from protocol.wire.encoding import write_frame  # noqa: E402
 from tests.swarmproc import SMALL, Swarm  # noqa: E402
 
 CHEAT_FRACTION = 0.1

@@ -39,11 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from p2p import transport_pair  # noqa: E402
 
-from protocol.codecs import Codec, decode, encode_parts  # noqa: E402
-from protocol.envelope import Gate, Sealer  # noqa: E402
-from protocol.identity import Identity  # noqa: E402
-from protocol.messages import Activations  # noqa: E402
-from protocol.wire import Link, encode_values  # noqa: E402
+from protocol.trust.identity import Identity  # noqa: E402
+from protocol.wire.codecs import Codec, decode, encode_parts  # noqa: E402
+from protocol.wire.encoding import Link, encode_values  # noqa: E402
+from protocol.wire.envelope import Gate, Sealer  # noqa: E402
+from protocol.wire.messages import Activations  # noqa: E402
 
 DENSITY = 0.01
 

@@ -74,8 +74,8 @@ from coordinator.assign import Assignment
 from coordinator.checkpoint import RunDir
 from coordinator.opdag import OpDag
 from fusionllm.local import validation_loss
-from protocol.graph import Cut
-from protocol.job import JobSpec
+from protocol.model.graph import Cut
+from protocol.model.job import JobSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 300

@@ -46,10 +46,10 @@ async def _node(listen_ip: str, bootstrap: str) -> None:
     import hivemind
     import torch
 
-    from protocol.envelope import Gate
-    from protocol.identity import Identity, public_key
-    from protocol.messages import Activations
-    from protocol.transport import Transport
+    from protocol.net.transport import Transport
+    from protocol.trust.identity import Identity, public_key
+    from protocol.wire.envelope import Gate
+    from protocol.wire.messages import Activations
 
     dht = hivemind.DHT(host_maddrs=[f"/ip4/{listen_ip}/tcp/0"], initial_peers=[bootstrap] if bootstrap else [],
                        start=True)  # fmt: skip

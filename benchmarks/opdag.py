@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from coordinator.opdag import build_opdag
 from fusionllm.local import train_reference, train_staged
-from protocol.job import JobSpec
+from protocol.model.job import JobSpec
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from p2p import transport_pair  # noqa: E402
 
 from fusionllm.local import train_reference, train_staged  # noqa: E402
-from protocol.job import JobSpec  # noqa: E402
-from protocol.messages import Activations  # noqa: E402
+from protocol.model.job import JobSpec  # noqa: E402
+from protocol.wire.messages import Activations  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from coordinator.estimator import DagCosts, Network, PeerProfile, Plan, predict
 from coordinator.opdag import OpDag
 from coordinator.scheduler import Options, ScheduleError, opfence
-from protocol.graph import Cut
-from protocol.messages import Advert
+from protocol.model.graph import Cut
+from protocol.wire.messages import Advert
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ class Assignment:
 
 
 #: a forwarded link (two peers behind NATs, through the coordinator): its frames cross
-#: two links one after the other (``protocol.forward`` stores and forwards each), so
+#: two links one after the other (``protocol.net.forward`` stores and forwards each), so
 #: it is planned at this fraction of the slower of the two, and twice the latency
 FORWARDED_SHARE = 0.5
 

@@ -1,4 +1,4 @@
-"""The coordinator driver's spot checks (``protocol.spotcheck``): each micro-batch of
+"""The coordinator driver's spot checks (``protocol.trust.spotcheck``): each micro-batch of
 a stage is re-executed with probability ``spot_check``: by another replica of a
 replicated stage, or (a stage served by one peer) by peers of other stages, from
 the weights the suspect shows (``_check_alone``).
@@ -46,11 +46,11 @@ import torch
 from safetensors.torch import save_file
 
 from coordinator.runstate import EXCLUDED, DriverParts, PeerLost
-from protocol.envelope import signed_frame
-from protocol.messages import Audit, Evidence, Message, Recheck, Verdict
-from protocol.spotcheck import BACKWARD_SHARE, ROLES, alike, lone_draw, roles_for, tolerance, wrong_frame
-from protocol.tasks import cancel_and_wait
-from protocol.transport import Inbound
+from protocol.net.tasks import cancel_and_wait
+from protocol.net.transport import Inbound
+from protocol.trust.spotcheck import BACKWARD_SHARE, ROLES, alike, lone_draw, roles_for, tolerance, wrong_frame
+from protocol.wire.envelope import signed_frame
+from protocol.wire.messages import Audit, Evidence, Message, Recheck, Verdict
 
 #: a re-execution of a spot check, asked of one checker
 Asker = Callable[[], Awaitable[Verdict]]

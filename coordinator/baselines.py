@@ -37,7 +37,7 @@ from coordinator.scheduler import (
     evaluate,
     rank,
 )
-from protocol.codecs import Codec
+from protocol.wire.codecs import Codec
 
 
 def _finish(costs: DagCosts, cut: tuple[int, ...], groups: list[list[PeerProfile]], name: str, network: Network,

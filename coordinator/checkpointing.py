@@ -14,9 +14,9 @@ import torch
 from coordinator import replan
 from coordinator.checkpoint import CheckpointError
 from coordinator.runstate import OPTIM_KEYS, OPTIM_PREFIX, DriverParts, owner
-from protocol.graph import Cut, stage_modules
-from protocol.tasks import log_failure
-from protocol.transport import Inbound
+from protocol.model.graph import Cut, stage_modules
+from protocol.net.tasks import log_failure
+from protocol.net.transport import Inbound
 
 if TYPE_CHECKING:
     pass

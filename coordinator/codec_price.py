@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from coordinator.links import MIN_RANK, auto_codec
-from protocol.codecs import Codec
+from protocol.wire.codecs import Codec
 
 #: the data file's name, in this package
 STEPS_FILE = "codec_steps.json"
@@ -102,7 +102,7 @@ def _wire(codec: Codec, float_bytes: float, numel: int, dtype: torch.dtype, shap
 def _one_matrix(float_bytes: float, cols: int, itemsize: int) -> tuple[list[dict[str, Any]], int, list[int]]:
     """The edge's floating values as one matrix of ``cols`` columns (one row if
     fewer elements): its value spec (as ``links`` reads one), element count and
-    shape (rows rounded down, as ``protocol.codecs.matrix_shape`` does)."""
+    shape (rows rounded down, as ``protocol.wire.codecs.matrix_shape`` does)."""
     if itemsize not in _DTYPES:
         raise ValueError(f"itemsize {itemsize} is not one of {sorted(_DTYPES)}")
     if cols < 1:

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from coordinator.codec_price import plan_steps_factor, price
-from protocol.codecs import Codec
+from protocol.wire.codecs import Codec
 
 #: Adam keeps weights, gradients and two moments: 4 bytes of state per parameter byte
 #: (fp32 weights, gradients and moments: 16 bytes per parameter, as the live swarm keeps them)
@@ -155,7 +155,7 @@ class DagCosts:
         """Costs of a traced :class:`coordinator.opdag.OpDag`; what crosses each cut
         position comes from every value's producer and last consumer."""
         from coordinator.opdag import FREE_OPS
-        from protocol.graph import operators
+        from protocol.model.graph import operators
 
         ops = list(operators(dag.gm))
         index = {n: i for i, n in enumerate(ops)}

@@ -10,11 +10,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from protocol.codecs import Codec, matrix_shape
-from protocol.envelope import describe
-from protocol.graph import Cut, build_stage, partition, trace
-from protocol.recipe import Recipe, autocast
-from protocol.wire import encode_values
+from protocol.model.graph import Cut, build_stage, partition, trace
+from protocol.model.recipe import Recipe, autocast
+from protocol.wire.codecs import Codec, matrix_shape
+from protocol.wire.encoding import encode_values
+from protocol.wire.envelope import describe
 
 #: AdaTopK never keeps less than this fraction, however slow the link (accuracy first;
 #: --topk-fraction overrides it)

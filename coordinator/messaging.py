@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 from coordinator import replan
 from coordinator.runstate import EXCLUDED, DriverParts, PeerLost
-from protocol.envelope import poisoned_frame
-from protocol.messages import Beat, Evict, Hello, Message, PeerFailure, State
-from protocol.tasks import honour_cancel, log_failure
-from protocol.text import clean
-from protocol.transport import Inbound, PeerUnreachable
+from protocol.net.tasks import honour_cancel, log_failure
+from protocol.net.transport import Inbound, PeerUnreachable
+from protocol.trust.text import clean
+from protocol.wire.envelope import poisoned_frame
+from protocol.wire.messages import Beat, Evict, Hello, Message, PeerFailure, State
 
 if TYPE_CHECKING:
     pass

@@ -11,7 +11,7 @@ import torch
 from torch import fx, nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from protocol.graph import (
+from protocol.model.graph import (
     OP_KINDS,
     Cut,
     CutError,

@@ -1,5 +1,5 @@
 """Who the coordinator admits: in a private swarm, only peers whose hello proves they
-hold the swarm's secret (``protocol.admission``); in any swarm, nobody on the ban
+hold the swarm's secret (``protocol.trust.admission``); in any swarm, nobody on the ban
 list. Both live in the run directory, so the host changes them with the CLI while
 the coordinator runs (``fusionllm token --rotate``, ``fusionllm ban``), and a
 resumed coordinator keeps them."""
@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from protocol.admission import SECRET_BYTES, Token, new_secret, proof_ok
+from protocol.trust.admission import SECRET_BYTES, Token, new_secret, proof_ok
 
 SECRET_FILE = "swarm.secret"
 BAN_FILE = "banned.txt"

@@ -16,8 +16,8 @@ from coordinator.assign import Assignment, live_profile, network_from_adverts
 from coordinator.estimator import DagCosts, Plan, predict
 from coordinator.opdag import OpDag
 from coordinator.runstate import DriverParts
-from protocol.codecs import Codec
-from protocol.messages import Advert, StepDone
+from protocol.wire.codecs import Codec
+from protocol.wire.messages import Advert, StepDone
 
 logger = logging.getLogger(__name__)
 

@@ -34,10 +34,15 @@ from coordinator.opdag import build_opdag
 from coordinator.rebalancing import Rebalancing
 from coordinator.runstate import BANNED, EXCLUDED, PeerLost, RunState
 from coordinator.weights import InitError, read_init
-from protocol.envelope import Rejected, match_values
-from protocol.graph import Cut
-from protocol.job import mean_loss, split_batch
-from protocol.messages import (
+from protocol.model.graph import Cut
+from protocol.model.job import mean_loss, split_batch
+from protocol.model.program import ProgramError, export_stages
+from protocol.model.recipe import LossScale, Update, decide_update, in_model_order, initial_scale
+from protocol.net.tasks import cancel_all
+from protocol.net.transport import Inbound
+from protocol.wire.encoding import encode_values
+from protocol.wire.envelope import Rejected, match_values
+from protocol.wire.messages import (
     Activations,
     Advert,
     Assign,
@@ -53,11 +58,6 @@ from protocol.messages import (
     Standby,
     StepDone,
 )
-from protocol.program import ProgramError, export_stages
-from protocol.recipe import LossScale, Update, decide_update, in_model_order, initial_scale
-from protocol.tasks import cancel_all
-from protocol.transport import Inbound
-from protocol.wire import encode_values
 
 if TYPE_CHECKING:
     from coordinator.swarm import Coordinator, StepReport

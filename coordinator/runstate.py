@@ -14,13 +14,13 @@ import torch
 
 from coordinator.assign import Assignment
 from coordinator.checkpoint import CheckpointInfo
-from protocol.codecs import Codec
-from protocol.recipe import NO_SCALE, LossScale, Update
+from protocol.model.recipe import NO_SCALE, LossScale, Update
+from protocol.wire.codecs import Codec
 
 if TYPE_CHECKING:
     from coordinator.checkpoint import RunDir
     from coordinator.swarm import Coordinator, CoordinatorConfig
-    from protocol.job import JobSpec
+    from protocol.model.job import JobSpec
 
 logger = logging.getLogger(__name__)
 

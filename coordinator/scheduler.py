@@ -53,7 +53,7 @@ from coordinator.estimator import (
     stage_memory,
 )
 from coordinator.links import MIN_RANK
-from protocol.codecs import Codec
+from protocol.wire.codecs import Codec
 
 SCHEDULERS = ("opfence", "bw-blind", "petals", "dtfm", "even", "compute", "random")
 #: the baselines as well equipped as OP-Fence (codecs, replicas, standby peers)

@@ -29,13 +29,19 @@ from coordinator.run import Driver
 from coordinator.runstate import BANNED, EXCLUDED, RunState
 from coordinator.status import StatusBoard
 from coordinator.web import StatusServer
-from protocol.admission import CERT_TTL_S, issue_certificate, renewal_period, renewal_send_s
-from protocol.advert_check import advert_problem
-from protocol.codecs import Codec
-from protocol.envelope import Envelope, Gate, Reject, Rejected
-from protocol.identity import Identity, IdentityError, check_record, key_hex, sign_record
-from protocol.job import JobSpec
-from protocol.messages import (
+from protocol.model.job import JobSpec
+from protocol.net.ports import PortTaken, check_listen_ports
+from protocol.net.reach import DIAL_BACK_TIMEOUT_S, dial_back, observed_ip, tcp_ports
+from protocol.net.tasks import cancel_all, honour_cancel
+from protocol.net.transport import Inbound, PeerUnreachable, Transport
+from protocol.trust.admission import CERT_TTL_S, issue_certificate, renewal_period, renewal_send_s
+from protocol.trust.advert_check import advert_problem
+from protocol.trust.identity import Identity, IdentityError, check_record, key_hex, sign_record
+from protocol.trust.run_records import RunRecords
+from protocol.trust.spotcheck import DEFAULT_SPOT_CHECK, step_overhead
+from protocol.wire.codecs import Codec
+from protocol.wire.envelope import Envelope, Gate, Reject, Rejected
+from protocol.wire.messages import (
     NOT_ADMITTED,
     Abort,
     Advert,
@@ -47,12 +53,6 @@ from protocol.messages import (
     Verdict,
     dht_key,
 )
-from protocol.ports import PortTaken, check_listen_ports
-from protocol.reach import DIAL_BACK_TIMEOUT_S, dial_back, observed_ip, tcp_ports
-from protocol.run_records import RunRecords
-from protocol.spotcheck import DEFAULT_SPOT_CHECK, step_overhead
-from protocol.tasks import cancel_all, honour_cancel
-from protocol.transport import Inbound, PeerUnreachable, Transport
 
 #: steps between two checks whether a plan on the measured speeds pays for moving to it;
 #: off by default until the estimator sees stragglers among replicas and per-operator
@@ -137,7 +137,9 @@ class RunSummary:
     spot_checks: int = 0  # micro-batches re-executed by another replica
     audit_wait_s: float = 0.0  # seconds commits waited for spot checks still under way
     audit_share: float = 0.0  # the peers' compute on spot checks over their compute on training
-    check_overhead: float | None = None  # what spot checks cost the median step (protocol.spotcheck.step_overhead)
+    check_overhead: float | None = (
+        None  # what spot checks cost the median step (protocol.trust.spotcheck.step_overhead)
+    )
     connections: dict[str, str] = field(default_factory=dict)  # planned peer -> direct, dial-out or forwarded
     forwarded_bytes: int = 0  # frames this coordinator passed between peers behind NATs
 
@@ -177,7 +179,7 @@ class Coordinator:
         self.admission: Admission | None = None
         self.private = config.private
         self._told: dict[str, float] = {}  # refused senders -> when they were told why
-        self.reached: dict[str, bool] = {}  # admitted peer -> whether it could be dialled back (protocol.reach)
+        self.reached: dict[str, bool] = {}  # admitted peer -> whether it could be dialled back (protocol.net.reach)
         self._hello_ports: dict[str, list[int]] = {}  # the ports its hello said it listens on
         self._telling: set[asyncio.Task[None]] = set()
         self._refused: dict[str, str] = {}  # peer -> why its advert is ignored (said once)
@@ -413,7 +415,7 @@ class Coordinator:
         return why
 
     async def _dial_back(self, peer: str) -> None:
-        """Whether ``peer`` can be dialled (``protocol.reach``): at the address its
+        """Whether ``peer`` can be dialled (``protocol.net.reach``): at the address its
         connection comes from, at the ports it listens on. Said on the page and to it."""
         assert self.transport is not None
         ports = self._hello_ports.pop(peer, [])

@@ -13,8 +13,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from protocol.job import SpecError
-from protocol.statecheck import Problems
+from protocol.model.job import SpecError
+from protocol.model.statecheck import Problems
 
 #: GPT-2 tensor names (after an optional ``transformer.`` prefix) -> ours, and whether
 #: the tensor is a Conv1D weight (stored as input x output: transposed for nn.Linear)

@@ -22,8 +22,8 @@ from torch import nn
 
 from coordinator.estimator import DagCosts
 from coordinator.opdag import OpDag, build_opdag
-from protocol.graph import operators
-from protocol.job import BUILTIN_MODELS, resolve
+from protocol.model.graph import operators
+from protocol.model.job import BUILTIN_MODELS, resolve
 
 #: tokens per iteration of every built-in workload's default batch (2^18, about
 #: GPT-2-scale practice: nanoGPT's GPT-2 runs use ~0.5M)

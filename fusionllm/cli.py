@@ -18,10 +18,10 @@ from coordinator.workloads import (
     WORKLOADS,
     defaults_text,
 )
-from protocol.admission import CERT_TTL_S, MAX_CERT_TTL_S, MIN_CERT_TTL_S, RENEWALS_PER_TTL
-from protocol.program import STAGE_FORMS
-from protocol.recipe import PRECISIONS, SCHEDULES, RecipeError, parse_betas
-from protocol.spotcheck import DEFAULT_SPOT_CHECK
+from protocol.model.program import STAGE_FORMS
+from protocol.model.recipe import PRECISIONS, SCHEDULES, RecipeError, parse_betas
+from protocol.trust.admission import CERT_TTL_S, MAX_CERT_TTL_S, MIN_CERT_TTL_S, RENEWALS_PER_TTL
+from protocol.trust.spotcheck import DEFAULT_SPOT_CHECK
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # Ctrl-C or SIGTERM, as shells report a SIGINT
@@ -90,7 +90,7 @@ def _add_job_flags(p: argparse.ArgumentParser, steps: int) -> None:
 
 
 def job_from_args(args: argparse.Namespace) -> Any:
-    from protocol.job import JobSpec
+    from protocol.model.job import JobSpec
 
     data = args.data
     if data is None:
@@ -125,7 +125,7 @@ def job_from_args(args: argparse.Namespace) -> Any:
 
 
 def parse_cut(text: str) -> Any:
-    from protocol.graph import Cut
+    from protocol.model.graph import Cut
 
     try:
         return Cut(tuple(int(x) for x in text.split(",") if x.strip()))
@@ -247,7 +247,7 @@ def _non_negative_float(text: str) -> float:
 
 
 def _key_hex(text: str) -> str:
-    from protocol.identity import IdentityError, key_hex, public_key
+    from protocol.trust.identity import IdentityError, key_hex, public_key
 
     try:
         return key_hex(public_key(text.strip()))
@@ -558,8 +558,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.verbose:  # hivemind logs its own INFO lines (identity files, bootstrap) through its own handler
         logging.getLogger("hivemind").setLevel(logging.WARNING)
     from fusionllm import commands, plan_cmds, swarm_cmds
-    from protocol.graph import CutError, TraceFailure
-    from protocol.job import ModelError, SpecError
+    from protocol.model.graph import CutError, TraceFailure
+    from protocol.model.job import ModelError, SpecError
 
     try:
         name = f"cmd_{args.command}"

@@ -24,8 +24,8 @@ from fusionllm.local import (
     train_reference,
     train_staged,
 )
-from protocol.graph import Cut
-from protocol.text import clean
+from protocol.model.graph import Cut
+from protocol.trust.text import clean
 
 TOLERANCE = 1e-5
 

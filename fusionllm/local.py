@@ -18,9 +18,9 @@ from torch import nn
 from coordinator.opdag import balanced_cut, build_opdag
 from coordinator.weights import load_init
 from peer.executor import StageExecutor, make_optimizer, scale_loss, set_lr, unscale_and_norms
-from protocol.graph import Cut, build_stage, partition, trace
-from protocol.job import JobSpec, mean_loss, model_error, split_batch
-from protocol.recipe import LossScale, Recipe, autocast, decide_update, in_model_order, initial_scale
+from protocol.model.graph import Cut, build_stage, partition, trace
+from protocol.model.job import JobSpec, mean_loss, model_error, split_batch
+from protocol.model.recipe import LossScale, Recipe, autocast, decide_update, in_model_order, initial_scale
 
 Progress = Callable[[int, float], None]
 

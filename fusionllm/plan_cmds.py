@@ -49,7 +49,7 @@ class Batch:
 def batch_of(args: argparse.Namespace) -> Batch:
     """The batch the flags ask for; :class:`UsageError` for flags the model cannot take."""
     from coordinator.workloads import DEFAULT_PRECISION, WORKLOADS
-    from protocol.job import JobSpec
+    from protocol.model.job import JobSpec
 
     w = WORKLOADS.get(args.model)
     if w is None:
@@ -75,7 +75,7 @@ def _costs(args: argparse.Namespace, batch: Batch | None = None) -> Any:
     from coordinator.estimator import DagCosts
     from coordinator.opdag import build_opdag
     from coordinator.workloads import WorkloadError, workload_costs
-    from protocol.job import parse_kwargs
+    from protocol.model.job import parse_kwargs
 
     batch = batch or batch_of(args)
     if batch.workload is not None:

@@ -21,10 +21,10 @@ from tqdm import tqdm
 
 from fusionllm.cli import EXIT_INTERRUPTED, UsageError, job_from_args
 from fusionllm.reaper import exit_within, start_reaper, watch_exit
-from protocol.admission import CERT_TTL_S
-from protocol.job import foreign_code
-from protocol.ports import PortTaken, check_listen_ports
-from protocol.text import clean
+from protocol.model.job import foreign_code
+from protocol.net.ports import PortTaken, check_listen_ports
+from protocol.trust.admission import CERT_TTL_S
+from protocol.trust.text import clean
 
 logger = logging.getLogger(__name__)
 
@@ -323,7 +323,7 @@ def cmd_join(args: argparse.Namespace) -> int:
 def _apply_token(args: argparse.Namespace) -> None:
     """``--token`` (a private swarm's) sets where to join, the run, the pinned key and
     the secret; without it, ``--initial-peers`` is required."""
-    from protocol.admission import TokenError, parse_token
+    from protocol.trust.admission import TokenError, parse_token
 
     args.swarm_secret = ""
     if args.token is None:

@@ -1,4 +1,4 @@
-"""A peer's side of spot checks (``protocol.spotcheck``): for a step it finished
+"""A peer's side of spot checks (``protocol.trust.spotcheck``): for a step it finished
 (before its ``Commit``, or after it while the next step trains, from what it held)
 it shows the signed frames it received for a micro-batch (``Audit``), or
 re-executes a replica's micro-batch from such frames and says whether the replica's
@@ -12,12 +12,12 @@ from typing import Any
 import torch
 
 from peer.executor import StageExecutor
-from protocol.codecs import Codec
-from protocol.envelope import signed_frame
-from protocol.messages import Audit, Evidence, Recheck, Verdict
-from protocol.spotcheck import differs, fingerprint, loss_differs, seed_of, wrong_frame
-from protocol.transport import Inbound
-from protocol.wire import Frame, Link, encode_values
+from protocol.net.transport import Inbound
+from protocol.trust.spotcheck import differs, fingerprint, loss_differs, seed_of, wrong_frame
+from protocol.wire.codecs import Codec
+from protocol.wire.encoding import Frame, Link, encode_values
+from protocol.wire.envelope import signed_frame
+from protocol.wire.messages import Audit, Evidence, Recheck, Verdict
 
 
 def as_evidence(inbound: Inbound) -> list[torch.Tensor]:

@@ -1,5 +1,5 @@
 """What a peer expects to receive, from whom, given its assignment: the plan's
-half of the envelope checks (the rest is in ``protocol.envelope.Gate``)."""
+half of the envelope checks (the rest is in ``protocol.wire.envelope.Gate``)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocol.codecs import Codec
-from protocol.envelope import Envelope, Reject, Rejected, match_values
-from protocol.messages import Assign, Message
+from protocol.wire.codecs import Codec
+from protocol.wire.envelope import Envelope, Reject, Rejected, match_values
+from protocol.wire.messages import Assign, Message
 
 #: control messages only the coordinator sends
 _FROM_COORDINATOR = (

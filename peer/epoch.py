@@ -20,13 +20,18 @@ import torch
 from peer import audit
 from peer.executor import StageExecutor
 from peer.mailbox import Mailbox
-from protocol import schedule as schedules
-from protocol.codecs import Codec, CodecError, ErrorFeedback
-from protocol.envelope import Reject
-from protocol.graph import Cut, build_stage, partition, trace
-from protocol.identity import IdentityError, public_key
-from protocol.job import JobSpec, SpecError, foreign_code
-from protocol.messages import (
+from protocol.model import schedule as schedules
+from protocol.model.graph import Cut, build_stage, partition, trace
+from protocol.model.job import JobSpec, SpecError, foreign_code
+from protocol.model.program import Program, ProgramError, build_checked
+from protocol.model.recipe import LossScale, Recipe, Update
+from protocol.net.tasks import honour_cancel, log_failure
+from protocol.net.transport import Inbound
+from protocol.trust.identity import IdentityError, public_key
+from protocol.wire.codecs import Codec, CodecError, ErrorFeedback
+from protocol.wire.encoding import Link, all_finite, raw_bytes
+from protocol.wire.envelope import Reject
+from protocol.wire.messages import (
     Activations,
     Assign,
     Audit,
@@ -41,11 +46,6 @@ from protocol.messages import (
     StepDone,
     Verdict,
 )
-from protocol.program import Program, ProgramError, build_checked
-from protocol.recipe import LossScale, Recipe, Update
-from protocol.tasks import honour_cancel, log_failure
-from protocol.transport import Inbound
-from protocol.wire import Link, all_finite, raw_bytes
 
 if TYPE_CHECKING:
     from peer.node import PeerNode

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from protocol.job import model_error
-from protocol.recipe import LossScale, Recipe, Update, autocast, initial_scale
-from protocol.statecheck import Problems
+from protocol.model.job import model_error
+from protocol.model.recipe import LossScale, Recipe, Update, autocast, initial_scale
+from protocol.model.statecheck import Problems
 
 #: Prefix of optimizer-state entries in a state snapshot: ``optim/<param name>/<state key>``.
 OPTIM_PREFIX = "optim/"

@@ -22,11 +22,17 @@ from peer.checks import PlanChecks
 from peer.epoch import EpochRunner, ForeignCode, HeldStage, Poisoned, RunRefused
 from peer.mailbox import Mailbox
 from peer.throttle import Throttle
-from protocol.admission import CertificateError, check_certificate, hello_proof, issued_at, lifetime
-from protocol.envelope import Gate
-from protocol.identity import Identity, IdentityError, check_record, key_hex, public_key, sign_record
-from protocol.job import ModelError
-from protocol.messages import (
+from protocol.model.job import ModelError
+from protocol.model.program import DEFAULT_NAMESPACES
+from protocol.net.reach import HOW_TO_BE_REACHABLE
+from protocol.net.tasks import cancel_and_wait, honour_cancel
+from protocol.net.transport import Inbound, PeerUnreachable, Transport
+from protocol.trust.admission import CertificateError, check_certificate, hello_proof, issued_at, lifetime
+from protocol.trust.identity import Identity, IdentityError, check_record, key_hex, public_key, sign_record
+from protocol.trust.run_records import RunRecords
+from protocol.trust.text import clean
+from protocol.wire.envelope import Gate
+from protocol.wire.messages import (
     NOT_ADMITTED,
     PROTOCOL_VERSION,
     Abort,
@@ -54,12 +60,6 @@ from protocol.messages import (
     Standby,
     dht_key,
 )
-from protocol.program import DEFAULT_NAMESPACES
-from protocol.reach import HOW_TO_BE_REACHABLE
-from protocol.run_records import RunRecords
-from protocol.tasks import cancel_and_wait, honour_cancel
-from protocol.text import clean
-from protocol.transport import Inbound, PeerUnreachable, Transport
 
 #: the longest a DHT store or get may take (awaited as futures: see coordinator.swarm)
 DHT_TIMEOUT_S = 30.0

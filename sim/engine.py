@@ -23,7 +23,7 @@ from coordinator.estimator import (
 )
 from coordinator.replan import JOIN_REPLAN_EVERY, POLICIES, checkpoint_due, rebalance, recover, wants_replan
 from coordinator.scheduler import Options, ScheduleError, plan
-from protocol import schedule as schedules
+from protocol.model import schedule as schedules
 from sim.topology import Topology
 
 

@@ -30,10 +30,11 @@ import torch
 from hivemind.utils import get_dht_time
 
 from peer.node import JoinError, PeerConfig, PeerNode
-from protocol.admission import issue_certificate, parse_token
-from protocol.envelope import Gate
-from protocol.identity import Identity, sign_record
-from protocol.messages import (
+from protocol.net.transport import PeerUnreachable, Transport
+from protocol.trust.admission import issue_certificate, parse_token
+from protocol.trust.identity import Identity, sign_record
+from protocol.wire.envelope import Gate
+from protocol.wire.messages import (
     NOT_ADMITTED,
     PROTOCOL_VERSION,
     Activations,
@@ -43,7 +44,6 @@ from protocol.messages import (
     Hello,
     dht_key,
 )
-from protocol.transport import PeerUnreachable, Transport
 
 
 async def attack(kind: str, tp: Transport, run: str, receivers: dict[str, list[str]], coordinator: str) -> None:

@@ -51,10 +51,10 @@ async def flood(
 ) -> None:
     from hivemind.p2p import P2P, PeerID
 
-    from protocol.envelope import Sealer
-    from protocol.identity import Identity
-    from protocol.messages import Beat
-    from protocol.transport import MSG_PROTOCOL, peer_id_of
+    from protocol.net.transport import MSG_PROTOCOL, peer_id_of
+    from protocol.trust.identity import Identity
+    from protocol.wire.envelope import Sealer
+    from protocol.wire.messages import Beat
 
     target = peer_id_of(maddrs[0])
     assert target is not None, f"no /p2p/ peer id in {maddrs[0]}"

@@ -9,11 +9,11 @@ from contextlib import asynccontextmanager
 import hivemind
 import torch
 
-from protocol.envelope import HEAD, MAGIC, Gate, Sealer
-from protocol.identity import Identity
-from protocol.messages import Activations
-from protocol.transport import Transport
-from protocol.wire import encode_values
+from protocol.net.transport import Transport
+from protocol.trust.identity import Identity
+from protocol.wire.encoding import encode_values
+from protocol.wire.envelope import HEAD, MAGIC, Gate, Sealer
+from protocol.wire.messages import Activations
 
 
 @asynccontextmanager

@@ -15,8 +15,8 @@ import coordinator.checkpoint as ckpt_mod
 from coordinator.checkpoint import CheckpointInfo, RunDir, default_run_dir
 from fusionllm.local import _backward, _executors, _forward, pick_cut
 from peer.executor import StageExecutor
-from protocol.graph import Cut
-from protocol.job import JobSpec, split_batch
+from protocol.model.graph import Cut
+from protocol.model.job import JobSpec, split_batch
 
 JOB = JobSpec(
     model_args="n_layer=2,n_embd=64,n_head=4",

@@ -25,7 +25,7 @@ from coordinator.codec_price import (
     steps_factor,
 )
 from coordinator.links import MIN_RANK, auto_codec
-from protocol.codecs import Codec
+from protocol.wire.codecs import Codec
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from coordinator.links import MIN_FRACTION, MIN_RANK, choose_codecs
-from protocol.codecs import Codec, CodecError, ErrorFeedback, decode, encode, encode_parts, topk_select
-from protocol.wire import Frame, Link, WireError, encode_values
+from protocol.wire.codecs import Codec, CodecError, ErrorFeedback, decode, encode, encode_parts, topk_select
+from protocol.wire.encoding import Frame, Link, WireError, encode_values
 
 
 def _roundtrip(x: torch.Tensor, codec: Codec) -> torch.Tensor:

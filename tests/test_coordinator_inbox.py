@@ -21,12 +21,12 @@ from coordinator.checkpoint import RunDir
 from coordinator.run import Driver
 from coordinator.runstate import BANNED, EXCLUDED, PeerLost
 from coordinator.swarm import Coordinator, CoordinatorConfig
-from protocol.graph import Cut
-from protocol.job import JobSpec
-from protocol.messages import Advert, Beat, Hello, PeerFailure, Recheck, State, StepDone, Verdict
-from protocol.spotcheck import alike, fingerprint, seed_of
-from protocol.transport import Inbound
-from protocol.wire import Frame
+from protocol.model.graph import Cut
+from protocol.model.job import JobSpec
+from protocol.net.transport import Inbound
+from protocol.trust.spotcheck import alike, fingerprint, seed_of
+from protocol.wire.encoding import Frame
+from protocol.wire.messages import Advert, Beat, Hello, PeerFailure, Recheck, State, StepDone, Verdict
 
 JOB = JobSpec(model_args="n_layer=2,n_embd=64,n_head=4", steps=50)
 
@@ -606,7 +606,7 @@ def test_disputers_of_honest_work_are_named_with_their_own_verdicts(tmp_path: Pa
     too (with its own loss), an honest third agrees with the suspect: both disputers are
     excluded, each line saying what its own re-execution gave (CI once saw the fake
     loss unnamed when the fake-loss peer was caught this way)."""
-    from protocol.messages import Verdict
+    from protocol.wire.messages import Verdict
 
     def said(agree: bool, detail: str, computed: list[float]) -> Verdict:
         return Verdict("r", 0, 1, "p0", agree, detail, 0, True, computed)
@@ -631,7 +631,7 @@ def test_disputers_of_honest_work_are_named_with_their_own_verdicts(tmp_path: Pa
 def test_spot_checks_are_drawn_at_the_rate_and_a_share_of_them_runs_the_backward(tmp_path: Path) -> None:
     import random
 
-    from protocol.spotcheck import BACKWARD_SHARE
+    from protocol.trust.spotcheck import BACKWARD_SHARE
 
     driver = _driver(tmp_path, [["p0"], ["p1", "p2"]])
     driver.cfg.spot_check = 0.5

@@ -15,11 +15,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from peer.checks import PlanChecks
-from protocol.codecs import Codec
-from protocol.envelope import HEAD, Gate, Reject, Rejected, Sealer, describe, head_length
-from protocol.identity import Identity, IdentityError, check_record, sign_record
-from protocol.messages import Activations, Assign, Gradients, Ready, StepDone
-from protocol.wire import Frame, Link, encode_values
+from protocol.trust.identity import Identity, IdentityError, check_record, sign_record
+from protocol.wire.codecs import Codec
+from protocol.wire.encoding import Frame, Link, encode_values
+from protocol.wire.envelope import HEAD, Gate, Reject, Rejected, Sealer, describe, head_length
+from protocol.wire.messages import Activations, Assign, Gradients, Ready, StepDone
 
 RUN = "run-1"
 ALICE, BOB, COORD = "peer-alice", "peer-bob", "coordinator"
@@ -204,7 +204,7 @@ def test_oversized_frames_are_rejected_from_their_head() -> None:
 
 
 def test_hello_binds_a_key_to_the_stream_sender_once() -> None:
-    from protocol.messages import Hello
+    from protocol.wire.messages import Hello
 
     gate = Gate(RUN)
     gate.accept_hello = True

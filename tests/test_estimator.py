@@ -8,7 +8,7 @@ import pytest
 
 from coordinator.estimator import DagCosts, Network, PeerProfile, PeerTable, Plan, predict
 from coordinator.scheduler import Options, ScheduleError, opfence
-from protocol.codecs import Codec
+from protocol.wire.codecs import Codec
 from sim.engine import iteration_seconds
 from sim.topology import parse
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 from p2p import transport_pair
 
-import protocol.envelope as envelope
-from protocol.envelope import LOG_BURST, MUTE_REJECTS, MUTE_S, MUTE_WINDOW_S, Gate, Reject, Rejected
-from protocol.messages import Activations
+import protocol.wire.envelope as envelope
+from protocol.wire.envelope import LOG_BURST, MUTE_REJECTS, MUTE_S, MUTE_WINDOW_S, Gate, Reject, Rejected
+from protocol.wire.messages import Activations
 
 
 class Clock:
@@ -44,7 +44,7 @@ def test_a_sender_over_the_threshold_is_muted_once_and_its_streams_only_counted(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     gate, clock, heard, cut = _gate()
-    with caplog.at_level(logging.INFO, logger="protocol.envelope"):
+    with caplog.at_level(logging.INFO, logger="protocol.wire.envelope"):
         _flood(gate, "flooder", MUTE_REJECTS)
         assert not gate.muted("flooder") and not gate.refuse_stream("flooder"), "at the threshold: not yet"
         _flood(gate, "flooder", 1)
@@ -64,7 +64,7 @@ def test_a_sender_over_the_threshold_is_muted_once_and_its_streams_only_counted(
     clock.t += MUTE_S - 1
     assert gate.refuse_stream("flooder")
     clock.t += 1
-    with caplog.at_level(logging.INFO, logger="protocol.envelope"):
+    with caplog.at_level(logging.INFO, logger="protocol.wire.envelope"):
         assert not gate.muted("flooder") and not gate.refuse_stream("flooder"), "the mute ends"
     assert "10001 streams were refused" in caplog.records[-1].getMessage()
     _flood(gate, "flooder", MUTE_REJECTS)
@@ -105,7 +105,7 @@ def test_a_muted_sender_is_disconnected_and_its_streams_closed_unread() -> None:
     valid frame, are closed unread and counted."""
 
     async def go() -> None:
-        from protocol.transport import MSG_PROTOCOL
+        from protocol.net.transport import MSG_PROTOCOL
 
         async with transport_pair("r") as (a, b):
             x = torch.ones(4)

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from fusionllm.local import compare_checkpoints
-from protocol.advert_check import MAX_FLOPS, advert_problem
-from protocol.messages import PROTOCOL_VERSION, Advert
+from protocol.trust.advert_check import MAX_FLOPS, advert_problem
+from protocol.wire.messages import PROTOCOL_VERSION, Advert
 from tests.conftest import run_cli
 from tests.swarmproc import SMALL, Swarm
 
@@ -166,10 +166,10 @@ def test_a_cheat_is_caught_by_peers_of_another_stage(tmp_path: Path, stages: int
 
 
 def test_a_flood_of_rejects_is_counted_but_logged_a_few_lines_without_escapes(caplog: pytest.LogCaptureFixture) -> None:
-    from protocol.envelope import LOG_BURST, Gate, Reject, Rejected
+    from protocol.wire.envelope import LOG_BURST, Gate, Reject, Rejected
 
     gate = Gate("r")
-    with caplog.at_level("WARNING", logger="protocol.envelope"):
+    with caplog.at_level("WARNING", logger="protocol.wire.envelope"):
         for i in range(1000):
             gate.reject("\x1b[2Jflooder", Rejected(Reject.WRONG_RUN, f"run \x1b[31mevil{i}"))
     assert gate.counts[Reject.WRONG_RUN] == 1000
@@ -178,7 +178,7 @@ def test_a_flood_of_rejects_is_counted_but_logged_a_few_lines_without_escapes(ca
 
 
 def test_a_number_beyond_any_float_is_a_bad_message_not_a_crash() -> None:
-    from protocol.messages import PROTOCOL_VERSION, Message, MessageError
+    from protocol.wire.messages import PROTOCOL_VERSION, Message, MessageError
 
     header = {"kind": "done", "v": PROTOCOL_VERSION, "run_id": "r", "step": 0, "stage": 0, "replica": 0,
               "grad_norms": {"w": 10**400}}  # fmt: skip
@@ -197,7 +197,7 @@ def test_non_finite_losses_exclude_the_peer_except_under_fp16_loss_scaling() -> 
 
 
 def test_forged_overflows_cannot_drive_the_loss_scale_to_zero() -> None:
-    from protocol.recipe import LOSS_SCALE_MIN, LossScale
+    from protocol.model.recipe import LOSS_SCALE_MIN, LossScale
 
     scale = LossScale()
     for _ in range(2000):
@@ -206,8 +206,8 @@ def test_forged_overflows_cannot_drive_the_loss_scale_to_zero() -> None:
 
 
 def test_fp16_codecs_saturate_so_a_finite_value_never_arrives_as_poison() -> None:
-    from protocol.codecs import FP16_MAX, Codec
-    from protocol.wire import Frame, Link, all_finite, encode_values
+    from protocol.wire.codecs import FP16_MAX, Codec
+    from protocol.wire.encoding import Frame, Link, all_finite, encode_values
 
     x = torch.tensor([1e6, -1e9, 3.0, float("nan")])
     descs, chunks = encode_values([x[:3]], Link(Codec.parse("fp16")))

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from coordinator.weights import InitError, read_init
 from fusionllm.local import job_model, save_state
-from protocol.job import JobSpec
+from protocol.model.job import JobSpec
 from tests.conftest import run_cli
 
 LAYERS, EMBD, HEADS, CTX, VOCAB = 2, 32, 4, 16, 256

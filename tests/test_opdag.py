@@ -8,8 +8,8 @@ import torch
 
 from coordinator.opdag import balanced_cut, build_opdag
 from fusionllm.local import check_stages
-from protocol.graph import Cut, CutError, TraceFailure, partition, trace
-from protocol.job import JobSpec, split_batch
+from protocol.model.graph import Cut, CutError, TraceFailure, partition, trace
+from protocol.model.job import JobSpec, split_batch
 from tests.models import Tied, Untraceable
 
 SMALL_GPT = JobSpec(model="tests/models.py:small_gpt", data="tests/models.py:small_text", micro_batches=2)
@@ -139,7 +139,7 @@ def test_split_batch_is_along_dim0() -> None:
 
 
 def test_stage_keeps_original_parameter_names() -> None:
-    from protocol.graph import stage_modules
+    from protocol.model.graph import stage_modules
 
     model = SMALL_GPT.build_model()
     _, stages = stage_modules(model, Cut((20,)))

@@ -12,8 +12,8 @@ import hivemind
 import pytest
 from hivemind.utils import get_dht_time
 
-from protocol.identity import Identity, sign_record
-from protocol.messages import CoordinatorRecord, dht_key
+from protocol.trust.identity import Identity, sign_record
+from protocol.wire.messages import CoordinatorRecord, dht_key
 from tests.conftest import ROOT
 from tests.swarmproc import SMALL, Proc, Swarm
 
@@ -145,7 +145,7 @@ def test_a_coordinator_speaking_another_protocol_version_is_named(tmp_path: Path
     says so in one line, not a generic 'no coordinator'. Pinned to that key, at once
     (only the key's owner signs with it); unpinned, when its join timeout ends (anyone
     may claim the run, the right coordinator may come later)."""
-    from protocol.messages import PROTOCOL_VERSION
+    from protocol.wire.messages import PROTOCOL_VERSION
 
     dht = hivemind.DHT(start=True)
     peer = None

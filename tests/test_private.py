@@ -20,7 +20,8 @@ from hivemind.utils.serializer import MSGPackSerializer
 
 from coordinator.private import Admission, write_secret
 from peer.node import JoinError, PeerConfig, PeerNode
-from protocol.admission import (
+from protocol.net.tasks import cancel_and_wait
+from protocol.trust.admission import (
     CERT_TTL_S,
     MAX_CERT_TTL_S,
     MIN_CERT_TTL_S,
@@ -34,11 +35,10 @@ from protocol.admission import (
     new_secret,
     parse_token,
 )
-from protocol.envelope import Gate, Reject, Rejected, Sealer
-from protocol.identity import Identity, sign_record
-from protocol.messages import NOT_ADMITTED, Abort, Beat, dht_key
-from protocol.run_records import RunRecords
-from protocol.tasks import cancel_and_wait
+from protocol.trust.identity import Identity, sign_record
+from protocol.trust.run_records import RunRecords
+from protocol.wire.envelope import Gate, Reject, Rejected, Sealer
+from protocol.wire.messages import NOT_ADMITTED, Abort, Beat, dht_key
 from tests.conftest import run_cli
 from tests.swarmproc import SMALL, Proc, Swarm, api, wait_for
 

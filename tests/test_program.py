@@ -15,9 +15,9 @@ from torch import nn
 
 from coordinator.links import boundary_specs
 from peer.executor import StageExecutor
-from protocol.graph import Cut, forbidden_boundaries, operators, stage_modules, trace
-from protocol.job import JobSpec
-from protocol.program import (
+from protocol.model.graph import Cut, forbidden_boundaries, operators, stage_modules, trace
+from protocol.model.job import JobSpec
+from protocol.model.program import (
     DEFAULT_NAMESPACES,
     Program,
     ProgramError,
@@ -28,7 +28,7 @@ from protocol.program import (
     export_stages,
     load_stage,
 )
-from protocol.recipe import Recipe
+from protocol.model.recipe import Recipe
 
 GPT = JobSpec(model_args="n_layer=2,n_embd=64,n_head=4")
 BRANCHY = JobSpec(model="tests/models.py:branchy_wide", data="branchy")

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from fusionllm.reaper import POLL_S
-from protocol.ports import PortTaken, check_listen_ports
+from protocol.net.ports import PortTaken, check_listen_ports
 from tests.conftest import ROOT, run_cli
 from tests.test_swarm import _join_command, _spawn
 

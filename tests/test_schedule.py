@@ -4,9 +4,9 @@ import pytest
 
 from coordinator.assign import assign
 from coordinator.opdag import build_opdag
-from protocol.job import JobSpec
-from protocol.messages import Advert
-from protocol.schedule import SCHEDULES, ScheduleError, gpipe, make, one_f_one_b, render, validate
+from protocol.model.job import JobSpec
+from protocol.model.schedule import SCHEDULES, ScheduleError, gpipe, make, one_f_one_b, render, validate
+from protocol.wire.messages import Advert
 
 
 @pytest.mark.parametrize("k, m", [(1, 1), (2, 4), (3, 5), (4, 4), (4, 2)])

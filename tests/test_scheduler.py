@@ -26,7 +26,7 @@ from coordinator.scheduler import (
     plan,
     plan_floor,
 )
-from protocol.codecs import Codec
+from protocol.wire.codecs import Codec
 from sim.engine import Churn, iteration_seconds, simulate
 from sim.presets import PRESETS, preset
 from sim.topology import TopologyError, parse

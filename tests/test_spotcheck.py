@@ -11,15 +11,15 @@ import torch
 
 from peer.audit import Rechecker
 from peer.executor import StageExecutor
-from protocol.codecs import Codec
-from protocol.envelope import Sealer
-from protocol.graph import Cut, build_stage, operators, partition, trace
-from protocol.identity import Identity
-from protocol.job import JobSpec, split_batch
-from protocol.messages import Activations, Gradients, Recheck, ReplicaGrads
-from protocol.spotcheck import CROSS_DEVICE_RTOL, SAME_KIND_RTOL, alike, differs, roles_for, survival, tolerance
-from protocol.transport import Inbound
-from protocol.wire import Frame, encode_values
+from protocol.model.graph import Cut, build_stage, operators, partition, trace
+from protocol.model.job import JobSpec, split_batch
+from protocol.net.transport import Inbound
+from protocol.trust.identity import Identity
+from protocol.trust.spotcheck import CROSS_DEVICE_RTOL, SAME_KIND_RTOL, alike, differs, roles_for, survival, tolerance
+from protocol.wire.codecs import Codec
+from protocol.wire.encoding import Frame, encode_values
+from protocol.wire.envelope import Sealer
+from protocol.wire.messages import Activations, Gradients, Recheck, ReplicaGrads
 
 RUN = "r"
 JOB = JobSpec(model_args="n_layer=2,n_embd=32,n_head=4", steps=1, micro_batches=2)
@@ -147,7 +147,7 @@ def test_a_disputer_that_matched_no_one_is_named_with_what_it_computed() -> None
     else (it reports a fake loss of its own): it is excluded too, and its line says what
     its re-execution gave, so the fake loss is on the record (CI once saw it unnamed)."""
     from coordinator.auditing import _convicted
-    from protocol.messages import Verdict
+    from protocol.wire.messages import Verdict
 
     def said(detail: str, computed: list[float]) -> Verdict:
         return Verdict("r", 3, 1, "cheat", False, detail, 0, True, computed)
@@ -166,7 +166,7 @@ def test_frames_signed_before_a_ban_are_still_checked_against_the_signers_key() 
     """A ban revokes a peer's admission, not what it signed while admitted: a spot check
     of an earlier step checks the banned peer's frame that an honest peer shows (CI: the
     honest receiver was excluded, "it could not show the grad_in frame: none came")."""
-    from protocol.envelope import MAX_SENDERS, Gate, signed_frame
+    from protocol.wire.envelope import MAX_SENDERS, Gate, signed_frame
 
     gate = Gate(RUN)
     gate.admit("next", IDS["next"].public_key)
@@ -219,7 +219,7 @@ def test_values_through_the_lossless_codec_are_what_the_wire_delivers() -> None:
 
 
 def test_what_checks_cost_the_median_step_is_measured_against_the_runs_clean_steps() -> None:
-    from protocol.spotcheck import MIN_CLEAN_STEPS, step_overhead
+    from protocol.trust.spotcheck import MIN_CLEAN_STEPS, step_overhead
 
     clean, checked = [0.10] * (3 * MIN_CLEAN_STEPS), [0.12] * MIN_CLEAN_STEPS
     # a quarter of the steps 20% slower: 5% on average (a median of all the steps would say 0)
@@ -236,7 +236,7 @@ def test_a_lone_stage_is_checked_a_few_micro_batches_at_a_time_as_often_on_avera
     from types import SimpleNamespace
 
     from coordinator.auditing import Auditing
-    from protocol.spotcheck import LONE_DRAW, lone_draw, lone_survival
+    from protocol.trust.spotcheck import LONE_DRAW, lone_draw, lone_survival
 
     assert lone_draw(0.05, 8) == (pytest.approx(0.1), LONE_DRAW)
     assert lone_draw(1.0, 8) == (1.0, 8), "every micro-batch, where every one is to be checked"
@@ -258,7 +258,7 @@ def test_an_arbiter_asked_to_reuse_weights_it_does_not_hold_cannot_check_and_bla
     from types import SimpleNamespace
 
     from peer.epoch import EpochRunner
-    from protocol.recipe import LossScale
+    from protocol.model.recipe import LossScale
 
     msg = Recheck(RUN, 5, 1, "suspect", ["input"], ["coord"], 0, stage=0, same_weights=True)
     for held in (None, (0, 4), (1, 5)):  # nothing loaded, another step's weights, another stage's

@@ -24,7 +24,7 @@ from peer.epoch import EpochRunner
 from peer.executor import StageExecutor
 from peer.node import PeerConfig, PeerNode
 from peer.throttle import Throttle, ThrottleError, check_throttle, parse_throttle
-from protocol.recipe import Recipe
+from protocol.model.recipe import Recipe
 from tests.conftest import run_cli
 
 # ------------------------------------------------------------------ the pause

@@ -9,15 +9,15 @@ import pytest
 import torch
 from p2p import claiming, transport_pair, transports
 
-from protocol.envelope import HEAD, Reject
-from protocol.identity import Identity
-from protocol.messages import Activations
-from protocol.transport import MSG_PROTOCOL, Transport
+from protocol.net.transport import MSG_PROTOCOL, Transport
+from protocol.trust.identity import Identity
+from protocol.wire.envelope import HEAD, Reject
+from protocol.wire.messages import Activations
 
 
 def _sealed(t: Transport, msg: Activations, x: torch.Tensor, key: Identity | None = None) -> bytes:
-    from protocol.envelope import Sealer
-    from protocol.wire import encode_values
+    from protocol.wire.encoding import encode_values
+    from protocol.wire.envelope import Sealer
 
     sealer = t.sealer if key is None else Sealer(key, t.peer_id)
     descs, chunks = encode_values([x])
@@ -111,7 +111,7 @@ def test_paced_link_takes_as_long_as_its_rate_says() -> None:
 
 def test_rejected_laned_frame_leaves_no_parts_behind() -> None:
     async def go() -> None:
-        from protocol.transport import LANE_THRESHOLD
+        from protocol.net.transport import LANE_THRESHOLD
 
         async with transport_pair("r") as (a, b):
             big = torch.randn(LANE_THRESHOLD // 4 + 1000)  # over the threshold: travels on lanes
@@ -131,7 +131,7 @@ def test_broken_bandwidth_probe_is_peer_unreachable() -> None:
     not a stray IncompleteReadError."""
 
     async def go() -> None:
-        from protocol.transport import BW_PROTOCOL, PeerUnreachable
+        from protocol.net.transport import BW_PROTOCOL, PeerUnreachable
 
         async with transport_pair("r") as (a, b):
 
@@ -148,7 +148,7 @@ def test_broken_bandwidth_probe_is_peer_unreachable() -> None:
 
 
 def _described(x: torch.Tensor) -> tuple[list, list]:
-    from protocol.wire import encode_values
+    from protocol.wire.encoding import encode_values
 
     return encode_values([x])
 
@@ -171,13 +171,13 @@ def test_a_claimed_4gib_payload_allocates_nothing_until_bytes_arrive() -> None:
 
 
 def test_bandwidth_probes_answer_only_admitted_peers_and_never_amplify(monkeypatch: pytest.MonkeyPatch) -> None:
-    import protocol.transport as transport
+    import protocol.net.transport as transport
 
     monkeypatch.setattr(transport, "ADMISSION_WAIT_S", 0.5)
 
     async def go() -> None:
-        from protocol.transport import BW_PROTOCOL, PROBE_BUDGET_BYTES, PeerUnreachable
-        from protocol.wire import write_frame
+        from protocol.net.transport import BW_PROTOCOL, PROBE_BUDGET_BYTES, PeerUnreachable
+        from protocol.wire.encoding import write_frame
 
         async with transport_pair("r") as (a, b):
             up, down = await a.measure_bandwidth(b.peer_id, 1 << 20)  # admitted: measured both ways
@@ -203,12 +203,12 @@ def test_bandwidth_probes_answer_only_admitted_peers_and_never_amplify(monkeypat
 
 
 def test_lane_parts_no_head_claims_are_bounded_and_expire(monkeypatch: pytest.MonkeyPatch) -> None:
-    import protocol.transport as transport
+    import protocol.net.transport as transport
 
     monkeypatch.setattr(transport, "LANE_PART_TTL_S", 0.5)
 
     async def go() -> None:
-        from protocol.transport import _LANE_HEAD, LANE_PROTOCOL, MAX_WAITING_PARTS
+        from protocol.net.transport import _LANE_HEAD, LANE_PROTOCOL, MAX_WAITING_PARTS
 
         async with transport_pair("r") as (a, b):
             parts = [_LANE_HEAD.pack(1000 + i, 0, 1024) + bytes(1024) for i in range(MAX_WAITING_PARTS + 4)]
@@ -226,7 +226,7 @@ def test_open_streams_per_sender_are_bounded() -> None:
     """A sender opening streams and never closing them holds at most
     MAX_STREAMS_PER_PEER of them: the rest are closed unread and counted as
     ``streams`` rejections; once its streams close it may open new ones."""
-    from protocol.transport import MAX_STREAMS_PER_PEER
+    from protocol.net.transport import MAX_STREAMS_PER_PEER
 
     async def go() -> None:
         async with transport_pair("r") as (a, b):
@@ -252,8 +252,8 @@ def test_payload_bytes_in_flight_wait_for_room_and_all_arrive() -> None:
     """With a per-sender budget smaller than one lane part, a laned frame's four parts
     are read one at a time (each waits for room; none is refused) and the frame
     arrives whole; then nothing is held."""
-    from protocol.budget import ByteBudget
-    from protocol.transport import LANE_THRESHOLD
+    from protocol.net.budget import ByteBudget
+    from protocol.net.transport import LANE_THRESHOLD
 
     async def go() -> None:
         async with transport_pair("r") as (a, b):
@@ -270,7 +270,7 @@ def test_payload_bytes_in_flight_wait_for_room_and_all_arrive() -> None:
 def test_a_byte_budget_admits_what_fits_and_one_payload_alone() -> None:
     """Per sender: a claim over the limit is read alone and the sender's next waits;
     another sender is not held up by it (a never-paid claim must not stop everyone)."""
-    from protocol.budget import ByteBudget
+    from protocol.net.budget import ByteBudget
 
     async def go() -> None:
         budget, order = ByteBudget(per_sender=100), []
@@ -301,7 +301,7 @@ def test_frames_forwarded_between_two_peers_arrive_as_their_senders_and_unforged
     """A sends to D through F (both behind NATs, say): D receives A's frame as A's, the
     bytes F passed on are counted; F cannot alter a frame (D refuses it and blames F)
     nor pass on what A did not sign; a peer that does not forward refuses to."""
-    from protocol.forward import FWD_PROTOCOL, route_head
+    from protocol.net.forward import FWD_PROTOCOL, route_head
 
     async def go() -> None:
         async with transports(3) as (a, f, d):
@@ -344,7 +344,7 @@ def test_frames_forwarded_between_two_peers_arrive_as_their_senders_and_unforged
 def test_a_sender_not_admitted_holds_two_streams_and_only_briefly(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fresh identities cost nothing: one not admitted may hold MAX_STREAMS_OUTSIDER
     streams, each closed if no frame head (its hello) comes within FIRST_HEAD_S."""
-    import protocol.transport as transport
+    import protocol.net.transport as transport
 
     monkeypatch.setattr(transport, "FIRST_HEAD_S", 0.5)
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from p2p import transport_pair
 
-from protocol.messages import PROTOCOL_VERSION, Activations, Message, MessageError, StepDone
-from protocol.transport import LANE_THRESHOLD
-from protocol.wire import MAGIC, WireError, pack_bytes, read_frame, split_buffers
+from protocol.net.transport import LANE_THRESHOLD
+from protocol.wire.encoding import MAGIC, WireError, pack_bytes, read_frame, split_buffers
+from protocol.wire.messages import PROTOCOL_VERSION, Activations, Message, MessageError, StepDone
 
 
 def _read(data: bytes, max_payload: int = 1 << 30):
@@ -107,8 +107,8 @@ def test_a_payload_trickled_slower_than_the_minimum_rate_is_cut(monkeypatch: pyt
     """A sender that claims a payload and then sends a few bytes and stops (or
     trickles them) holds its stream only until the payload's deadline: grace plus its
     size at ``MIN_PAYLOAD_RATE``; an honest payload arrives whole."""
-    from protocol import streams
-    from protocol.envelope import Reject, Rejected
+    from protocol.net import streams
+    from protocol.wire.envelope import Reject, Rejected
 
     monkeypatch.setattr(streams, "PAYLOAD_GRACE_S", 0.2)
     monkeypatch.setattr(streams, "MIN_PAYLOAD_RATE", 1000)

@@ -36,7 +36,7 @@ class RecipeError(ValueError):
 
 @dataclass(frozen=True)
 class RecipeFields:
-    """The recipe's part of a job spec (``protocol.job.JobSpec`` has these fields too).
+    """The recipe's part of a job spec (``protocol.model.job.JobSpec`` has these fields too).
 
     ``lr`` is the peak rate: reached after ``warmup`` steps (linear from lr/warmup),
     then held (``constant``) or brought down to ``min_lr`` at the last step

@@ -126,7 +126,9 @@ class Advert(Message):
     expires_at: float  # hivemind DHT time
     pubkey: str = ""  # Ed25519 public key (hex); the record is signed with it
     cert: dict[str, Any] = field(default_factory=dict)  # its admission certificate (a private swarm's DHT checks it)
-    reach: str = ""  # what the coordinator's dial-back told it: "direct", "nat" ("" before it knows; protocol.reach)
+    reach: str = (
+        ""  # what the coordinator's dial-back told it: "direct", "nat" ("" before it knows; protocol.net.reach)
+    )
     sig: str = ""
 
 
@@ -154,7 +156,7 @@ class Assign(Message):
     pending_skip: bool = False
     program: bool = False  # the stage comes as a StageProgram (ATen operators), not from the job's model code
     certs: dict[str, float] = field(default_factory=dict)  # peer id -> when its admission certificate ends
-    nat: list[str] = field(default_factory=list)  # planned peers no one can dial: they dial out (protocol.reach)
+    nat: list[str] = field(default_factory=list)  # planned peers no one can dial: they dial out (protocol.net.reach)
 
 
 @dataclass(frozen=True)
@@ -384,7 +386,7 @@ class Evidence(Message):
 class Recheck(Message):
     """Coordinator -> a replica of ``suspect``'s stage: re-execute micro-batch ``mb``
     of ``step`` from the signed frames in the payload (``roles`` of
-    ``protocol.spotcheck``; head and payload each) with this step's weights, and
+    ``protocol.trust.spotcheck``; head and payload each) with this step's weights, and
     compare with what ``suspect`` signed and reported (``loss``, last stage), within
     ``tolerance`` (relative). An arbiter of another stage gets ``stage`` and the
     ``weights`` (by name, after the evidence) to rebuild it."""
@@ -439,7 +441,7 @@ class StageState(Message):
 @dataclass(frozen=True)
 class StageProgram(Message):
     """Coordinator -> peer: the program of ATen operators its assigned stage runs
-    (``protocol.program``; the graph and constants in the frame). Sent before the
+    (``protocol.model.program``; the graph and constants in the frame). Sent before the
     stage's state whenever the peer builds the stage."""
 
     KIND: ClassVar[str] = "program"
@@ -451,7 +453,7 @@ class StageProgram(Message):
 
 @dataclass(frozen=True)
 class Reachability(Message):
-    """Coordinator -> an admitted peer: whether it dialled the peer back (``protocol.reach``)."""
+    """Coordinator -> an admitted peer: whether it dialled the peer back (``protocol.net.reach``)."""
 
     KIND: ClassVar[str] = "reach"
     run_id: str
@@ -463,7 +465,7 @@ class Reachability(Message):
 @dataclass(frozen=True)
 class Certificate(Message):
     """Coordinator -> an admitted peer, on admission and every renewal period: its own
-    signed admission certificate (``protocol.admission``; it goes into its advert),
+    signed admission certificate (``protocol.trust.admission``; it goes into its advert),
     and when each planned peer's certificate now ends (senders past theirs are refused)."""
 
     KIND: ClassVar[str] = "cert"

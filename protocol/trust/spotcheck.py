@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from protocol.messages import Activations, Gradients, Message, ReplicaGrads
+from protocol.wire.messages import Activations, Gradients, Message, ReplicaGrads
 
 #: role -> (message class, offset of its stage from the suspect's stage)
 ROLES: dict[str, tuple[type[Message], int]] = {

@@ -9,7 +9,7 @@ import math
 
 from multiaddr import Multiaddr
 
-from protocol.messages import Advert
+from protocol.wire.messages import Advert
 
 #: the most any advert may claim: 1 EFLOP/s of compute, 1 Tbit/s of bandwidth, 1 PiB of memory
 MAX_FLOPS = 1e18

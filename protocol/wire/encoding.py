@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from protocol.codecs import Codec, CodecError, ErrorFeedback, encode_parts
-from protocol.codecs import decode as decode_tensor
+from protocol.wire.codecs import Codec, CodecError, ErrorFeedback, encode_parts
+from protocol.wire.codecs import decode as decode_tensor
 
 MAGIC = b"FLM1"
 MAX_HEADER_BYTES = 1 << 20

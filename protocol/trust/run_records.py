@@ -8,9 +8,9 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.serializer import MSGPackSerializer
 
-from protocol.admission import check_certificate
-from protocol.identity import check_record, key_hex
-from protocol.messages import dht_key
+from protocol.trust.admission import check_certificate
+from protocol.trust.identity import check_record, key_hex
+from protocol.wire.messages import dht_key
 
 
 class RunRecords(RecordValidatorBase):

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from protocol.recipe import Recipe, RecipeError, RecipeFields, recipe_of
+from protocol.model.recipe import Recipe, RecipeError, RecipeFields, recipe_of
 
 BUILTIN_MODELS = {"gpt": "fusionllm.zoo:gpt", "gpt2": "fusionllm.zoo:gpt2", "branchy": "fusionllm.zoo:branchy"}
 BUILTIN_DATA = {"stdlib": "fusionllm.zoo:stdlib_text", "branchy": "fusionllm.zoo:branchy_data"}

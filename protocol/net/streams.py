@@ -8,9 +8,9 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from protocol.envelope import HEAD, MAGIC, Reject, Rejected
-from protocol.identity import SIGNATURE_BYTES
-from protocol.wire import MAX_HEADER_BYTES, read_growing
+from protocol.trust.identity import SIGNATURE_BYTES
+from protocol.wire.encoding import MAX_HEADER_BYTES, read_growing
+from protocol.wire.envelope import HEAD, MAGIC, Reject, Rejected
 
 T = TypeVar("T")
 

@@ -13,7 +13,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from protocol.identity import Identity, IdentityError, check_record, key_hex, public_key, sign_record
+from protocol.trust.identity import Identity, IdentityError, check_record, key_hex, public_key, sign_record
 
 #: bytes of a swarm secret
 SECRET_BYTES = 32

@@ -37,10 +37,10 @@ import torch
 from blake3 import blake3
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from protocol.identity import SIGNATURE_BYTES, Identity, IdentityError, public_key, verify
-from protocol.messages import PROTOCOL_VERSION, Message, MessageError, fields_of
-from protocol.text import clean
-from protocol.wire import MAX_HEADER_BYTES, Frame, WireError, all_finite, check_descriptions
+from protocol.trust.identity import SIGNATURE_BYTES, Identity, IdentityError, public_key, verify
+from protocol.trust.text import clean
+from protocol.wire.encoding import MAX_HEADER_BYTES, Frame, WireError, all_finite, check_descriptions
+from protocol.wire.messages import PROTOCOL_VERSION, Message, MessageError, fields_of
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Each process registers one binary stream handler; a sender keeps one persistent
 stream per destination and writes frames on it (no size cap, no protobuf
 chunking). Received frames land in an inbox queue with the sender's libp2p peer
 id, which the libp2p handshake authenticated. A sender that the gate mutes (too
-many rejections: ``protocol.envelope.MUTE_REJECTS``) is disconnected once, and
+many rejections: ``protocol.wire.envelope.MUTE_REJECTS``) is disconnected once, and
 every stream it opens until the mute ends is closed before a byte is read.
 """
 
@@ -24,14 +24,12 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr as HivemindMultiaddr
 from multiaddr import Multiaddr
 
-from protocol.budget import ByteBudget
-from protocol.envelope import Envelope, Gate, Reject, Rejected, Sealer, inline_payload, lane_id
-from protocol.forward import FWD_PROTOCOL, Forwarding
-from protocol.identity import Identity
-from protocol.messages import Message
-from protocol.streams import FRAME_MIN_RATE, PAYLOAD_GRACE_S, discard, linger, read_frame_head, read_payload
-from protocol.tasks import honour_cancel
-from protocol.wire import (
+from protocol.net.budget import ByteBudget
+from protocol.net.forward import FWD_PROTOCOL, Forwarding
+from protocol.net.streams import FRAME_MIN_RATE, PAYLOAD_GRACE_S, discard, linger, read_frame_head, read_payload
+from protocol.net.tasks import honour_cancel
+from protocol.trust.identity import Identity
+from protocol.wire.encoding import (
     Frame,
     Link,
     WireError,
@@ -41,6 +39,8 @@ from protocol.wire import (
     split_buffers,
     write_frame,
 )
+from protocol.wire.envelope import Envelope, Gate, Reject, Rejected, Sealer, inline_payload, lane_id
+from protocol.wire.messages import Message
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ class Transport(Forwarding):
         self._cutting: set[asyncio.Task[None]] = set()  # disconnects of muted senders
         self.open_streams: dict[str, int] = defaultdict(int)  # sender -> its streams open to us now
         self.budget = ByteBudget()  # payload bytes read at once, per sender and in all
-        self.dials_in: set[str] = set()  # peers behind a NAT: they dial us (protocol.reach)
+        self.dials_in: set[str] = set()  # peers behind a NAT: they dial us (protocol.net.reach)
         self._init_forwarding()
         gate.on_mute.append(self._cut_off)
 

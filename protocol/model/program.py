@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from protocol.graph import Cut, stage_modules
-from protocol.recipe import Recipe, autocast
-from protocol.wire import DTYPE_NAMES, DTYPES
+from protocol.model.graph import Cut, stage_modules
+from protocol.model.recipe import Recipe, autocast
+from protocol.wire.encoding import DTYPE_NAMES, DTYPES
 
 PROGRAM_FORMAT = 1
 #: how a coordinator sends stages: as programs (this module), or as the job's model code to rebuild
@@ -697,7 +697,7 @@ def _loose(d: Any) -> Any:
 
 
 def _spec(v: Any) -> Any:
-    """A value's spec entry, as ``protocol.envelope.describe`` gives it."""
+    """A value's spec entry, as ``protocol.wire.envelope.describe`` gives it."""
     if isinstance(v, torch.Tensor):
         return {"t": "tensor", "dtype": DTYPE_NAMES.get(v.dtype, str(v.dtype)), "shape": list(v.shape)}
     if isinstance(v, torch.Size):

@@ -20,8 +20,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from protocol.envelope import Envelope, Gate, Reject, Rejected
-from protocol.streams import read_frame_head, read_or_end, read_payload
+from protocol.net.streams import read_frame_head, read_or_end, read_payload
+from protocol.wire.envelope import Envelope, Gate, Reject, Rejected
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def signed_head(run_id: str, origin: str, key: Any, head: bytes, max_payload: in
 
 
 class Forwarding:
-    """Mixed into :class:`protocol.transport.Transport`: sending through a forwarder,
+    """Mixed into :class:`protocol.net.transport.Transport`: sending through a forwarder,
     forwarding (where ``relay_ok`` allows), and taking forwarded frames in."""
 
     gate: Gate
