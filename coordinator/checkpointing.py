@@ -13,6 +13,7 @@ import torch
 
 from coordinator import replan
 from coordinator.checkpoint import CheckpointError
+from coordinator.outcome import SwarmError
 from coordinator.runstate import OPTIM_KEYS, OPTIM_PREFIX, DriverParts, owner
 from protocol.model.graph import Cut, stage_modules
 from protocol.net.tasks import log_failure
@@ -96,7 +97,6 @@ class Checkpointing(DriverParts):
     def _diverged(self, stage: int, step: int, sender: str) -> Exception:
         """A stage's state after ``step`` steps is not finite (its inputs were: receivers
         check them): the run stops rather than save it; the last checkpoint stays."""
-        from coordinator.swarm import SwarmError
 
         last = self.st.checkpoint
         kept = (
@@ -142,7 +142,6 @@ class Checkpointing(DriverParts):
     def _stage_states(self, cut: Cut) -> list[dict[str, torch.Tensor]]:
         """Each stage's part of the last checkpoint (weights and optimizer state), or of
         the starting weights before the first."""
-        from coordinator.swarm import SwarmError
 
         names = self._stage_names(cut)
         if self.st.checkpoint is None:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from coordinator import replan
+from coordinator.outcome import SwarmError
 from coordinator.runstate import EXCLUDED, DriverParts, PeerLost
 from protocol.net.tasks import honour_cancel, log_failure
 from protocol.net.transport import Inbound, PeerUnreachable
@@ -111,7 +112,6 @@ class Messaging(DriverParts):
         """A peer says the model's own code raised: the run stops with that line once a
         second peer says the same at the same step (one peer alone may be lying or
         broken: it is dropped, and another runs its stage)."""
-        from coordinator.swarm import SwarmError
 
         said = self.st.model_failures.setdefault((self.st.step, clean(reason)[:300]), set())
         said.add(sender)

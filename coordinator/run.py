@@ -31,6 +31,7 @@ from coordinator.checkpointing import Checkpointing
 from coordinator.links import boundary_specs
 from coordinator.messaging import Messaging
 from coordinator.opdag import build_opdag
+from coordinator.outcome import StepReport, SwarmError
 from coordinator.rebalancing import Rebalancing
 from coordinator.runstate import BANNED, EXCLUDED, PeerLost, RunState
 from coordinator.weights import InitError, read_init
@@ -60,7 +61,7 @@ from protocol.wire.messages import (
 )
 
 if TYPE_CHECKING:
-    from coordinator.swarm import Coordinator, StepReport
+    from coordinator.swarm import Coordinator
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +176,6 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
     def _plan(self, adverts: list[Advert], keep_out: int = 0, leave_out: bool = False) -> Assignment:
         """OP-Fence over ``adverts``; the ``keep_out`` slowest wait as standby, and with
         ``leave_out`` OP-Fence may leave more out where that is faster."""
-        from coordinator.swarm import SwarmError
 
         ranked = sorted(adverts, key=lambda a: -a.flops)
         use = ranked[: max(len(ranked) - keep_out, 1)]
@@ -203,8 +203,6 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
         t0 = time.monotonic()
         await self._refresh_adverts()
         if cfg.link_mbps and len(cfg.link_mbps) != k - 1:
-            from coordinator.swarm import SwarmError
-
             raise SwarmError(f"--link-mbps gives {len(cfg.link_mbps)} rates; the plan has {k - 1} stage boundaries")
         st.specs = boundary_specs(self.model, plan.cut, self.example, self.recipe)
         self.coord.gate.epoch = st.epoch
@@ -309,7 +307,6 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
         return next(it)
 
     async def _step(self) -> None:
-        from coordinator.swarm import StepReport, SwarmError
 
         st, cfg = self.st, self.cfg
         assert st.plan is not None
@@ -372,7 +369,6 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
     async def _await_done(self, step: int, micro_batches: int, began: float) -> tuple[float, dict[str, float]]:
         """The step's mean loss, and the gradient norms of every stage's replica 0 (the
         step began at ``began``, by ``time.perf_counter``)."""
-        from coordinator.swarm import SwarmError
 
         st = self.st
         assert st.plan is not None
@@ -407,7 +403,6 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
     # ------------------------------------------------------------------ recipe
     def _read_init(self) -> dict[str, torch.Tensor] | None:
         """The starting weights of ``--init`` (checked against the model), if any."""
-        from coordinator.swarm import SwarmError
 
         if not self.job.init:
             return None
@@ -469,7 +464,6 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
 
     def _eval_micro_batches(self) -> list[tuple[torch.Tensor, ...]]:
         """The validation set (held-out split), checked once against the plan's inputs."""
-        from coordinator.swarm import SwarmError
 
         if self._eval_set is None:
             mbs = self.job.eval_micro_batches()
@@ -514,7 +508,6 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
     async def _collect(self) -> None:
         """Wait for the last step's checkpoint (every stage's replica 0 sends it) and
         write it; its weights are the run's result."""
-        from coordinator.swarm import SwarmError
 
         await self._next((), set(), until=lambda: self._final_write is not None)
         assert self._final_write is not None
@@ -539,7 +532,6 @@ class Driver(Messaging, Checkpointing, Rebalancing, Auditing):
 
     # ------------------------------------------------------------------ recover
     async def _recover(self, lost: dict[str, str], rollback_to: int | None = None) -> None:
-        from coordinator.swarm import SwarmError
 
         st, board = self.st, self.coord.board
         assert st.plan is not None

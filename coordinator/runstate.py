@@ -19,7 +19,8 @@ from protocol.wire.codecs import Codec
 
 if TYPE_CHECKING:
     from coordinator.checkpoint import RunDir
-    from coordinator.swarm import Coordinator, CoordinatorConfig
+    from coordinator.config import CoordinatorConfig
+    from coordinator.swarm import Coordinator
     from protocol.model.job import JobSpec
 
 logger = logging.getLogger(__name__)

@@ -5,14 +5,11 @@ gathers the trained weights."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
 import logging
 import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,22 +20,23 @@ from hivemind.utils import get_dht_time
 
 from coordinator.assign import Assignment
 from coordinator.checkpoint import DB_NAME, CheckpointError, RunDir, default_run_dir
+from coordinator.config import CoordinatorConfig
 from coordinator.links import choose_codecs, float_bytes
+from coordinator.outcome import LinkReport, RunSummary, StepReport, SwarmError
 from coordinator.private import SECRET_FILE, Admission
 from coordinator.run import Driver
 from coordinator.runstate import BANNED, EXCLUDED, RunState
 from coordinator.status import StatusBoard
 from coordinator.web import StatusServer
-from protocol.model.job import JobSpec
 from protocol.net.ports import PortTaken, check_listen_ports
 from protocol.net.reach import DIAL_BACK_TIMEOUT_S, dial_back, observed_ip, tcp_ports
 from protocol.net.tasks import cancel_all, honour_cancel
 from protocol.net.transport import Inbound, PeerUnreachable, Transport
-from protocol.trust.admission import CERT_TTL_S, issue_certificate, renewal_period, renewal_send_s
+from protocol.trust.admission import issue_certificate, renewal_period, renewal_send_s
 from protocol.trust.advert_check import advert_problem
 from protocol.trust.identity import Identity, IdentityError, check_record, key_hex, sign_record
 from protocol.trust.run_records import RunRecords
-from protocol.trust.spotcheck import DEFAULT_SPOT_CHECK, step_overhead
+from protocol.trust.spotcheck import step_overhead
 from protocol.wire.codecs import Codec
 from protocol.wire.envelope import Envelope, Gate, Reject, Rejected
 from protocol.wire.messages import (
@@ -54,10 +52,6 @@ from protocol.wire.messages import (
     dht_key,
 )
 
-#: steps between two checks whether a plan on the measured speeds pays for moving to it;
-#: off by default until the estimator sees stragglers among replicas and per-operator
-#: overheads (on identical peers it moved work for gains the peers did not show)
-DEFAULT_REBALANCE_EVERY = 0
 #: the longest a DHT store or get may take. DHT calls are awaited as futures, never run on
 #: executor threads: a thread blocked on a DHT that shut down kept the event loop from closing
 DHT_TIMEOUT_S = 30.0
@@ -65,98 +59,6 @@ CLOSE_WAIT_S = 5.0  # how long closing waits for the coordinator's own backgroun
 #: what peers may send the coordinator
 _FROM_PEERS = ("hello", "ready", "done", "state", "failure", "beat", "evaldone", "evidence", "verdict")
 logger = logging.getLogger(__name__)
-
-
-class SwarmError(RuntimeError):
-    """The run cannot go on; ``str()`` says why in one line."""
-
-
-@dataclass
-class CoordinatorConfig:
-    job: JobSpec
-    run_id: str = "fusionllm"
-    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
-    initial_peers: list[str] = field(default_factory=list)
-    min_peers: int = 1
-    num_stages: int | None = None
-    schedule: str = "1f1b"
-    peer_wait_s: float = 120.0
-    step_timeout_s: float = 300.0
-    record_ttl: float = 10.0
-    identity: str | None = None  # key file; None: a fresh key for this process only
-    compression: str = "none"  # none, fp16, bf16, int8, int4 (every link), adatopk or auto (per link, from bandwidth)
-    topk_fraction: float | None = None  # pin AdaTopK's kept fraction on the links that need compressing
-    lowrank_rank: int | None = None  # pin auto's rank on the links that get low-rank activations
-    link_mbps: list[float] = field(default_factory=list)  # pace each stage boundary's link (loopback demos)
-    status: bool = True  # serve the status page, /api/v1/state and /metrics
-    status_host: str = "127.0.0.1"
-    status_port: int | None = None  # None: 8470, or any free port if that is taken
-    run_dir: str | None = None  # checkpoints and run metadata; None: a new folder in checkpoint.default_run_dir(run_id)
-    resume: bool = False  # continue the run in run_dir from its last checkpoint
-    checkpoint_every: int | None = None  # None: automatic (replan.checkpoint_due); 0: only the last step
-    standby: int = 0  # the slowest N peers of the first plan wait as standby
-    rebalance_every: int = DEFAULT_REBALANCE_EVERY  # steps between rebalance checks (0: never)
-    stall_floor_s: float = 8.0  # a planned peer silent this long (or 10 median steps, if longer) has stalled
-    send_timeout_s: float = 30.0  # a send to a peer that takes longer counts as a lost peer
-    private: bool = False  # admit only peers whose hello proves the swarm's secret (coordinator.private)
-    cert_ttl: float = CERT_TTL_S  # a private swarm's admission certificates hold this long (renewed before)
-    spot_check: float = DEFAULT_SPOT_CHECK  # each replicated micro-batch re-executed with this chance (auditing)
-    stages_as: str = "program"  # STAGE_FORMS: how peers get their stages
-
-    def job_fields(self) -> dict[str, Any]:
-        """The job as it travels and is stored: JSON (a tuple of betas comes back a list)."""
-        return json.loads(json.dumps(dataclasses.asdict(self.job)))
-
-
-@dataclass
-class StepReport:
-    step: int
-    loss: float
-    seconds: float
-    tokens: int
-
-
-@dataclass
-class RunSummary:
-    losses: list[float]
-    seconds: float
-    tokens: int
-    assignment: Assignment
-    adverts: dict[str, Advert]
-    link_bytes: dict[str, int]  # "src->dst" -> bytes
-    state: dict[str, torch.Tensor]
-    links: list[LinkReport] = field(default_factory=list)  # per stage boundary
-    estimate: dict[str, Any] = field(default_factory=dict)  # the estimator's prediction next to what ran
-    epochs: int = 1
-    failures: int = 0
-    steps_redone: int = 0
-    checkpoint_s: list[float] = field(default_factory=list)  # seconds each checkpoint write took
-    step_seconds: list[float] = field(default_factory=list)
-    rebalances: list[dict[str, Any]] = field(default_factory=list)  # step, why, what moved, tokens/s before
-    val_losses: list[tuple[int, float]] = field(default_factory=list)  # (steps done, validation loss)
-    spot_checks: int = 0  # micro-batches re-executed by another replica
-    audit_wait_s: float = 0.0  # seconds commits waited for spot checks still under way
-    audit_share: float = 0.0  # the peers' compute on spot checks over their compute on training
-    check_overhead: float | None = (
-        None  # what spot checks cost the median step (protocol.trust.spotcheck.step_overhead)
-    )
-    connections: dict[str, str] = field(default_factory=dict)  # planned peer -> direct, dial-out or forwarded
-    forwarded_bytes: int = 0  # frames this coordinator passed between peers behind NATs
-
-
-@dataclass
-class LinkReport:
-    """One stage boundary: its codec, measured bandwidth and traffic (both ways)."""
-
-    boundary: int
-    codec: str
-    mbps: float
-    wire_bytes: int
-    raw_bytes: int
-
-    @property
-    def ratio(self) -> float:
-        return self.raw_bytes / max(self.wire_bytes, 1)
 
 
 class Coordinator:

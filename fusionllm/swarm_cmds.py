@@ -157,7 +157,9 @@ def _recovery_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def _coordinate(args: argparse.Namespace, on_ready: Any = None) -> int:
-    from coordinator.swarm import Coordinator, CoordinatorConfig, SwarmError
+    from coordinator.config import CoordinatorConfig
+    from coordinator.outcome import SwarmError
+    from coordinator.swarm import Coordinator
 
     job = job_from_args(args)
     model = job.checked_model()  # fails early on a bad model or data

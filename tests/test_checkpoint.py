@@ -312,7 +312,7 @@ def test_discard_step_then_redo_equals_clean_step(batches: list[Batch], cuts: di
 def test_a_stored_job_equals_the_same_job_on_resume(tmp_path: Path) -> None:
     """--resume compares the job the run directory stored (JSON) with the flags given
     again: tuples (the recipe's betas) must compare equal after the round trip."""
-    from coordinator.swarm import CoordinatorConfig
+    from coordinator.config import CoordinatorConfig
 
     cfg = CoordinatorConfig(job=JobSpec(betas=(0.9, 0.95), lr_schedule="cosine"), run_id="r")
     run_dir = RunDir(tmp_path / "run").open()

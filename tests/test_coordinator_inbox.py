@@ -18,9 +18,10 @@ from coordinator import replan
 from coordinator.assign import Assignment, network_from_adverts
 from coordinator.auditing import AUDIT_BOX_PER_PEER
 from coordinator.checkpoint import RunDir
+from coordinator.config import CoordinatorConfig
 from coordinator.run import Driver
 from coordinator.runstate import BANNED, EXCLUDED, PeerLost
-from coordinator.swarm import Coordinator, CoordinatorConfig
+from coordinator.swarm import Coordinator
 from protocol.model.graph import Cut
 from protocol.model.job import JobSpec
 from protocol.net.transport import Inbound
@@ -168,7 +169,7 @@ def test_recover_with_standby_rolls_back(tmp_path: Path) -> None:
 
 
 def test_recover_without_standby_replans_or_stops(tmp_path: Path) -> None:
-    from coordinator.swarm import SwarmError
+    from coordinator.outcome import SwarmError
 
     driver = _driver(tmp_path, [["p0"], ["p1"], ["p2"]])
     driver.st.step = 5

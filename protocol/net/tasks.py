@@ -1,4 +1,5 @@
-"""Cancellation that ``except Exception`` cannot swallow.
+"""Asyncio helpers every component shares: the one periodic loop (``every``), the one
+bounded wait (``wait_until``), and cancellation that ``except Exception`` cannot swallow.
 
 When a call awaited through ``asyncio.wait_for`` fails at the very moment its task
 is cancelled, ``wait_for`` raises the call's error instead of ``CancelledError``. A
@@ -10,10 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
+
+from protocol.net.clock import SYSTEM_CLOCK, Clock
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def honour_cancel() -> None:
@@ -50,3 +54,46 @@ async def cancel_and_wait(task: asyncio.Future[Any], timeout: float) -> bool:
 async def cancel_all(tasks: Iterable[asyncio.Future[Any]], timeout: float) -> None:
     """``cancel_and_wait`` for each of ``tasks`` at once."""
     await asyncio.gather(*(cancel_and_wait(t, timeout) for t in list(tasks)))
+
+
+async def every(
+    period: float,
+    tick: Callable[[], Awaitable[bool | None]],
+    *,
+    what: str,
+    clock: Clock = SYSTEM_CLOCK,
+    first: float | None = None,
+) -> None:
+    """The one periodic loop: wait ``period`` s (``first`` s the first time), run
+    ``tick``, and again, until ``tick`` returns True. A tick that fails is logged
+    (``what`` names the loop) and the loop goes on; a cancel always ends it."""
+    await clock.sleep(period if first is None else first)
+    while True:
+        try:
+            if await tick():
+                return
+        except Exception as exc:
+            honour_cancel()
+            logger.debug("%s failed: %s", what, exc)
+        await clock.sleep(period)
+
+
+async def wait_until(
+    probe: Callable[[], Awaitable[T | None]],
+    timeout: float,
+    *,
+    interval: float = 1.0,
+    clock: Clock = SYSTEM_CLOCK,
+) -> T | None:
+    """The one bounded wait: ask ``probe`` every ``interval`` s until it returns
+    something other than None (returned) or ``timeout`` s have passed (None). The
+    probe is asked at least once; a cancel ends the wait."""
+    deadline = clock.now() + timeout
+    while True:
+        found = await probe()
+        if found is not None:
+            return found
+        left = deadline - clock.now()
+        if left <= 0:
+            return None
+        await clock.sleep(min(interval, left))

@@ -1,0 +1,63 @@
+"""The shared periodic loop, bounded wait and fake clock (protocol.net)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from protocol.net.clock import FakeClock
+from protocol.net.tasks import every, wait_until
+
+
+def test_every_ticks_once_a_period_survives_a_failing_tick_and_stops_when_told() -> None:
+    async def main() -> list[float]:
+        clock, seen = FakeClock(), []
+
+        async def tick() -> bool:
+            seen.append(clock.now())
+            if len(seen) == 2:
+                raise ConnectionError("a failing tick is logged, not fatal")
+            return len(seen) == 4
+
+        loop = asyncio.create_task(every(2.0, tick, what="test loop", clock=clock, first=0.5))
+        await clock.advance(10.0)
+        assert loop.done() and loop.exception() is None
+        return seen
+
+    assert asyncio.run(main()) == [0.5, 2.5, 4.5, 6.5]
+
+
+def test_wait_until_returns_what_the_probe_found_or_none_at_its_deadline() -> None:
+    async def main() -> tuple[object, object, float]:
+        clock, asked = FakeClock(), []
+
+        async def probe_found_third_time() -> str | None:
+            asked.append(clock.now())
+            return "found" if len(asked) == 3 else None
+
+        async def probe_never() -> None:
+            return None
+
+        found = asyncio.create_task(wait_until(probe_found_third_time, 30.0, interval=1.0, clock=clock))
+        await clock.advance(5.0)
+        never = asyncio.create_task(wait_until(probe_never, 3.5, interval=1.0, clock=clock))
+        await clock.advance(10.0)
+        return found.result(), never.result(), asked[-1]
+
+    found, never, last = asyncio.run(main())
+    assert (found, never, last) == ("found", None, 2.0)
+
+
+def test_a_cancel_ends_every_even_inside_a_failing_tick() -> None:
+    async def main() -> bool:
+        clock = FakeClock()
+
+        async def tick() -> None:
+            raise OSError("down")
+
+        loop = asyncio.create_task(every(1.0, tick, what="test loop", clock=clock))
+        await clock.advance(3.0)
+        loop.cancel()
+        await asyncio.sleep(0)
+        return loop.cancelled()
+
+    assert asyncio.run(main())
