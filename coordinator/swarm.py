@@ -30,11 +30,12 @@ from coordinator.status import StatusBoard
 from coordinator.web import StatusServer
 from protocol.net.ports import PortTaken, check_listen_ports
 from protocol.net.reach import DIAL_BACK_TIMEOUT_S, dial_back, observed_ip, tcp_ports
+from protocol.net.records import publish_record, read_records
 from protocol.net.tasks import cancel_all, honour_cancel
 from protocol.net.transport import Inbound, PeerUnreachable, Transport
 from protocol.trust.admission import issue_certificate, renewal_period, renewal_send_s
 from protocol.trust.advert_check import advert_problem
-from protocol.trust.identity import Identity, IdentityError, check_record, key_hex, sign_record
+from protocol.trust.identity import Identity, IdentityError, check_record, key_hex
 from protocol.trust.run_records import RunRecords
 from protocol.trust.spotcheck import step_overhead
 from protocol.wire.codecs import Codec
@@ -49,12 +50,8 @@ from protocol.wire.messages import (
     Message,
     Reachability,
     Verdict,
-    dht_key,
 )
 
-#: the longest a DHT store or get may take. DHT calls are awaited as futures, never run on
-#: executor threads: a thread blocked on a DHT that shut down kept the event loop from closing
-DHT_TIMEOUT_S = 30.0
 CLOSE_WAIT_S = 5.0  # how long closing waits for the coordinator's own background tasks to end
 #: what peers may send the coordinator
 _FROM_PEERS = ("hello", "ready", "done", "state", "failure", "beat", "evaldone", "evidence", "verdict")
@@ -221,10 +218,8 @@ class Coordinator:
         assert self.dht is not None and self.transport is not None and self.identity is not None
         expires = get_dht_time() + self.config.record_ttl
         rec = CoordinatorRecord(self.transport.peer_id, self.visible_maddrs, self.config.run_id, expires)
-        record = sign_record(self.identity, rec.header())
-        key = dht_key(self.config.run_id, "coordinator")
         subkey = self.identity.public_hex  # under its own key: another's claim of the run cannot hide it
-        await asyncio.wait_for(self.dht.store(key, record, expires, subkey=subkey, return_future=True), DHT_TIMEOUT_S)
+        await publish_record(self.dht, self.identity, self.config.run_id, "coordinator", subkey, rec.header(), expires)
 
     async def _refresh_record(self) -> None:
         while True:
@@ -239,16 +234,12 @@ class Coordinator:
         """The adverts in the DHT that have not expired, are signed, and whose key the
         peer bound to its libp2p id with its hello, by peer id."""
         assert self.dht is not None
-        key = dht_key(self.config.run_id, "adverts")
-        found = await asyncio.wait_for(self.dht.get(key, latest=True, return_future=True), DHT_TIMEOUT_S)
         out: dict[str, Advert] = {}
-        if found is None or not isinstance(found.value, dict):
-            return out
         now = get_dht_time()
-        for subkey, item in found.value.items():
+        for subkey, value in (await read_records(self.dht, self.config.run_id, "adverts")).items():
             try:
-                ad = Advert.from_header(item.value)
-                key = check_record(item.value)
+                ad = Advert.from_header(value)
+                key = check_record(value)
             except Exception as exc:
                 logger.warning("ignoring a bad advert under %r: %s", subkey, exc)
                 continue

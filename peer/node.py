@@ -25,10 +25,11 @@ from peer.throttle import Throttle
 from protocol.model.job import ModelError
 from protocol.model.program import DEFAULT_NAMESPACES
 from protocol.net.reach import HOW_TO_BE_REACHABLE
+from protocol.net.records import publish_record, read_records
 from protocol.net.tasks import cancel_and_wait, honour_cancel
 from protocol.net.transport import Inbound, PeerUnreachable, Transport
 from protocol.trust.admission import CertificateError, check_certificate, hello_proof, issued_at, lifetime
-from protocol.trust.identity import Identity, IdentityError, check_record, key_hex, public_key, sign_record
+from protocol.trust.identity import Identity, IdentityError, check_record, key_hex, public_key
 from protocol.trust.run_records import RunRecords
 from protocol.trust.text import clean
 from protocol.wire.envelope import Gate
@@ -58,11 +59,9 @@ from protocol.wire.messages import (
     StageProgram,
     StageState,
     Standby,
-    dht_key,
 )
 
 #: the longest a DHT store or get may take (awaited as futures: see coordinator.swarm)
-DHT_TIMEOUT_S = 30.0
 
 logger = logging.getLogger(__name__)
 
@@ -279,16 +278,12 @@ class PeerNode:
         Each coordinator stores its record under its own key, so an outsider's claim
         cannot hide the real one."""
         assert self.dht is not None
-        key = dht_key(self.config.run_id, "coordinator")
-        found = await asyncio.wait_for(self.dht.get(key, latest=True, return_future=True), DHT_TIMEOUT_S)
-        if found is None or not isinstance(found.value, dict):
-            return {}
         out = {}
-        for item in found.value.values():
+        for value in (await read_records(self.dht, self.config.run_id, "coordinator")).values():
             try:
-                signer = key_hex(check_record(item.value))
-                self._note_version(signer, item.value)
-                rec = CoordinatorRecord.from_header(item.value)
+                signer = key_hex(check_record(value))
+                self._note_version(signer, value)
+                rec = CoordinatorRecord.from_header(value)
             except Exception as exc:
                 logger.debug("ignoring a bad coordinator record: %s", exc)
                 continue
@@ -347,11 +342,7 @@ class PeerNode:
         assert self.dht is not None and self.advert is not None and self.identity is not None
         expires = get_dht_time() + self.config.advert_ttl
         ad = Advert(**{**self.advert.__dict__, "expires_at": expires, "cert": self.certificate or {}})
-        record = sign_record(self.identity, ad.header())
-        key = dht_key(self.config.run_id, "adverts")
-        await asyncio.wait_for(
-            self.dht.store(key, record, expires, subkey=ad.peer_id, return_future=True), DHT_TIMEOUT_S
-        )
+        await publish_record(self.dht, self.identity, self.config.run_id, "adverts", ad.peer_id, ad.header(), expires)
 
     async def _refresh_adverts(self) -> None:
         while True:
