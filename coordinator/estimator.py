@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from coordinator.codec_price import plan_steps_factor, price
+from protocol.model.schedule import uses_1f1b
 from protocol.wire.codecs import Codec
 
 #: Adam keeps weights, gradients and two moments: 4 bytes of state per parameter byte
@@ -504,11 +505,6 @@ def stage_memory(costs: DagCosts, lo: int, hi: int, in_flight: int) -> int:
 def dealt(micro_batches: int, replicas: int) -> list[int]:
     """Micro-batches each replica runs: micro-batch ``m`` goes to replica ``m mod r``."""
     return [len(range(i, micro_batches, replicas)) for i in range(replicas)]
-
-
-def uses_1f1b(groups: list[list[str]]) -> bool:
-    """The live swarm runs 1F1B when every stage has as many replicas, else GPipe."""
-    return len({len(g) for g in groups}) == 1
 
 
 @dataclass(frozen=True)

@@ -323,8 +323,7 @@ class EpochRunner:
         tp = node.transport
         assert tp is not None and node.coordinator is not None and node.checks is not None
         node.checks.step = node.step = step
-        uniform = len({len(p) for p in a.stages}) == 1
-        order = schedules.make(a.schedule if uniform else "gpipe", self.k, len(self.my_mbs))[self.s]
+        order = schedules.make(schedules.effective(a.schedule, a.stages), self.k, len(self.my_mbs))[self.s]
         sends: list[asyncio.Task[int]] = []
         losses: dict[str, float] = {}
         self.busy_s = 0.0

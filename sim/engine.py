@@ -18,7 +18,6 @@ from coordinator.estimator import (
     link_seconds,
     predict,
     tied_sync_s,
-    uses_1f1b,
     wire_pair,
 )
 from coordinator.replan import JOIN_REPLAN_EVERY, POLICIES, checkpoint_due, rebalance, recover, wants_replan
@@ -66,7 +65,7 @@ def iteration_seconds(costs: DagCosts, p: Plan, peers: dict[str, PeerProfile], n
     many replicas (GPipe otherwise), a replica's backward followed by its gradient
     sends to the other replicas, and one transfer at a time per direction on every
     pair of peers."""
-    lanes = _lanes(costs, p, peers, network, m, schedule if uses_1f1b(p.groups) else "gpipe")
+    lanes = _lanes(costs, p, peers, network, m, schedules.effective(schedule, p.groups))
     k = len(p.groups)
     ready_f: list[dict[int, float]] = [dict.fromkeys(range(m), 0.0)] + [{} for _ in range(k - 1)]
     ready_b: list[dict[int, float]] = [{} for _ in range(k)]

@@ -3,6 +3,8 @@ one step. ``("F", mb)`` is a forward, ``("B", mb)`` a backward."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence, Sized
+
 Action = tuple[str, int]
 Schedule = list[list[Action]]
 
@@ -37,6 +39,17 @@ def one_f_one_b(num_stages: int, micro_batches: int) -> Schedule:
 
 
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+def uses_1f1b(groups: Sequence[Sized]) -> bool:
+    """The one rule: a swarm runs 1F1B only when every stage has as many replicas
+    (replica ``i`` of every stage forms a lane); else GPipe."""
+    return len({len(g) for g in groups}) == 1
+
+
+def effective(name: str, groups: Sequence[Sized]) -> str:
+    """The schedule a swarm of stages with these replica groups runs for the job's ``name``."""
+    return name if uses_1f1b(groups) else "gpipe"
 
 
 def make(name: str, num_stages: int, micro_batches: int) -> Schedule:
