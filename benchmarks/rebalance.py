@@ -127,7 +127,7 @@ def _sim(seeds: int, events: int) -> dict[str, Any]:
     from fusionllm.plan_cmds import _costs, _options, _topology, churn_events
     from sim.engine import simulate
 
-    argv = ["sim", "--topology", "internet-1k", "--model", "fusionllm.zoo:gpt2", "--model-args", SIM_MODEL,
+    argv = ["sim", "--topology", "internet-1k", "--model", "zoo.gpt:gpt2", "--model-args", SIM_MODEL,
             "--iterations", str(SIM_ITERATIONS), "--churn", str(events)]  # fmt: skip
     args = build_parser().parse_args(argv)
     costs, topo, options = _costs(args), _topology(args.topology), _options(args)

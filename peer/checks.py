@@ -9,16 +9,13 @@ from typing import Any
 
 from protocol.wire.codecs import Codec
 from protocol.wire.envelope import Envelope, Reject, Rejected, match_values
-from protocol.wire.messages import Assign, Message
+from protocol.wire.messages import Assign, Message, kinds_from
 
 #: control messages only the coordinator sends
-_FROM_COORDINATOR = (
-    "assign", "links", "finish", "release", "abort", "commit", "stagestate", "program", "evict", "standby", "audit",
-    "recheck", "cert", "reach",
-)  # fmt: skip
+_FROM_COORDINATOR = kinds_from("coordinator")
 
 #: what the coordinator may send before the dispatcher has taken an assignment in
-_BEFORE_ASSIGN = ("assign", "stagestate", "program", "abort", "evict", "standby", "finish", "release", "cert", "reach")
+_BEFORE_ASSIGN = kinds_from("coordinator", early=True)
 
 
 @dataclass

@@ -9,7 +9,7 @@ import os
 import torch
 from torch import nn
 
-from fusionllm.zoo import gpt
+from zoo.gpt import gpt
 
 _MARKER = os.environ.get("FUSIONLLM_IMPORT_MARKER")
 if _MARKER:

@@ -58,13 +58,13 @@ def untraceable() -> Untraceable:
 
 
 def small_gpt() -> nn.Module:
-    from fusionllm.zoo import GPT
+    from zoo.gpt import GPT
 
     return GPT(n_layer=2, n_embd=32, n_head=2, block_size=32)
 
 
 def small_text(seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    from fusionllm.zoo import stdlib_text
+    from zoo.text import stdlib_text
 
     return stdlib_text(seed, batch_size=8, ctx=16)
 
@@ -75,7 +75,7 @@ def not_a_module() -> int:
 
 def branchy_wide() -> nn.Module:
     """The built-in branchy model, deep enough for three stages with skips."""
-    from fusionllm.zoo import Branchy
+    from zoo.branchy import Branchy
 
     return Branchy(dim=32, depth=8)
 

@@ -14,7 +14,7 @@ from fusionllm.local import compare_checkpoints
     "model_flags",
     [
         ["--model", "gpt", "--model-args", "n_layer=2,n_embd=64,n_head=4"],
-        ["--model", "fusionllm.zoo:branchy", "--data", "fusionllm.zoo:branchy_data"],
+        ["--model", "zoo.branchy:branchy", "--data", "zoo.branchy:branchy_data"],
     ],
     ids=["gpt", "branchy"],
 )
@@ -52,7 +52,7 @@ def test_inspect_json_and_text(cli) -> None:
     [
         (["train", "--reference", "--model", "no_such_module:build"], "cannot import 'no_such_module'"),
         (["train", "--reference", "--model", "justaname"], "is not MODULE:FUNC"),
-        (["train", "--reference", "--model", "fusionllm.zoo:nothing"], "has no callable 'nothing'"),
+        (["train", "--reference", "--model", "zoo.gpt:nothing"], "has no callable 'nothing'"),
         (["train", "--reference", "--model", "missing/file.py:f"], "no file missing/file.py"),
         (["train", "--reference", "--model", "tests/models.py:not_a_module"], "not a torch.nn.Module"),
         (["inspect", "--model", "branchy", "--stages", "5000"], "larger than the model's"),

@@ -178,7 +178,8 @@ def test_a_flood_of_rejects_is_counted_but_logged_a_few_lines_without_escapes(ca
 
 
 def test_a_number_beyond_any_float_is_a_bad_message_not_a_crash() -> None:
-    from protocol.wire.messages import PROTOCOL_VERSION, Message, MessageError
+    from protocol.wire.messages import PROTOCOL_VERSION, Message
+    from protocol.wire.schema import MessageError
 
     header = {"kind": "done", "v": PROTOCOL_VERSION, "run_id": "r", "step": 0, "stage": 0, "replica": 0,
               "grad_norms": {"w": 10**400}}  # fmt: skip

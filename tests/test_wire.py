@@ -11,7 +11,8 @@ from p2p import transport_pair
 
 from protocol.net.transport import LANE_THRESHOLD
 from protocol.wire.encoding import MAGIC, WireError, pack_bytes, read_frame, split_buffers
-from protocol.wire.messages import PROTOCOL_VERSION, Activations, Message, MessageError, StepDone
+from protocol.wire.messages import PROTOCOL_VERSION, Activations, Message, StepDone
+from protocol.wire.schema import MessageError
 
 
 def _read(data: bytes, max_payload: int = 1 << 30):
@@ -127,3 +128,18 @@ def test_a_payload_trickled_slower_than_the_minimum_rate_is_cut(monkeypatch: pyt
         assert asyncio.get_running_loop().time() - start < 2.0
 
     asyncio.run(run())
+
+
+def test_allowed_kinds_come_from_the_message_classes() -> None:
+    """Who sends which kind is declared on each message class; receivers' lists are derived."""
+    from protocol.wire.messages import kinds_from
+
+    peer = {"hello", "ready", "done", "state", "failure", "beat", "evaldone", "evidence", "verdict"}
+    assert kinds_from("peer") == peer
+    coordinator = {"assign", "links", "finish", "release", "abort", "commit", "stagestate", "program", "evict"}
+    assert kinds_from("coordinator") == coordinator | {"standby", "audit", "recheck", "cert", "reach"}
+    early = {"assign", "stagestate", "program", "abort", "evict", "standby", "finish", "release", "cert", "reach"}
+    assert kinds_from("coordinator", early=True) == early
+    assert kinds_from("stage") == {"act", "grad", "rgrad", "evalact"}
+    with pytest.raises(ValueError, match="no sender"):
+        kinds_from("outsider")

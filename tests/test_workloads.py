@@ -26,7 +26,7 @@ from coordinator.workloads import (
 )
 from fusionllm.cli import UsageError, build_parser
 from fusionllm.plan_cmds import _costs, batch_of
-from fusionllm.zoo import GPT
+from zoo.gpt import GPT
 
 #: published parameter counts (tied embeddings counted once)
 PARAMETERS = {"gpt2": 124_439_808, "gpt2-xl": 1_557_611_200, "llama-7b": 6_738_415_616}

@@ -19,8 +19,8 @@ from torch import nn
 
 from protocol.model.recipe import Recipe, RecipeError, RecipeFields, recipe_of
 
-BUILTIN_MODELS = {"gpt": "fusionllm.zoo:gpt", "gpt2": "fusionllm.zoo:gpt2", "branchy": "fusionllm.zoo:branchy"}
-BUILTIN_DATA = {"stdlib": "fusionllm.zoo:stdlib_text", "branchy": "fusionllm.zoo:branchy_data"}
+BUILTIN_MODELS = {"gpt": "zoo.gpt:gpt", "gpt2": "zoo.gpt:gpt2", "branchy": "zoo.branchy:branchy"}
+BUILTIN_DATA = {"stdlib": "zoo.text:stdlib_text", "branchy": "zoo.branchy:branchy_data"}
 
 
 class SpecError(ValueError):

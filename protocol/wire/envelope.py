@@ -40,7 +40,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from protocol.trust.identity import SIGNATURE_BYTES, Identity, IdentityError, public_key, verify
 from protocol.trust.text import clean
 from protocol.wire.encoding import MAX_HEADER_BYTES, Frame, WireError, all_finite, check_descriptions
-from protocol.wire.messages import PROTOCOL_VERSION, Message, MessageError, fields_of
+from protocol.wire.messages import PROTOCOL_VERSION, Hello, Message
+from protocol.wire.schema import MessageError, fields_of
 
 logger = logging.getLogger(__name__)
 
@@ -426,7 +427,7 @@ class Gate:
         if env.sender != sender:
             raise Rejected(Reject.SENDER_MISMATCH, f"envelope names {env.sender[:64]} but the stream is {sender}")
         key = self.keys.get(sender)
-        hello = (key is None or self.expired(sender) is not None) and self.accept_hello and env.kind == "hello"
+        hello = (key is None or self.expired(sender) is not None) and self.accept_hello and env.kind == Hello.KIND
         if key is not None and not hello:
             self.check_admitted(sender, env.kind)
         if hello:

@@ -1,89 +1,54 @@
 """Every message that crosses between FusionLLM processes, one frozen dataclass
 each. Headers are JSON objects: ``{"kind": ..., "v": PROTOCOL_VERSION, ...fields}``.
-Decoding ignores unknown fields (newer senders) and checks the types of known ones."""
+Decoding ignores unknown fields (newer senders) and checks the types of known ones.
+
+Each class says who sends it (``class Ready(Message, sender="peer")``): ``peer`` (a
+peer to the coordinator), ``coordinator`` (to a peer; ``early``: it may reach a peer
+before the peer holds an assignment) or ``stage`` (a step's values between stages,
+and from the coordinator into stage 0). Receivers take their allowed kinds from
+:func:`kinds_from`, never from lists of their own."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import types
-import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+from protocol.wire.schema import MessageError, check_field, fields_and_types, fields_of
 
 #: 2: spot checks may re-execute the forward only (``Recheck.backward``); a peer of 1
 #: would take such a check for a full one with its gradients missing, and fail it.
 #: 3: an arbitration may come without weights (``Recheck.same_weights``); a peer of 2
 #: would take it for a stage that has none, and fail it
 PROTOCOL_VERSION = 3
-
-
-class MessageError(ValueError):
-    """A header that is not a valid message of a known kind."""
-
+#: who may send a message in a frame (a class that names none is a DHT record)
+SENDERS = ("peer", "coordinator", "stage")
 
 _REGISTRY: dict[str, type[Message]] = {}
 
 
-@functools.cache
-def _fields(cls: type) -> tuple[tuple[dataclasses.Field[Any], Any], ...]:
-    """A message class's fields with their resolved types (resolving them per
-    message cost a tenth of a millisecond on every frame a gate checks)."""
-    hints = typing.get_type_hints(cls)
-    return tuple((f, hints[f.name]) for f in dataclasses.fields(cls))
-
-
-def _check(name: str, value: Any, tp: Any) -> Any:
-    origin = typing.get_origin(tp)
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        try:
-            return float(value)
-        except OverflowError:  # a JSON integer beyond any float
-            raise MessageError(f"field '{name}' is out of range") from None
-    if tp in (int, float, str, bool):
-        if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
-            raise MessageError(f"field '{name}' must be {tp.__name__}, got {type(value).__name__}")
-        return value
-    if origin in (list, tuple):
-        if not isinstance(value, list):
-            raise MessageError(f"field '{name}' must be a list")
-        (item_tp, *_) = typing.get_args(tp) or (Any,)
-        return [_check(name, v, item_tp) for v in value]
-    if origin is dict:
-        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-            raise MessageError(f"field '{name}' must be an object")
-        (_, value_tp) = typing.get_args(tp) or (str, Any)
-        return {k: _check(name, v, value_tp) for k, v in value.items()}
-    if origin in (typing.Union, types.UnionType):
-        for option in typing.get_args(tp):
-            if option is type(None) and value is None:
-                return None
-            try:
-                return _check(name, value, option)
-            except MessageError:
-                continue
-        raise MessageError(f"field '{name}' has the wrong type")
-    return value
-
-
-def fields_of(obj: Any) -> dict[str, Any]:
-    """A dataclass's fields by name, not copied: ``dataclasses.asdict`` without its
-    deep copy (a message's fields are JSON values, serialised at once; the copy was a
-    third of the cost of sending a small message)."""
-    return {name: getattr(obj, name) for name in _names(type(obj))}
-
-
-@functools.cache
-def _names(cls: type) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(cls))
+def kinds_from(sender: str, early: bool = False) -> frozenset[str]:
+    """The kinds of the messages ``sender`` (one of ``SENDERS``) sends; with ``early``,
+    only those that may reach a peer before it holds an assignment."""
+    if sender not in SENDERS:
+        raise ValueError(f"no sender '{sender}': choose from {', '.join(SENDERS)}")
+    return frozenset(k for k, c in _REGISTRY.items() if c.SENDER == sender and (c.EARLY or not early))
 
 
 @dataclass(frozen=True)
 class Message:
     KIND: ClassVar[str] = ""
+    SENDER: ClassVar[str] = ""  # one of SENDERS ('' : not sent in frames)
+    EARLY: ClassVar[bool] = False  # the coordinator may send it before the peer holds an assignment
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, sender: str | None = None, early: bool | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        if sender is not None:
+            if sender not in SENDERS:
+                raise TypeError(f"{cls.__name__}: sender '{sender}' is not one of {SENDERS}")
+            cls.SENDER = sender
+        if early is not None:
+            cls.EARLY = early
         if cls.KIND:
             _REGISTRY[cls.KIND] = cls
 
@@ -101,9 +66,9 @@ class Message:
         if version != PROTOCOL_VERSION:
             raise MessageError(f"protocol version {version!r}, this peer speaks {PROTOCOL_VERSION}")
         kwargs = {}
-        for f, hint in _fields(target):
+        for f, hint in fields_and_types(target):
             if f.name in header:
-                kwargs[f.name] = _check(f.name, header[f.name], hint)
+                kwargs[f.name] = check_field(f.name, header[f.name], hint)
             elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise MessageError(f"{kind} lacks field '{f.name}'")
         return target(**kwargs)
@@ -133,7 +98,7 @@ class Advert(Message):
 
 
 @dataclass(frozen=True)
-class Assign(Message):
+class Assign(Message, sender="coordinator", early=True):
     """Coordinator -> peer: serve ``stage`` (as replica ``replica``) of the run."""
 
     KIND: ClassVar[str] = "assign"
@@ -160,7 +125,7 @@ class Assign(Message):
 
 
 @dataclass(frozen=True)
-class Ready(Message):
+class Ready(Message, sender="peer"):
     KIND: ClassVar[str] = "ready"
     run_id: str
     stage: int
@@ -171,7 +136,7 @@ class Ready(Message):
 
 
 @dataclass(frozen=True)
-class Hello(Message):
+class Hello(Message, sender="peer"):
     """Peer -> coordinator, first message: binds the peer's Ed25519 key to the libp2p
     peer id that the stream authenticated."""
 
@@ -184,7 +149,7 @@ class Hello(Message):
 
 
 @dataclass(frozen=True)
-class LinkPlan(Message):
+class LinkPlan(Message, sender="coordinator"):
     """Coordinator -> peers after every peer is ready: the codec on each stage boundary."""
 
     KIND: ClassVar[str] = "links"
@@ -194,7 +159,7 @@ class LinkPlan(Message):
 
 
 @dataclass(frozen=True)
-class Activations(Message):
+class Activations(Message, sender="stage"):
     """Forward values entering ``stage`` for one micro-batch (values in the frame)."""
 
     KIND: ClassVar[str] = "act"
@@ -206,7 +171,7 @@ class Activations(Message):
 
 
 @dataclass(frozen=True)
-class Gradients(Message):
+class Gradients(Message, sender="stage"):
     """Gradients of the values that ``stage`` sent forward for one micro-batch."""
 
     KIND: ClassVar[str] = "grad"
@@ -218,7 +183,7 @@ class Gradients(Message):
 
 
 @dataclass(frozen=True)
-class ReplicaGrads(Message):
+class ReplicaGrads(Message, sender="stage"):
     """One replica's parameter gradients of one micro-batch of a step, by parameter
     name: replicas sum every micro-batch's gradients in micro-batch order, as
     autograd does in one process, so a replicated stage stays bitwise exact."""
@@ -234,7 +199,7 @@ class ReplicaGrads(Message):
 
 
 @dataclass(frozen=True)
-class StepDone(Message):
+class StepDone(Message, sender="peer"):
     """A peer finished its part of a step (after its optimizer step)."""
 
     KIND: ClassVar[str] = "done"
@@ -252,7 +217,7 @@ class StepDone(Message):
 
 
 @dataclass(frozen=True)
-class Finish(Message):
+class Finish(Message, sender="coordinator", early=True):
     """Coordinator -> peer: the run is over; send your parameters and exit."""
 
     KIND: ClassVar[str] = "finish"
@@ -262,7 +227,7 @@ class Finish(Message):
 
 
 @dataclass(frozen=True)
-class State(Message):
+class State(Message, sender="peer"):
     """A stage's state_dict (tensors in the frame, names here)."""
 
     KIND: ClassVar[str] = "state"
@@ -275,7 +240,7 @@ class State(Message):
 
 
 @dataclass(frozen=True)
-class PeerFailure(Message):
+class PeerFailure(Message, sender="peer"):
     """A peer could not go on (e.g. its next stage is unreachable)."""
 
     KIND: ClassVar[str] = "failure"
@@ -293,7 +258,7 @@ NOT_ADMITTED = "not admitted: "
 
 
 @dataclass(frozen=True)
-class Abort(Message):
+class Abort(Message, sender="coordinator", early=True):
     """Coordinator -> peer: the run stopped (``reason``), or this peer is not admitted
     (``NOT_ADMITTED`` and why)."""
 
@@ -321,7 +286,7 @@ def dht_key(run_id: str, what: str) -> str:
 
 
 @dataclass(frozen=True)
-class Release(Message):
+class Release(Message, sender="coordinator", early=True):
     """Coordinator -> peer: everything you sent has arrived; you may leave."""
 
     KIND: ClassVar[str] = "release"
@@ -336,7 +301,7 @@ RESTORE_MODES = ("init", "keep", "state")
 
 
 @dataclass(frozen=True)
-class Commit(Message):
+class Commit(Message, sender="coordinator"):
     """Coordinator -> peers: every peer finished ``step``; apply its optimizer update.
     Until then a step can be redone exactly (the update is not applied)."""
 
@@ -353,7 +318,7 @@ class Commit(Message):
 
 
 @dataclass(frozen=True)
-class Audit(Message):
+class Audit(Message, sender="coordinator"):
     """Coordinator -> peer, after its ``StepDone`` of ``step`` (before that step's
     ``Commit``, or while the next step trains): send back the signed frames you
     received for micro-batch ``mb`` of ``step`` (``kinds``: ``act``, ``grad``,
@@ -368,7 +333,7 @@ class Audit(Message):
 
 
 @dataclass(frozen=True)
-class Evidence(Message):
+class Evidence(Message, sender="peer"):
     """Peer -> coordinator: the frames an ``Audit`` asked for; the payload holds each
     one's signed head and payload (two uint8 tensors per kind, in ``kinds`` order).
     The kind ``weights`` is the stage's weights and buffers instead, by ``names``."""
@@ -383,7 +348,7 @@ class Evidence(Message):
 
 
 @dataclass(frozen=True)
-class Recheck(Message):
+class Recheck(Message, sender="coordinator"):
     """Coordinator -> a replica of ``suspect``'s stage: re-execute micro-batch ``mb``
     of ``step`` from the signed frames in the payload (``roles`` of
     ``protocol.trust.spotcheck``; head and payload each) with this step's weights, and
@@ -410,7 +375,7 @@ class Recheck(Message):
 
 
 @dataclass(frozen=True)
-class Verdict(Message):
+class Verdict(Message, sender="peer"):
     """Replica -> coordinator: the result of a ``Recheck``; ``detail`` says what differed."""
 
     KIND: ClassVar[str] = "verdict"
@@ -426,7 +391,7 @@ class Verdict(Message):
 
 
 @dataclass(frozen=True)
-class StageState(Message):
+class StageState(Message, sender="coordinator", early=True):
     """Coordinator -> peer: the state (weights and optimizer, by name, in the frame) its
     assigned stage starts the epoch from."""
 
@@ -439,7 +404,7 @@ class StageState(Message):
 
 
 @dataclass(frozen=True)
-class StageProgram(Message):
+class StageProgram(Message, sender="coordinator", early=True):
     """Coordinator -> peer: the program of ATen operators its assigned stage runs
     (``protocol.model.program``; the graph and constants in the frame). Sent before the
     stage's state whenever the peer builds the stage."""
@@ -452,7 +417,7 @@ class StageProgram(Message):
 
 
 @dataclass(frozen=True)
-class Reachability(Message):
+class Reachability(Message, sender="coordinator", early=True):
     """Coordinator -> an admitted peer: whether it dialled the peer back (``protocol.net.reach``)."""
 
     KIND: ClassVar[str] = "reach"
@@ -463,7 +428,7 @@ class Reachability(Message):
 
 
 @dataclass(frozen=True)
-class Certificate(Message):
+class Certificate(Message, sender="coordinator", early=True):
     """Coordinator -> an admitted peer, on admission and every renewal period: its own
     signed admission certificate (``protocol.trust.admission``; it goes into its advert),
     and when each planned peer's certificate now ends (senders past theirs are refused)."""
@@ -475,7 +440,7 @@ class Certificate(Message):
 
 
 @dataclass(frozen=True)
-class Beat(Message):
+class Beat(Message, sender="peer"):
     """Peer -> coordinator, every second while serving: alive, in ``epoch``, at ``step``."""
 
     KIND: ClassVar[str] = "beat"
@@ -485,7 +450,7 @@ class Beat(Message):
 
 
 @dataclass(frozen=True)
-class Evict(Message):
+class Evict(Message, sender="coordinator", early=True):
     """Coordinator -> peer: you are not in the plan of ``epoch`` (you stalled, or your
     frames were from an older epoch); drop your stage and wait as a fresh standby."""
 
@@ -496,7 +461,7 @@ class Evict(Message):
 
 
 @dataclass(frozen=True)
-class Standby(Message):
+class Standby(Message, sender="coordinator", early=True):
     """Coordinator -> peer: the plan of ``epoch`` does not use you; stay and wait."""
 
     KIND: ClassVar[str] = "standby"
@@ -513,7 +478,7 @@ class EvalActivations(Activations):
 
 
 @dataclass(frozen=True)
-class EvalDone(Message):
+class EvalDone(Message, sender="peer"):
     """A last-stage peer's validation losses after the update of ``step``."""
 
     KIND: ClassVar[str] = "evaldone"

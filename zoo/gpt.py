@@ -1,20 +1,10 @@
-"""Built-in models and data: a byte-level GPT, the standard library as text, and a
-branchy example model with skip connections across stages."""
+"""The built-in byte-level GPT (``--model gpt``) and GPT-2 small's shape (``--model gpt2``)."""
 
 from __future__ import annotations
-
-import functools
-import sysconfig
-from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-Batch = tuple[torch.Tensor, ...]
-#: the validation split of generated data draws from this seed offset
-VAL_SEED_OFFSET = 1_000_003
 
 
 class CausalSelfAttention(nn.Module):
@@ -101,82 +91,3 @@ def gpt2(**kwargs: object) -> GPT:
     cfg: dict[str, object] = dict(n_layer=12, n_embd=768, n_head=12, block_size=1024, qkv_bias=True, gelu="tanh")
     cfg.update(kwargs)
     return GPT(**cfg)  # type: ignore[arg-type]
-
-
-@functools.lru_cache(maxsize=2)
-def _stdlib_bytes(max_bytes: int) -> tuple[bytes, bytes]:
-    """The standard library's ``.py`` files, every tenth file held out for validation."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(
-        p
-        for p in root.rglob("*.py")
-        if "site-packages" not in p.parts and "test" not in p.parts and "tests" not in p.parts
-    )
-    train, val = bytearray(), bytearray()
-    for i, path in enumerate(files):
-        if len(train) + len(val) >= max_bytes:
-            break
-        try:
-            data = path.read_bytes()
-        except OSError:
-            continue
-        (val if i % 10 == 9 else train).extend(data)
-    if len(val) < 4096 or len(train) < 4096:
-        raise RuntimeError(f"too little Python source under {root} to build the data set")
-    return bytes(train), bytes(val)
-
-
-def stdlib_text(
-    seed: int,
-    batch_size: int = 16,
-    ctx: int = 64,
-    split: str = "train",
-    max_bytes: int = 8_000_000,
-) -> Iterator[Batch]:
-    """Endless batches ``(idx, targets)`` of ``ctx`` bytes from the standard library."""
-    train, val = _stdlib_bytes(max_bytes)
-    data = torch.frombuffer(bytearray(train if split == "train" else val), dtype=torch.uint8)
-    gen = torch.Generator().manual_seed(seed)
-    while True:
-        starts = torch.randint(0, data.numel() - ctx - 1, (batch_size,), generator=gen)
-        chunk = torch.stack([data[s : s + ctx + 1] for s in starts.tolist()]).long()
-        yield chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
-
-
-class Branchy(nn.Module):
-    """An MLP whose first hidden value is read by every later layer and whose middle
-    value skips to the end: any multi-stage cut carries values across several stages."""
-
-    def __init__(self, dim: int = 32, depth: int = 6) -> None:
-        super().__init__()
-        self.inp = nn.Linear(dim, dim)
-        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(depth))
-        self.out = nn.Linear(dim, 1)
-        self.mid = depth // 2
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        h0 = torch.tanh(self.inp(x))
-        h = h0
-        mid = h0
-        for i, layer in enumerate(self.layers):
-            h = torch.relu(layer(h)) + 0.5 * h0
-            if i == self.mid:
-                mid = h
-        h = h + mid * x.mean(dim=1, keepdim=True)
-        return F.mse_loss(self.out(h).squeeze(-1), y)
-
-
-def branchy(**kwargs: object) -> Branchy:
-    return Branchy(**kwargs)  # type: ignore[arg-type]
-
-
-def branchy_data(seed: int, batch_size: int = 16, dim: int = 32, split: str = "train") -> Iterator[Batch]:
-    """Endless regression batches ``(x, y)`` with ``y = sin(x . w)``; the ``val`` split
-    draws other inputs for the same ``w``."""
-    gen = torch.Generator().manual_seed(seed)
-    w = torch.randn(dim, generator=gen)
-    if split != "train":
-        gen = torch.Generator().manual_seed(seed + VAL_SEED_OFFSET)
-    while True:
-        x = torch.randn(batch_size, dim, generator=gen)
-        yield x, torch.sin(x @ w / dim**0.5)
