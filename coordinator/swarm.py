@@ -50,11 +50,12 @@ from protocol.wire.messages import (
     Message,
     Reachability,
     Verdict,
+    kinds_from,
 )
 
 CLOSE_WAIT_S = 5.0  # how long closing waits for the coordinator's own background tasks to end
 #: what peers may send the coordinator
-_FROM_PEERS = ("hello", "ready", "done", "state", "failure", "beat", "evaldone", "evidence", "verdict")
+_FROM_PEERS = kinds_from("peer")
 logger = logging.getLogger(__name__)
 
 
