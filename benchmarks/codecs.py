@@ -42,7 +42,8 @@ from p2p import transport_pair  # noqa: E402
 from protocol.trust.identity import Identity  # noqa: E402
 from protocol.wire.codecs import Codec, decode, encode_parts  # noqa: E402
 from protocol.wire.encoding import Link, encode_values  # noqa: E402
-from protocol.wire.envelope import Gate, Sealer  # noqa: E402
+from protocol.wire.envelope import Sealer  # noqa: E402
+from protocol.wire.gate import Gate  # noqa: E402
 from protocol.wire.messages import Activations  # noqa: E402
 
 DENSITY = 0.01

@@ -48,7 +48,7 @@ async def _node(listen_ip: str, bootstrap: str) -> None:
 
     from protocol.net.transport import Transport
     from protocol.trust.identity import Identity, public_key
-    from protocol.wire.envelope import Gate
+    from protocol.wire.gate import Gate
     from protocol.wire.messages import Activations
 
     dht = hivemind.DHT(host_maddrs=[f"/ip4/{listen_ip}/tcp/0"], initial_peers=[bootstrap] if bootstrap else [],

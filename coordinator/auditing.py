@@ -49,7 +49,7 @@ from coordinator.runstate import EXCLUDED, DriverParts, PeerLost
 from protocol.net.tasks import cancel_and_wait
 from protocol.net.transport import Inbound
 from protocol.trust.spotcheck import BACKWARD_SHARE, ROLES, alike, lone_draw, roles_for, tolerance, wrong_frame
-from protocol.wire.envelope import signed_frame
+from protocol.wire.gate import signed_frame
 from protocol.wire.messages import Audit, Evidence, Message, Recheck, Verdict
 
 #: a re-execution of a spot check, asked of one checker

@@ -14,7 +14,7 @@ from protocol.model.graph import Cut, build_stage, partition, trace
 from protocol.model.recipe import Recipe, autocast
 from protocol.wire.codecs import Codec, matrix_shape
 from protocol.wire.encoding import encode_values
-from protocol.wire.envelope import describe
+from protocol.wire.expect import describe
 
 #: AdaTopK never keeps less than this fraction, however slow the link (accuracy first;
 #: --topk-fraction overrides it)

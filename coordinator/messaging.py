@@ -16,7 +16,7 @@ from coordinator.runstate import EXCLUDED, DriverParts, PeerLost
 from protocol.net.tasks import honour_cancel, log_failure
 from protocol.net.transport import Inbound, PeerUnreachable
 from protocol.trust.text import clean
-from protocol.wire.envelope import poisoned_frame
+from protocol.wire.gate import poisoned_frame
 from protocol.wire.messages import Beat, Evict, Hello, Message, PeerFailure, State
 
 if TYPE_CHECKING:

@@ -42,7 +42,7 @@ from protocol.model.recipe import LossScale, Update, decide_update, in_model_ord
 from protocol.net.tasks import cancel_all
 from protocol.net.transport import Inbound
 from protocol.wire.encoding import encode_values
-from protocol.wire.envelope import Rejected, match_values
+from protocol.wire.expect import match_values
 from protocol.wire.messages import (
     Activations,
     Advert,
@@ -59,6 +59,7 @@ from protocol.wire.messages import (
     Standby,
     StepDone,
 )
+from protocol.wire.reject import Rejected
 
 if TYPE_CHECKING:
     from coordinator.swarm import Coordinator

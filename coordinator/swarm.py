@@ -39,7 +39,8 @@ from protocol.trust.identity import Identity, IdentityError, check_record, key_h
 from protocol.trust.run_records import RunRecords
 from protocol.trust.spotcheck import step_overhead
 from protocol.wire.codecs import Codec
-from protocol.wire.envelope import Envelope, Gate, Reject, Rejected
+from protocol.wire.envelope import Envelope
+from protocol.wire.gate import Gate
 from protocol.wire.messages import (
     NOT_ADMITTED,
     Abort,
@@ -52,6 +53,7 @@ from protocol.wire.messages import (
     Verdict,
     kinds_from,
 )
+from protocol.wire.reject import Reject, Rejected
 
 CLOSE_WAIT_S = 5.0  # how long closing waits for the coordinator's own background tasks to end
 #: what peers may send the coordinator

@@ -16,7 +16,7 @@ from protocol.net.transport import Inbound
 from protocol.trust.spotcheck import differs, fingerprint, loss_differs, seed_of, wrong_frame
 from protocol.wire.codecs import Codec
 from protocol.wire.encoding import Frame, Link, encode_values
-from protocol.wire.envelope import signed_frame
+from protocol.wire.gate import signed_frame
 from protocol.wire.messages import Audit, Evidence, Recheck, Verdict
 
 

@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protocol.wire.codecs import Codec
-from protocol.wire.envelope import Envelope, Reject, Rejected, match_values
+from protocol.wire.envelope import Envelope
+from protocol.wire.expect import match_values
 from protocol.wire.messages import Assign, Message, kinds_from
+from protocol.wire.reject import Reject, Rejected
 
 #: control messages only the coordinator sends
 _FROM_COORDINATOR = kinds_from("coordinator")

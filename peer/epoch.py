@@ -30,7 +30,6 @@ from protocol.net.transport import Inbound
 from protocol.trust.identity import IdentityError, public_key
 from protocol.wire.codecs import Codec, CodecError, ErrorFeedback
 from protocol.wire.encoding import Link, all_finite, raw_bytes
-from protocol.wire.envelope import Reject
 from protocol.wire.messages import (
     Activations,
     Assign,
@@ -46,6 +45,7 @@ from protocol.wire.messages import (
     StepDone,
     Verdict,
 )
+from protocol.wire.reject import Reject
 
 if TYPE_CHECKING:
     from peer.node import PeerNode

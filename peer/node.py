@@ -32,7 +32,7 @@ from protocol.trust.admission import CertificateError, check_certificate, hello_
 from protocol.trust.identity import Identity, IdentityError, check_record, key_hex, public_key
 from protocol.trust.run_records import RunRecords
 from protocol.trust.text import clean
-from protocol.wire.envelope import Gate
+from protocol.wire.gate import Gate
 from protocol.wire.messages import (
     NOT_ADMITTED,
     PROTOCOL_VERSION,

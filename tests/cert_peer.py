@@ -33,7 +33,7 @@ from peer.node import JoinError, PeerConfig, PeerNode
 from protocol.net.transport import PeerUnreachable, Transport
 from protocol.trust.admission import issue_certificate, parse_token
 from protocol.trust.identity import Identity, sign_record
-from protocol.wire.envelope import Gate
+from protocol.wire.gate import Gate
 from protocol.wire.messages import (
     NOT_ADMITTED,
     PROTOCOL_VERSION,

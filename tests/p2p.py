@@ -12,7 +12,8 @@ import torch
 from protocol.net.transport import Transport
 from protocol.trust.identity import Identity
 from protocol.wire.encoding import encode_values
-from protocol.wire.envelope import HEAD, MAGIC, Gate, Sealer
+from protocol.wire.envelope import HEAD, MAGIC, Sealer
+from protocol.wire.gate import Gate
 from protocol.wire.messages import Activations
 
 

@@ -18,8 +18,11 @@ from peer.checks import PlanChecks
 from protocol.trust.identity import Identity, IdentityError, check_record, sign_record
 from protocol.wire.codecs import Codec
 from protocol.wire.encoding import Frame, Link, encode_values
-from protocol.wire.envelope import HEAD, Gate, Reject, Rejected, Sealer, describe, head_length
+from protocol.wire.envelope import HEAD, Sealer, head_length
+from protocol.wire.expect import describe
+from protocol.wire.gate import Gate
 from protocol.wire.messages import Activations, Assign, Gradients, Ready, StepDone
+from protocol.wire.reject import Reject, Rejected
 
 RUN = "run-1"
 ALICE, BOB, COORD = "peer-alice", "peer-bob", "coordinator"

@@ -12,9 +12,10 @@ import pytest
 import torch
 from p2p import transport_pair
 
-import protocol.wire.envelope as envelope
-from protocol.wire.envelope import LOG_BURST, MUTE_REJECTS, MUTE_S, MUTE_WINDOW_S, Gate, Reject, Rejected
+import protocol.wire.gate as gate_module
+from protocol.wire.gate import LOG_BURST, MUTE_REJECTS, MUTE_S, MUTE_WINDOW_S, Gate
 from protocol.wire.messages import Activations
+from protocol.wire.reject import Reject, Rejected
 
 
 class Clock:
@@ -44,7 +45,7 @@ def test_a_sender_over_the_threshold_is_muted_once_and_its_streams_only_counted(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     gate, clock, heard, cut = _gate()
-    with caplog.at_level(logging.INFO, logger="protocol.wire.envelope"):
+    with caplog.at_level(logging.INFO, logger="protocol.wire.gate"):
         _flood(gate, "flooder", MUTE_REJECTS)
         assert not gate.muted("flooder") and not gate.refuse_stream("flooder"), "at the threshold: not yet"
         _flood(gate, "flooder", 1)
@@ -64,7 +65,7 @@ def test_a_sender_over_the_threshold_is_muted_once_and_its_streams_only_counted(
     clock.t += MUTE_S - 1
     assert gate.refuse_stream("flooder")
     clock.t += 1
-    with caplog.at_level(logging.INFO, logger="protocol.wire.envelope"):
+    with caplog.at_level(logging.INFO, logger="protocol.wire.gate"):
         assert not gate.muted("flooder") and not gate.refuse_stream("flooder"), "the mute ends"
     assert "10001 streams were refused" in caplog.records[-1].getMessage()
     _flood(gate, "flooder", MUTE_REJECTS)
@@ -84,7 +85,7 @@ def test_rejections_spread_over_windows_or_stale_epochs_do_not_mute() -> None:
 
 
 def test_the_per_sender_tables_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(envelope, "MAX_SENDERS", 50)
+    monkeypatch.setattr(gate_module, "MAX_SENDERS", 50)
     gate, clock, _, _ = _gate()
     for i in range(1000):  # fresh identities, one rejection each
         _flood(gate, f"fresh{i}", 1)

@@ -166,10 +166,11 @@ def test_a_cheat_is_caught_by_peers_of_another_stage(tmp_path: Path, stages: int
 
 
 def test_a_flood_of_rejects_is_counted_but_logged_a_few_lines_without_escapes(caplog: pytest.LogCaptureFixture) -> None:
-    from protocol.wire.envelope import LOG_BURST, Gate, Reject, Rejected
+    from protocol.wire.gate import LOG_BURST, Gate
+    from protocol.wire.reject import Reject, Rejected
 
     gate = Gate("r")
-    with caplog.at_level("WARNING", logger="protocol.wire.envelope"):
+    with caplog.at_level("WARNING", logger="protocol.wire.gate"):
         for i in range(1000):
             gate.reject("\x1b[2Jflooder", Rejected(Reject.WRONG_RUN, f"run \x1b[31mevil{i}"))
     assert gate.counts[Reject.WRONG_RUN] == 1000

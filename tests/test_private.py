@@ -14,11 +14,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from coordinator.private import Admission, write_secret
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils.serializer import MSGPackSerializer
 
-from coordinator.private import Admission, write_secret
 from peer.node import JoinError, PeerConfig, PeerNode
 from protocol.net.tasks import cancel_and_wait
 from protocol.trust.admission import (
@@ -37,8 +37,10 @@ from protocol.trust.admission import (
 )
 from protocol.trust.identity import Identity, sign_record
 from protocol.trust.run_records import RunRecords
-from protocol.wire.envelope import Gate, Reject, Rejected, Sealer
+from protocol.wire.envelope import Sealer
+from protocol.wire.gate import Gate
 from protocol.wire.messages import NOT_ADMITTED, Abort, Beat, dht_key
+from protocol.wire.reject import Reject, Rejected
 from tests.conftest import run_cli
 from tests.swarmproc import SMALL, Proc, Swarm, api, wait_for
 

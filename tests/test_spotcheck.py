@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 import torch
-
 from peer.audit import Rechecker
+
 from peer.executor import StageExecutor
 from protocol.model.graph import Cut, build_stage, operators, partition, trace
 from protocol.model.job import JobSpec, split_batch
@@ -166,7 +166,7 @@ def test_frames_signed_before_a_ban_are_still_checked_against_the_signers_key() 
     """A ban revokes a peer's admission, not what it signed while admitted: a spot check
     of an earlier step checks the banned peer's frame that an honest peer shows (CI: the
     honest receiver was excluded, "it could not show the grad_in frame: none came")."""
-    from protocol.wire.envelope import MAX_SENDERS, Gate, signed_frame
+    from protocol.wire.gate import MAX_SENDERS, Gate, signed_frame
 
     gate = Gate(RUN)
     gate.admit("next", IDS["next"].public_key)

@@ -11,8 +11,9 @@ from p2p import claiming, transport_pair, transports
 
 from protocol.net.transport import MSG_PROTOCOL, Transport
 from protocol.trust.identity import Identity
-from protocol.wire.envelope import HEAD, Reject
+from protocol.wire.envelope import HEAD
 from protocol.wire.messages import Activations
+from protocol.wire.reject import Reject
 
 
 def _sealed(t: Transport, msg: Activations, x: torch.Tensor, key: Identity | None = None) -> bytes:

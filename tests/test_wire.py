@@ -109,7 +109,7 @@ def test_a_payload_trickled_slower_than_the_minimum_rate_is_cut(monkeypatch: pyt
     trickles them) holds its stream only until the payload's deadline: grace plus its
     size at ``MIN_PAYLOAD_RATE``; an honest payload arrives whole."""
     from protocol.net import streams
-    from protocol.wire.envelope import Reject, Rejected
+    from protocol.wire.reject import Reject, Rejected
 
     monkeypatch.setattr(streams, "PAYLOAD_GRACE_S", 0.2)
     monkeypatch.setattr(streams, "MIN_PAYLOAD_RATE", 1000)

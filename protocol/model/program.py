@@ -697,7 +697,7 @@ def _loose(d: Any) -> Any:
 
 
 def _spec(v: Any) -> Any:
-    """A value's spec entry, as ``protocol.wire.envelope.describe`` gives it."""
+    """A value's spec entry, as ``protocol.wire.expect.describe`` gives it."""
     if isinstance(v, torch.Tensor):
         return {"t": "tensor", "dtype": DTYPE_NAMES.get(v.dtype, str(v.dtype)), "shape": list(v.shape)}
     if isinstance(v, torch.Size):

@@ -21,7 +21,9 @@ from collections.abc import Callable
 from typing import Any
 
 from protocol.net.streams import read_frame_head, read_or_end, read_payload
-from protocol.wire.envelope import Envelope, Gate, Reject, Rejected
+from protocol.wire.envelope import Envelope
+from protocol.wire.gate import Gate
+from protocol.wire.reject import Reject, Rejected
 
 logger = logging.getLogger(__name__)
 

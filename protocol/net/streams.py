@@ -10,7 +10,8 @@ from typing import TypeVar
 
 from protocol.trust.identity import SIGNATURE_BYTES
 from protocol.wire.encoding import MAX_HEADER_BYTES, read_growing
-from protocol.wire.envelope import HEAD, MAGIC, Reject, Rejected
+from protocol.wire.envelope import HEAD, MAGIC
+from protocol.wire.reject import Reject, Rejected
 
 T = TypeVar("T")
 

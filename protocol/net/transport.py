@@ -4,7 +4,7 @@ Each process registers one binary stream handler; a sender keeps one persistent
 stream per destination and writes frames on it (no size cap, no protobuf
 chunking). Received frames land in an inbox queue with the sender's libp2p peer
 id, which the libp2p handshake authenticated. A sender that the gate mutes (too
-many rejections: ``protocol.wire.envelope.MUTE_REJECTS``) is disconnected once, and
+many rejections: ``protocol.wire.gate.MUTE_REJECTS``) is disconnected once, and
 every stream it opens until the mute ends is closed before a byte is read.
 """
 
@@ -39,8 +39,10 @@ from protocol.wire.encoding import (
     split_buffers,
     write_frame,
 )
-from protocol.wire.envelope import Envelope, Gate, Reject, Rejected, Sealer, inline_payload, lane_id
+from protocol.wire.envelope import Envelope, Sealer, inline_payload, lane_id
+from protocol.wire.gate import Gate
 from protocol.wire.messages import Message
+from protocol.wire.reject import Reject, Rejected
 
 logger = logging.getLogger(__name__)
 
