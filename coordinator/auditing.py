@@ -1,7 +1,9 @@
-"""The coordinator driver's spot checks (``protocol.trust.spotcheck``): each micro-batch of
-a stage is re-executed with probability ``spot_check``: by another replica of a
-replicated stage, or (a stage served by one peer) by peers of other stages, from
-the weights the suspect shows (``_check_alone``).
+"""The coordinator's spot checks (``protocol.trust.spotcheck``), as a run schedules
+them: each micro-batch of a stage is re-executed with probability ``spot_check``:
+by another replica of a replicated stage, or (a stage served by one peer) by peers
+of other stages, from the weights the suspect shows. ``coordinator.spotchecks``
+runs one step's checks; :class:`Auditor` decides which, runs them beside the
+training, and says what they found.
 
 The checks of a step run while the next step trains: its ``Commit`` tells the
 peers of the checked stages to keep a copy of their weights as they were
@@ -16,11 +18,11 @@ for that micro-batch, and sends them to a replica (``Recheck``), which runs the
 micro-batch from the same inputs with the same weights and compares with the
 suspect's signed outputs, its parameter gradients and (last stage) its loss.
 
-On a mismatch more peers re-execute it (``_settle``): other replicas, or else peers
-of another stage, which rebuild the stage from the job with the weights both
-replicas show (they must be the same, bit for bit). A disagreeing checker says what
-it computed (a fingerprint): the suspect is excluded when two checkers computed the
-same and not what it showed; checkers who disputed work that another re-executed
+On a mismatch more peers re-execute it (``SpotChecker.settle``): other replicas, or
+else peers of another stage, which rebuild the stage from the job with the weights
+both replicas show (they must be the same, bit for bit). A disagreeing checker says
+what it computed (a fingerprint): the suspect is excluded when two checkers computed
+the same and not what it showed; checkers who disputed work that another re-executed
 the same are excluded. The signed frames are kept in the run directory
 (``evidence/``) and named on the status page. When no two re-executions agree (or
 no one else can re-execute it) all of them leave the plan, none excluded (they may
@@ -33,35 +35,19 @@ redone without the peers it found out."""
 from __future__ import annotations
 
 import asyncio
-import collections
-import functools
 import logging
 import random
-import time
-from collections.abc import Awaitable, Callable
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable
 
-import torch
-from safetensors.torch import save_file
-
-from coordinator.runstate import EXCLUDED, DriverParts, PeerLost
+from coordinator.checkpoint import RunDir
+from coordinator.messaging import Mailbox
+from coordinator.runstate import PeerLost, RunState
+from coordinator.spotchecks import Check, SpotChecker
 from protocol.net.tasks import cancel_and_wait
-from protocol.net.transport import Inbound
-from protocol.trust.spotcheck import BACKWARD_SHARE, ROLES, alike, lone_draw, roles_for, tolerance, wrong_frame
-from protocol.wire.gate import signed_frame
-from protocol.wire.messages import Audit, Evidence, Message, Recheck, Verdict
+from protocol.trust.spotcheck import BACKWARD_SHARE, lone_draw
 
-#: a re-execution of a spot check, asked of one checker
-Asker = Callable[[], Awaitable[Verdict]]
-#: a sampled spot check: (stage, micro-batch, whether the backward is re-executed too)
-Check = tuple[int, int, bool]
-#: checkers asked after a first one disputes a micro-batch (each costs a re-execution)
-MAX_MORE_CHECKERS = 3
 #: how long spot checks under way may still take when the plan must change (then they are given up)
 AUDIT_GRACE_S = 10.0
-#: spot-check answers waiting to be read from one peer (a peer that sends more loses the surplus)
-AUDIT_BOX_PER_PEER = 8
 #: the run directory's record of checkpoints written while an earlier step's spot checks were
 #: under way: {checkpoint step: the checked step}, each cleared when its checks pass
 UNAUDITED = "unaudited"
@@ -69,74 +55,68 @@ UNAUDITED = "unaudited"
 logger = logging.getLogger(__name__)
 
 
-class Auditing(DriverParts):
-    """Mixed into :class:`coordinator.run.Driver`."""
+def sample_checks(stages: list[list[str]], rate: float, micro_batches: int, rng: random.Random) -> list[Check]:
+    """The (stage, micro-batch, backward too) of a step to re-execute: each micro-batch
+    of a replicated stage with the ``rate`` chance; those of a stage of one peer as
+    many on average, drawn together (``lone_draw``); the backward with
+    ``BACKWARD_SHARE`` of that (none where one peer serves the only stage)."""
+    if rate <= 0 or (len(stages) < 2 and len(stages[0]) < 2):
+        return []
+    drawn: list[tuple[int, int]] = []
+    for s, group in enumerate(stages):
+        if len(group) > 1:
+            drawn += [(s, mb) for mb in range(micro_batches) if rng.random() < rate]
+            continue
+        chance, k = lone_draw(rate, micro_batches)
+        if rng.random() < chance:
+            drawn += [(s, mb) for mb in sorted(rng.sample(range(micro_batches), k))]
+    return [(s, mb, rng.random() < BACKWARD_SHARE) for s, mb in drawn]
 
-    audit_losses: dict[str, float]  # the audited step's losses by micro-batch, as the last stage reported them
-    auditing: set[str]  # peers asked for evidence (their payloads are expected)
-    audit_box: asyncio.Queue[Inbound]  # Evidence and Verdict answers (the transport sets them apart)
-    audit_queued: collections.Counter[str]  # answers waiting in the box, by sender
-    _audit: tuple[int, asyncio.Task[None]] | None  # the committed step whose spot checks are under way
-    _audit_rng = random.Random()  # seeded from the OS: peers cannot predict which micro-batch is checked
-    _shown: dict[int, tuple[list[str], list[torch.Tensor]] | None]  # a lone stage's weights shown for the checked step
-    _lone_checkers: dict[tuple[int, int, int], list[str]]  # (epoch, step, stage) -> its checkers, in order
-    _loaded: dict[str, tuple[int, int, int]]  # arbiter -> (epoch, stage, step) of the weights it last loaded
-    _marked = False  # whether the run directory records a checkpoint written while checks were under way
 
-    def _sample_checks(self) -> list[Check]:
-        """The (stage, micro-batch, backward too) of this step to re-execute: each
-        micro-batch of a replicated stage with the ``spot_check`` chance; those of a
-        stage of one peer as many on average, drawn together (``lone_draw``); the
-        backward with ``BACKWARD_SHARE`` of that (none where one peer serves the only
-        stage)."""
-        st, rate, rng, mbs = self.st, self.cfg.spot_check, self._audit_rng, self.job.micro_batches
-        assert st.plan is not None
-        if rate <= 0 or (len(st.plan.stages) < 2 and len(st.plan.stages[0]) < 2):
-            return []
-        drawn: list[tuple[int, int]] = []
-        for s, group in enumerate(st.plan.stages):
-            if len(group) > 1:
-                drawn += [(s, mb) for mb in range(mbs) if rng.random() < rate]
-                continue
-            chance, k = lone_draw(rate, mbs)
-            if rng.random() < chance:
-                drawn += [(s, mb) for mb in sorted(rng.sample(range(mbs), k))]
-        return [(s, mb, rng.random() < BACKWARD_SHARE) for s, mb in drawn]
+class Auditor:
+    """Which micro-batches a step checks, the checks under way, and the run
+    directory's record of checkpoints written before they passed."""
 
-    async def _spot_check(self, step: int, checks: list[Check], losses: dict[str, float]) -> None:
-        """Re-execute ``checks`` of ``step`` (``PeerLost`` on a mismatch)."""
-        st = self.st
-        assert st.plan is not None
-        self.audit_losses = losses
-        self._empty_audit_box()
-        try:
-            for s, mb, backward in checks:
-                st.spot_checks += 1
-                self.coord.board.spot_checks = st.spot_checks
-                await (self._check_one if len(st.plan.stages[s]) > 1 else self._check_alone)(step, s, mb, backward)
-        finally:
-            self._shown.clear()  # a stage's weights: not kept past its step's checks
+    def __init__(
+        self,
+        st: RunState,
+        rate: float,
+        micro_batches: int,
+        checker: SpotChecker,
+        mailbox: Mailbox,
+        run_dir: RunDir,
+        on_event: Callable[[str], None],
+    ) -> None:
+        self.st = st
+        self.rate = rate
+        self.micro_batches = micro_batches
+        self.checker = checker
+        self.mailbox = mailbox
+        self.run_dir = run_dir
+        self.on_event = on_event
+        self._audit: tuple[int, asyncio.Task[None]] | None = None  # the committed step whose checks are under way
+        self._marked = False  # whether the run directory records a checkpoint written while checks were under way
 
-    def _empty_audit_box(self) -> None:
-        """Forget answers no check waits for (late ones, or a peer's unasked)."""
-        while not self.audit_box.empty():
-            self.audit_box.get_nowait()
-        self.audit_queued.clear()
+    @property
+    def under_way(self) -> bool:
+        return self._audit is not None
 
-    def take_answer(self, inbound: Inbound) -> None:
-        """A spot-check answer from a planned peer, kept for ``_answer_of`` (at most
-        ``AUDIT_BOX_PER_PEER`` waiting per peer: a peer flooding answers drops its own)."""
-        if self.audit_queued[inbound.sender] < AUDIT_BOX_PER_PEER:
-            self.audit_queued[inbound.sender] += 1
-            self.audit_box.put_nowait(inbound)
+    def sample(self) -> list[Check]:
+        """This step's checks (``sample_checks`` on the plan)."""
+        assert self.st.plan is not None
+        return sample_checks(self.st.plan.stages, self.rate, self.micro_batches, self.checker.rng)
 
-    def _start_audit(self, step: int, checks: list[Check], losses: dict[str, float]) -> None:
+    async def check_now(self, step: int, checks: list[Check], losses: dict[str, float]) -> None:
+        """Check ``step`` before its commit (``PeerLost`` on what the checks find)."""
+        await self.checker.run(step, checks, losses)
+
+    def start(self, step: int, checks: list[Check], losses: dict[str, float]) -> None:
         """Spot-check committed ``step`` while the next one trains (its peers hold what
-        it needs: ``Commit.audit``); ``_audit_outcome`` raises what it found."""
-        task = asyncio.get_running_loop().create_task(self._spot_check(step, checks, dict(losses)))
+        it needs: ``Commit.audit``); ``outcome`` raises what it found."""
+        task = asyncio.get_running_loop().create_task(self.checker.run(step, checks, dict(losses)))
         self._audit = (step, task)
 
-    def _audit_outcome(self) -> None:
+    def outcome(self) -> None:
         """If the audit under way has ended: forget it, and raise ``PeerLost`` (with a
         rollback to before its step) if it found a peer out."""
         if self._audit is None or not self._audit[1].done():
@@ -145,13 +125,47 @@ class Auditing(DriverParts):
         self._audit = None
         exc = task.exception()
         if exc is None:  # passed: the checkpoints written meanwhile are trusted
-            self._unmark(lambda _, checked: checked == step)
+            self.unmark(lambda _, checked: checked == step)
         if isinstance(exc, PeerLost):
             raise PeerLost(exc.lost, rollback_to=step)
         if exc is not None:
             raise exc
 
-    def _note_unaudited(self, checkpoint_step: int) -> None:
+    async def settled(self, grace: float | None = None) -> None:
+        """Wait for the audit under way (within ``grace`` seconds: then it is given up,
+        and the run rolls back to before its step); raises what it found."""
+        if self._audit is None:
+            return
+        step, task = self._audit
+        done, _ = await asyncio.wait({task}, timeout=grace)
+        if not done:
+            await self.drop()
+            raise PeerLost({}, rollback_to=step)
+        self.outcome()
+
+    async def drop(self) -> None:
+        """Cancel the audit under way and wait until it has ended (what it was sending
+        must not outlive the transport, nor fail unobserved)."""
+        if self._audit is None:
+            return
+        task = self._audit[1]
+        self._audit = None
+        await cancel_and_wait(task, AUDIT_GRACE_S)
+
+    async def before_recovery(self, lost: dict[str, str], rollback_to: int | None) -> tuple[dict[str, str], int | None]:
+        """The plan changes: the spot checks under way end first (at once where they wait
+        for a lost peer, at most ``AUDIT_GRACE_S``); what they find is lost too, and one
+        that fails or cannot finish rolls the run back to before its step."""
+        for p, why in lost.items():
+            self.mailbox.fail(p, why)
+        try:
+            await self.settled(AUDIT_GRACE_S)
+        except PeerLost as exc:
+            return {**exc.lost, **lost}, exc.rollback_to
+        return lost, rollback_to
+
+    # ------------------------------------------------------------------ the run directory's record
+    def note_unaudited(self, checkpoint_step: int) -> None:
         """A checkpoint was written while the spot checks of an earlier step (whose update
         it holds) are under way: a resume must not start from it unless they pass."""
         if self._audit is None or self._audit[0] >= checkpoint_step:
@@ -160,7 +174,7 @@ class Auditing(DriverParts):
         self.run_dir.set_meta(UNAUDITED, marks)
         self._marked = True
 
-    def _unmark(self, settled: Callable[[int, int], bool]) -> None:
+    def unmark(self, settled: Callable[[int, int], bool]) -> None:
         """Forget the records (checkpoint step, checked step) that ``settled``: their
         checks passed, or a rollback dropped their checkpoints."""
         if not self._marked:  # nothing recorded (the common case: no read)
@@ -170,7 +184,7 @@ class Auditing(DriverParts):
         self.run_dir.set_meta(UNAUDITED, left)
         self._marked = bool(left)
 
-    def _drop_unaudited(self) -> None:
+    def drop_unaudited(self) -> None:
         """On resume: checkpoints written while spot checks were under way that never
         finished (the coordinator stopped) hold an update no one verified: dropped, so
         the run resumes from before the checked step."""
@@ -182,379 +196,3 @@ class Auditing(DriverParts):
         self.run_dir.set_meta(UNAUDITED, {})
         self.on_event(f"the spot checks of step {step} had not passed when the coordinator stopped: "
                       f"the checkpoints written since are dropped")  # fmt: skip
-
-    async def _audit_settled(self, grace: float | None = None) -> None:
-        """Wait for the audit under way (within ``grace`` seconds: then it is given up,
-        and the run rolls back to before its step); raises what it found."""
-        if self._audit is None:
-            return
-        step, task = self._audit
-        done, _ = await asyncio.wait({task}, timeout=grace)
-        if not done:
-            await self._drop_audit()
-            raise PeerLost({}, rollback_to=step)
-        self._audit_outcome()
-
-    async def _drop_audit(self) -> None:
-        """Cancel the audit under way and wait until it has ended (what it was sending
-        must not outlive the transport, nor fail unobserved)."""
-        if self._audit is None:
-            return
-        task = self._audit[1]
-        self._audit = None
-        await cancel_and_wait(task, AUDIT_GRACE_S)
-
-    async def _audit_before_recovery(
-        self, lost: dict[str, str], rollback_to: int | None
-    ) -> tuple[dict[str, str], int | None]:
-        """The plan changes: the spot checks under way end first (at once where they wait
-        for a lost peer, at most ``AUDIT_GRACE_S``); what they find is lost too, and one
-        that fails or cannot finish rolls the run back to before its step."""
-        for p, why in lost.items():
-            self._failed.setdefault(p, why)  # type: ignore[attr-defined]
-        try:
-            await self._audit_settled(AUDIT_GRACE_S)
-        except PeerLost as exc:
-            return {**exc.lost, **lost}, exc.rollback_to
-        return lost, rollback_to
-
-    def _deadline(self) -> float:
-        """When the answers a check waits for are due (a step timeout from now)."""
-        return time.monotonic() + self.cfg.step_timeout_s
-
-    async def _answer_of(self, kinds: tuple[type[Message], ...], peers: set[str], deadline: float) -> Inbound:
-        """The next answer of ``kinds`` of this epoch from one of ``peers``, by
-        ``deadline`` (a peer known to have failed meanwhile is lost at once)."""
-        while True:
-            failed = {p: why for p, why in self._failed.items() if p in peers}  # type: ignore[attr-defined]
-            if failed:
-                raise PeerLost(failed)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise PeerLost(dict.fromkeys(peers, f"no answer to a spot check for {self.cfg.step_timeout_s:.0f} s"))
-            try:
-                inbound = await asyncio.wait_for(self.audit_box.get(), min(left, 0.5))
-            except asyncio.TimeoutError:
-                continue
-            self.audit_queued[inbound.sender] -= 1
-            msg = inbound.message
-            if isinstance(msg, kinds) and inbound.sender in peers and msg.epoch == self.st.epoch:
-                return inbound
-
-    def _route(self, s: int, mb: int) -> dict[str, str]:
-        """Who took part in micro-batch ``mb`` around stage ``s``: the suspect, and the
-        peers it received from and sent to (``coordinator`` for the first stage's input)."""
-        stages = self.st.plan.stages  # type: ignore[union-attr]
-        at = {"suspect": stages[s][mb % len(stages[s])]}
-        at["prev"] = stages[s - 1][mb % len(stages[s - 1])] if s > 0 else self.coord.transport.peer_id
-        if s < len(stages) - 1:
-            at["next"] = stages[s + 1][mb % len(stages[s + 1])]
-        return at
-
-    def _around(self, s: int, mb: int) -> tuple[dict[str, str], dict[str, str]]:
-        """Who signed, and who holds, each role's frame of micro-batch ``mb`` around stage ``s``."""
-        at = self._route(s, mb)
-        nxt = at.get("next", "")
-        signers = {"input": at["prev"], "grad_out": nxt, "output": at["suspect"], "grad_in": at["suspect"]}
-        holders = {"input": at["suspect"], "grad_out": at["suspect"], "output": nxt, "grad_in": at["prev"]}
-        return signers, holders
-
-    async def _evidence(
-        self, step: int, s: int, mb: int, backward: bool
-    ) -> tuple[list[str], dict[str, str], list[torch.Tensor]]:
-        """The roles, signers and frames of micro-batch ``mb`` around stage ``s``, as
-        their holders show them: the checker verifies them, and the coordinator only
-        where the check does not pass (``_verify_shown``)."""
-        assert self.st.plan is not None
-        roles, (signers, holders) = roles_for(s, len(self.st.plan.stages), backward), self._around(s, mb)
-        return roles, signers, await self._gather(step, s, mb, roles, holders, signers, verify=False)
-
-    def _verify_shown(self, step: int, s: int, mb: int, roles: list[str], evidence: list[torch.Tensor]) -> None:
-        """Check the frames ``_evidence`` gathered (a pair per role, in order) before a
-        check that did not pass blames anyone: a holder that showed a frame its signer
-        did not send for this micro-batch is excluded (``PeerLost``)."""
-        signers, holders = self._around(s, mb)
-        for i, role in enumerate(roles):
-            if role in holders:  # not param_grads (an arbiter's: checked as gathered)
-                self._checked_evidence(holders[role], evidence[2 * i : 2 * i + 2], role, signers[role], (step, mb, s))
-
-    async def _check_alone(self, step: int, s: int, mb: int, backward: bool) -> None:
-        """A stage served by one peer: peers of other stages rebuild it with the weights
-        the suspect shows and re-execute the micro-batch (its parameter gradients, which
-        no one else saw, are not compared); if the first disagrees, more decide."""
-        st = self.st
-        assert st.plan is not None
-        roles, signers, evidence = await self._evidence(step, s, mb, backward)
-        suspect = st.plan.stages[s][0]
-        if s not in self._shown:  # once for all the micro-batches of this stage checked in this step
-            self._shown[s] = await self._weights_of(step, mb, suspect)
-        shown = self._shown[s]
-        if shown is None:
-            raise PeerLost({suspect: f"{EXCLUDED}it could not show its weights for a spot check"})
-        checkers = self._lone_checkers.get((st.epoch, step, s))
-        if checkers is None:  # the first checker of the step's first check asked first for the others too
-            checkers = [p for i, group in enumerate(st.plan.stages) if i != s for p in group]
-            self._audit_rng.shuffle(checkers)
-            self._lone_checkers = {(st.epoch, step, s): checkers}
-        case = (roles, signers, evidence)
-        ask = functools.partial(self._recheck, step, s, mb, *case, shown=shown, grads=False, backward=backward)
-        first = await ask(checkers[0])
-        if first.agree:
-            return
-        self._disputed(step, s, mb, suspect, checkers[0], (roles, evidence), first)
-        more = [(p, functools.partial(ask, p)) for p in checkers[1:]]
-        raise await self._settle((step, mb), suspect, (checkers[0], first), more)
-
-    def _disputed(
-        self, step: int, s: int, mb: int, suspect: str, checker: str, kept: tuple[list[str], list[torch.Tensor]],
-        verdict: Verdict,
-    ) -> None:  # fmt: skip
-        """Keep the evidence of a disagreement (once the coordinator has checked it) and
-        say it on the page and the log."""
-        self._verify_shown(step, s, mb, *kept)
-        self._keep_evidence(step, mb, suspect, *kept)
-        text = f"spot check of step {step}, micro-batch {mb} (stage {s}): {checker} says {suspect} is wrong: "
-        self.coord.board.event("audit", text + verdict.detail)
-        self.on_event(text + verdict.detail)
-
-    async def _check_one(self, step: int, s: int, mb: int, backward: bool) -> None:
-        st = self.st
-        assert st.plan is not None
-        roles, signers, evidence = await self._evidence(step, s, mb, backward)
-        suspect, group = self._route(s, mb)["suspect"], st.plan.stages[s]
-        others = [p for p in group if p != suspect]
-        self._audit_rng.shuffle(others)
-        ask = functools.partial(self._recheck, step, s, mb, roles, signers, evidence, backward=backward)
-        first = await ask(others[0])
-        if first.agree:
-            return
-        self._disputed(step, s, mb, suspect, others[0], (roles, evidence), first)
-        more = [(p, functools.partial(ask, p)) for p in others[1:]]
-        if not more:
-            more = await self._arbiters(step, s, mb, (roles, signers, evidence), others[0], backward)
-        raise await self._settle((step, mb), suspect, (others[0], first), more)
-
-    async def _settle(
-        self, at: tuple[int, int], suspect: str, first: tuple[str, Verdict], more: list[tuple[str, Asker]]
-    ) -> PeerLost:
-        """The first checker disagreed with the suspect: more checkers re-execute the
-        micro-batch until one agrees with the suspect (those who disputed it are
-        excluded) or two of the disputers computed the same (the suspect, and any
-        disputer who computed something else, are). With neither, all of them leave the
-        plan, none excluded."""
-        against = [first]
-        for checker, ask in more[:MAX_MORE_CHECKERS]:
-            verdict = await ask()
-            if verdict.agree:
-                return PeerLost({c: f"{EXCLUDED}it disputed {suspect}'s work that {checker} re-executed the same "
-                                 f"{_own(v)}" for c, v in against})  # fmt: skip
-            twin = next((c for c, v in against if alike(v.computed, verdict.computed, self._rtol(c, checker))), None)
-            against.append((checker, verdict))
-            if twin is not None:
-                return _convicted(suspect, twin, against, self._rtol(twin, checker))
-        return _undecided(*at, suspect, [c for c, _ in against])
-
-    async def _arbiters(
-        self,
-        step: int,
-        s: int,
-        mb: int,
-        case: tuple[list[str], dict[str, str], list[torch.Tensor]],
-        checker: str,
-        backward: bool,
-    ) -> list[tuple[str, Asker]]:
-        """Two replicas disagree: peers of another stage can re-execute the micro-batch
-        on the stage rebuilt with the weights both show (none if they differ, or there
-        is no other stage); with the suspect's parameter gradients, if the backward is
-        checked."""
-        st, (roles, signers, evidence) = self.st, case
-        assert st.plan is not None
-        suspect = self._route(s, mb)["suspect"]
-        arbiters = [p for i, group in enumerate(st.plan.stages) if i != s for p in group]
-        if not arbiters:
-            return []
-        shown = [await self._weights_of(step, mb, p) for p in (suspect, checker)]
-        if shown[0] is None or shown[1] is None or not _same(shown[0], shown[1]):
-            return []
-        if backward:
-            grads = await self._gather(step, s, mb, ["param_grads"], {"param_grads": checker}, {"param_grads": suspect})
-            roles, signers, evidence = [*roles, "param_grads"], {**signers, "param_grads": suspect}, [*evidence, *grads]
-        self._audit_rng.shuffle(arbiters)
-        ask = functools.partial(self._recheck, step, s, mb, roles, signers, evidence, shown=shown[0], backward=backward)
-        return [(p, functools.partial(ask, p)) for p in arbiters]
-
-    def _rtol(self, a: str, b: str) -> float:
-        """The tolerance between re-executions on the devices of peers ``a`` and ``b``."""
-        devices = [self.coord.adverts[p].device if p in self.coord.adverts else "" for p in (a, b)]
-        return tolerance(*devices, self.job.precision)
-
-    async def _weights_of(self, step: int, mb: int, peer: str) -> tuple[list[str], list[torch.Tensor]] | None:
-        """The stage weights ``peer`` holds (this step's, not yet updated)."""
-        self.auditing.add(peer)
-        try:
-            await self._send(peer, Audit(self.cfg.run_id, step, mb, ["weights"], self.st.epoch))  # type: ignore[attr-defined]
-            deadline = self._deadline()
-            while True:
-                inbound = await self._answer_of((Evidence,), {peer}, deadline)
-                if (inbound.message.step, inbound.message.mb) == (step, mb):
-                    break
-        finally:
-            self.auditing.discard(peer)
-        msg, values = inbound.message, inbound.values()
-        if msg.kinds != ["weights"] or len(values) != len(msg.names):
-            return None
-        return list(msg.names), values
-
-    async def _gather(
-        self,
-        step: int,
-        s: int,
-        mb: int,
-        roles: list[str],
-        holders: dict[str, str],
-        signers: dict[str, str],
-        verify: bool = True,
-    ) -> list[torch.Tensor]:
-        """The signed frames of ``roles``, asked of the peers that received them (each
-        checked to be what its signer sent for this micro-batch, if ``verify``)."""
-        st = self.st
-        asked: dict[str, list[str]] = {}
-        for role in roles:
-            asked.setdefault(holders[role], []).append(role)
-        got: dict[str, list[torch.Tensor]] = {}
-        self.auditing.update(asked)
-        try:  # every holder asked at once: one round trip
-            for holder, held in asked.items():
-                kinds = [ROLES[r][0].KIND for r in held]
-                await self._send(holder, Audit(self.cfg.run_id, step, mb, kinds, st.epoch))  # type: ignore[attr-defined]
-            pending, deadline = set(asked), self._deadline()
-            while pending:
-                inbound = await self._answer_of((Evidence,), pending, deadline)
-                if (inbound.message.step, inbound.message.mb) != (step, mb):
-                    continue
-                pending.discard(inbound.sender)
-                for role in asked[inbound.sender]:
-                    got[role] = _frame_of(inbound, role)
-                    if verify or not got[role]:
-                        self._checked_evidence(inbound.sender, got[role], role, signers[role], (step, mb, s))
-        finally:
-            self.auditing.difference_update(asked)
-        return [t for role in roles for t in got[role]]
-
-    def _checked_evidence(
-        self, holder: str, pair: list[torch.Tensor], role: str, signer: str, where: tuple[int, int, int]
-    ) -> None:
-        """Whether ``pair``, the frame of ``role`` that ``holder`` showed, is what its
-        signer sent for this (step, micro-batch, stage); else ``holder`` is excluded."""
-        coord = self.coord
-        key = coord.identity.public_key if signer == coord.transport.peer_id else coord.gate.signer_key(signer)
-        found = signed_frame(self.cfg.run_id, signer, key, pair) if pair else None
-        step, mb, s = where
-        problem = (
-            "none came" if found is None else wrong_frame(role, found[0], self.cfg.run_id, step, mb, s, self.st.epoch)
-        )
-        if problem:
-            raise PeerLost({holder: f"{EXCLUDED}it could not show the {role} frame of a spot check: {problem}"})
-
-    async def _recheck(
-        self,
-        step: int,
-        s: int,
-        mb: int,
-        roles: list[str],
-        signers: dict[str, str],
-        evidence: list[torch.Tensor],
-        checker: str,
-        shown: tuple[list[str], list[torch.Tensor]] | None = None,
-        grads: bool = True,
-        backward: bool = True,
-    ) -> Verdict:
-        """``checker``'s verdict on the suspect's micro-batch (an arbiter of another
-        stage gets that stage's program and the weights ``shown``, by name, after the
-        evidence: neither if it holds them from its last arbitration)."""
-        st, cfg = self.st, self.cfg
-        assert st.plan is not None
-        suspect = self._route(s, mb)["suspect"]
-        loss = self.audit_losses.get(str(mb)) if s == len(st.plan.stages) - 1 else None
-        names, weights, program, same = self._arbiter_parts(checker, step, s, shown)
-        msg = Recheck(cfg.run_id, step, mb, suspect, roles, [signers[r] for r in roles], st.epoch, loss,
-                      self._rtol(suspect, checker), -1 if shown is None else s, names, len(program), grads,
-                      backward, same)  # fmt: skip
-        await self._send(checker, msg, [*evidence, *weights, *program])  # type: ignore[attr-defined]
-        deadline = self._deadline()
-        while True:
-            verdict: Verdict = (await self._answer_of((Verdict,), {checker}, deadline)).message
-            if (verdict.step, verdict.mb, verdict.suspect) != (step, mb, suspect):
-                continue
-            if not verdict.checked:  # if the evidence is sound, the checker could not use it
-                self._verify_shown(step, s, mb, roles, evidence)
-                raise PeerLost({checker: f"it could not run a spot check: {verdict.detail[:200]}"})
-            return verdict
-
-    def _arbiter_parts(
-        self, checker: str, step: int, s: int, shown: tuple[list[str], list[torch.Tensor]] | None
-    ) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor], bool]:
-        """What a Recheck carries to rebuild stage ``s`` on ``checker`` (weight names,
-        weights, program; whether it uses the weights it loaded last): nothing for a
-        replica; for an arbiter, what it does not hold from its last arbitration (it
-        keeps one stage built, with the weights it last loaded)."""
-        if shown is None:
-            return [], [], [], False
-        epoch, last = self.st.epoch, self._loaded.get(checker)
-        self._loaded[checker] = (epoch, s, step)
-        if last == (epoch, s, step):
-            return [], [], [], True
-        built = last is not None and last[:2] == (epoch, s)
-        program = [] if built or not self.as_programs else self._program_payloads(self.st.plan.cut)[s]  # type: ignore[attr-defined,union-attr]
-        return shown[0], shown[1], program, False
-
-    def _keep_evidence(self, step: int, mb: int, suspect: str, roles: list[str], evidence: list[torch.Tensor]) -> None:
-        """The disputed micro-batch's signed frames, in the run directory."""
-        folder = Path(self.run_dir.path) / "evidence"
-        try:
-            folder.mkdir(exist_ok=True)
-            tensors = {f"{role}/{part}": t.contiguous() for i, role in enumerate(roles)
-                       for part, t in zip(("head", "payload"), evidence[2 * i : 2 * i + 2], strict=True)}  # fmt: skip
-            save_file(tensors, str(folder / f"step{step}-mb{mb}-{suspect[:16]}.safetensors"))
-        except OSError as exc:
-            logger.warning("could not keep the evidence of a spot check: %s", exc)
-
-
-def _frame_of(inbound: Any, role: str) -> list[torch.Tensor]:
-    """The (head, payload) of ``role``'s frame in an ``Evidence`` answer ([] if it has none)."""
-    msg, values = inbound.message, inbound.values()
-    kind = ROLES[role][0].KIND
-    i = msg.kinds.index(kind) if kind in msg.kinds and len(values) == 2 * len(msg.kinds) else -1
-    return values[2 * i : 2 * i + 2] if i >= 0 else []
-
-
-def _undecided(step: int, mb: int, suspect: str, checkers: list[str]) -> PeerLost:
-    """Checkers disagree with the suspect and with each other, and no more can
-    re-execute: all of them leave the plan, none excluded."""
-    why = f"disputed a spot check of step {step}, micro-batch {mb}, and no two re-executions agreed"
-    return PeerLost({p: why for p in [suspect, *checkers]})
-
-
-def _convicted(suspect: str, twin: str, against: list[tuple[str, Verdict]], rtol: float) -> PeerLost:
-    """Two checkers (``twin`` and the last) computed the same, and not what the suspect
-    showed: the suspect is excluded, and so is any disputer who computed a third result."""
-    (last, verdict), said = against[-1], dict(against)
-    found = f"{said[twin].detail} (re-executed by {twin}; and by {last}: {verdict.detail})"
-    lost = {suspect: f"{EXCLUDED}spot check: {found}"}
-    for c, v in against[:-1]:
-        if not alike(v.computed, verdict.computed, rtol):
-            neither = f"its re-execution of {suspect}'s work matched neither it nor {twin} and {last}"
-            lost[c] = f"{EXCLUDED}{neither} {_own(v)}"
-    return PeerLost(lost)
-
-
-def _own(verdict: Verdict) -> str:
-    """What a disputing checker's own re-execution gave, for its exclusion's line (a
-    checker that fakes a loss is named with it)."""
-    return f"(its own verdict: {verdict.detail[:200]})"
-
-
-def _same(a: tuple[list[str], list[torch.Tensor]], b: tuple[list[str], list[torch.Tensor]]) -> bool:
-    """Whether two replicas showed the same weights, bit for bit."""
-    same = (x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))
-    return a[0] == b[0] and all(same)

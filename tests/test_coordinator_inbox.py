@@ -1,12 +1,19 @@
 """The coordinator's driver without a network: only the peers it awaits may answer,
 a reported failure is pinned on the peer that failed, silent peers count as
 stalled, and a recovery picks replicas, standby peers or a re-plan (with a
-rollback to the last checkpoint) as the pure re-plan module says."""
+rollback to the last checkpoint) as the pure re-plan module says.
+
+The driver runs on a fake host (the narrow ``coordinator.host.Host``), a fake
+transport and a fake clock: tests drive its components' public methods and move
+time themselves."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -16,18 +23,24 @@ import torch
 
 from coordinator import replan
 from coordinator.assign import Assignment, network_from_adverts
-from coordinator.auditing import AUDIT_BOX_PER_PEER
+from coordinator.auditing import sample_checks
 from coordinator.checkpoint import RunDir
 from coordinator.config import CoordinatorConfig
+from coordinator.pipeline import reported_seconds
+from coordinator.rebalancing import signature
 from coordinator.run import Driver
-from coordinator.runstate import BANNED, EXCLUDED, PeerLost
-from coordinator.swarm import Coordinator
+from coordinator.runstate import BANNED, EXCLUDED, PeerLost, RunState
+from coordinator.spotchecks import AUDIT_BOX_PER_PEER
+from coordinator.stages import Stages
+from coordinator.status import StatusBoard
 from protocol.model.graph import Cut
 from protocol.model.job import JobSpec
+from protocol.net.clock import FakeClock
 from protocol.net.transport import Inbound
 from protocol.trust.spotcheck import alike, fingerprint, seed_of
 from protocol.wire.encoding import Frame
-from protocol.wire.messages import Advert, Beat, Hello, PeerFailure, Recheck, State, StepDone, Verdict
+from protocol.wire.gate import Gate
+from protocol.wire.messages import Advert, Beat, Hello, Message, PeerFailure, Recheck, State, StepDone, Verdict
 
 JOB = JobSpec(model_args="n_layer=2,n_embd=64,n_head=4", steps=50)
 
@@ -36,27 +49,106 @@ def _advert(pid: str, flops: float = 1e10) -> Advert:
     return Advert(pid, [], "cpu", flops, 1 << 30, 100.0, 100.0, "2", 1, time.time() + 60)
 
 
-def _driver(tmp_path: Path, stages: list[list[str]], reachable: bool = False) -> Driver:
-    coord = Coordinator(CoordinatorConfig(job=JOB, run_id="r", status=False, checkpoint_every=10))
-    coord.transport = SimpleNamespace(  # type: ignore[assignment]
-        inbox=asyncio.Queue(), forget=lambda p: None, last_activity={}
-    )
-    peers = {p for g in stages for p in g}
+class FakeTransport:
+    """What the driver uses of a transport: an inbox, sends (recorded), activity."""
 
-    async def is_reachable(peer: str, timeout: float = 2.0) -> bool:
-        return reachable
+    def __init__(self) -> None:
+        self.inbox: asyncio.Queue[Inbound] = asyncio.Queue()
+        self.last_activity: dict[str, float] = {}
+        self.peer_id = "coordinator"
+        self.sent: list[tuple[str, Message, list[Any]]] = []
 
-    async def live() -> dict[str, Advert]:
-        return dict(coord.adverts)
+    async def send(self, peer: str, msg: Message, values: list[Any] | None = None) -> int:
+        self.sent.append((peer, msg, values or []))
+        return 0
 
-    coord.reachable = is_reachable  # type: ignore[method-assign]
-    coord.live_adverts = live  # type: ignore[method-assign]
-    coord.adverts = {p: _advert(p) for p in peers}
+    def forget(self, peer: str) -> None:
+        pass
+
+
+class FakeHost:
+    """The coordinator as the driver sees it (``coordinator.host.Host``), without a network."""
+
+    def __init__(self, config: CoordinatorConfig, peers: set[str], reachable: bool) -> None:
+        self.config = config
+        self.adverts = {p: _advert(p) for p in sorted(peers)}
+        self.banned: set[str] = set()
+        self.board = StatusBoard(config.run_id, config.job.steps)
+        self.gate = Gate(config.run_id)
+        self.reached: dict[str, bool] = {}
+        self.transport = FakeTransport()
+        self.is_reachable = reachable
+        self.dht_down = False
+
+    async def wait_for_peers(self, on_change: Callable[[int], None] | None = None) -> dict[str, Advert]:
+        return dict(self.adverts)
+
+    async def live_adverts(self) -> dict[str, Advert]:
+        if self.dht_down:
+            raise asyncio.TimeoutError
+        return dict(self.adverts)
+
+    def keep_adverts(self, live: dict[str, Advert], planned: set[str]) -> None:
+        self.adverts = {**{p: a for p, a in self.adverts.items() if p in planned}, **live}
+
+    def keys_of(self, peers: set[str]) -> dict[str, str]:
+        return {}
+
+    def where(self, peer_id: str, plan: Assignment | None) -> str:
+        return "planned" if plan and any(peer_id in g for g in plan.stages) else "not assigned"
+
+    async def reachable(self, peer_id: str, timeout: float = 2.0) -> bool:
+        return self.is_reachable
+
+    def traffic(self, st: RunState) -> list[tuple[int, int]]:
+        return []
+
+    def choose_codecs(self, *args: Any) -> Any:
+        raise NotImplementedError
+
+
+def _driver(
+    tmp_path: Path,
+    stages: list[list[str]],
+    reachable: bool = False,
+    on_event: Callable[[str], None] | None = None,
+    **config: Any,
+) -> Driver:
+    cfg = CoordinatorConfig(job=JOB, run_id="r", status=False, checkpoint_every=10, **config)
+    host = FakeHost(cfg, {p for g in stages for p in g}, reachable)
     run_dir = RunDir(tmp_path / "run").open()
-    driver = Driver(coord, JOB.build_model(), run_dir)
+    driver = Driver(host, _stages(), run_dir, on_event=on_event, clock=FakeClock())
     driver.st.plan = Assignment(Cut((40,) if len(stages) == 2 else (30, 60)), stages)
     driver.st.dispatched = True
     return driver
+
+
+@functools.cache
+def _stages() -> Stages:
+    """The model's side of the driver (traced and exported once for every test)."""
+    return Stages.load(JOB.build_model(), JOB, CoordinatorConfig(job=JOB, run_id="r"), lambda text: None)
+
+
+def _host(driver: Driver) -> FakeHost:
+    assert isinstance(driver.host, FakeHost)
+    return driver.host
+
+
+def _clock(driver: Driver) -> FakeClock:
+    assert isinstance(driver.mailbox.clock, FakeClock)
+    return driver.mailbox.clock
+
+
+async def _put(driver: Driver, *inbound: Inbound) -> None:
+    for item in inbound:
+        await _host(driver).transport.inbox.put(item)
+
+
+async def _after(driver: Driver, seconds: float, coro: Any) -> Any:
+    """Await ``coro`` while the fake clock moves ``seconds`` on."""
+    task = asyncio.ensure_future(coro)
+    await _clock(driver).advance(seconds)
+    return await task
 
 
 def _inbound(sender: str, message: object) -> Inbound:
@@ -66,12 +158,14 @@ def _inbound(sender: str, message: object) -> Inbound:
 def test_only_awaited_peers_answer(tmp_path: Path) -> None:
     async def go() -> None:
         driver = _driver(tmp_path, [["p0"], ["p1"]])
-        inbox = driver.coord.transport.inbox  # type: ignore[union-attr]
-        await inbox.put(_inbound("intruder", StepDone("r", 0, 1, 0, {"0": 0.001})))  # admitted, not planned
-        await inbox.put(_inbound("p0", StepDone("r", 0, 0, 0)))  # planned, already answered
-        await inbox.put(_inbound("p1", StepDone("r", 0, 1, 0, {"0": 9.9}, epoch=7)))  # another epoch
-        await inbox.put(_inbound("p1", StepDone("r", 0, 1, 0, {"0": 2.5})))
-        got = await driver._next((StepDone,), {"p1"})
+        await _put(
+            driver,
+            _inbound("intruder", StepDone("r", 0, 1, 0, {"0": 0.001})),  # admitted, not planned
+            _inbound("p0", StepDone("r", 0, 0, 0)),  # planned, already answered
+            _inbound("p1", StepDone("r", 0, 1, 0, {"0": 9.9}, epoch=7)),  # another epoch
+            _inbound("p1", StepDone("r", 0, 1, 0, {"0": 2.5})),
+        )
+        got = await driver.mailbox.next((StepDone,), {"p1"})
         assert got.sender == "p1" and got.message.losses == {"0": 2.5}
 
     asyncio.run(go())
@@ -90,12 +184,14 @@ def test_a_reported_failure_names_the_peer_that_failed(
     async def go() -> None:
         driver = _driver(tmp_path, [["p0"], ["p1"]], reachable)
         if alive:
-            driver.coord.transport.last_activity["p1"] = time.monotonic() + 60  # type: ignore[union-attr]
-        inbox = driver.coord.transport.inbox  # type: ignore[union-attr]
-        await inbox.put(_inbound("intruder", PeerFailure("r", 0, "made up", 0, "p0")))
-        await inbox.put(_inbound("p0", PeerFailure("r", 0, "stream to peer p1 broke", 0, "p1")))
+            _host(driver).transport.last_activity["p1"] = _clock(driver).now() + 60
+        await _put(
+            driver,
+            _inbound("intruder", PeerFailure("r", 0, "made up", 0, "p0")),
+            _inbound("p0", PeerFailure("r", 0, "stream to peer p1 broke", 0, "p1")),
+        )
         with pytest.raises(PeerLost) as info:
-            await driver._next((StepDone,), {"p1"})
+            await _after(driver, 3.0, driver.mailbox.next((StepDone,), {"p1"}))  # past BLAME_WAIT_S
         assert list(info.value.lost) == [blamed]
         assert "stream to peer p1 broke" in info.value.lost[blamed]
 
@@ -104,11 +200,28 @@ def test_a_reported_failure_names_the_peer_that_failed(
 
 def test_a_silent_peer_counts_as_stalled(tmp_path: Path) -> None:
     async def go() -> None:
-        driver = _driver(tmp_path, [["p0"], ["p1"]])
-        driver.cfg.stall_floor_s = 0.3
-        driver.st.last_heard = {"p0": time.monotonic() + 60, "p1": time.monotonic()}
+        driver = _driver(tmp_path, [["p0"], ["p1"]], stall_floor_s=0.3)
+        now = _clock(driver).now()
+        driver.mailbox.last_heard = {"p0": now + 60, "p1": now}
         with pytest.raises(PeerLost, match="p1: stalled: silent for"):
-            await driver._next((StepDone,), {"p0", "p1"})
+            await _after(driver, 1.0, driver.mailbox.next((StepDone,), {"p0", "p1"}))
+
+    asyncio.run(go())
+
+
+def test_a_peer_that_keeps_beating_but_sends_nothing_is_dropped_at_the_step_timeout(tmp_path: Path) -> None:
+    """Alive (its heartbeats keep coming) but stuck: the peers waited for are lost once
+    ``step_timeout_s`` has passed on the driver's clock."""
+
+    async def go() -> None:
+        driver = _driver(tmp_path, [["p0"], ["p1"]], step_timeout_s=5.0)
+        driver.mailbox.heard_all({"p0", "p1"})
+        task = asyncio.ensure_future(driver.mailbox.next((StepDone,), {"p1"}))
+        for _ in range(7):  # a beat from each peer every second
+            await _put(driver, _inbound("p0", Beat("r", 0)), _inbound("p1", Beat("r", 0)))
+            await _clock(driver).advance(1.0)
+        with pytest.raises(PeerLost, match="p1: no progress for 5 s"):
+            await task
 
     asyncio.run(go())
 
@@ -130,7 +243,7 @@ def test_recovery_kinds() -> None:
 
 
 def _recover(driver: Driver, lost: dict[str, str]) -> None:
-    asyncio.run(driver._recover(lost))
+    asyncio.run(driver.recovery.recover(lost))
 
 
 def test_recover_with_replicas_keeps_state(tmp_path: Path) -> None:
@@ -147,19 +260,19 @@ def test_a_banned_peer_lost_to_a_refused_frame_is_lost_as_banned(tmp_path: Path)
     stalled before the ban itself reaches the driver; it still leaves as banned
     (excluded, and said so), not as a peer that merely stalled (CI saw the ban line missing)."""
     driver = _driver(tmp_path, [["p0", "p1"], ["p2"]])
-    driver.coord.banned.add("p1")
+    _host(driver).banned.add("p1")
     _recover(driver, {"p1": "it sent no StepDone of step 3 within 30 s"})
     assert driver.st.lost["p1"] == BANNED
 
 
 def _with_checkpoint(driver: Driver, step: int) -> None:
     stages = [{"w": torch.zeros(1)} for _ in range(2)]
-    driver.st.checkpoint = driver.run_dir.save_checkpoint(step, 0, stages, {"cut": [40]})
+    driver.checkpoints.latest = driver.run_dir.save_checkpoint(step, 0, stages, {"cut": [40]})
 
 
 def test_recover_with_standby_rolls_back(tmp_path: Path) -> None:
     driver = _driver(tmp_path, [["p0"], ["p1"]])
-    driver.coord.adverts["s"] = _advert("s", 5e9)
+    _host(driver).adverts["s"] = _advert("s", 5e9)
     _with_checkpoint(driver, 10)
     driver.st.step, driver.st.losses = 17, [1.0] * 17
     _recover(driver, {"p1": "stalled"})
@@ -177,7 +290,7 @@ def test_recover_without_standby_replans_or_stops(tmp_path: Path) -> None:
     st = driver.st
     assert st.plan is not None and sorted(p for g in st.plan.stages for p in g) == ["p0", "p2"]
     # no checkpoint yet: back to the initial weights, which the coordinator sends with the stage programs
-    assert (st.step, st.restore) == (0, "state") and driver.as_programs
+    assert (st.step, st.restore) == (0, "state") and driver.stages.as_programs
     with pytest.raises(SwarmError, match="the run cannot go on: no peers are left; no checkpoint was written"):
         _recover(driver, {"p0": "gone", "p2": "gone"})
 
@@ -187,14 +300,16 @@ def test_queued_heartbeats_count_before_the_stall_check(tmp_path: Path) -> None:
     pause of the coordinator's own loop must not drop every peer)."""
 
     async def go() -> None:
-        driver = _driver(tmp_path, [["p0"], ["p1"]])
-        driver.cfg.stall_floor_s = 0.5
-        driver.st.last_heard = {"p0": time.monotonic() - 60, "p1": time.monotonic() - 60}
-        inbox = driver.coord.transport.inbox  # type: ignore[union-attr]
-        await inbox.put(_inbound("p0", Beat("r", 0)))
-        await inbox.put(_inbound("p1", Beat("r", 0)))
-        await inbox.put(_inbound("p1", StepDone("r", 0, 1, 0, {"0": 2.5})))
-        got = await driver._next((StepDone,), {"p1"})
+        driver = _driver(tmp_path, [["p0"], ["p1"]], stall_floor_s=0.5)
+        now = _clock(driver).now()
+        driver.mailbox.last_heard = {"p0": now - 60, "p1": now - 60}
+        await _put(
+            driver,
+            _inbound("p0", Beat("r", 0)),
+            _inbound("p1", Beat("r", 0)),
+            _inbound("p1", StepDone("r", 0, 1, 0, {"0": 2.5})),
+        )
+        got = await driver.mailbox.next((StepDone,), {"p1"})
         assert got.sender == "p1"
 
     asyncio.run(go())
@@ -205,11 +320,13 @@ def test_failure_reports_of_an_ended_epoch_are_ignored(tmp_path: Path) -> None:
         driver = _driver(tmp_path, [["p0"], ["p1"]])
         driver.st.epoch = 3
         driver.st.lost["gone"] = "dead"
-        inbox = driver.coord.transport.inbox  # type: ignore[union-attr]
-        await inbox.put(_inbound("p0", PeerFailure("r", 0, "old news", 2, "p1")))
-        await inbox.put(_inbound("p0", PeerFailure("r", 0, "already handled", 3, "gone")))
-        await inbox.put(_inbound("p1", StepDone("r", 0, 1, 0, {"0": 2.5}, epoch=3)))
-        assert (await driver._next((StepDone,), {"p1"})).sender == "p1"
+        await _put(
+            driver,
+            _inbound("p0", PeerFailure("r", 0, "old news", 2, "p1")),
+            _inbound("p0", PeerFailure("r", 0, "already handled", 3, "gone")),
+            _inbound("p1", StepDone("r", 0, 1, 0, {"0": 2.5}, epoch=3)),
+        )
+        assert (await driver.mailbox.next((StepDone,), {"p1"})).sender == "p1"
 
     asyncio.run(go())
 
@@ -217,13 +334,15 @@ def test_failure_reports_of_an_ended_epoch_are_ignored(tmp_path: Path) -> None:
 def test_a_planned_peer_saying_hello_again_has_lost_its_stage(tmp_path: Path) -> None:
     async def go() -> None:
         driver = _driver(tmp_path, [["p0"], ["p1"]])
-        inbox = driver.coord.transport.inbox  # type: ignore[union-attr]
-        await inbox.put(_inbound("p1", Hello("r", "00" * 32)))  # its first hello, still queued: nothing lost
-        await inbox.put(_inbound("p1", Hello("r", "00" * 32, again=True)))
+        await _put(
+            driver,
+            _inbound("p1", Hello("r", "00" * 32)),  # its first hello, still queued: nothing lost
+            _inbound("p1", Hello("r", "00" * 32, again=True)),
+        )
         with pytest.raises(PeerLost, match="p1: it dropped its stage"):
-            await driver._next((StepDone,), {"p1"})
-        driver.coord.adverts["s"] = _advert("s")
-        await driver._recover({"p1": "it dropped its stage"})
+            await driver.mailbox.next((StepDone,), {"p1"})
+        _host(driver).adverts["s"] = _advert("s")
+        await driver.recovery.recover({"p1": "it dropped its stage"})
         assert "p1" not in driver.st.lost, "it waits as standby"
 
     asyncio.run(go())
@@ -231,17 +350,19 @@ def test_a_planned_peer_saying_hello_again_has_lost_its_stage(tmp_path: Path) ->
 
 def test_a_checkpoint_part_that_does_not_fit_the_stage_is_refused(tmp_path: Path) -> None:
     driver = _driver(tmp_path, [["p0"], ["p1"]])
-    own = sorted(driver._stage_names(driver.st.plan.cut)[0])  # type: ignore[union-attr]
-    state = driver.model.state_dict()
+    assert driver.st.plan is not None
+    own = sorted(driver.stages.names(driver.st.plan.cut)[0])
+    state = driver.stages.model.state_dict()
     good = [state[n] for n in own]
-    assert driver._check_part(0, own, good) == ""
-    assert "missing" in driver._check_part(0, own[1:], good[1:])
-    assert "shape" in driver._check_part(0, own, [torch.zeros(3), *good[1:]])
-    assert "is not this stage's" in driver._check_part(0, [*own, "optim/x/evil"], [*good, torch.zeros(())])
-    assert "pair up" in driver._check_part(0, own, good[:-1])
+    check = driver.checkpoints.check_part
+    assert check(0, own, good) == ""
+    assert "missing" in check(0, own[1:], good[1:])
+    assert "shape" in check(0, own, [torch.zeros(3), *good[1:]])
+    assert "is not this stage's" in check(0, [*own, "optim/x/evil"], [*good, torch.zeros(())])
+    assert "pair up" in check(0, own, good[:-1])
     inbound = Inbound("p0", State("r", 0, own[1:], 0, 5, True), SimpleNamespace(values=lambda: good[1:]))  # type: ignore[arg-type]
-    driver._take_part(inbound)
-    assert not driver.st.parts, "a bad part is not kept"
+    driver.checkpoints.take_part(inbound)
+    assert not driver.checkpoints.pending_parts, "a bad part is not kept"
 
 
 def test_recovering_during_a_restoring_setup_keeps_restoring(tmp_path: Path) -> None:
@@ -266,21 +387,21 @@ def test_measured_speed_is_the_estimators_and_robust() -> None:
 
 def test_a_lying_advert_is_corrected_by_measurement(tmp_path: Path) -> None:
     """p1 claims 1000x its speed: the plan on measured speeds gives it little work."""
-    driver = _driver(tmp_path, [["p0"], ["p1"]])
-    driver.coord.adverts["p1"] = _advert("p1", 1e13)
-    driver.cfg.rebalance_every = 5
-    st = driver.st
-    costs = driver.dag.stage_costs(st.plan.cut)  # type: ignore[union-attr]
+    driver = _driver(tmp_path, [["p0"], ["p1"]], rebalance_every=5)
+    host, st, rebalancer = _host(driver), driver.st, driver.rebalancer
+    host.adverts["p1"] = _advert("p1", 1e13)
+    assert st.plan is not None
+    costs = driver.stages.dag.stage_costs(st.plan.cut)
     for _ in range(5):  # both stages' compute took 0.1 s: p1 is as fast as p0, not 1000x
         for s, p in enumerate(["p0", "p1"]):
-            driver._measure(p, StepDone("r", 0, s, 0, compute_s=0.1 * costs[s]["flops"] / costs[0]["flops"]))
+            rebalancer.measure(p, StepDone("r", 0, s, 0, compute_s=0.1 * costs[s]["flops"] / costs[0]["flops"]))
     st.step = st.epoch_start + 5
-    speeds = {p: replan.robust_speed(v) for p, v in st.speeds.items()}
+    speeds = {p: replan.robust_speed(v) for p, v in rebalancer.record.speeds.items()}
     assert speeds["p1"] == pytest.approx(speeds["p0"], rel=1e-6)
-    measured = {a.peer_id: a.flops for a in driver._measured(list(driver.coord.adverts.values()))}
+    measured = {a.peer_id: a.flops for a in rebalancer.measured(list(host.adverts.values()))}
     assert measured["p1"] == pytest.approx(speeds["p1"]) and measured["p1"] < 1e12
-    driver._rebalance_check()  # what it decided, shown on the page (CI could not tell why a check declined)
-    checks = [e["text"] for e in driver.coord.board.state()["events"] if e["kind"] == "check"]
+    rebalancer.check()  # what it decided, shown on the page (CI could not tell why a check declined)
+    checks = [e["text"] for e in host.board.state()["events"] if e["kind"] == "check"]
     assert len(checks) == 1 and checks[0].startswith("rebalance check at step 5: "), checks
 
 
@@ -296,24 +417,24 @@ def test_rebalances_that_do_not_deliver_raise_the_bar() -> None:
 
 def test_a_rebalance_is_judged_one_period_later(tmp_path: Path) -> None:
     """The measured tokens/s after a rebalance set the next cool-down, once."""
-    driver = _driver(tmp_path, [["p0"], ["p1"]])
-    driver.cfg.rebalance_every = 5
-    st = driver.st
-    st.last_rebalance, st.rebalance_gain = 10, 2.0
+    driver = _driver(tmp_path, [["p0"], ["p1"]], rebalance_every=5)
+    st, rebalancer = driver.st, driver.rebalancer
+    record = rebalancer.record
+    record.last_rebalance, record.gain = 10, 2.0
     st.rebalances.append({"step": 10, "why": "test", "moved": "", "tokens_per_s_before": 1000.0})
     st.tokens_per_step = 550
     st.step_seconds = [0.5] * 5  # 1,100 tokens/s after: 10% of a predicted 100%
     st.step = 12
-    driver._judge_last_rebalance()
+    rebalancer.judge_last()
     assert "tokens_per_s_after" not in st.rebalances[-1], "not before a period has passed"
     st.step = 15
-    driver._judge_last_rebalance()
+    rebalancer.judge_last()
     assert st.rebalances[-1]["tokens_per_s_after"] == pytest.approx(1100.0)
-    assert st.rebalance_doubt == replan.MAX_DOUBT, "1.1x of a predicted 2x: 0.9 short, capped"
-    driver._judge_last_rebalance()
-    st.rebalance_doubt = 0.0
-    driver._judge_last_rebalance()
-    assert st.rebalance_doubt == 0.0, "judged once"
+    assert record.doubt == replan.MAX_DOUBT, "1.1x of a predicted 2x: 0.9 short, capped"
+    rebalancer.judge_last()
+    record.doubt = 0.0
+    rebalancer.judge_last()
+    assert record.doubt == 0.0, "judged once"
 
 
 def test_probed_links_replace_the_guess_from_adverts(tmp_path: Path) -> None:
@@ -335,25 +456,26 @@ def test_probed_links_replace_the_guess_from_adverts(tmp_path: Path) -> None:
 def _judged(tmp_path: Path, after: float, revert: bool = False) -> tuple[Driver, Assignment | None, Assignment]:
     """A driver one period after a rebalance from ``old`` (1,000 tokens/s before, predicted
     x2) that measured ``after`` tokens/s; returns it, the judge's answer and ``old``."""
-    driver = _driver(tmp_path, [["p0"], ["p1"]])
+    driver = _driver(tmp_path, [["p0"], ["p1"]], rebalance_every=5)
     old = Assignment(Cut((30,)), [["p0"], ["p1"]])
-    st, driver.cfg.rebalance_every = driver.st, 5
-    st.last_rebalance, st.rebalance_gain, st.before_rebalance, st.step = 10, 2.0, old, 15
+    st, record = driver.st, driver.rebalancer.record
+    record.last_rebalance, record.gain, record.before, st.step = 10, 2.0, old, 15
     st.rebalances.append({"step": 10, "why": "t", "moved": "", "tokens_per_s_before": 1000.0, "revert": revert})
     st.tokens_per_step, st.step_seconds = 100, [100 / after] * 5
-    return driver, driver._judge_last_rebalance(), old
+    return driver, driver.rebalancer.judge_last(), old
 
 
 def test_a_rebalance_that_made_things_worse_is_undone_once(tmp_path: Path) -> None:
     driver, back, old = _judged(tmp_path, after=900.0)
-    assert back is old and "undoing the move of step 10" in driver.st.rebalance_why
-    assert driver.st.reverted == {f"{driver.st.plan.cut.to_list()} {driver.st.plan.stages}"}  # type: ignore[union-attr]
+    record = driver.rebalancer.record
+    assert back is old and "undoing the move of step 10" in record.why
+    assert record.reverted == {f"{driver.st.plan.cut.to_list()} {driver.st.plan.stages}"}  # type: ignore[union-attr]
     assert _judged(tmp_path / "b", after=980.0)[1] is None, "2% is noise"
     driver, back, _ = _judged(tmp_path / "c", after=900.0, revert=True)
-    assert back is None and driver.st.rebalance_doubt == 0.0, "a revert is never undone, nor judged for the doubt"
+    assert back is None and driver.rebalancer.record.doubt == 0.0, "a revert is never undone, nor judged for the doubt"
     driver, back, _ = _judged(tmp_path / "d", after=900.0)
     driver.st.lost["p1"] = "gone"
-    assert driver._revert_to(driver.st.rebalances[-1], 900.0) is None, "nothing to go back to without p1"
+    assert driver.rebalancer.revert_to(driver.st.rebalances[-1], 900.0) is None, "nothing to go back to without p1"
     assert replan.should_revert(1000, 940) and not replan.should_revert(1000, 960) and not replan.should_revert(0, 1)
 
 
@@ -378,15 +500,16 @@ def test_a_move_is_not_a_level_change_of_the_peers(tmp_path: Path) -> None:
     5 periods: the move before the slow-down had made it look volatile)."""
     assert replan.level_changes([1.0, None, 2.0, 2.0]) == 0
     driver = _driver(tmp_path, [["p0"], ["p1"]])
-    st = driver.st
-    st.speeds = {"p0": [1.0] * 9}
-    driver._record_levels()
-    st.epoch, st.speeds["p0"] = 1, [2.0] * 9  # a move: the same peer measures 2x on its new operators
-    driver._record_levels()
-    st.rebalance_doubt, st.speeds["p0"] = 0.4, [0.5] * 9  # then it is throttled
-    driver._record_levels()
-    assert st.levels["p0"] == [None, 1.0, None, 2.0, 0.5]
-    assert not replan.volatile(st.levels["p0"]) and st.rebalance_doubt == 0.0
+    st, rebalancer = driver.st, driver.rebalancer
+    record = rebalancer.record
+    record.speeds = {"p0": [1.0] * 9}
+    rebalancer.record_levels()
+    st.epoch, record.speeds["p0"] = 1, [2.0] * 9  # a move: the same peer measures 2x on its new operators
+    rebalancer.record_levels()
+    record.doubt, record.speeds["p0"] = 0.4, [0.5] * 9  # then it is throttled
+    rebalancer.record_levels()
+    assert record.levels["p0"] == [None, 1.0, None, 2.0, 0.5]
+    assert not replan.volatile(record.levels["p0"]) and record.doubt == 0.0
 
 
 def test_the_end_of_the_run_reaches_peers_the_dht_did_not_return(tmp_path: Path) -> None:
@@ -394,20 +517,12 @@ def test_the_end_of_the_run_reaches_peers_the_dht_did_not_return(tmp_path: Path)
     the last DHT read missed (CI once saw such a peer wait two minutes for a gone
     coordinator), and a failing DHT read does not stop the others being told."""
     driver = _driver(tmp_path, [["p0"], ["p1"]])
-    sent: list[tuple[str, str]] = []
-
-    async def send(peer: str, msg: object, values: object = None) -> None:
-        sent.append((peer, type(msg).__name__))
-
-    async def dht_down() -> dict[str, Advert]:
-        raise asyncio.TimeoutError
-
-    driver.coord.transport.send = send  # type: ignore[union-attr]
-    driver.coord.transport.peer_id = "coordinator"  # type: ignore[union-attr]
-    driver.coord.live_adverts = dht_down  # type: ignore[method-assign]
-    driver.coord.gate.keys = {p: None for p in ("p0", "p1", "standby", "lost")}  # type: ignore[misc]
+    host = _host(driver)
+    host.dht_down = True
+    host.gate.keys = {p: None for p in ("p0", "p1", "standby", "lost")}  # type: ignore[misc]
     driver.st.lost = {"lost": "excluded"}
-    asyncio.run(driver._release())
+    asyncio.run(driver.dispatcher.release())
+    sent = [(p, type(msg).__name__) for p, msg, _ in host.transport.sent]
     finished = {p for p, kind in sent if kind == "Finish"}
     assert finished == {"p0", "p1", "standby"}
     assert {p for p, kind in sent if kind == "Release"} == {"p0", "p1"}
@@ -418,19 +533,10 @@ def test_an_arbiter_is_told_the_stage_even_when_it_holds_no_weights(tmp_path: Pa
     another stage still names that stage and carries its program (the checker once
     took an empty weight list for a check of its own stage and refused the evidence)."""
     driver = _driver(tmp_path, [["p0"], ["p1"]])
-    sent: list[tuple[object, list[object]]] = []
-
-    async def send(peer: str, msg: object, values: list[object] | None = None) -> None:
-        sent.append((msg, values or []))
-
-    async def answer(kinds: tuple[type, ...], peers: set[str], deadline: float) -> Inbound:
-        msg = sent[-1][0]
-        return _inbound("p0", Verdict("r", msg.step, msg.mb, msg.suspect, True))  # type: ignore[attr-defined]
-
-    driver._send = send  # type: ignore[method-assign]
-    driver._answer_of = answer  # type: ignore[method-assign]
-    verdict = asyncio.run(driver._recheck(3, 1, 0, ["input"], {"input": "p0"}, [], "p0", ([], [])))
-    recheck, values = sent[0]
+    driver.take_answer(_inbound("p0", Verdict("r", 3, 0, "p1", True)))  # the checker p0 agrees with suspect p1
+    checker = driver.auditor.checker
+    verdict = asyncio.run(checker.recheck(3, 1, 0, ["input"], {"input": "p0"}, [], "p0", ([], [])))
+    _, recheck, values = _host(driver).transport.sent[0]
     assert verdict.agree and isinstance(recheck, Recheck)
     assert recheck.stage == 1 and recheck.weights == [] and recheck.program == len(values) > 0
 
@@ -442,20 +548,21 @@ def test_spot_check_answers_are_capped_per_peer_and_a_check_waits_for_its_own(tm
 
     async def go() -> None:
         driver = _driver(tmp_path, [["p0", "p1"]])
+        checker = driver.auditor.checker
         for _ in range(50):
             driver.take_answer(_inbound("p1", Verdict("r", 0, 1, "p0", True)))
         driver.take_answer(_inbound("p0", Verdict("r", 0, 0, "p1", True)))
-        assert driver.audit_box.qsize() == AUDIT_BOX_PER_PEER + 1
-        got = await driver._answer_of((Verdict,), {"p0"}, driver._deadline())
-        assert got.sender == "p0" and driver.audit_queued["p1"] == 0, "p1's were read past and dropped"
+        assert checker.box.qsize() == AUDIT_BOX_PER_PEER + 1
+        got = await checker.answer_of((Verdict,), {"p0"}, checker.deadline())
+        assert got.sender == "p0" and checker.queued["p1"] == 0, "p1's were read past and dropped"
         with pytest.raises(PeerLost, match="no answer to a spot check"):
-            await driver._answer_of((Verdict,), {"p0"}, time.monotonic() + 0.2)
+            await _after(driver, 1.0, checker.answer_of((Verdict,), {"p0"}, _clock(driver).now() + 0.2))
 
     asyncio.run(go())
 
 
 def _settled(tmp_path: Path, first: list[float], later: list[tuple[bool, list[float]]]) -> dict[str, str]:
-    """Who ``_settle`` takes out of the plan (and why) when checker c0 disputed
+    """Who ``settle`` takes out of the plan (and why) when checker c0 disputed
     suspect p0's work with fingerprint ``first`` and c1, c2, ... then answer ``later``."""
     driver = _driver(tmp_path, [["p0", "c0", "c1", "c2", "c3"]])
 
@@ -467,7 +574,7 @@ def _settled(tmp_path: Path, first: list[float], later: list[tuple[bool, list[fl
 
     more = [(f"c{i + 1}", ask(*answer)) for i, answer in enumerate(later)]
     first_verdict = Verdict("r", 3, 0, "p0", False, "its loss differs", 0, True, first)
-    return asyncio.run(driver._settle((3, 0), "p0", ("c0", first_verdict), more)).lost
+    return asyncio.run(driver.auditor.checker.settle((3, 0), "p0", ("c0", first_verdict), more)).lost
 
 
 def test_two_disputers_must_compute_the_same_to_convict(tmp_path: Path) -> None:
@@ -499,11 +606,9 @@ def test_a_fingerprint_tells_results_within_the_tolerance_from_others() -> None:
 
 
 def test_a_plan_undone_is_not_proposed_again_with_its_replicas_reordered() -> None:
-    from coordinator.rebalancing import _signature
-
     one = Assignment(Cut(()), [["a", "b", "c"]])
-    assert _signature(one) == _signature(Assignment(Cut(()), [["c", "a", "b"]]))
-    assert _signature(Assignment(Cut((30,)), [["a"], ["b", "c"]])) != _signature(
+    assert signature(one) == signature(Assignment(Cut(()), [["c", "a", "b"]]))
+    assert signature(Assignment(Cut((30,)), [["a"], ["b", "c"]])) != signature(
         Assignment(Cut((30,)), [["b"], ["a", "c"]])
     )
 
@@ -513,13 +618,17 @@ def test_reported_seconds_count_only_when_finite_and_in_range() -> None:
     the run's summary adds them up, so a NaN, negative or absurd figure counts as 0,
     and none counts for more than the time the coordinator saw go by (a hostile peer
     inflating its spot-check seconds skewed the page's share of them)."""
-    from coordinator.run import _seconds
+    assert [reported_seconds(x) for x in (0.25, 0, 3600)] == [0.25, 0.0, 3600.0]
+    assert [reported_seconds(x) for x in (float("nan"), float("inf"), -1.0, 1e9)] == [0.0] * 4
+    assert reported_seconds("1") == 0.0  # type: ignore[arg-type]
+    assert [reported_seconds(x, 0.5) for x in (0.25, 3600, float("nan"))] == [0.25, 0.5, 0.0]
+    assert reported_seconds(0.25, -1.0) == 0.0
 
-    assert [_seconds(x) for x in (0.25, 0, 3600)] == [0.25, 0.0, 3600.0]
-    assert [_seconds(x) for x in (float("nan"), float("inf"), -1.0, 1e9)] == [0.0] * 4
-    assert _seconds("1") == 0.0  # type: ignore[arg-type]
-    assert [_seconds(x, 0.5) for x in (0.25, 3600, float("nan"))] == [0.25, 0.5, 0.0]
-    assert _seconds(0.25, -1.0) == 0.0
+
+def _checking(driver: Driver, step: int) -> None:
+    """Spot checks of committed ``step`` under way: they wait for evidence no peer sends
+    (the fake clock stands still, so their deadline never comes)."""
+    driver.auditor.start(step, [(0, 0, False)], {})
 
 
 def test_a_checkpoint_written_while_checks_were_under_way_is_not_resumed_from(tmp_path: Path) -> None:
@@ -527,46 +636,37 @@ def test_a_checkpoint_written_while_checks_were_under_way_is_not_resumed_from(tm
     it holds) are under way. Passed, it is trusted; if the coordinator stops before they
     finish, a resume drops it and starts from step 4; a rollback that drops it forgets it."""
 
-    async def under_way() -> None:
-        await asyncio.sleep(60)
-
-    def written_while_checking(driver: Driver) -> asyncio.Task[None]:
+    def written_while_checking(driver: Driver, checks: list[tuple[int, int, bool]]) -> None:
         for step in (4, 6):
             _with_checkpoint(driver, step)
-        task = asyncio.get_running_loop().create_task(under_way())
-        driver._audit = (5, task)
-        driver._note_unaudited(6)
-        driver._note_unaudited(5)  # the checks of step 5 do not touch the checkpoint of step 5
-        return task
+        driver.auditor.start(5, checks, {})
+        driver.auditor.note_unaudited(6)
+        driver.auditor.note_unaudited(5)  # the checks of step 5 do not touch the checkpoint of step 5
 
     async def go() -> None:
-        driver = _driver(tmp_path / "a", [["p0"], ["p1"]])
-        task = written_while_checking(driver)
-        assert driver.run_dir.get_meta("unaudited") == {"6": 5}
-        task.cancel()
-        driver._audit = None
         events: list[str] = []
-        driver.on_event = events.append
-        driver._drop_unaudited()  # what a resume does first
+        driver = _driver(tmp_path / "a", [["p0"], ["p1"]], on_event=events.append)
+        written_while_checking(driver, [(0, 0, False)])  # waits for evidence no peer sends
+        assert driver.run_dir.get_meta("unaudited") == {"6": 5}
+        await driver.auditor.drop()  # the coordinator stops
+        driver.auditor.drop_unaudited()  # what a resume does first
         assert driver.run_dir.latest().step == 4 and "spot checks of step 5 had not passed" in events[0]
         assert driver.run_dir.get_meta("unaudited") == {}
 
         passed = _driver(tmp_path / "b", [["p0"], ["p1"]])
-        task = written_while_checking(passed)
-        task.cancel()
-        done = asyncio.get_running_loop().create_future()
-        done.set_result(None)
-        passed._audit = (5, done)  # the checks of step 5 passed
-        passed._audit_outcome()
-        assert passed.run_dir.get_meta("unaudited") == {}
-        passed._drop_unaudited()
+        written_while_checking(passed, [])  # nothing to re-execute: the checks pass at once
+        await asyncio.sleep(0)
+        passed.auditor.outcome()
+        assert not passed.auditor.under_way and passed.run_dir.get_meta("unaudited") == {}
+        passed.auditor.drop_unaudited()
         assert passed.run_dir.latest().step == 6
 
         failed = _driver(tmp_path / "c", [["p0"], ["p1"]])
-        written_while_checking(failed).cancel()
-        failed._audit = None
-        failed.st.step, failed.st.losses, failed.st.checkpoint = 7, [1.0] * 7, failed.run_dir.latest()
-        await failed._rollback("audit", at_most=5)  # the checks of step 5 found a cheat
+        written_while_checking(failed, [(0, 0, False)])
+        await failed.auditor.drop()
+        failed.st.step, failed.st.losses = 7, [1.0] * 7
+        failed.checkpoints.latest = failed.run_dir.latest()
+        await failed.recovery.rollback("audit", at_most=5)  # the checks of step 5 found a cheat
         assert failed.st.step == 4 and failed.run_dir.get_meta("unaudited") == {}
 
     asyncio.run(go())
@@ -574,7 +674,7 @@ def test_a_checkpoint_written_while_checks_were_under_way_is_not_resumed_from(tm
 
 def test_a_peer_convicted_and_banned_keeps_its_conviction(tmp_path: Path) -> None:
     driver = _driver(tmp_path, [["p0", "p1"], ["p2"]])
-    driver.coord.banned.add("p1")
+    _host(driver).banned.add("p1")
     _recover(driver, {"p1": f"{EXCLUDED}spot check: it reported a loss of 0.01"})
     assert driver.st.lost["p1"].endswith("it reported a loss of 0.01")
 
@@ -593,10 +693,9 @@ def test_the_record_is_written_before_the_checkpoint_itself(tmp_path: Path) -> N
             return save(*args)
 
         driver.run_dir.save_checkpoint = saving  # type: ignore[method-assign]
-        task = asyncio.get_running_loop().create_task(asyncio.sleep(60))
-        driver._audit = (5, task)
-        await driver._write(6, [{"w": torch.zeros(1)} for _ in range(2)])
-        task.cancel()
+        _checking(driver, 5)
+        await driver.checkpoints.write(6, [{"w": torch.zeros(1)} for _ in range(2)])
+        await driver.auditor.drop()
         assert seen == [{"6": 5}] and driver.run_dir.latest().step == 6
 
     asyncio.run(go())
@@ -607,7 +706,6 @@ def test_disputers_of_honest_work_are_named_with_their_own_verdicts(tmp_path: Pa
     too (with its own loss), an honest third agrees with the suspect: both disputers are
     excluded, each line saying what its own re-execution gave (CI once saw the fake
     loss unnamed when the fake-loss peer was caught this way)."""
-    from protocol.wire.messages import Verdict
 
     def said(agree: bool, detail: str, computed: list[float]) -> Verdict:
         return Verdict("r", 0, 1, "p0", agree, detail, 0, True, computed)
@@ -622,26 +720,22 @@ def test_disputers_of_honest_work_are_named_with_their_own_verdicts(tmp_path: Pa
             return said(True, "", [])
 
         first = ("noisy", said(False, "it reported a loss of 5.5; its inputs give 5.6", [5.6, 0.0]))
-        return await driver._settle((0, 1), "p0", first, [("faker", fake), ("p1", honest)])
+        return await driver.auditor.checker.settle((0, 1), "p0", first, [("faker", fake), ("p1", honest)])
 
     lost = asyncio.run(go()).lost
     assert set(lost) == {"noisy", "faker"}
     assert lost["faker"].endswith("(its own verdict: it reported a loss of 5.5; its inputs give 0.01)")
 
 
-def test_spot_checks_are_drawn_at_the_rate_and_a_share_of_them_runs_the_backward(tmp_path: Path) -> None:
-    import random
-
+def test_spot_checks_are_drawn_at_the_rate_and_a_share_of_them_runs_the_backward() -> None:
     from protocol.trust.spotcheck import BACKWARD_SHARE
 
-    driver = _driver(tmp_path, [["p0"], ["p1", "p2"]])
-    driver.cfg.spot_check = 0.5
-    driver._audit_rng = random.Random(0)
-    drawn = [c for _ in range(2000) for c in driver._sample_checks()]
-    units = 2000 * 2 * driver.job.micro_batches
+    rng, micro_batches = random.Random(0), JOB.micro_batches
+    drawn = [c for _ in range(2000) for c in sample_checks([["p0"], ["p1", "p2"]], 0.5, micro_batches, rng)]
+    units = 2000 * 2 * micro_batches
     assert len(drawn) == pytest.approx(0.5 * units, rel=0.05)
     assert sum(backward for _, _, backward in drawn) == pytest.approx(BACKWARD_SHARE * len(drawn), rel=0.1)
-    assert {s for s, _, _ in drawn} == {0, 1} and {mb for _, mb, _ in drawn} == set(range(driver.job.micro_batches))
+    assert {s for s, _, _ in drawn} == {0, 1} and {mb for _, mb, _ in drawn} == set(range(micro_batches))
 
 
 def test_a_peer_cannot_claim_more_compute_than_the_time_that_went_by(tmp_path: Path) -> None:
@@ -650,13 +744,15 @@ def test_a_peer_cannot_claim_more_compute_than_the_time_that_went_by(tmp_path: P
 
     async def go() -> None:
         driver = _driver(tmp_path, [["p0"], ["p1"]])
-        inbox = driver.coord.transport.inbox  # type: ignore[union-attr]
-        began = time.perf_counter()
-        await inbox.put(_inbound("p0", StepDone("r", 0, 0, 0, compute_s=3000.0, audit_s=3000.0)))
-        await inbox.put(_inbound("p1", StepDone("r", 0, 1, 0, {"0": 2.5}, compute_s=0.001, audit_s=0.0)))
-        await driver._await_done(0, 1, began)
-        went_by = time.perf_counter() - began
-        assert driver.st.train_compute_s <= 2 * went_by < 1.0  # each report at most the time gone by
-        assert driver.st.audit_compute_s <= went_by
+        began = _clock(driver).now()
+        await _clock(driver).advance(0.25)  # the step took a quarter of a second
+        await _put(
+            driver,
+            _inbound("p0", StepDone("r", 0, 0, 0, compute_s=3000.0, audit_s=3000.0)),
+            _inbound("p1", StepDone("r", 0, 1, 0, {"0": 2.5}, compute_s=0.001, audit_s=0.0)),
+        )
+        await driver.pipeline.await_done(0, 1, began)
+        assert driver.st.train_compute_s == pytest.approx(0.25 + 0.001)  # each report at most the time gone by
+        assert driver.st.audit_compute_s == pytest.approx(0.25)
 
     asyncio.run(go())

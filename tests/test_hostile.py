@@ -189,13 +189,13 @@ def test_a_number_beyond_any_float_is_a_bad_message_not_a_crash() -> None:
 
 
 def test_non_finite_losses_exclude_the_peer_except_under_fp16_loss_scaling() -> None:
-    from coordinator.run import _finite_losses
+    from coordinator.pipeline import finite_losses
     from coordinator.runstate import EXCLUDED, PeerLost
 
     with pytest.raises(PeerLost) as lost:
-        _finite_losses("peer", {"0": 1.0, "1": float("nan")})
+        finite_losses("peer", {"0": 1.0, "1": float("nan")})
     assert lost.value.lost["peer"].startswith(EXCLUDED)
-    assert _finite_losses("peer", {"0": float("inf")}, overflow_ok=True) == {"0": float("inf")}
+    assert finite_losses("peer", {"0": float("inf")}, overflow_ok=True) == {"0": float("inf")}
 
 
 def test_forged_overflows_cannot_drive_the_loss_scale_to_zero() -> None:

@@ -1,0 +1,175 @@
+"""Setting a plan epoch up: every planned peer gets its assignment (and its stage's
+program and state where the epoch restores them), standby peers are told to wait,
+each peer measures its links to the next stage, and the codecs of the cut edges are
+chosen from what they measured. And at the end of the run, every admitted peer is
+told it is over."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from coordinator.checkpoint import RunDir
+from coordinator.checkpointing import Checkpoints
+from coordinator.host import Host
+from coordinator.links import boundary_specs
+from coordinator.messaging import Mailbox
+from coordinator.outcome import SwarmError
+from coordinator.planning import Planner
+from coordinator.runstate import RunState
+from coordinator.scaling import LossScales
+from coordinator.stages import Stages
+from protocol.net.clock import Clock
+from protocol.wire.messages import Assign, Finish, LinkPlan, Ready, Release, StageProgram, StageState, Standby
+
+logger = logging.getLogger(__name__)
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        host: Host,
+        st: RunState,
+        stages: Stages,
+        planner: Planner,
+        checkpoints: Checkpoints,
+        scales: LossScales,
+        mailbox: Mailbox,
+        run_dir: RunDir,
+        clock: Clock,
+    ) -> None:
+        self.host = host
+        self.cfg = host.config
+        self.st = st
+        self.stages = stages
+        self.planner = planner
+        self.checkpoints = checkpoints
+        self.scales = scales
+        self.mailbox = mailbox
+        self.run_dir = run_dir
+        self.clock = clock
+
+    async def dispatch(self) -> None:
+        """Set the current plan epoch up; ``st.dispatched`` once every peer is ready."""
+        st, cfg, host = self.st, self.cfg, self.host
+        assert st.plan is not None
+        plan, k = st.plan, st.plan.cut.num_stages
+        t0 = self.clock.now()
+        await self.planner.refresh_adverts()
+        if cfg.link_mbps and len(cfg.link_mbps) != k - 1:
+            raise SwarmError(f"--link-mbps gives {len(cfg.link_mbps)} rates; the plan has {k - 1} stage boundaries")
+        st.specs = boundary_specs(self.stages.model, plan.cut, self.stages.example, self.stages.recipe)
+        host.gate.epoch = st.epoch
+        self.run_dir.set_meta("epoch", st.epoch)
+        self.run_dir.set_meta("peers", {p: a.maddrs for p, a in host.adverts.items()})
+        self._show_plan()
+        for p in st.planned:
+            self.mailbox.transport.learn(p, host.adverts[p].maddrs if p in host.adverts else [])
+        self._show_paths(plan.stages)
+        await self._send_stages()
+        for p in self.planner.standby():
+            self.mailbox.background(self.mailbox.send_quietly(p, Standby(cfg.run_id, st.epoch)))
+        self.mailbox.heard_all(st.planned)
+        await self._await_ready()
+        st.dispatched = True
+        st.dispatch_s, st.epoch_start = self.clock.now() - t0, st.step
+
+    def _show_plan(self) -> None:
+        """The new epoch and its plan on the status page."""
+        st, board, dag = self.st, self.host.board, self.stages.dag
+        assert st.plan is not None
+        board.set_epoch(st.epoch, st.reason)
+        board.set_plan(
+            [op.flops for op in dag.ops],
+            dag.stage_costs(st.plan.cut),
+            st.plan.cut.to_list(),
+            dag.boundary_bytes(st.plan.cut),
+            st.plan.stages,
+        )
+        for p in self.planner.standby():
+            board.peer_state(p, "standby")
+
+    async def _send_stages(self) -> None:
+        """Each planned peer's assignment, and its stage's program and state where due."""
+        st, cfg = self.st, self.cfg
+        assert st.plan is not None
+        plan, loop = st.plan, asyncio.get_running_loop()
+        states = programs = None
+        if st.restore == "state":
+            states = await loop.run_in_executor(None, self.checkpoints.stage_states, plan.cut)
+        if self.stages.as_programs and st.restore != "keep":
+            programs = await loop.run_in_executor(None, self.stages.programs, plan.cut)
+        for s, group in enumerate(plan.stages):
+            for r, p in enumerate(group):
+                await self.mailbox.send(p, self._assign_msg(s, r))
+                if programs is not None:
+                    await self.mailbox.send(p, StageProgram(cfg.run_id, s, plan.cut.to_list(), st.epoch), programs[s])
+                if states is not None:
+                    names = sorted(states[s])
+                    msg = StageState(cfg.run_id, s, names, st.epoch, st.step)
+                    await self.mailbox.send(p, msg, [states[s][n] for n in names])
+
+    def _show_paths(self, stages: list[list[str]]) -> None:
+        """On the page, how each planned peer behind a NAT is reached: it dials out, or
+        (its stage or a neighbouring one has another such peer) frames are forwarded."""
+        nat = {p for group in stages for p in group if not self.host.reached.get(p, True)}
+        for s, group in enumerate(stages):
+            partners = {p for i in (s - 1, s, s + 1) if 0 <= i < len(stages) for p in stages[i]}
+            for p in nat & set(group):
+                self.host.board.set_connection(p, "forwarded" if (nat & partners) - {p} else "dial-out")
+
+    def _assign_msg(self, s: int, r: int) -> Assign:
+        st, cfg, plan, host = self.st, self.cfg, self.st.plan, self.host
+        assert plan is not None
+        maddrs = {p: host.adverts[p].maddrs for p in st.planned if p in host.adverts}
+        return Assign(
+            cfg.run_id,
+            s,
+            r,
+            cfg.job_fields(),
+            plan.cut.to_list(),
+            plan.stages,
+            maddrs,
+            cfg.schedule,
+            keys=host.keys_of(st.planned),
+            specs=st.specs,
+            link_mbps=list(cfg.link_mbps),
+            epoch=st.epoch,
+            start_step=st.step,
+            restore=st.restore,
+            loss_scale=self.scales.scale.scale,
+            pending_factor=self.scales.last.factor,
+            pending_skip=self.scales.last.skip,
+            program=self.stages.as_programs,
+            certs={p: host.gate.until[p] for p in st.planned if p in host.gate.until},
+            nat=sorted(p for p in st.planned if not host.reached.get(p, True)),
+        )
+
+    async def _await_ready(self) -> None:
+        st, cfg = self.st, self.cfg
+        assert st.plan is not None
+        pending, measured = set(st.planned), {}
+        while pending:
+            inbound = await self.mailbox.next((Ready,), pending)
+            pending.discard(inbound.sender)
+            measured[inbound.sender] = inbound.message.next_mbps
+            st.learn_links(inbound.sender, {p: v for p, v in inbound.message.next_mbps.items() if p in st.planned})
+        st.codecs, st.mbps = self.host.choose_codecs(self.stages.dag, st.plan, st.specs, measured)
+        self.host.board.set_links([str(c) for c in st.codecs], st.mbps)
+        for p in st.planned:
+            await self.mailbox.send(p, LinkPlan(cfg.run_id, [c.to_json() for c in st.codecs], st.epoch))
+
+    async def release(self) -> None:
+        """Tell every admitted peer the run is over: the plan's, the standby peers with
+        an advert, and those whose advert the DHT did not return just now (a peer never
+        told would wait for a coordinator that is gone)."""
+        st, mailbox = self.st, self.mailbox
+        try:
+            await self.planner.refresh_adverts()  # standby peers that came (back) since
+        except Exception as exc:  # the DHT may hiccup: the admitted peers are told anyway
+            logger.info("the last advert refresh failed: %s", exc)
+        told = (st.planned | set(self.planner.standby()) | set(self.host.gate.keys)) - set(st.lost)
+        finish = Finish(self.cfg.run_id, False, st.epoch)
+        me = mailbox.transport.peer_id
+        await asyncio.gather(*(mailbox.send_quietly(p, finish) for p in told if p != me))
+        await asyncio.gather(*(mailbox.send_quietly(p, Release(self.cfg.run_id)) for p in st.planned))

@@ -1,0 +1,272 @@
+"""The step pipeline: one training step of the current plan epoch, and the
+validation passes. A step is two-phase: peers run their forward and backward passes
+and report ``StepDone``; only when every planned peer has does the coordinator count
+the step and send ``Commit``, and only then do peers apply the optimizer update."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections.abc import Callable, Iterator
+
+import torch
+
+from coordinator.auditing import Auditor
+from coordinator.checkpoint import RunDir
+from coordinator.checkpointing import Checkpoints
+from coordinator.host import Host
+from coordinator.messaging import Mailbox
+from coordinator.outcome import StepReport, SwarmError
+from coordinator.rebalancing import Rebalancer
+from coordinator.runstate import EXCLUDED, PeerLost, RunState
+from coordinator.scaling import LossScales
+from coordinator.spotchecks import Check
+from coordinator.stages import Stages
+from protocol.model.job import mean_loss, split_batch
+from protocol.model.recipe import Update, decide_update, in_model_order
+from protocol.net.clock import Clock
+from protocol.wire.encoding import encode_values
+from protocol.wire.expect import match_values
+from protocol.wire.messages import Activations, Commit, EvalActivations, EvalDone, StepDone
+from protocol.wire.reject import Rejected
+
+logger = logging.getLogger(__name__)
+
+
+class StepPipeline:
+    def __init__(
+        self,
+        host: Host,
+        st: RunState,
+        stages: Stages,
+        mailbox: Mailbox,
+        auditor: Auditor,
+        checkpoints: Checkpoints,
+        rebalancer: Rebalancer,
+        scales: LossScales,
+        run_dir: RunDir,
+        clock: Clock,
+        on_step: Callable[[StepReport], None] | None,
+        on_event: Callable[[str], None],
+    ) -> None:
+        self.host = host
+        self.cfg = host.config
+        self.st = st
+        self.stages = stages
+        self.job = stages.job
+        self.recipe = stages.recipe
+        self.mailbox = mailbox
+        self.auditor = auditor
+        self.checkpoints = checkpoints
+        self.rebalancer = rebalancer
+        self.scales = scales
+        self.run_dir = run_dir
+        self.clock = clock
+        self.on_step = on_step
+        self.on_event = on_event
+        self.mb_losses: dict[str, float] = {}  # the last step's losses by micro-batch
+        self._data: tuple[int, Iterator[tuple[torch.Tensor, ...]]] | None = None
+        self._done_at: dict[str, float] = {}  # when each peer's last StepDone came (clock seconds)
+
+    def _batch(self, step: int) -> tuple[torch.Tensor, ...]:
+        """Batch ``step`` of the deterministic data stream (replayed after a rollback)."""
+        if self._data is None or self._data[0] != step:
+            self._data = (step, itertools.islice(self.job.batches(), step, None))
+        _, it = self._data
+        self._data = (step + 1, it)
+        return next(it)
+
+    async def step(self) -> None:
+        """Run step ``st.step`` of the current plan, commit it, and what follows it
+        (spot checks, a checkpoint, an evaluation, a rebalance)."""
+        st = self.st
+        assert st.plan is not None
+        step, t0 = st.step, self.clock.now()
+        audited = self.auditor.under_way  # the last step's spot checks run in this one's time
+        batch = self._batch(step)
+        mbs = split_batch(batch, self.job.micro_batches)
+        await self._feed(step, mbs)
+        losses, norms = await self.await_done(step, len(mbs), t0)
+        waited = self.clock.now()
+        await self.auditor.settled()  # peers hold one committed step for its spot checks
+        st.audit_wait_s += self.clock.now() - waited
+        checks = self.auditor.sample()
+        if checks and step + 1 == self.job.steps:  # the result is never left unchecked
+            await self.auditor.check_now(step, checks, self.mb_losses)
+            checks, audited = [], True
+        update = self._decide(step, norms)
+        # the step counts from here: a peer lost now finds the survivors holding or applying it
+        self._count(step, update, losses, t0, audited, batch[0].numel())
+        candidate = self.rebalancer.check()
+        checkpoint = self.checkpoints.due(force=candidate is not None)
+        if checkpoint:
+            self.scales.record(st.step)
+        evaluate = len(self.stages.eval_micro_batches(st.specs)) if self.job.eval_due(st.step) else 0
+        await self._commit(step, update, checkpoint, evaluate, checks)
+        if checks:
+            self.auditor.start(step, checks, self.mb_losses)
+        if evaluate:
+            await self.evaluate(step)
+        if candidate is not None:
+            await self.rebalancer.move_to(candidate)
+
+    async def _feed(self, step: int, mbs: list[tuple[torch.Tensor, ...]]) -> None:
+        """The step's micro-batches to the first stage's peers (checked against the plan first)."""
+        st = self.st
+        assert st.plan is not None
+        for m, mb in enumerate(mbs):
+            try:
+                match_values(encode_values(list(mb))[0], st.specs[0], None)
+            except Rejected as exc:
+                raise SwarmError(f"step {step}, micro-batch {m} does not fit the plan: {exc.detail}") from None
+        first = st.plan.stages[0]
+        for m, mb in enumerate(mbs):
+            await self.mailbox.send(first[m % len(first)], Activations(self.cfg.run_id, step, m, 0, st.epoch), list(mb))
+
+    def _count(self, step: int, update: Update, loss: float, began: float, audited: bool, tokens: int) -> None:
+        """Step ``step`` (begun at ``began``) is committed: its loss, time and tokens on
+        the record and the page."""
+        st = self.st
+        st.step += 1
+        self.scales.commit(st.step, update)
+        st.losses.append(loss)
+        self.run_dir.record_loss(step, loss)
+        seconds = self.clock.now() - began
+        st.step_seconds.append(seconds)
+        st.audited.append(audited)
+        st.tokens += tokens
+        st.tokens_per_step = tokens
+        self.host.board.step_done(step, loss, seconds, tokens, self.host.traffic(st))
+        if self.on_step:
+            self.on_step(StepReport(step, loss, seconds, tokens))
+
+    async def _commit(self, step: int, update: Update, checkpoint: bool, evaluate: int, checks: list[Check]) -> None:
+        """Tell every planned peer to apply step ``step``'s update."""
+        st, scale = self.st, self.scales.scale
+        assert st.plan is not None
+        keep = {p for s, _, _ in checks for p in st.plan.stages[s]}  # they keep this step's weights
+        try:
+            for p in st.planned:
+                msg = Commit(self.cfg.run_id, step, st.epoch, checkpoint, update.factor, update.skip, scale.scale,
+                             evaluate, p in keep)  # fmt: skip
+                await self.mailbox.send(p, msg)
+        except PeerLost as exc:  # a peer gone before its commit (a cheat leaving?) cannot dodge the checks
+            raise PeerLost(exc.lost, rollback_to=step if checks else None) from None
+
+    async def await_done(self, step: int, micro_batches: int, began: float) -> tuple[float, dict[str, float]]:
+        """The step's mean loss, and the gradient norms of every stage's replica 0 (the
+        step began at ``began``, by the clock)."""
+        st = self.st
+        assert st.plan is not None
+        pending, step_losses, norms = set(st.planned), {}, {}
+        while pending:
+            inbound = await self.mailbox.next((StepDone,), pending)
+            msg: StepDone = inbound.message
+            if msg.step != step:
+                continue
+            pending.discard(inbound.sender)
+            if inbound.sender in st.plan.stages[-1]:  # only the last stage computes the loss
+                step_losses.update(finite_losses(inbound.sender, msg.losses, self.recipe.scales_loss))
+            if self.recipe.needs_norm and inbound.sender in (g[0] for g in st.plan.stages):
+                norms.update(self._checked_norms(inbound.sender, msg))
+            self._account(inbound.sender, msg, began)
+        self.mb_losses = step_losses
+        if len(step_losses) != micro_batches:
+            raise SwarmError(f"step {step}: got {len(step_losses)} losses for {micro_batches} micro-batches")
+        return sum(step_losses.values()) / micro_batches, norms
+
+    def _account(self, sender: str, msg: StepDone, began: float) -> None:
+        """What a peer's StepDone says of its compute and traffic, on the record."""
+        st = self.st
+        st.compute.setdefault(sender, []).append(msg.compute_s)
+        now = self.clock.now()  # no peer computes longer than the time that went by
+        st.train_compute_s += reported_seconds(msg.compute_s, now - began)
+        st.audit_compute_s += reported_seconds(msg.audit_s, now - self._done_at.get(sender, began))
+        self._done_at[sender] = now
+        self.rebalancer.measure(sender, msg)
+        st.link_bytes[sender] = msg.bytes_sent
+        st.raw_bytes[sender] = msg.raw_sent
+
+    def _checked_norms(self, sender: str, msg: StepDone) -> dict[str, float]:
+        """A stage's gradient norms: only its own parameters, none negative."""
+        assert self.st.plan is not None
+        stage = next(s for s, group in enumerate(self.st.plan.stages) if sender in group)
+        own = self.stages.names(self.st.plan.cut)[stage]
+        bad = [n[:80] for n, v in msg.grad_norms.items() if n not in own or not _norm_value(v)]
+        if bad:
+            raise PeerLost({sender: f"{EXCLUDED}it reported gradient norms that are not its stage's ({bad[0]})"})
+        if not self.recipe.scales_loss and not all(math.isfinite(v) for v in msg.grad_norms.values()):
+            # its inputs were finite (receivers check them): its own gradients are not
+            raise PeerLost({sender: f"{EXCLUDED}it reported a non-finite gradient norm"})
+        return {n: float(v) for n, v in msg.grad_norms.items()}
+
+    def _decide(self, step: int, norms: dict[str, float]) -> Update:
+        """The step's update (the global clip, fp16's skip and loss scale)."""
+        scale = self.scales.scale
+        if not self.recipe.needs_norm:
+            return Update(scale=scale)
+        update = decide_update(self.recipe, in_model_order(self.stages.param_order, norms), scale)
+        if update.skip:
+            now = update.scale.scale
+            self.on_event(f"step {step}: the gradients are not finite; update skipped, loss scale now {now:g}")
+        return update
+
+    async def evaluate(self, step: int) -> None:
+        """Run the validation set forward through the stages after step ``step``'s
+        update; record the validation loss."""
+        st, cfg = self.st, self.cfg
+        assert st.plan is not None
+        mbs = self.stages.eval_micro_batches(st.specs)
+        first, last = st.plan.stages[0], st.plan.stages[-1]
+        for m, mb in enumerate(mbs):
+            await self.mailbox.send(first[m % len(first)], EvalActivations(cfg.run_id, step, m, 0, st.epoch), list(mb))
+        pending, losses = set(last), {}
+        while pending:
+            inbound = await self.mailbox.next((EvalDone,), pending)
+            if inbound.message.step != step:
+                continue
+            pending.discard(inbound.sender)
+            replica = last.index(inbound.sender)  # its own micro-batches only: not another replica's
+            own = {k: v for k, v in inbound.message.losses.items() if _of_replica(k, replica, len(last))}
+            losses.update(finite_losses(inbound.sender, own, self.recipe.scales_loss))
+        wanted = [str(m) for m in range(len(mbs))]
+        if any(k not in losses for k in wanted):
+            self.on_event(f"step {step}: the evaluation came back incomplete; no validation loss recorded")
+            return
+        val = mean_loss([losses[k] for k in wanted])
+        st.val_losses.append((step + 1, val))
+        self.run_dir.set_meta("val_losses", st.val_losses)
+        self.host.board.evaluated(step + 1, val)
+        self.on_event(f"validation loss after step {step + 1}: {val:.4f}")
+
+
+def _norm_value(v: object) -> bool:
+    """A gradient norm as a peer may report it: a number, not negative (inf and nan
+    say the gradients were not finite)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and not v < 0
+
+
+def reported_seconds(reported: float, went_by: float = 3600.0) -> float:
+    """Seconds a peer reports (of one step: at most an hour), at most the ``went_by``
+    seconds the coordinator saw pass meanwhile, or 0 where the figure is not a finite,
+    non-negative number of them."""
+    ok = isinstance(reported, (int, float)) and math.isfinite(reported) and 0 <= reported <= 3600
+    return min(float(reported), max(went_by, 0.0)) if ok else 0.0
+
+
+def finite_losses(sender: str, losses: dict[str, float], overflow_ok: bool = False) -> dict[str, float]:
+    """A last-stage peer's losses; one that is not a finite number excludes the peer
+    (its inputs were finite: receivers check them), and the step is redone without it.
+    Under fp16's loss scaling (``overflow_ok``) an overflow is the scale's business."""
+    bad = [k for k, v in losses.items() if not isinstance(v, (int, float)) or not (overflow_ok or math.isfinite(v))]
+    if bad:
+        raise PeerLost(
+            {sender: f"excluded: it reported a non-finite loss ({losses[bad[0]]!r}) for micro-batch {bad[0]}"}
+        )
+    return losses
+
+
+def _of_replica(mb: str, replica: int, replicas: int) -> bool:
+    """Whether validation micro-batch ``mb`` (a string key) is the given replica's."""
+    return mb.isdigit() and int(mb) % replicas == replica

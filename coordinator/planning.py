@@ -1,0 +1,52 @@
+"""Plans for a run: OP-Fence over the peers' adverts (or their measured speeds), with
+the peers behind a NAT and the links probed so far, and the standby pool (admitted
+peers outside the plan)."""
+
+from __future__ import annotations
+
+import logging
+
+from coordinator.assign import Assignment, assign
+from coordinator.host import Host
+from coordinator.opdag import OpDag
+from coordinator.outcome import SwarmError
+from coordinator.runstate import RunState
+from protocol.wire.messages import Advert
+
+logger = logging.getLogger(__name__)
+
+
+class Planner:
+    def __init__(self, host: Host, st: RunState, dag: OpDag, micro_batches: int) -> None:
+        self.host = host
+        self.st = st
+        self.dag = dag
+        self.micro_batches = micro_batches
+
+    def plan(self, adverts: list[Advert], keep_out: int = 0, leave_out: bool = False) -> Assignment:
+        """OP-Fence over ``adverts``; the ``keep_out`` slowest wait as standby, and with
+        ``leave_out`` OP-Fence may leave more out where that is faster."""
+        ranked = sorted(adverts, key=lambda a: -a.flops)
+        use = ranked[: max(len(ranked) - keep_out, 1)]
+        stages = self.host.config.num_stages
+        k = min(stages, len(use)) if stages else None if leave_out else len(use)
+        try:
+            plan = assign(self.dag, use, k, self.micro_batches, standby=leave_out, measured=self.st.link_mbps,
+                          nat=self.behind_nat())  # fmt: skip
+        except ValueError as exc:
+            raise SwarmError(f"cannot plan the run: {exc}") from None
+        return plan
+
+    def behind_nat(self) -> set[str]:
+        """Admitted peers that could not be dialled back."""
+        return {p for p, direct in self.host.reached.items() if not direct}
+
+    def standby(self) -> list[str]:
+        """Admitted peers with a live advert outside the plan and not lost, fastest first."""
+        planned = self.st.planned
+        pool = [a for p, a in self.host.adverts.items() if p not in planned and p not in self.st.lost]
+        return [a.peer_id for a in sorted(pool, key=lambda a: -a.flops)]
+
+    async def refresh_adverts(self) -> None:
+        """Read the live adverts again (planned peers keep theirs through a DHT hiccup)."""
+        self.host.keep_adverts(await self.host.live_adverts(), self.st.planned)
