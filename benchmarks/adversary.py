@@ -59,14 +59,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from p2p import claiming, transport_pair  # noqa: E402
 
-from protocol.net.transport import (  # noqa: E402
-    _LANE_HEAD,
-    BW_PROTOCOL,
-    LANE_PROTOCOL,
-    MAX_WAITING_PARTS,
-    MSG_PROTOCOL,
-    PeerUnreachable,
-)
+from protocol.net.probe import BW_PROTOCOL  # noqa: E402
+from protocol.net.transport import _LANE_HEAD, LANE_PROTOCOL, MAX_WAITING_PARTS, MSG_PROTOCOL, PeerUnreachable  # noqa: E402
 from protocol.trust.spotcheck import BACKWARD_SHARE, DEFAULT_SPOT_CHECK, MIN_CLEAN_STEPS, survival  # noqa: E402
 from protocol.wire.encoding import write_frame  # noqa: E402
 from tests.swarmproc import SMALL, Swarm  # noqa: E402

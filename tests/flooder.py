@@ -51,7 +51,8 @@ async def flood(
 ) -> None:
     from hivemind.p2p import P2P, PeerID
 
-    from protocol.net.transport import MSG_PROTOCOL, peer_id_of
+    from protocol.net.addrs import peer_id_of
+    from protocol.net.transport import MSG_PROTOCOL
     from protocol.trust.identity import Identity
     from protocol.wire.envelope import Sealer
     from protocol.wire.messages import Beat

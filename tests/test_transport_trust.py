@@ -132,7 +132,8 @@ def test_broken_bandwidth_probe_is_peer_unreachable() -> None:
     not a stray IncompleteReadError."""
 
     async def go() -> None:
-        from protocol.net.transport import BW_PROTOCOL, PeerUnreachable
+        from protocol.net.probe import BW_PROTOCOL
+        from protocol.net.transport import PeerUnreachable
 
         async with transport_pair("r") as (a, b):
 
@@ -177,7 +178,8 @@ def test_bandwidth_probes_answer_only_admitted_peers_and_never_amplify(monkeypat
     monkeypatch.setattr(transport, "ADMISSION_WAIT_S", 0.5)
 
     async def go() -> None:
-        from protocol.net.transport import BW_PROTOCOL, PROBE_BUDGET_BYTES, PeerUnreachable
+        from protocol.net.probe import BW_PROTOCOL, PROBE_BUDGET_BYTES
+        from protocol.net.transport import PeerUnreachable
         from protocol.wire.encoding import write_frame
 
         async with transport_pair("r") as (a, b):

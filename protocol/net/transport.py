@@ -5,7 +5,8 @@ stream per destination and writes frames on it (no size cap, no protobuf
 chunking). Received frames land in an inbox queue with the sender's libp2p peer
 id, which the libp2p handshake authenticated. A sender that the gate mutes (too
 many rejections: ``protocol.wire.gate.MUTE_REJECTS``) is disconnected once, and
-every stream it opens until the mute ends is closed before a byte is read.
+every stream it opens until the mute ends is closed before a byte is read. Its
+parts: ``lanes`` (large payloads), ``probe`` (bandwidth), ``pacing``, ``forward``.
 """
 
 from __future__ import annotations
@@ -22,11 +23,15 @@ from typing import Any
 
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr as HivemindMultiaddr
-from multiaddr import Multiaddr
 
+from protocol.net import probe
+from protocol.net.addrs import strip_p2p
 from protocol.net.budget import ByteBudget
 from protocol.net.forward import FWD_PROTOCOL, Forwarding
-from protocol.net.streams import FRAME_MIN_RATE, PAYLOAD_GRACE_S, discard, linger, read_frame_head, read_payload
+from protocol.net.lanes import LaneParts
+from protocol.net.pacing import Pacer
+from protocol.net.probe import BW_PROTOCOL, ProbeBudget
+from protocol.net.streams import discard, read_frame_head, read_payload
 from protocol.net.tasks import honour_cancel
 from protocol.trust.identity import Identity
 from protocol.wire.encoding import (
@@ -35,9 +40,7 @@ from protocol.wire.encoding import (
     WireError,
     encode_values,
     raw_bytes,
-    read_head,
     split_buffers,
-    write_frame,
 )
 from protocol.wire.envelope import Envelope, Sealer, inline_payload, lane_id
 from protocol.wire.gate import Gate
@@ -49,14 +52,6 @@ logger = logging.getLogger(__name__)
 #: a libp2p stream handler: (stream info, reader, writer)
 Handler = Callable[[Any, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 MSG_PROTOCOL = "/fusionllm/msg/1"
-BW_PROTOCOL = "/fusionllm/bw/1"
-#: a bandwidth probe moves at most MAX_PROBE_BYTES each way; one sender's probes at
-#: most PROBE_BUDGET_BYTES (both ways) per PROBE_WINDOW_S
-MAX_PROBE_BYTES = 64 << 20
-PROBE_BUDGET_BYTES = 256 << 20
-PROBE_WINDOW_S = 60.0
-PROBE_LINGER_S = 5.0  # a probe's answer is kept open until the prober has read it (or this long)
-PROBE_MIN_CHARGE = 1 << 20  # what the budget counts for a probe, however small: a stream held is not free
 #: lane parts that arrived before (or without) their frame's head: kept this long, and
 #: at most this many per sender
 LANE_PART_TTL_S = 120.0
@@ -77,7 +72,6 @@ DIAL_OUT_S = 15.0
 OPEN_RETRY_S = 1.0  # a stream that fails to open (a daemon busy a moment) is tried again this long
 #: how long a probe waits for its sender's hello to be admitted
 ADMISSION_WAIT_S = 10.0
-_ZEROS = bytes(1 << 20)
 LANE_PROTOCOL = "/fusionllm/lane/1"
 #: payloads above this travel over several parallel streams ("lanes"): one libp2p
 #: stream through the p2p daemon is bound by one core, several are not
@@ -114,23 +108,6 @@ class Inbound:
         return self.frame.values()
 
 
-def strip_p2p(maddr: str) -> str:
-    """The transport part of a multiaddr without ``/p2p/<id>``: the p2p daemon
-    client cannot take hivemind's CID encoding of peer ids."""
-    m = Multiaddr(maddr)
-    try:
-        return str(m.decapsulate_code(0x01A5))  # P_P2P
-    except Exception:
-        return maddr
-
-
-def peer_id_of(maddr: str) -> str | None:
-    try:
-        return Multiaddr(maddr).value_for_protocol(0x01A5)
-    except Exception:
-        return None
-
-
 class Transport(Forwarding):
     """Send and receive signed FusionLLM frames over a hivemind ``P2P`` instance.
 
@@ -150,17 +127,13 @@ class Transport(Forwarding):
         self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._known: dict[str, list[str]] = {}
         self._frame_ids = itertools.count()
-        self._lane_parts: dict[tuple[str, int, int], asyncio.Future[bytes]] = {}
-        self._dropped: set[tuple[str, int]] = set()  # (sender, lane frame id) of rejected frames
-        self._part_born: dict[tuple[str, int, int], float] = {}  # lane parts waiting for their head: since when
+        self._lane_parts = LaneParts(LANE_PART_TTL_S, MAX_WAITING_PARTS)
         #: whether a sender may send a lane part of this many bytes (checked before reading it); None: any admitted
         self.lane_ok: Callable[[str, int], bool] | None = None
         #: takes some checked messages aside instead of the inbox (True: taken)
         self.divert: Callable[[Inbound], bool] | None = None
-        self._probes: dict[str, list[tuple[float, int]]] = {}  # sender -> (when, bytes) of its recent probes
-        self._rates: dict[str, float] = {}  # peer id -> bytes/s
-        self._pace_locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
-        self._free_at: dict[str, float] = defaultdict(float)
+        self.probes = ProbeBudget()  # what each sender's bandwidth probes moved lately
+        self.pacer = Pacer()
         #: when bytes last arrived from each sender (time.monotonic()): a peer busy sending a
         #: large frame is not silent, though no whole message of it has arrived yet
         self.last_activity: dict[str, float] = {}
@@ -223,21 +196,7 @@ class Transport(Forwarding):
 
     def set_rate(self, peer_id: str, mbps: float | None) -> None:
         """Pace sends to ``peer_id`` to ``mbps`` Mbit/s (None: as fast as possible)."""
-        if mbps is None or mbps <= 0:
-            self._rates.pop(peer_id, None)
-        else:
-            self._rates[peer_id] = mbps * 1e6 / 8
-
-    async def _pace(self, peer_id: str, nbytes: int) -> None:
-        """Wait as long as ``nbytes`` take on the paced link to ``peer_id``."""
-        rate = self._rates.get(peer_id)
-        if rate is None:
-            return
-        async with self._pace_locks[peer_id]:
-            now = time.monotonic()
-            start = max(now, self._free_at[peer_id])
-            self._free_at[peer_id] = start + nbytes / rate
-            await asyncio.sleep(self._free_at[peer_id] - now)
+        self.pacer.set_rate(peer_id, mbps)
 
     async def connect(self, peer_id: str) -> None:
         """Dial ``peer_id`` at its known addresses (raises when the daemon cannot)."""
@@ -315,18 +274,18 @@ class Transport(Forwarding):
         codec = str(link.codec) if link is not None else "none"
         if peer_id in self.forward_via:  # both behind NATs: through a peer both reach, payload inline
             head, _ = self.sealer.seal(message, descs, chunks, codec)
-            await self._pace(peer_id, len(head) + total)
+            await self.pacer.wait(peer_id, len(head) + total)
             n = await self._send_forwarded(peer_id, head, chunks)
         elif total <= LANE_THRESHOLD:
             head, _ = self.sealer.seal(message, descs, chunks, codec)
-            await self._pace(peer_id, len(head) + total)
+            await self.pacer.wait(peer_id, len(head) + total)
             n = await self._write(peer_id, peer_id, MSG_PROTOCOL, [head, *chunks])
         else:
             frame_id = next(self._frame_ids)
             parts = split_buffers(chunks, LANES)
             sizes = [sum(len(c) for c in part) for part in parts]
             head, _ = self.sealer.seal(message, descs, chunks, codec, {"id": frame_id, "bytes": sizes})
-            await self._pace(peer_id, len(head) + total)
+            await self.pacer.wait(peer_id, len(head) + total)
             writes = [self._write(peer_id, peer_id, MSG_PROTOCOL, [head])]
             for lane, part in enumerate(parts):
                 lane_head = _LANE_HEAD.pack(frame_id, lane, sizes[lane])
@@ -335,18 +294,6 @@ class Transport(Forwarding):
         self.bytes_sent[peer_id] += n
         self.raw_sent[peer_id] += n - total + raw_bytes(descs)
         return n
-
-    def _drop_lanes(self, sender: str, frame_id: int) -> None:
-        if len(self._dropped) > 4096:
-            self._dropped.clear()
-        self._dropped.add((sender, frame_id))
-        for lane in range(LANES):
-            self._lane_parts.pop((sender, frame_id, lane), None)
-
-    def _lane_future(self, key: tuple[str, int, int]) -> asyncio.Future[bytes]:
-        if key not in self._lane_parts:
-            self._lane_parts[key] = asyncio.get_running_loop().create_future()
-        return self._lane_parts[key]
 
     async def _handle_lane(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sender = info.peer_id.to_base58()
@@ -365,49 +312,15 @@ class Transport(Forwarding):
                     raise Rejected(Reject.OVERSIZED, f"lane part of {size} bytes (lane {lane}) is over the limits")
                 async with self.budget.hold(sender, size):
                     data = await read_payload(reader, size, lambda: self._active(sender))
-                if (sender, frame_id) in self._dropped:
+                if self._lane_parts.dropped(sender, frame_id):
                     continue  # the frame's signed head was rejected
-                self._store_part((sender, frame_id, lane), data)
+                self._lane_parts.store((sender, frame_id, lane), data)
         except Rejected as exc:
             self.gate.reject(sender, exc)
         except (ConnectionError, asyncio.IncompleteReadError) as exc:
             logger.debug("lane stream from %s ended: %s", sender, exc)
         finally:
             writer.close()
-
-    def _store_part(self, key: tuple[str, int, int], data: memoryview) -> None:
-        """Keep a lane part for its frame's head; parts no head claims expire after
-        ``LANE_PART_TTL_S``, and a sender may have at most ``MAX_WAITING_PARTS`` waiting."""
-        now = time.monotonic()
-        for old in [k for k, born in self._part_born.items() if now - born > LANE_PART_TTL_S]:
-            del self._part_born[old]
-            fut = self._lane_parts.get(old)
-            if fut is not None and fut.done():
-                del self._lane_parts[old]
-        waiting = sum(1 for k, f in self._lane_parts.items() if k[0] == key[0] and f.done())
-        if waiting >= MAX_WAITING_PARTS:
-            raise Rejected(Reject.UNEXPECTED, f"{waiting} lane parts that no frame head has claimed")
-        fut = self._lane_future(key)
-        if not fut.done():
-            fut.set_result(data)
-            self._part_born[key] = now
-
-    async def _join_lanes(self, sender: str, env: Envelope) -> memoryview:
-        lanes = env.lanes or {}
-        sizes = lanes["bytes"]
-        keys = [(sender, lanes["id"], i) for i in range(len(sizes))]
-        limit = PAYLOAD_GRACE_S + sum(sizes) / FRAME_MIN_RATE
-        try:
-            parts = await asyncio.wait_for(asyncio.gather(*(self._lane_future(k) for k in keys)), limit)
-        except asyncio.TimeoutError:
-            raise Rejected(Reject.TRUNCATED, f"lane parts did not arrive within {limit:.0f} s") from None
-        finally:
-            for k in keys:
-                self._lane_parts.pop(k, None)
-                self._part_born.pop(k, None)
-        if [len(p) for p in parts] != sizes:
-            raise Rejected(Reject.TRUNCATED, "lane parts do not match their announced sizes")
-        return memoryview(bytearray().join(parts))
 
     async def _handle(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         sender = info.peer_id.to_base58()
@@ -456,7 +369,7 @@ class Transport(Forwarding):
                 return False
             dropped = lane_id(head)
             if dropped is not None and via is None:  # its parts on the lane streams are dropped too
-                self._drop_lanes(sender, dropped)
+                self._lane_parts.drop(sender, dropped, LANES)
             await discard(reader, skip)  # the sender's later frames still count
             return True
         if env.lanes is not None:  # joined on the side: later frames need not wait for it
@@ -503,7 +416,7 @@ class Transport(Forwarding):
     async def _laned_frame(self, sender: str, env: Envelope, message: Message, head: bytes) -> None:
         """Wait for a frame's payload on the lane streams, check it, deliver it."""
         try:
-            payload = await self._join_lanes(sender, env)
+            payload = await self._lane_parts.join(sender, env)
             self.gate.check_payload(env, payload, sender)
         except Rejected as exc:
             self.gate.reject(sender, exc)
@@ -516,23 +429,14 @@ class Transport(Forwarding):
             await self.inbox.put(inbound)
 
     async def _handle_bandwidth(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Bandwidth probe from an admitted peer: read (and drop) the upload, acknowledge,
-        then send back the requested bytes: never more than were uploaded, and within
-        the sender's budget (so a probe cannot amplify traffic or hold memory)."""
+        """Bandwidth probe from an admitted peer (``protocol.net.probe.answer``)."""
         sender = info.peer_id.to_base58()
         try:
             if self.gate.refuse_stream(sender):
                 return
             await self._admitted_soon(sender)
             self.gate.check_admitted(sender, "a bandwidth probe")
-            header = await read_head(reader, MAX_PROBE_BYTES)
-            if header is None:
-                return
-            up, down = header["payload_bytes"], header.get("down_bytes", 0)
-            if not isinstance(down, int) or not 0 <= down <= up:
-                raise Rejected(Reject.PROBE_LIMIT, f"a probe asking {down!r} bytes back for {up} sent")
-            self._spend_probe(sender, max(up + down, PROBE_MIN_CHARGE))
-            await self._answer_probe(reader, writer, up, down)
+            await probe.answer(reader, writer, sender, self.probes)
         except Rejected as exc:
             self.gate.reject(sender, exc)
         except (WireError, ConnectionError, ValueError, asyncio.IncompleteReadError) as exc:
@@ -540,19 +444,6 @@ class Transport(Forwarding):
             self.gate.reject(sender, Rejected(Reject.MALFORMED, f"bandwidth probe: {exc}"))
         finally:
             writer.close()
-
-    async def _answer_probe(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, up: int, down: int
-    ) -> None:
-        """Read (and drop) the upload, acknowledge, send ``down`` bytes back, and keep the
-        stream open until the prober has read them (or ``PROBE_LINGER_S``)."""
-        await discard(reader, up)
-        writer.write(b"A")
-        await writer.drain()
-        for at in range(0, down, len(_ZEROS)):
-            writer.write(_ZEROS[: min(len(_ZEROS), down - at)])
-            await writer.drain()
-        await linger(reader, PROBE_LINGER_S)
 
     async def _admitted_soon(self, sender: str) -> bool:
         """Whether ``sender`` is admitted, allowing its hello (on another stream) a moment
@@ -564,38 +455,18 @@ class Transport(Forwarding):
             await asyncio.sleep(0.05)
         return True
 
-    def _spend_probe(self, sender: str, nbytes: int) -> None:
-        """Charge a probe to the sender's budget for the last minute, or refuse it."""
-        now = time.monotonic()
-        spent = [(t, n) for t, n in self._probes.get(sender, []) if now - t < PROBE_WINDOW_S]
-        if sum(n for _, n in spent) + nbytes > PROBE_BUDGET_BYTES:
-            raise Rejected(Reject.PROBE_LIMIT, f"bandwidth probes over {PROBE_BUDGET_BYTES >> 20} MiB a minute")
-        self._probes[sender] = [*spent, (now, nbytes)]
-
     async def measure_bandwidth(self, peer_id: str, nbytes: int = 8 << 20, down: bool = True) -> tuple[float, float]:
         """Timed transfer with ``peer_id``: (upload, download) in Mbit/s (download 0.0
         when not measured). The upload is paced like any other send to that peer."""
         reader, writer = await self._open(peer_id, BW_PROTOCOL)
-        down_bytes = nbytes if down else 0
         try:
-            import torch
-
-            blob = torch.zeros(nbytes, dtype=torch.uint8)
-            start = time.perf_counter()
-            await self._pace(peer_id, nbytes)
-            await write_frame(writer, {"down_bytes": down_bytes}, [blob])
-            await reader.readexactly(1)
-            up_s = time.perf_counter() - start
-            start = time.perf_counter()
-            await reader.readexactly(down_bytes)
-            down_s = time.perf_counter() - start
+            return await probe.measure(reader, writer, nbytes, down, lambda: self.pacer.wait(peer_id, nbytes))
         except (ConnectionError, OSError, asyncio.IncompleteReadError) as exc:
             raise PeerUnreachable(
                 f"bandwidth probe with peer {peer_id} broke: {exc or type(exc).__name__}", peer_id
             ) from None
         finally:
             writer.close()
-        return nbytes * 8 / up_s / 1e6, (down_bytes * 8 / down_s / 1e6 if down_bytes else 0.0)
 
     def forget(self, peer_id: str) -> None:
         """Close the streams to a peer that left (the next send opens new ones)."""
