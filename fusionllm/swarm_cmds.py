@@ -345,7 +345,7 @@ def _apply_token(args: argparse.Namespace) -> None:
 def cmd_token(args: argparse.Namespace) -> int:
     """Print a private swarm's join token (after a new secret, with --rotate)."""
     from coordinator.checkpoint import DB_NAME, RunDir
-    from coordinator.private import SECRET_FILE, Admission, write_secret
+    from coordinator.admission import SECRET_FILE, AccessRules, write_secret
 
     path = Path(args.run_dir).expanduser()
     if not (path / SECRET_FILE).is_file() or not (path / DB_NAME).is_file():
@@ -359,13 +359,13 @@ def cmd_token(args: argparse.Namespace) -> int:
         raise UsageError(f"--run-dir {path}: the coordinator has not started there yet")
     if args.rotate:
         write_secret(path)
-    print(f"fusionllm join --token {Admission(path, run_id, True).token(join['key'], join['maddrs'])}")
+    print(f"fusionllm join --token {AccessRules(path, run_id, True).token(join['key'], join['maddrs'])}")
     return 0
 
 
 def cmd_ban(args: argparse.Namespace) -> int:
     """Ban peers from the run in a run directory (the coordinator drops them at once)."""
-    from coordinator.private import SECRET_FILE, ban
+    from coordinator.admission import SECRET_FILE, ban
 
     path = Path(args.run_dir).expanduser()
     if not path.is_dir():

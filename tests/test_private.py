@@ -14,11 +14,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from coordinator.private import Admission, write_secret
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord
 from hivemind.utils.serializer import MSGPackSerializer
 
+from coordinator.admission import AccessRules, write_secret
 from peer.node import JoinError, PeerConfig, PeerNode
 from protocol.net.tasks import cancel_and_wait
 from protocol.trust.admission import (
@@ -55,7 +55,7 @@ def test_tokens_round_trip_and_damaged_ones_are_one_line() -> None:
 
 
 def test_admission_needs_the_current_secret_and_refuses_the_banned(tmp_path: Path) -> None:
-    adm = Admission(tmp_path, "run", private=True)
+    adm = AccessRules.open(tmp_path, "run", private=True)
     key = Identity.generate().public_hex
     hello = {"pubkey": key, "proof": hello_proof(adm.secret(), "run", "QmA", key)}
     assert adm.check("QmA", hello) == ""
@@ -65,7 +65,7 @@ def test_admission_needs_the_current_secret_and_refuses_the_banned(tmp_path: Pat
     assert "does not prove" in adm.check("QmA", hello)
     (tmp_path / "banned.txt").write_text("QmA  # a note\n")
     assert "banned" in adm.check("QmA", {"pubkey": key, "proof": hello_proof(adm.secret(), "run", "QmA", key)})
-    assert Admission(tmp_path, "run", private=False).check("QmC", {}) == "", "public swarms need no proof"
+    assert AccessRules.open(tmp_path, "run", private=False).check("QmC", {}) == "", "public swarms need no proof"
     other = Identity.generate().public_hex
     (tmp_path / "banned.txt").write_text(f"QmA\n{other}\n")
     admitted = {"QmA": key, "QmB": Identity.generate().public_hex, "QmK": other}
@@ -166,7 +166,7 @@ def test_a_cancelled_epoch_that_will_not_end_does_not_hold_the_peer(monkeypatch:
 
 
 def test_a_damaged_secret_admits_nobody_and_never_raises(tmp_path: Path) -> None:
-    adm = Admission(tmp_path, "run", private=True)
+    adm = AccessRules.open(tmp_path, "run", private=True)
     for damaged in ("", "not hex", "ab" * 8):
         (tmp_path / "swarm.secret").write_text(damaged)
         assert "is damaged" in adm.check("QmA", {"pubkey": "x", "proof": hello_proof("00" * 32, "run", "QmA", "x")})

@@ -1,0 +1,51 @@
+"""The coordinator's signed record in the run's DHT (``CoordinatorRecord``): where its
+libp2p node is and which run it coordinates, republished before it expires so that
+joining peers find it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from hivemind.utils import get_dht_time
+
+from coordinator.roster import Endpoint
+from protocol.net.clock import SYSTEM_CLOCK, Clock
+from protocol.net.records import publish_record
+from protocol.net.tasks import cancel_all, every, honour_cancel
+from protocol.wire.messages import CoordinatorRecord
+
+logger = logging.getLogger(__name__)
+
+
+class Beacon:
+    """Publishes the coordinator's record now and every third of its lifetime."""
+
+    def __init__(self, run_id: str, ttl: float, endpoint: Endpoint, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.run_id, self.ttl, self.endpoint, self.clock = run_id, ttl, endpoint, clock
+        self._refresh: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Publish the record, then keep it fresh in the background."""
+        await self.publish()
+        self._refresh = asyncio.create_task(
+            every(self.ttl / 3, self._republish, what="record refresh", clock=self.clock)
+        )
+
+    async def aclose(self, timeout: float) -> None:
+        await cancel_all([self._refresh] if self._refresh is not None else [], timeout)
+
+    async def publish(self) -> None:
+        ep = self.endpoint
+        assert ep.dht is not None and ep.transport is not None and ep.identity is not None
+        expires = get_dht_time() + self.ttl
+        rec = CoordinatorRecord(ep.transport.peer_id, ep.visible_maddrs(), self.run_id, expires)
+        subkey = ep.identity.public_hex  # under its own key: another's claim of the run cannot hide it
+        await publish_record(ep.dht, ep.identity, self.run_id, "coordinator", subkey, rec.header(), expires)
+
+    async def _republish(self) -> None:
+        try:
+            await self.publish()
+        except Exception as exc:  # said louder than a tick's failure: peers stop finding the run
+            honour_cancel()
+            logger.warning("coordinator record refresh failed: %s", exc)
