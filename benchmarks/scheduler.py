@@ -45,7 +45,9 @@ from typing import Any
 from coordinator import dtfm
 from coordinator.codec_price import plan_steps_factor
 from coordinator.estimator import STATE_PER_PARAM_BYTE, DagCosts, PeerTable
-from coordinator.scheduler import SCHEDULERS, Options, opfence, plan
+from coordinator.opfence import opfence
+from coordinator.plan_eval import Options
+from coordinator.scheduler import SCHEDULERS, plan
 from coordinator.workloads import WORKLOADS, workload_costs
 from sim.engine import Churn, iteration_seconds, simulate
 from sim.presets import MIXED, preset

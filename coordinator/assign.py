@@ -9,9 +9,11 @@ import statistics
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from coordinator.estimator import DagCosts, Network, PeerProfile, Plan, predict
+from coordinator.estimator import DagCosts, Plan, predict
+from coordinator.netmodel import Network, PeerProfile
 from coordinator.opdag import OpDag
-from coordinator.scheduler import Options, ScheduleError, opfence
+from coordinator.opfence import opfence
+from coordinator.plan_eval import Options, ScheduleError
 from protocol.model.graph import Cut
 from protocol.wire.messages import Advert
 

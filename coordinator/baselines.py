@@ -4,7 +4,7 @@ FLOP/s regardless of bandwidth, ops split in proportion), ``random`` (seeded), a
 ``exhaustive``: the best plan over every grouping and cut, for tiny instances.
 
 The planners as well equipped as OP-Fence (codecs by the same
-rule through ``scheduler.evaluate``, replicas, standby peers): ``bw-blind``
+rule through ``plan_eval.evaluate``, replicas, standby peers): ``bw-blind``
 (everything but bandwidth awareness), ``petals`` (Petals' greedy span selection
 by throughput) and ``dtfm`` (an evolutionary search over peer-to-stage
 assignment in the spirit of Together's DT-FM, in ``coordinator.dtfm``). Each is a pure function
@@ -18,25 +18,11 @@ import itertools
 import math
 import random
 
-from coordinator.estimator import (
-    DagCosts,
-    Network,
-    PeerProfile,
-    PeerTable,
-    Plan,
-    boundary_positions,
-    predict,
-    stage_memory,
-)
-from coordinator.scheduler import (
-    Options,
-    ScheduleError,
-    _balanced_groups,
-    _proportional_cut,
-    cut_for,
-    evaluate,
-    rank,
-)
+from coordinator.cutter import cut_for, proportional_cut
+from coordinator.estimator import DagCosts, PeerTable, Plan, boundary_positions, predict, stage_memory
+from coordinator.netmodel import Network, PeerProfile
+from coordinator.placement import balanced_groups
+from coordinator.plan_eval import Options, ScheduleError, evaluate, rank
 from protocol.wire.codecs import Codec
 
 
@@ -50,15 +36,15 @@ def _finish(costs: DagCosts, cut: tuple[int, ...], groups: list[list[PeerProfile
 def even(costs: DagCosts, peers: list[PeerProfile], network: Network, options: Options, k: int) -> Plan:
     """Peers in the given order, ``k`` runs of them; equal op counts per stage."""
     groups = [peers[i * len(peers) // k : (i + 1) * len(peers) // k] for i in range(k)]
-    cut = _proportional_cut(DagCosts([1] * costs.num_ops, [0] * costs.num_ops, [0] * costs.num_ops,
+    cut = proportional_cut(DagCosts([1] * costs.num_ops, [0] * costs.num_ops, [0] * costs.num_ops,
                                      [0] * costs.num_ops, [0] * costs.num_ops, costs.forbidden), [1.0] * k)  # fmt: skip
     return _finish(costs, cut, groups, "even", network, options)
 
 
 def compute(costs: DagCosts, peers: list[PeerProfile], network: Network, options: Options, k: int) -> Plan:
     """FLOP/s-balanced groups and a FLOP-proportional cut; bandwidth ignored."""
-    groups = _balanced_groups(peers, k)
-    cut = _proportional_cut(costs, [sum(p.flops for p in g) for g in groups])
+    groups = balanced_groups(peers, k)
+    cut = proportional_cut(costs, [sum(p.flops for p in g) for g in groups])
     return _finish(costs, cut, groups, "compute", network, options)
 
 
@@ -166,7 +152,7 @@ def fitting(best: Plan | None, name: str, peers: list[PeerProfile], options: Opt
 def bw_blind(costs: DagCosts, peers: list[PeerProfile], network: Network, options: Options) -> Plan:
     """Everything OP-Fence has except bandwidth awareness: for the fastest ``m``
     peers (m = 1, 2, 3, 4, 6, 8, ..., all) and every stage count ``k``, FLOP/s-balanced
-    replica groups in the order ``_balanced_groups`` makes them; the ops cut in
+    replica groups in the order ``balanced_groups`` makes them; the ops cut in
     proportion to the groups' FLOP/s (if that cut is not valid, the compute- and
     memory-balanced ``bottleneck_cut`` on a network whose links are all equal and
     free), each cut also tried with its boundaries moved to where the fewest bytes
@@ -181,7 +167,7 @@ def bw_blind(costs: DagCosts, peers: list[PeerProfile], network: Network, option
     best: Plan | None = None
     for m in pool_sizes(len(peers), options):
         for k in stage_counts(costs, m, options):
-            cand = _blind_plan(costs, _balanced_groups(fastest[:m], k), by_id, network, blind, options)
+            cand = _blind_plan(costs, balanced_groups(fastest[:m], k), by_id, network, blind, options)
             if rank_or_none(cand) < rank_or_none(best):
                 best = cand
     return fitting(best, "bw-blind", peers, options)
@@ -211,7 +197,7 @@ def _blind_cut(rule: str, costs: DagCosts, groups: list[list[PeerProfile]], blin
     if rule == "balanced":
         return cut_for(costs, groups, blind, options)
     try:
-        return _proportional_cut(costs, [sum(p.flops for p in g) for g in groups])
+        return proportional_cut(costs, [sum(p.flops for p in g) for g in groups])
     except ScheduleError:
         return None
 
@@ -320,7 +306,7 @@ def _petals_problem(costs: DagCosts, stages: list[tuple[int, int, list[PeerProfi
 
 def _equal_flops_ends(costs: DagCosts, k: int) -> list[int]:
     """Where each of ``k`` equal-FLOPs stages ends (the last at the model's end)."""
-    return [*_proportional_cut(costs, [1.0] * k), costs.num_ops]
+    return [*proportional_cut(costs, [1.0] * k), costs.num_ops]
 
 
 def _petals_stages(costs: DagCosts, order: list[PeerProfile], in_flight: list[int],

@@ -1,6 +1,6 @@
 """What compressing a cut edge costs the plan, the way the live swarm compresses.
 
-The live swarm's ``auto`` mode (``coordinator/links.py``) gives a slow edge the
+The live swarm's ``auto`` mode (``coordinator/codec_choice.py``) gives a slow edge the
 mildest codec that makes it fast enough: fp16, then int8, then activations at low
 rank with their gradients as unbiased 4-bit codes (``lowrank:R/int4sr``). The
 planner needs three things of that choice, per edge: the codec, the bytes it puts
@@ -10,8 +10,9 @@ the steps to a given loss. The factors are data, measured by
 ``benchmarks/convergence.py`` and shipped as ``coordinator/codec_steps.json``, so
 the planner can minimise time to a loss rather than time per step.
 
-Pure functions; the choice itself is ``links.auto_codec``'s (one copy of the
-ladder and of ``MIN_RANK``), applied to an edge modelled as one floating matrix.
+Pure functions; the choice itself is ``codec_choice.choose_codecs``'s (one copy of
+the ladder and of ``MIN_RANK``), applied to an edge modelled as one floating matrix
+(``matrix_spec``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from coordinator.links import MIN_RANK, auto_codec
+from coordinator.codec_choice import STRONGEST, choose_codecs
 from protocol.wire.codecs import Codec
 
 #: the data file's name, in this package
@@ -70,16 +71,15 @@ def edge_price(
     As in the live swarm, only the floating bytes decide the codec; the raw ones
     ride along uncompressed, forward only (integers have no gradients).
     ``rank`` pins the low rank, as ``--rank`` does."""
-    spec = _one_matrix(float_bytes, cols, itemsize)[0]
-    codec = auto_codec(float_bytes, mbps, bound_s, spec, rank)
+    spec = matrix_spec(float_bytes, cols, itemsize)
+    codec = choose_codecs([float_bytes], [mbps], [bound_s], "auto", edge_specs=[spec], rank=rank)[0]
     return price(codec, float_bytes, other_bytes, cols, itemsize)
 
 
 def floor_price(float_bytes: float, other_bytes: float, cols: int, itemsize: int = 4) -> EdgePrice:
     """The edge at ``auto``'s strongest compression (low rank ``MIN_RANK``): the
     fewest bytes it can ever send, however slow the link."""
-    codec = Codec("lowrank", rank=MIN_RANK, grad=Codec("int4", stochastic=True))
-    return price(codec, float_bytes, other_bytes, cols, itemsize)
+    return price(STRONGEST, float_bytes, other_bytes, cols, itemsize)
 
 
 def price(codec: Codec, float_bytes: float, other_bytes: float, cols: int, itemsize: int = 4) -> EdgePrice:
@@ -99,9 +99,15 @@ def _wire(codec: Codec, float_bytes: float, numel: int, dtype: torch.dtype, shap
     return float(codec.wire_bytes(numel, dtype, shape))
 
 
+def matrix_spec(float_bytes: float, cols: int, itemsize: int = 4) -> list[dict[str, Any]]:
+    """An edge's floating values as one matrix of ``cols`` columns, as a value spec
+    (what the codec choice reads of an edge the planner models)."""
+    return _one_matrix(float_bytes, cols, itemsize)[0]
+
+
 def _one_matrix(float_bytes: float, cols: int, itemsize: int) -> tuple[list[dict[str, Any]], int, list[int]]:
     """The edge's floating values as one matrix of ``cols`` columns (one row if
-    fewer elements): its value spec (as ``links`` reads one), element count and
+    fewer elements): its value spec (as ``codec_choice`` reads one), element count and
     shape (rows rounded down, as ``protocol.wire.codecs.matrix_shape`` does)."""
     if itemsize not in _DTYPES:
         raise ValueError(f"itemsize {itemsize} is not one of {sorted(_DTYPES)}")

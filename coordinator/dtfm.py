@@ -1,6 +1,6 @@
 """DT-FM as a baseline: an evolutionary search over peer-to-stage assignment in the
 spirit of Together's DT-FM (Yuan et al. 2022), scored by the same estimator and
-codecs as OP-Fence (``scheduler.evaluate``), with a fixed budget of distinct
+codecs as OP-Fence (``plan_eval.evaluate``), with a fixed budget of distinct
 plans and a seed."""
 
 from __future__ import annotations
@@ -19,8 +19,11 @@ from coordinator.baselines import (
     stage_counts,
     stage_limit,
 )
-from coordinator.estimator import DagCosts, Network, PeerProfile, PeerTable, Plan, boundary_positions
-from coordinator.scheduler import Options, ScheduleError, _balanced_groups, _proportional_cut, cut_for, evaluate
+from coordinator.cutter import cut_for, proportional_cut
+from coordinator.estimator import DagCosts, PeerTable, Plan, boundary_positions
+from coordinator.netmodel import Network, PeerProfile
+from coordinator.placement import balanced_groups
+from coordinator.plan_eval import Options, ScheduleError, evaluate
 
 #: DT-FM's fixed budget of distinct plans predicted per search
 DTFM_EVALUATIONS = 2000
@@ -73,7 +76,7 @@ class _Dtfm:
         ids = ids_of(groups)
         cuts = [cut_for(self.costs, groups, self.network, self.options)]
         try:
-            even = _proportional_cut(self.costs, [sum(p.flops for p in g) for g in groups])
+            even = proportional_cut(self.costs, [sum(p.flops for p in g) for g in groups])
             cuts += [even, snap(self.costs, even)]
         except ScheduleError:
             pass
@@ -100,7 +103,7 @@ class _Dtfm:
         for pool in pools:
             for m in pool_sizes(len(pool), self.options):
                 for k in _stage_grid(self.options.stages, min(m, self.max_k)):
-                    out.append(self._genome(_balanced_groups(pool[:m], k)))
+                    out.append(self._genome(balanced_groups(pool[:m], k)))
         in_order = [q for pool in by_cluster for q in pool]
         out += [self._genome(_runs(in_order, k)) for k in stage_counts(self.costs, len(in_order), self.options)]
         return list(dict.fromkeys(out))
@@ -184,7 +187,7 @@ def dtfm(costs: DagCosts, peers: list[PeerProfile], network: Network, options: O
          evaluations: int = DTFM_EVALUATIONS) -> Plan:  # fmt: skip
     """A genetic search over peer-to-stage assignments, as Together's DT-FM (Yuan
     et al. 2022) searches device placements, scored by this project's estimator
-    (``scheduler.evaluate`` and ``scheduler.rank``: the predicted time to the loss
+    (``plan_eval.evaluate`` and ``scheduler.rank``: the predicted time to the loss
     with the swarm's codecs) instead of DT-FM's communication cost model. A genome gives each unit (a peer;
     in swarms over ``DTFM_UNITS`` peers, a run of similar peers of one cluster) a
     stage index or standby; stages keep their index order and are cut by

@@ -27,6 +27,9 @@ runs it (``peer.epoch``), and the same in ``sim/``:
 
 ``lower_bound_s`` is ``3 x M x total FLOPs / total FLOP/s of all peers``: no plan
 on these peers can beat perfect compute balance with free communication.
+
+The peers, the links and the one bytes-to-seconds rule are ``coordinator.netmodel``'s;
+the per-op costs of a traced model come from ``coordinator.opdag.cost_lists``.
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ import bisect
 import functools
 import math
 import random
-import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,15 +45,20 @@ from typing import Any
 import numpy as np
 
 from coordinator.codec_price import plan_steps_factor, price
+from coordinator.netmodel import (
+    Network,
+    PeerProfile,
+    boundary_models,
+    link_seconds,
+    rounds_of,
+)
+from coordinator.opdag import OpDag, cost_lists
 from protocol.model.schedule import uses_1f1b
 from protocol.wire.codecs import Codec
 
 #: Adam keeps weights, gradients and two moments: 4 bytes of state per parameter byte
 #: (fp32 weights, gradients and moments: 16 bytes per parameter, as the live swarm keeps them)
 STATE_PER_PARAM_BYTE = 4
-#: eager PyTorch's fixed cost per operator kernel on a GPU (launch and dispatch), when
-#: a topology does not say (``op_overhead_us`` per peer)
-OP_OVERHEAD_S = 10e-6
 #: a stage must compute at least this share of an even split of the model's FLOPs:
 #: one that computes nothing only relays its inputs over one more link
 MIN_STAGE_SHARE = 0.01
@@ -152,54 +159,11 @@ class DagCosts:
         return self._wire[key]
 
     @classmethod
-    def from_opdag(cls, dag: Any) -> DagCosts:
-        """Costs of a traced :class:`coordinator.opdag.OpDag`; what crosses each cut
-        position comes from every value's producer and last consumer."""
-        from coordinator.opdag import FREE_OPS
-        from protocol.model.graph import operators
-
-        ops = list(operators(dag.gm))
-        index = {n: i for i, n in enumerate(ops)}
-        n = len(ops)
-        diff = [0] * (n + 1)
-        fdiff = [0] * (n + 1)
-        for node in dag.gm.graph.nodes:
-            if node.op == "placeholder":
-                born = 0  # batch inputs reach stage 0 with the batch
-            elif node in index:
-                born = index[node] + 1
-            else:
-                continue
-            users = [index[u] for u in node.users if u in index]
-            if not users:
-                continue
-            last = max(users)
-            if last >= born:  # crosses positions born .. last
-                meta = dag.meta.get(node.name)
-                nbytes = meta.nbytes if meta is not None else 0
-                floating = nbytes if meta is not None and meta.dtype.startswith(("float", "bfloat")) else 0
-                lo = max(born, 1)
-                if last >= lo:
-                    diff[lo] += nbytes
-                    diff[last + 1] -= nbytes
-                    fdiff[lo] += floating
-                    fdiff[last + 1] -= floating
-        cross, fcross, run, frun = [0] * n, [0] * n, 0, 0
-        for p in range(n):
-            run += diff[p]
-            frun += fdiff[p]
-            cross[p], fcross[p] = run, frun
-        return cls(
-            flops=[max(o.flops, 1) for o in dag.ops],
-            param_bytes=[o.param_bytes for o in dag.ops],
-            act_bytes=[o.saved_bytes for o in dag.ops],
-            cross_bytes=cross,
-            float_cross=fcross,
-            forbidden=frozenset(dag.forbidden),
-            kernels=[0 if o.target in FREE_OPS else 1 for o in dag.ops],
-            float_itemsize=_float_itemsize(dag.meta.values()),
-            cross_cols=_cross_cols(dag, ops, index),
-        )
+    def from_opdag(cls, dag: OpDag) -> DagCosts:
+        """Costs of a traced :class:`coordinator.opdag.OpDag` (``opdag.cost_lists``)."""
+        lists = cost_lists(dag)
+        lists["cross_cols"] = [c or DEFAULT_COLS for c in lists["cross_cols"]]
+        return cls(**lists)
 
     @classmethod
     def synthetic(cls, num_ops: int, seed: int = 0, act_bytes: int = 1 << 20) -> DagCosts:
@@ -211,204 +175,11 @@ class DagCosts:
         return cls(flops, params, [act_bytes] * num_ops, cross, list(cross))
 
 
-def _cross_cols(dag: Any, ops: list[Any], index: dict[Any, int]) -> list[int]:
-    """Per cut position, the last dimension of the widest floating tensor crossing it."""
-    cols = [0] * len(ops)
-    for node in dag.gm.graph.nodes:
-        meta = dag.meta.get(node.name)
-        users = [index[u] for u in node.users if u in index]
-        if meta is None or not users or not meta.dtype.startswith(("float", "bfloat")) or not meta.shape:
-            continue
-        born = 1 if node.op == "placeholder" else index[node] + 1 if node in index else None
-        if born is None:
-            continue
-        for p in range(born, max(users) + 1):
-            cols[p] = max(cols[p], meta.shape[-1])
-    return [c or DEFAULT_COLS for c in cols]
-
-
-def _float_itemsize(values: Iterable[Any]) -> int:
-    """Bytes per element of the floating values a model makes (most of their bytes)."""
-    by_size: dict[int, int] = {}
-    for v in values:
-        if v.is_tensor and v.dtype.startswith(("float", "bfloat")):
-            size = 2 if v.dtype in ("float16", "bfloat16") else 8 if v.dtype == "float64" else 4
-            by_size[size] = by_size.get(size, 0) + v.nbytes
-    return max(by_size, key=lambda k: by_size[k], default=4)
-
-
 def _prefix(xs: Iterable[int]) -> list[int]:
     out = [0]
     for x in xs:
         out.append(out[-1] + x)
     return out
-
-
-@dataclass(frozen=True)
-class PeerProfile:
-    id: str
-    flops: float  # measured FLOP/s
-    memory_bytes: int
-    cluster: str = ""
-    op_overhead_s: float = OP_OVERHEAD_S  # fixed cost per operator kernel
-
-
-@dataclass(frozen=True)
-class LinkInfo:
-    mbps: float
-    latency_s: float
-    measured: bool
-
-
-class Network:
-    """Bandwidth and latency between peers: per cluster pair, with per-pair
-    overrides; ``measured`` marks pairs somebody probed, the rest are inferred."""
-
-    def __init__(
-        self,
-        cluster_of: dict[str, str],
-        clusters: dict[tuple[str, str], tuple[float, float]],
-        overrides: dict[tuple[str, str], tuple[float, float]] | None = None,
-        measured: set[tuple[str, str]] | None = None,
-        default: tuple[float, float] = (100.0, 0.05),
-    ) -> None:
-        self.cluster_of = cluster_of
-        self.clusters = clusters
-        self.overrides = overrides or {}
-        self.measured = measured or set()
-        self.default = default
-        self._memo: dict[Any, Any] = {}
-
-    def link(self, a: str, b: str) -> LinkInfo:
-        if a == b:
-            return LinkInfo(1e9, 0.0, True)
-        got = self.overrides.get((a, b)) or self.overrides.get((b, a))
-        if got is None:
-            ca, cb = self.cluster_of.get(a, ""), self.cluster_of.get(b, "")
-            got = self.clusters.get((ca, cb)) or self.clusters.get((cb, ca)) or self.default
-        return LinkInfo(got[0], got[1], (a, b) in self.measured or (b, a) in self.measured)
-
-    def _cluster_link(self, ca: str, cb: str) -> tuple[float, float]:
-        return self.clusters.get((ca, cb)) or self.clusters.get((cb, ca)) or self.default
-
-    def _overrides_of(self) -> dict[str, dict[str, tuple[float, float]]]:
-        """The per-pair overrides indexed by each end (built once per change)."""
-        index = self._memo.get("overrides")
-        if index is None:
-            index = {}
-            for (a, b), value in self.overrides.items():
-                index.setdefault(a, {})[b] = value
-                index.setdefault(b, {}).setdefault(a, value)
-            self._memo["overrides"] = index
-        return index
-
-    def send_sums(self, group: tuple[str, ...]) -> list[tuple[float, float]]:
-        """For each member of ``group``: the summed latency and seconds per byte of its
-        links to every other member (what sending one message to each, one after the
-        other, costs). Exact: per cluster, corrected for the pairs overridden."""
-        key = ("sums", group)
-        got = self._memo.get(key)
-        if got is None:
-            counts: dict[str, int] = {}
-            for b in group:
-                c = self.cluster_of.get(b, "")
-                counts[c] = counts.get(c, 0) + 1
-            base = {ca: self._sums_to(ca, counts) for ca in counts}
-            members, index = set(group), self._overrides_of()
-            got = []
-            for a in group:
-                ca = self.cluster_of.get(a, "")
-                lat, spb = base[ca]
-                for b, (mbps, latency) in index.get(a, {}).items():
-                    if b in members and b != a:  # this pair's own link instead of its clusters'
-                        c_mbps, c_latency = self._cluster_link(ca, self.cluster_of.get(b, ""))
-                        lat += latency - c_latency
-                        spb += 8 / max(mbps * 1e6, 1.0) - 8 / max(c_mbps * 1e6, 1.0)
-                got.append((lat, spb))
-            self._remember(key, got)
-        return got
-
-    def _sums_to(self, ca: str, counts: dict[str, int]) -> tuple[float, float]:
-        """A member of cluster ``ca``'s summed links to every other member (``counts``
-        per cluster, itself included), as the clusters' links give them."""
-        lat = spb = 0.0
-        for c, n in counts.items():
-            n -= c == ca  # not to itself
-            if n:
-                mbps, latency = self._cluster_link(ca, c)
-                lat, spb = lat + n * latency, spb + n * 8 / max(mbps * 1e6, 1.0)
-        return lat, spb
-
-    def pairs(self, xs: tuple[str, ...], ys: tuple[str, ...], micro_batches: int) -> list[tuple[int, float, float]]:
-        """The links micro-batches cross from group ``xs`` to group ``ys`` (micro-batch
-        ``m`` from ``xs[m mod |xs|]`` to ``ys[m mod |ys|]``): (micro-batches, latency,
-        seconds per byte), one entry per distinct kind of pair."""
-        key = ("pairs", xs, ys, micro_batches)
-        got = self._memo.get(key)
-        if got is None:
-            count: dict[tuple[str, str], int] = {}
-            for m in range(micro_batches):
-                pair = (xs[m % len(xs)], ys[m % len(ys)])
-                count[pair] = count.get(pair, 0) + 1
-            kinds: set[tuple[int, float, float]] = set()
-            for (x, y), n in count.items():
-                link = self.link(x, y)
-                kinds.add((n, link.latency_s, 8 / max(link.mbps * 1e6, 1.0)))
-            got = sorted(kinds)
-            self._remember(key, got)
-        return got
-
-    def learn(self, a: str, b: str, link: LinkInfo) -> None:
-        """Record a measured link between peers ``a`` and ``b`` (it overrides what was inferred)."""
-        self.overrides[(a, b)] = (link.mbps, link.latency_s)
-        self.overrides.pop((b, a), None)
-        self.measured.add((a, b))
-        self._memo.clear()
-
-    def _remember(self, key: Any, value: Any) -> None:
-        if len(self._memo) > 100_000:
-            self._memo.clear()
-        self._memo[key] = value
-
-    @classmethod
-    def infer(
-        cls,
-        peers: list[PeerProfile],
-        probes: dict[tuple[str, str], tuple[float, float]],
-        fast_ratio: float = 4.0,
-    ) -> Network:
-        """Fill in the matrix from a few probes per peer: peers joined by a link at
-        least ``fast_ratio`` times the median probe form a cluster (unless the peers
-        name their clusters); a cluster pair gets the median of its probes; pairs
-        no probe connects get the median of all probes."""
-        ids = [p.id for p in peers]
-        median_mbps = statistics.median(m for m, _ in probes.values()) if probes else 100.0
-        parent = {i: i for i in ids}
-
-        def find(x: str) -> str:
-            while parent[x] != x:
-                parent[x] = parent[parent[x]]
-                x = parent[x]
-            return x
-
-        named = {p.id: p.cluster for p in peers if p.cluster}
-        if len(named) == len(ids):
-            cluster_of = named
-        else:
-            for (a, b), (mbps, _) in probes.items():
-                if a in parent and b in parent and mbps >= fast_ratio * median_mbps:
-                    parent[find(a)] = find(b)
-            cluster_of = {i: find(i) for i in ids}
-        samples: dict[tuple[str, str], list[tuple[float, float]]] = {}
-        for (a, b), value in probes.items():
-            if a in cluster_of and b in cluster_of:
-                key = tuple(sorted((cluster_of[a], cluster_of[b])))
-                samples.setdefault(key, []).append(value)  # type: ignore[arg-type]
-        clusters = {
-            k: (statistics.median(m for m, _ in v), statistics.median(lat for _, lat in v)) for k, v in samples.items()
-        }
-        lat = statistics.median(lt for _, lt in probes.values()) if probes else 0.05
-        return cls(cluster_of, clusters, dict(probes), set(probes), default=(median_mbps, lat))
 
 
 @dataclass
@@ -494,10 +265,6 @@ def wire_bytes(costs: DagCosts, position: int, codec: Codec) -> float:
     return max(wire_pair(costs, position, codec))
 
 
-def link_seconds(nbytes: float, link: LinkInfo) -> float:
-    return link.latency_s + nbytes * 8 / max(link.mbps * 1e6, 1.0)
-
-
 def stage_memory(costs: DagCosts, lo: int, hi: int, in_flight: int) -> int:
     return STATE_PER_PARAM_BYTE * costs.stage_params(lo, hi) + in_flight * costs.stage_acts(lo, hi)
 
@@ -527,6 +294,12 @@ class Replica:
 
     def sends(self, costs: DagCosts, lo: int, hi: int) -> float:
         return self.send_latency_s + costs.stage_params(lo, hi) * self.send_s_per_byte if self.send_s_per_byte else 0.0
+
+
+def compute_s(costs: DagCosts, lo: int, hi: int, group: Iterable[PeerProfile]) -> float:
+    """One micro-batch's forward and backward of ops ``lo .. hi - 1`` on the slowest
+    peer of ``group``, compute only (``Replica.seconds`` without gradient sends)."""
+    return max(Replica(p.flops, p.op_overhead_s, p.memory_bytes, 1, 1, 0.0, 0.0).seconds(costs, lo, hi) for p in group)
 
 
 @dataclass
@@ -575,27 +348,6 @@ class GroupModel:
         return (runs * each).max(axis=0) / self.rounds, (need <= limits[:, 1:]).all(axis=0), each.max(axis=0)
 
 
-@dataclass
-class BoundaryModel:
-    """A cut edge's cost as a function of the bytes a micro-batch sends over it."""
-
-    pairs: list[tuple[int, float, float]]  # (micro-batches, latency, seconds per byte)
-    rounds: int
-
-    def latency(self, nbytes: float) -> float:
-        """One micro-batch over its slowest pair, each way."""
-        return max(lat + nbytes * spb for _, lat, spb in self.pairs)
-
-    def per_byte(self) -> float:
-        """Steady-state seconds per round and per byte of a micro-batch (the busiest pair)."""
-        return max(n * spb for n, _, spb in self.pairs) / self.rounds
-
-
-def rounds_of(groups: list[list[str]], micro_batches: int) -> int:
-    """Micro-batches of the busiest lane: the pipeline's steady state repeats that often."""
-    return -(-micro_batches // min(len(g) for g in groups))
-
-
 def group_models(groups: list[list[PeerProfile]], network: Network, micro_batches: int) -> list[GroupModel]:
     """The time and memory model of every stage group of a plan (in pipeline order);
     remembered by the network (with the peers' figures) while its links stay as they are."""
@@ -622,11 +374,6 @@ def _group_models(groups: list[list[PeerProfile]], network: Network, micro_batch
         }
         out.append(GroupModel(sorted(kinds, key=repr), rounds, int(window[s])))
     return out
-
-
-def boundary_models(groups: list[list[str]], network: Network, micro_batches: int) -> list[BoundaryModel]:
-    rounds = rounds_of(groups, micro_batches)
-    return [BoundaryModel(network.pairs(tuple(a), tuple(b), micro_batches), rounds) for a, b in zip(groups, groups[1:])]
 
 
 def predict(

@@ -1,28 +1,29 @@
-"""The plan's cut edges: what crosses each (value specs), and which codec each
-link gets. ``choose_codecs`` is a pure function of the estimates."""
+"""The live plan's cut edges: what crosses each (value specs, traced on the example
+micro-batch), and the codec each link gets from the one codec choice
+(``coordinator.codec_choice``) on the links the peers measured."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator
+import logging
 from typing import Any
 
 import torch
 from torch import nn
 
+from coordinator.assign import Assignment, live_profile
+from coordinator.codec_choice import choose_codecs, float_bytes
+from coordinator.estimator import DagCosts, compute_s
+from coordinator.opdag import OpDag
 from protocol.model.graph import Cut, build_stage, partition, trace
 from protocol.model.recipe import Recipe, autocast
-from protocol.wire.codecs import Codec, matrix_shape
+from protocol.wire.codecs import Codec
 from protocol.wire.encoding import encode_values
 from protocol.wire.expect import describe
+from protocol.wire.messages import Advert
 
-#: AdaTopK never keeps less than this fraction, however slow the link (accuracy first;
-#: --topk-fraction overrides it)
-MIN_FRACTION = 0.1  # lower fractions made the demo GPT diverge (3% kept: val loss 6.0 after 300 steps)
-#: ``auto`` never sends activations at a lower rank than this (accuracy first)
-MIN_RANK = 8  # rank 8 of 128 kept the demo GPT within 1% of its uncompressed loss (4 seeds, in one process)
-#: ``auto``'s steps, mildest first: (how many times fewer bytes it sends at least, codec)
-_AUTO_STEPS = ((2.0, "fp16"), (3.9, "int8"))
+#: a link no peer reported is taken to be this slow (Mbit/s): it gets compressed
+UNMEASURED_MBPS = 1e-3
+logger = logging.getLogger(__name__)
 
 
 def boundary_specs(
@@ -42,111 +43,32 @@ def boundary_specs(
     return specs
 
 
-_FLOAT_SIZES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
-
-
-def _float_tensors(spec: list[Any]) -> Iterator[tuple[str, list[int], int]]:
-    """(dtype, shape, element count) of every floating tensor in a value spec."""
-    for d in spec:
-        if d.get("t") == "tensor" and d["dtype"] in _FLOAT_SIZES:
-            yield d["dtype"], d["shape"], math.prod(d["shape"])
-        elif d.get("t") in ("tuple", "list"):
-            yield from _float_tensors(d["items"])
-
-
-def float_bytes(spec: list[Any]) -> int:
-    """Bytes of the floating tensors in a stage's input spec (what a codec can shrink)."""
-    return sum(numel * _FLOAT_SIZES[dtype] for dtype, _, numel in _float_tensors(spec))
-
-
-def choose_codecs(
-    edge_bytes: list[int],
-    edge_mbps: list[float],
-    stage_seconds: list[float],
-    mode: str = "adatopk",
+def live_codecs(
+    dag: OpDag,
+    plan: Assignment,
+    specs: list[list[Any]],
+    measured: dict[str, dict[str, float]],
+    adverts: dict[str, Advert],
+    mode: str,
     fraction: float | None = None,
-    edge_specs: list[list[Any]] | None = None,
     rank: int | None = None,
-) -> list[Codec]:
-    """The codec of each cut edge.
-
-    ``edge_bytes``: floating bytes crossing each edge per micro-batch (each way);
-    ``edge_mbps``: the edge's measured bandwidth; ``stage_seconds``: each stage's
-    forward + backward time per micro-batch. With ``mode="adatopk"`` an edge whose
-    transfer takes longer than the slowest stage's compute keeps just the fraction
-    of values that makes it as fast (AdaTopK sends 3 bytes per kept fp32 value);
-    faster edges stay uncompressed. ``fraction`` pins the kept fraction on the
-    edges that need compression.
-
-    ``mode="auto"`` (it needs ``edge_specs``, the values crossing each edge) takes
-    the mildest codec that makes a slow edge fast enough: fp16, then int8, then
-    activations at the rank the bandwidth allows (never below ``MIN_RANK``) with
-    their gradients as unbiased 4-bit codes (``lowrank:R/int4sr``); ``rank`` pins R.
-    Other modes put that codec on every edge.
-    """
-    if mode in ("none", "fp16", "bf16", "int8", "int4"):
-        return [Codec(mode) for _ in edge_bytes]
-    bottleneck = max(stage_seconds, default=0.0)
-    if mode == "auto":
-        if edge_specs is None or len(edge_specs) != len(edge_bytes):
-            raise ValueError("auto compression needs the values crossing every edge")
-        edges = zip(edge_bytes, edge_mbps, edge_specs, strict=True)
-        return [auto_codec(n, mbps, bottleneck, spec, rank) for n, mbps, spec in edges]
-    if mode != "adatopk":
-        raise ValueError(f"unknown compression mode {mode!r}")
-    out = []
-    for nbytes, mbps in zip(edge_bytes, edge_mbps, strict=True):
-        keep = fraction if fraction is not None else keep_fraction(nbytes, 0, mbps, bottleneck, MIN_FRACTION)
-        needed = nbytes > 0 and nbytes * 8 / max(mbps * 1e6, 1e-3) > bottleneck
-        out.append(Codec("adatopk", float(keep)) if needed and keep < 1.0 else Codec())
-    return out
-
-
-#: bytes AdaTopK sends per kept value: an fp16 value and a uint8 index (blocks of 256)
-KEPT_BYTES = 3
-
-
-def keep_fraction(float_bytes: float, other_bytes: float, mbps: float, bound_s: float, floor: float) -> float:
-    """AdaTopK's kept fraction for a link carrying ``float_bytes`` of floating tensors
-    (plus ``other_bytes`` that travel raw) per micro-batch: just enough that it moves
-    them within ``bound_s``, never below ``floor``; 1.0 when no compression is needed."""
-    if float_bytes <= 0 or (float_bytes + other_bytes) * 8 / max(mbps * 1e6, 1e-3) <= bound_s:
-        return 1.0
-    budget = bound_s * mbps * 1e6 / 8 - other_bytes  # bytes the link carries in time
-    return min(1.0, max(floor, budget / (float_bytes * KEPT_BYTES / 4)))
-
-
-def auto_codec(nbytes: float, mbps: float, bound_s: float, spec: list[Any], rank: int | None = None) -> Codec:
-    """``auto``'s codec for one edge carrying ``nbytes`` floating bytes per micro-batch
-    each way (values described by ``spec``) that must move within ``bound_s``;
-    ``rank`` pins the rank where it takes low-rank activations."""
-    seconds = nbytes * 8 / max(mbps * 1e6, 1e-3)
-    if nbytes <= 0 or seconds <= bound_s:
-        return Codec()
-    need = seconds / max(bound_s, 1e-9)
-    narrow = _itemsize(spec) / 4  # the steps shrink fp32 by their factor; half-precision values by less
-    for factor, name in _AUTO_STEPS:
-        if 1 < factor * narrow and need <= factor * narrow:  # fp16 does nothing to bf16 values: skip it
-            return Codec(name)
-    budget = bound_s * mbps * 1e6 / 8  # bytes the edge moves in time, each way
-    r = rank if rank is not None else lowrank_rank(spec, budget)
-    return Codec("lowrank", rank=r, grad=Codec("int4", stochastic=True))
-
-
-def _itemsize(spec: list[Any]) -> int:
-    """Bytes per element of most of a spec's floating values (4 when it has none)."""
-    by_size: dict[int, int] = {}
-    for dtype, _, numel in _float_tensors(spec):
-        size = _FLOAT_SIZES[dtype]
-        by_size[size] = by_size.get(size, 0) + numel * size
-    return max(by_size, key=lambda k: by_size[k], default=4)
-
-
-def lowrank_rank(spec: list[Any], budget: float) -> int:
-    """The largest rank (at least ``MIN_RANK``) at which the floating tensors of
-    ``spec`` fit in ``budget`` bytes: each costs rank x (2 x (rows + columns) + 4)."""
-    matrices = (matrix_shape(numel, shape) for _, shape, numel in _float_tensors(spec))
-    per_rank = sum(2 * (rows + cols) + 4 for rows, cols in matrices)
-    if per_rank == 0:
-        return MIN_RANK
-    return max(MIN_RANK, int(budget // per_rank))
+) -> tuple[list[Codec], list[float]]:
+    """The codec of each boundary of the live ``plan`` (``choose_codecs`` in ``mode``),
+    and the bandwidth it was chosen for: the slowest link the peers measured between
+    its two stages (``measured``: peer -> next peer -> Mbit/s), against each stage's
+    compute per micro-batch on its slowest peer (the estimator's, from the adverts).
+    ``specs``: each stage's input values (``boundary_specs``)."""
+    mbps = [
+        min(measured.get(p, {}).get(q, UNMEASURED_MBPS) for p in plan.stages[b] for q in plan.stages[b + 1])
+        for b in range(len(plan.stages) - 1)
+    ]
+    costs = DagCosts.from_opdag(dag)
+    seconds = [
+        compute_s(costs, lo, hi, [live_profile(adverts[p]) for p in group])
+        for (lo, hi), group in zip(plan.cut.ranges(costs.num_ops), plan.stages, strict=True)
+    ]
+    edge_bytes = [float_bytes(spec) for spec in specs[1:]]
+    codecs = choose_codecs(edge_bytes, mbps, seconds, mode, fraction, specs[1:], rank=rank)
+    for b, c in enumerate(codecs):
+        logger.info("boundary %d: %.1f Mbit/s, %d bytes per micro-batch -> %s", b, mbps[b], edge_bytes[b], c)
+    return codecs, mbps

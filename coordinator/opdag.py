@@ -4,6 +4,7 @@ activation bytes, measured by running the traced graph once on example inputs
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -272,3 +273,83 @@ def balanced_cut(dag: OpDag, num_stages: int, weights: list[float] | None = None
             raise CutError(f"no room for {num_stages} stages between tied weights")
         bounds.append(min(cands, key=lambda b: abs(prefix[b] - goal)))
     return Cut(tuple(bounds))
+
+
+def cost_lists(dag: OpDag) -> dict[str, Any]:
+    """The per-op cost lists the estimator plans with (``DagCosts`` fields): what
+    crosses each cut position comes from every value's producer and last consumer;
+    ``cross_cols`` is 0 where no floating matrix crosses."""
+    ops = list(operators(dag.gm))
+    index = {n: i for i, n in enumerate(ops)}
+    cross, fcross = _crossings(dag, index)
+    return {
+        "flops": [max(o.flops, 1) for o in dag.ops],
+        "param_bytes": [o.param_bytes for o in dag.ops],
+        "act_bytes": [o.saved_bytes for o in dag.ops],
+        "cross_bytes": cross,
+        "float_cross": fcross,
+        "forbidden": frozenset(dag.forbidden),
+        "kernels": [0 if o.target in FREE_OPS else 1 for o in dag.ops],
+        "float_itemsize": _float_itemsize(dag.meta.values()),
+        "cross_cols": _cross_cols(dag, index),
+    }
+
+
+def _crossings(dag: OpDag, index: dict[fx.Node, int]) -> tuple[list[int], list[int]]:
+    """Bytes crossing each cut position, and their floating part."""
+    n = len(index)
+    diff = [0] * (n + 1)
+    fdiff = [0] * (n + 1)
+    for node in dag.gm.graph.nodes:
+        if node.op == "placeholder":
+            born = 0  # batch inputs reach stage 0 with the batch
+        elif node in index:
+            born = index[node] + 1
+        else:
+            continue
+        users = [index[u] for u in node.users if u in index]
+        if not users:
+            continue
+        last = max(users)
+        if last >= born:  # crosses positions born .. last
+            meta = dag.meta.get(node.name)
+            nbytes = meta.nbytes if meta is not None else 0
+            floating = nbytes if meta is not None and meta.dtype.startswith(("float", "bfloat")) else 0
+            lo = max(born, 1)
+            if last >= lo:
+                diff[lo] += nbytes
+                diff[last + 1] -= nbytes
+                fdiff[lo] += floating
+                fdiff[last + 1] -= floating
+    cross, fcross, run, frun = [0] * n, [0] * n, 0, 0
+    for p in range(n):
+        run += diff[p]
+        frun += fdiff[p]
+        cross[p], fcross[p] = run, frun
+    return cross, fcross
+
+
+def _cross_cols(dag: OpDag, index: dict[fx.Node, int]) -> list[int]:
+    """Per cut position, the last dimension of the widest floating tensor crossing it (0: none)."""
+    cols = [0] * len(index)
+    for node in dag.gm.graph.nodes:
+        meta = dag.meta.get(node.name)
+        users = [index[u] for u in node.users if u in index]
+        if meta is None or not users or not meta.dtype.startswith(("float", "bfloat")) or not meta.shape:
+            continue
+        born = 1 if node.op == "placeholder" else index[node] + 1 if node in index else None
+        if born is None:
+            continue
+        for p in range(born, max(users) + 1):
+            cols[p] = max(cols[p], meta.shape[-1])
+    return cols
+
+
+def _float_itemsize(values: Iterable[ValueMeta]) -> int:
+    """Bytes per element of the floating values a model makes (most of their bytes)."""
+    by_size: dict[int, int] = {}
+    for v in values:
+        if v.is_tensor and v.dtype.startswith(("float", "bfloat")):
+            size = 2 if v.dtype in ("float16", "bfloat16") else 8 if v.dtype == "float64" else 4
+            by_size[size] = by_size.get(size, 0) + v.nbytes
+    return max(by_size, key=lambda k: by_size[k], default=4)

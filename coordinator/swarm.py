@@ -25,7 +25,7 @@ from coordinator.checkpoint import RunDir
 from coordinator.config import CoordinatorConfig
 from coordinator.hosting import open_run_dir, start_dht, tcp_ports
 from coordinator.intake import Intake
-from coordinator.links import choose_codecs, float_bytes
+from coordinator.links import live_codecs
 from coordinator.outcome import RunSummary, StepReport, SwarmError
 from coordinator.reachability import Reach
 from coordinator.roster import Endpoint, Roster
@@ -268,25 +268,12 @@ class Coordinator:
     def choose_codecs(
         self, dag: Any, plan: Assignment, specs: list[list[Any]], measured: dict[str, dict[str, float]]
     ) -> tuple[list[Codec], list[float]]:
-        """Per boundary: the slowest measured link between its two stages against the
-        estimated compute time of each stage (3x forward FLOPs on its slowest peer)."""
+        """Per boundary: its codec under ``--compression`` and the bandwidth it was
+        chosen for (``coordinator.links.live_codecs``: the one codec choice)."""
         cfg = self.config
-        mbps = [
-            min(measured.get(p, {}).get(q, 1e-3) for p in plan.stages[b] for q in plan.stages[b + 1])
-            for b in range(len(plan.stages) - 1)
-        ]
-        costs = dag.stage_costs(plan.cut)
-        seconds = [
-            3 * c["flops"] / max(min(self.adverts[p].flops for p in group), 1.0)
-            for c, group in zip(costs, plan.stages, strict=True)
-        ]
-        edge_bytes = [float_bytes(spec) for spec in specs[1:]]
-        codecs = choose_codecs(
-            edge_bytes, mbps, seconds, cfg.compression, cfg.topk_fraction, specs[1:], rank=cfg.lowrank_rank
+        return live_codecs(
+            dag, plan, specs, measured, self.adverts, cfg.compression, cfg.topk_fraction, rank=cfg.lowrank_rank
         )
-        for b, c in enumerate(codecs):
-            logger.info("boundary %d: %.1f Mbit/s, %d bytes per micro-batch -> %s", b, mbps[b], edge_bytes[b], c)
-        return codecs, mbps
 
     async def _abort(self, peers: set[str], reason: str) -> None:
         assert self.transport is not None

@@ -92,7 +92,7 @@ def _costs(args: argparse.Namespace, batch: Batch | None = None) -> Any:
 
 def _options(args: argparse.Namespace, batch: Batch | None = None) -> Any:
     """The scheduler's options from the flags."""
-    from coordinator.scheduler import Options
+    from coordinator.plan_eval import Options
 
     return Options(
         micro_batches=(batch or batch_of(args)).micro_batches,
@@ -157,7 +157,8 @@ def _plan_text(p: Any, costs: Any) -> str:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from coordinator.scheduler import ScheduleError, plan
+    from coordinator.plan_eval import ScheduleError
+    from coordinator.scheduler import plan
 
     batch = batch_of(args)
     topo = _topology(args.topology)
@@ -192,7 +193,7 @@ def churn_events(topo: Any, iterations: int, events: int, seed: int) -> tuple[li
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
-    from coordinator.scheduler import ScheduleError
+    from coordinator.plan_eval import ScheduleError
     from sim.engine import simulate
 
     if args.plot and not args.plot.endswith(".png"):

@@ -8,20 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from coordinator.estimator import (
-    STATE_PER_PARAM_BYTE,
-    DagCosts,
-    Network,
-    PeerProfile,
-    Plan,
-    Replica,
-    link_seconds,
-    predict,
-    tied_sync_s,
-    wire_pair,
-)
+from coordinator.estimator import STATE_PER_PARAM_BYTE, DagCosts, Plan, Replica, predict, tied_sync_s, wire_pair
+from coordinator.netmodel import Network, PeerProfile, link_seconds, transfer_s
+from coordinator.plan_eval import Options, ScheduleError
 from coordinator.replan import JOIN_REPLAN_EVERY, POLICIES, checkpoint_due, rebalance, recover, wants_replan
-from coordinator.scheduler import Options, ScheduleError, plan
+from coordinator.scheduler import plan
 from protocol.model import schedule as schedules
 from sim.topology import Topology
 
@@ -77,7 +68,7 @@ def iteration_seconds(costs: DagCosts, p: Plan, peers: dict[str, PeerProfile], n
         x, y = p.groups[s][mb % len(p.groups[s])], p.groups[t][mb % len(p.groups[t])]
         link = network.link(x, y)
         start = max(end, channel.get((direction, x, y), 0.0))
-        busy = wires[min(s, t)][direction == "B"] * 8 / max(link.mbps * 1e6, 1.0)
+        busy = transfer_s(wires[min(s, t)][direction == "B"], link.mbps)
         channel[(direction, x, y)] = start + busy
         return start + busy + link.latency_s
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coordinator.estimator import OP_OVERHEAD_S, Network, PeerProfile
+from coordinator.netmodel import OP_OVERHEAD_S, Network, PeerProfile
 
 
 class TopologyError(ValueError):

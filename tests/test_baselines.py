@@ -10,8 +10,11 @@ import pytest
 
 from coordinator.baselines import bw_blind, by_speed, compute, petals
 from coordinator.dtfm import _Dtfm, dtfm
-from coordinator.estimator import DagCosts, Network, PeerProfile, PeerTable, Plan
-from coordinator.scheduler import STRONG, Options, ScheduleError, _balanced_groups, evaluate, plan
+from coordinator.estimator import DagCosts, PeerTable, Plan
+from coordinator.netmodel import Network, PeerProfile
+from coordinator.placement import balanced_groups
+from coordinator.plan_eval import Options, ScheduleError, evaluate
+from coordinator.scheduler import STRONG, plan
 
 GB = 1 << 30
 #: a small search budget keeps the DT-FM tests fast
@@ -118,7 +121,7 @@ def test_bw_blind_is_not_worse_than_compute_and_groups_blindly(seed: int) -> Non
         if other.valid:
             assert plan.to_loss_s <= other.to_loss_s * (1 + 1e-9)
     m, k = sum(len(g) for g in plan.groups), len(plan.groups)
-    assert plan.groups == [[p.id for p in g] for g in _balanced_groups(by_speed(peers)[:m], k)]
+    assert plan.groups == [[p.id for p in g] for g in balanced_groups(by_speed(peers)[:m], k)]
 
 
 def test_petals_puts_each_peer_where_throughput_is_lowest() -> None:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from coordinator import codec_price
+from coordinator.codec_choice import MIN_RANK, auto_codec
 from coordinator.codec_price import (
     PRICED,
     CodecPriceError,
@@ -24,7 +25,6 @@ from coordinator.codec_price import (
     shipped_factors,
     steps_factor,
 )
-from coordinator.links import MIN_RANK, auto_codec
 from protocol.wire.codecs import Codec
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from coordinator.links import MIN_FRACTION, MIN_RANK, choose_codecs
+from coordinator.codec_choice import MIN_FRACTION, MIN_RANK, choose_codecs
 from protocol.wire.codecs import Codec, CodecError, ErrorFeedback, decode, encode, encode_parts, topk_select
 from protocol.wire.encoding import Frame, Link, WireError, encode_values
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.estimator import DagCosts, Network, PeerProfile, PeerTable, Plan, predict
-from coordinator.scheduler import Options, ScheduleError, opfence
+from coordinator.estimator import DagCosts, PeerTable, Plan, predict
+from coordinator.netmodel import Network, PeerProfile
+from coordinator.opfence import opfence
+from coordinator.plan_eval import Options, ScheduleError
 from protocol.wire.codecs import Codec
 from sim.engine import iteration_seconds
 from sim.topology import parse

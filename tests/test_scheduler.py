@@ -12,20 +12,14 @@ import pytest
 
 from coordinator.baselines import exhaustive
 from coordinator.codec_price import steps_factor
-from coordinator.estimator import DagCosts, Network, PeerProfile, PeerTable, Plan, predict
+from coordinator.cutter import cut_for
+from coordinator.estimator import DagCosts, PeerTable, Plan, predict
+from coordinator.netmodel import Network, PeerProfile
+from coordinator.opfence import opfence, plan_floor
+from coordinator.placement import alike, moves
+from coordinator.plan_eval import Options, ScheduleError, evaluate
 from coordinator.replan import POLICIES
-from coordinator.scheduler import (
-    SCHEDULERS,
-    Options,
-    ScheduleError,
-    _alike,
-    _moves,
-    cut_for,
-    evaluate,
-    opfence,
-    plan,
-    plan_floor,
-)
+from coordinator.scheduler import SCHEDULERS, plan
 from protocol.wire.codecs import Codec
 from sim.engine import Churn, iteration_seconds, simulate
 from sim.presets import PRESETS, preset
@@ -345,11 +339,11 @@ def test_peer_moves_keep_every_peer_without_standby_and_the_stage_count_when_for
     peers = [PeerProfile(f"p{i}", (i + 1) * 1e12, 80 * GB, "c") for i in range(4)]
     net = Network({p.id: "c" for p in peers}, {("c", "c"): (10_000.0, 1e-4)})
     groups = [[peers[0], peers[1]], [peers[2]]]
-    no_standby = _moves(groups, peers, net, Options(standby=False))
+    no_standby = moves(groups, peers, net, Options(standby=False))
     assert no_standby and all({"p0", "p1", "p2"} <= {p.id for g in m for p in g} for m in no_standby)
-    forced = _moves(groups, peers, net, Options(stages=2))
+    forced = moves(groups, peers, net, Options(stages=2))
     assert forced and all(len(m) == 2 for m in forced)
-    free = _moves(groups, peers, net, Options())
+    free = moves(groups, peers, net, Options())
     assert [[peers[2]], [peers[0], peers[1]]] in free  # a stage to the back
     assert [[peers[0], peers[1]], [peers[2]], [peers[3]]] in free  # the standby peer as a stage
     assert [[peers[1]], [peers[2]]] in free  # one peer out
@@ -393,7 +387,7 @@ def test_the_floor_and_the_cut_hold_when_stages_differ_in_their_cost_mix() -> No
 def test_peer_moves_never_take_a_slower_plan(monkeypatch: pytest.MonkeyPatch) -> None:
     """The moves' search keeps its start unless a move is faster (a slower valid plan
     once passed the comparison, which had the validity flag the wrong way round)."""
-    import coordinator.scheduler as sched
+    import coordinator.opfence as sched
 
     costs, peers, net = _random_instance(1, 5, [8])
     opts = Options(micro_batches=4)
@@ -409,6 +403,6 @@ def test_groupings_the_estimator_cannot_tell_apart_are_cut_once() -> None:
     peers = [PeerProfile(f"p{i}", 10e12, 80 * GB, "c") for i in range(3)]
     net = Network({p.id: "c" for p in peers}, {("c", "c"): (10_000.0, 1e-4)})
     one, other = [[peers[0]], [peers[1]]], [[peers[2]], [peers[0]]]
-    assert _alike(one, net) == _alike(other, net)
+    assert alike(one, net) == alike(other, net)
     net.learn("p0", "p1", net.link("p0", "p1").__class__(8.0, 0.1, True))  # a measured pair: peers differ now
-    assert _alike(one, net) != _alike(other, net)
+    assert alike(one, net) != alike(other, net)

@@ -1,0 +1,73 @@
+"""What every scheduler shares: its options, its error, how it finishes a plan
+(``evaluate``: the codecs the swarm would put on the plan's links, each kept only
+where it reaches the loss sooner, and the estimator's prediction) and how plans
+are ranked. The planner's codec choice (``plan_codecs``) is the one codec choice
+(``coordinator.codec_choice``) on the estimator's stage times and links."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from coordinator.codec_choice import choose_codecs
+from coordinator.codec_price import matrix_spec
+from coordinator.estimator import DagCosts, Plan, predict
+from coordinator.netmodel import Network, PeerProfile, boundary_models, rate_mbps
+from protocol.wire.codecs import Codec
+
+
+@dataclass(frozen=True)
+class Options:
+    micro_batches: int = 8
+    max_stages: int = 32
+    compression: bool = True  # slow edges may get the codec the swarm's ``auto`` would give them
+    seed: int = 0
+    stages: int | None = None  # force the number of stages
+    standby: bool = True  # OP-Fence may leave peers out (on standby) when that is faster
+
+
+#: the options a scheduler gets when none are given
+DEFAULT_OPTIONS = Options()
+
+
+class ScheduleError(ValueError):
+    """No plan is possible (e.g. more stages than ops or peers)."""
+
+
+def plan_codecs(costs: DagCosts, plan_: Plan, network: Network, options: Options) -> list[Codec]:
+    """The codec ``auto`` puts on each edge slower than the slowest stage: just enough
+    to keep up (none without ``options.compression``). The one codec choice
+    (``codec_choice.choose_codecs``) on each edge's floating bytes (as one matrix of
+    its widest columns), its busiest pair's bandwidth per micro-batch and the
+    plan's stage times, both as ``predict`` gives them (per micro-batch)."""
+    if not options.compression:
+        return [Codec()] * len(plan_.cut)
+    m = options.micro_batches
+    edges = boundary_models(plan_.groups, network, m)
+    floating = [costs.float_cross[pos] for pos in plan_.cut]
+    mbps = [rate_mbps(edge.per_byte() * edge.rounds / m) for edge in edges]  # per micro-batch, as stage_s
+    specs = [matrix_spec(f, costs.cross_cols[pos], costs.float_itemsize) for f, pos in zip(floating, plan_.cut)]
+    return choose_codecs(floating, mbps, plan_.stage_s, "auto", edge_specs=specs)
+
+
+def evaluate(costs: DagCosts, cut: tuple[int, ...], ids: list[list[str]], by_id: dict[str, PeerProfile],
+             network: Network, options: Options, name: str = "opfence", revert: bool = True) -> Plan:  # fmt: skip
+    """The plan of stage groups ``ids`` cut at ``cut``, with the codecs the swarm would
+    put on its links (each kept only where it reaches the loss sooner than none: with
+    ``revert``, else all or none), and its predicted times: every scheduler finishes
+    its plans here."""
+    m = options.micro_batches
+    best = predict(costs, Plan(cut, ids, [Codec()] * len(cut), name), by_id, network, m)
+    codecs = plan_codecs(costs, best, network, options)
+    if all(c.name == "none" for c in codecs):
+        return best
+    squeezed = predict(costs, Plan(cut, ids, codecs, name), by_id, network, m)
+    for b in [b for b, c in enumerate(codecs) if c.name != "none" and revert]:
+        trial = predict(costs, Plan(cut, ids, [*squeezed.codecs[:b], Codec(), *squeezed.codecs[b + 1 :]], name),
+                        by_id, network, m)  # fmt: skip
+        squeezed = trial if trial.to_loss_s < squeezed.to_loss_s else squeezed
+    return squeezed if squeezed.to_loss_s < best.to_loss_s else best
+
+
+def rank(p: Plan) -> tuple[bool, float]:
+    """How schedulers order plans: valid ones first, then by time to the loss."""
+    return (not p.valid, p.to_loss_s)
