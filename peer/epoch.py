@@ -23,7 +23,8 @@ from peer.mailbox import Mailbox
 from protocol.model import schedule as schedules
 from protocol.model.graph import Cut, build_stage, partition, trace
 from protocol.model.job import JobSpec, SpecError, foreign_code
-from protocol.model.program import Program, ProgramError, build_checked
+from protocol.model.program import Program, ProgramError
+from protocol.model.program_check import build_checked
 from protocol.model.recipe import LossScale, Recipe, Update
 from protocol.net.tasks import honour_cancel, log_failure
 from protocol.net.transport import Inbound

@@ -17,17 +17,10 @@ from coordinator.links import boundary_specs
 from peer.executor import StageExecutor
 from protocol.model.graph import Cut, forbidden_boundaries, operators, stage_modules, trace
 from protocol.model.job import JobSpec
-from protocol.model.program import (
-    DEFAULT_NAMESPACES,
-    Program,
-    ProgramError,
-    build_checked,
-    check_operators,
-    dry_run,
-    export_stage,
-    export_stages,
-    load_stage,
-)
+from protocol.model.program import DEFAULT_NAMESPACES, Program, ProgramError
+from protocol.model.program_check import build_checked, dry_run
+from protocol.model.program_export import export_stage, export_stages
+from protocol.model.program_load import check_operators, load_stage
 from protocol.model.recipe import Recipe
 
 GPT = JobSpec(model_args="n_layer=2,n_embd=64,n_head=4")
