@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 import torch
-from peer.audit import Rechecker
 
+from peer.audit import Rechecker
 from peer.executor import StageExecutor
 from protocol.model.graph import Cut, build_stage, operators, partition, trace
 from protocol.model.job import JobSpec, split_batch
