@@ -11,6 +11,9 @@ import logging
 import math
 from collections.abc import Callable
 
+from protocol.net.clock import SYSTEM_CLOCK, Clock
+from protocol.net.tasks import every
+
 logger = logging.getLogger(__name__)
 
 #: seconds between reads of the throttle file
@@ -113,8 +116,10 @@ class Throttle:
             self._refused = content
             logger.warning("%s", warning)
 
-    async def watch(self, path: str, interval: float = POLL_S) -> None:
+    async def watch(self, path: str, interval: float = POLL_S, clock: Clock = SYSTEM_CLOCK) -> None:
         """Read the throttle file about every ``interval`` seconds, forever (cancel to stop)."""
-        while True:
+
+        async def poll() -> None:
             self.poll(path)
-            await asyncio.sleep(interval)
+
+        await every(interval, poll, what=f"reading the throttle file {path}", clock=clock, first=0.0)

@@ -29,7 +29,9 @@ import hivemind
 import torch
 from hivemind.utils import get_dht_time
 
-from peer.node import JoinError, PeerConfig, PeerNode
+from peer.config import JoinError, PeerConfig
+from peer.node import PeerNode
+from protocol.net.tasks import wait_until
 from protocol.net.transport import PeerUnreachable, Transport
 from protocol.trust.admission import issue_certificate, parse_token
 from protocol.trust.identity import Identity, sign_record
@@ -105,13 +107,16 @@ async def forger(token: str, key_file: str, members: int) -> None:
 
 async def _members(dht: hivemind.DHT, run: str, n: int) -> dict[str, list[str]]:
     """The peer ids and addresses of the run's adverts, once ``n`` are seen (or 30 s)."""
-    deadline = time.monotonic() + 30
-    while True:
+    seen: dict[str, list[str]] = {}
+
+    async def enough() -> bool | None:
         found = await dht.get(dht_key(run, "adverts"), latest=True, return_future=True)
-        out = {ad.peer_id: ad.maddrs for ad in _adverts(found)}
-        if len(out) >= n or time.monotonic() > deadline:
-            return out
-        await asyncio.sleep(1.0)
+        seen.clear()
+        seen.update({ad.peer_id: ad.maddrs for ad in _adverts(found)})
+        return True if len(seen) >= n else None
+
+    await wait_until(enough, 30.0)
+    return seen
 
 
 def _adverts(found: Any) -> list[Advert]:
@@ -136,45 +141,53 @@ def _coordinator(found: Any, key: str) -> tuple[str, list[str]]:
 
 
 async def _until_exists(path: Path, within_s: float = 120.0) -> None:
-    deadline = time.monotonic() + within_s
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"lapsed: {path} did not appear within {within_s:.0f} s")
-        await asyncio.sleep(0.1)
+    async def there() -> bool | None:
+        return True if path.exists() else None
+
+    if await wait_until(there, within_s, interval=0.1) is None:
+        raise SystemExit(f"lapsed: {path} did not appear within {within_s:.0f} s")
+
+
+class Lapsed(PeerNode):
+    """A peer that joins with the whole token and trains, but once banned (and told so)
+    stays until its certificate has expired, then attacks its last assignment's peers
+    and the coordinator once ``go`` exists."""
+
+    def __init__(self, config: PeerConfig, go: Path) -> None:
+        super().__init__(config)
+        self.go = go
+        self.last: Any = None  # its last assignment
+
+    async def _control(self, kind: str, item: Any) -> int | None:
+        if kind == "assign":
+            self.last = item.message
+        if kind == "abort" and item.message.reason.startswith(NOT_ADMITTED):  # banned, and told so: stays
+            print(f"told: {item.message.reason}", flush=True)
+            cert = self.credentials
+            while cert.certificate is not None and cert.certificate["expires_at"] > time.time():
+                await asyncio.sleep(0.2)
+            kind, item = "revoked", "it expired"
+        if kind != "revoked":
+            return await super()._control(kind, item)
+        assert self.transport is not None and self.link is not None and self.checks is not None
+        await self._stop_epoch()
+        self.checks.assign = None  # its heartbeats stop: what the receivers count from here is the attack
+        print(f"certificate ran out: {item}", flush=True)
+        a = self.last
+        if a is None:
+            raise SystemExit("lapsed: it was never assigned a stage, so it knows no peers to send to")
+        receivers = {p: list(a.maddrs.get(p, [])) for p in a.keys if p != self.transport.peer_id}
+        assert self.link.record is not None
+        receivers[self.link.peer_id] = list(self.link.record.maddrs)
+        await _until_exists(self.go)
+        await attack("lapsed", self.transport, self.config.run_id, receivers, self.link.peer_id)
+        return 0
 
 
 async def lapsed(token: str, key_file: str, go: Path) -> None:
     t = parse_token(token)
-    node = PeerNode(
-        PeerConfig(t.maddrs, t.run, identity=key_file, coordinator_key=t.coordinator_key, swarm_secret=t.secret)
-    )
-    last: dict[str, Any] = {}
-    control = node._control
-
-    async def keep(kind: str, item: Any) -> int | None:
-        if kind == "assign":
-            last["assign"] = item.message
-        if kind == "abort" and item.message.reason.startswith(NOT_ADMITTED):  # banned, and told so: stays
-            print(f"told: {item.message.reason}", flush=True)
-            while node.certificate is not None and node.certificate["expires_at"] > time.time():
-                await asyncio.sleep(0.2)
-            kind, item = "revoked", "it expired"
-        if kind != "revoked":
-            return await control(kind, item)
-        assert node.transport is not None and node.coordinator is not None and node.checks is not None
-        await node._stop_epoch()
-        node.checks.assign = None  # its heartbeats stop: what the receivers count from here is the attack
-        print(f"certificate ran out: {item}", flush=True)
-        a = last.get("assign")
-        if a is None:
-            raise SystemExit("lapsed: it was never assigned a stage, so it knows no peers to send to")
-        receivers = {p: list(a.maddrs.get(p, [])) for p in a.keys if p != node.transport.peer_id}
-        receivers[node.coordinator.peer_id] = list(node.coordinator.maddrs)
-        await _until_exists(go)
-        await attack("lapsed", node.transport, t.run, receivers, node.coordinator.peer_id)
-        return 0
-
-    node._control = keep  # type: ignore[method-assign]
+    cfg = PeerConfig(t.maddrs, t.run, identity=key_file, coordinator_key=t.coordinator_key, swarm_secret=t.secret)
+    node = Lapsed(cfg, go)
     try:
         await node.start()
         assert node.advert is not None

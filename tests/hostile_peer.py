@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 
-from peer import audit, epoch
+from peer import epoch, spotcheck
+from peer.config import PeerConfig
 from peer.executor import StageExecutor
-from peer.node import PeerConfig, PeerNode
+from peer.node import PeerNode
 
 CLAIMS = {"nan": float("nan"), "inf": float("inf"), "negative": -1e12, "maddr": None}
 CLAIMS |= dict.fromkeys(("poison", "framer", "noisy", "fakeloss", "liar"))
@@ -43,7 +44,7 @@ def frame_others(node: PeerNode) -> None:
     honest = epoch._finite
 
     def accuse(inbound: Any, what: str, *args: Any, **kwargs: Any) -> Any:
-        if node.coordinator is not None and inbound.sender == node.coordinator.peer_id:
+        if node.link is not None and inbound.sender == node.link.peer_id:
             return honest(inbound, what, *args, **kwargs)
         raise epoch.Poisoned(inbound, what)
 
@@ -52,7 +53,7 @@ def frame_others(node: PeerNode) -> None:
 
 def lie() -> None:
     """Show spot checks frames with one payload byte changed (their signatures no longer hold)."""
-    honest = audit.evidence_for
+    honest = spotcheck.evidence_for
 
     def tampered(*args: Any) -> Any:
         reply, values = honest(*args)
@@ -63,7 +64,7 @@ def lie() -> None:
                     payload[0] ^= 1
         return reply, values
 
-    audit.evidence_for = tampered  # type: ignore[assignment]
+    spotcheck.evidence_for = tampered  # type: ignore[assignment]
 
 
 def poison() -> None:
@@ -117,10 +118,10 @@ async def main() -> None:
     if args.mode == "framer":
         frame_others(node)
     await node.start()
-    assert node.advert is not None
+    assert node.adverts is not None and node.advert is not None
     if args.mode == "maddr":
-        node.advert = dataclasses.replace(node.advert, maddrs=["/ip4/999.1.2.3/tcp/x", "\x1b[31mgarbage"])
-        await node._publish()
+        node.adverts.advert = dataclasses.replace(node.advert, maddrs=["/ip4/999.1.2.3/tcp/x", "\x1b[31mgarbage"])
+        await node.adverts.publish()
     print(f"joined run '{args.run}' as {node.advert.peer_id} claiming {args.mode}", flush=True)
     await node.serve()
 

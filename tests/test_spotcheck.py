@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from peer.audit import Rechecker
 from peer.executor import StageExecutor
+from peer.spotcheck import Rechecker
 from protocol.model.graph import Cut, build_stage, operators, partition, trace
 from protocol.model.job import JobSpec, split_batch
 from protocol.net.transport import Inbound
@@ -207,7 +207,7 @@ def test_a_forward_only_check_sees_activations_and_not_gradients() -> None:
 def test_values_through_the_lossless_codec_are_what_the_wire_delivers() -> None:
     """A re-execution compares its activations as a receiver would decode them; on the
     lossless codec it skips the encoding, which must change nothing."""
-    from peer.audit import _through
+    from peer.spotcheck import _through
 
     values = [torch.randn(2, 3)[:, 1:], (torch.arange(4), None, torch.Size([2, 3])), 7, torch.zeros(0)]
     descs, chunks = encode_values(values)
@@ -255,13 +255,15 @@ def test_a_lone_stage_is_checked_a_few_micro_batches_at_a_time_as_often_on_avera
 
 
 def test_an_arbiter_asked_to_reuse_weights_it_does_not_hold_cannot_check_and_blames_no_one() -> None:
-    from types import SimpleNamespace
-
-    from peer.epoch import EpochRunner
+    from peer.spotcheck import Arbiter
     from protocol.model.recipe import LossScale
+
+    def never(*args: Any) -> Any:
+        raise AssertionError("an arbiter without the weights asked for builds and re-executes nothing")
 
     msg = Recheck(RUN, 5, 1, "suspect", ["input"], ["coord"], 0, stage=0, same_weights=True)
     for held in (None, (0, 4), (1, 5)):  # nothing loaded, another step's weights, another stage's
-        arbiter = SimpleNamespace(k=2, _others={}, _others_at=held)
-        verdict = EpochRunner._arbitrate(arbiter, LossScale(1.0), msg, [torch.empty(0), torch.empty(0)])  # type: ignore[arg-type]
+        arbiter = Arbiter(2, never)
+        arbiter.loaded = held
+        verdict = arbiter.verdict(LossScale(1.0), msg, [torch.empty(0), torch.empty(0)], never)
         assert not verdict.checked and not verdict.agree and "holds no weights of stage 0 at step 5" in verdict.detail

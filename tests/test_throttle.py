@@ -8,7 +8,6 @@ import logging
 import math
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,9 +19,10 @@ from torch import nn
 from fusionllm.cli import build_parser
 from peer import bench
 from peer.bench import measure_flops
-from peer.epoch import EpochRunner
+from peer.compute import Compute
+from peer.config import PeerConfig
 from peer.executor import StageExecutor
-from peer.node import PeerConfig, PeerNode
+from peer.node import PeerNode
 from peer.throttle import Throttle, ThrottleError, check_throttle, parse_throttle
 from protocol.model.recipe import Recipe
 from tests.conftest import run_cli
@@ -182,19 +182,6 @@ def test_join_parses_the_throttle_flags() -> None:
 # ------------------------------------------------------------------ throttled compute
 
 
-def _stub_runner(throttle: Throttle, pool: ThreadPoolExecutor) -> EpochRunner:
-    """An EpochRunner with just what its ``_compute`` uses: the node's device, throttle
-    and compute thread."""
-
-    async def run_compute(fn: Any, *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
-
-    runner = EpochRunner.__new__(EpochRunner)
-    runner.node = SimpleNamespace(device=torch.device("cpu"), throttle=throttle, run_compute=run_compute)  # type: ignore[assignment]
-    runner.busy_s = 0.0
-    return runner
-
-
 def test_a_throttled_compute_call_idles_on_the_loop_with_the_thread_free() -> None:
     torch.manual_seed(0)
     ex = StageExecutor(_Stage(), Recipe(lr=1e-3), False)
@@ -202,8 +189,8 @@ def test_a_throttled_compute_call_idles_on_the_loop_with_the_thread_free() -> No
     f = 0.25
 
     async def main() -> None:
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            runner = _stub_runner(Throttle(f), pool)
+        compute = Compute(torch.device("cpu"), Throttle(f))
+        try:
             computed = threading.Event()
             took: list[float] = []
             ticks = 0
@@ -216,26 +203,28 @@ def test_a_throttled_compute_call_idles_on_the_loop_with_the_thread_free() -> No
 
             tick = asyncio.create_task(ticker())
             t0 = time.perf_counter()
-            call = asyncio.create_task(runner._compute(_flagged, computed, took, ex.forward, 0, [x]))
+            call = asyncio.create_task(compute.throttled(_flagged, computed, took, ex.forward, 0, [x]))
             deadline = time.monotonic() + 10
             while not computed.is_set() and time.monotonic() < deadline:  # the compute thread is done
                 await asyncio.sleep(0.001)
             ticks_then = ticks
             t1 = time.perf_counter()
-            await runner.node.run_compute(_no_op)  # the thread takes other work while the runner idles
+            await compute.run(_no_op)  # the thread takes other work while the call idles
             no_op_s = time.perf_counter() - t1
             idling = not call.done()
-            out = await call
+            out, busy_s = await call
             wall = time.perf_counter() - t0
             tick.cancel()
+        finally:
+            compute.shutdown()
 
         compute_s = took[0]  # as the compute thread measured it
-        pause_s = runner.busy_s - compute_s
+        pause_s = busy_s - compute_s
         assert out[0].shape == (2048, 256)
         assert compute_s > 0.01, compute_s  # a real compute call of some milliseconds
         # the pause is (1/F - 1) times the call, and both count as busy (StepDone.compute_s)
         assert pause_s == pytest.approx(compute_s * (1 / f - 1), rel=0.1, abs=0.005)
-        assert wall >= runner.busy_s - 0.005  # the pause was slept, not just counted
+        assert wall >= busy_s - 0.005  # the pause was slept, not just counted
         assert idling and no_op_s < pause_s, (no_op_s, pause_s)
         assert ticks > ticks_then  # the loop ran during the pause
 

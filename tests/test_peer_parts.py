@@ -1,0 +1,135 @@
+"""The peer's parts driven on a fake clock through their public methods: the
+certificate watch of a private swarm, the coordinator watch and its heartbeats,
+and the bounded wait for a certificate after the hello."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from peer.admission import CERT_WAIT_S, Credentials
+from peer.config import JoinError, PeerConfig
+from peer.link import BEAT_S, LOST_AFTER_S, CoordinatorLink
+from protocol.net.clock import FakeClock
+from protocol.trust.admission import CERT_TTL_S, issue_certificate
+from protocol.trust.identity import Identity
+from protocol.wire.gate import Gate
+from protocol.wire.messages import Beat, Certificate, CoordinatorRecord
+
+RUN = "r"
+
+
+def _private(clock: FakeClock) -> Credentials:
+    return Credentials(PeerConfig([], RUN, swarm_secret="ab" * 32), clock)
+
+
+def test_a_certificate_not_renewed_for_its_lifetime_asks_once_then_leaves() -> None:
+    async def main() -> tuple[list[float], list[str], float]:
+        clock, coordinator = FakeClock(), Identity.generate()
+        creds = _private(clock)
+        cert = issue_certificate(coordinator, RUN, "me", "ab" * 32, now=1000.0)
+        gate = Gate(RUN)
+        creds.take(Certificate(RUN, cert, {}), coordinator.public_hex, "me", "coord", gate)
+        assert creds.certificate == cert and creds.certified_at == 0.0
+        hellos: list[float] = []
+        revoked: list[str] = []
+
+        async def hello() -> None:
+            hellos.append(clock.now())
+            raise ConnectionError("the coordinator does not answer")  # the watch goes on
+
+        watch = asyncio.create_task(creds.watch(hello, lambda: False, revoked.append))
+        await clock.advance(CERT_TTL_S + CERT_WAIT_S + 5)
+        assert watch.done() and watch.exception() is None
+        return hellos, revoked, clock.now()
+
+    hellos, revoked, _ = asyncio.run(main())
+    assert hellos == [CERT_TTL_S + 1.0], "asked once, at the first look past its lifetime"
+    assert len(revoked) == 1 and "admission certificate ran out" in revoked[0]
+
+
+def test_a_paused_watch_restarts_the_certificates_clock() -> None:
+    async def main() -> list[float]:
+        clock, coordinator = FakeClock(), Identity.generate()
+        creds = _private(clock)
+        cert = issue_certificate(coordinator, RUN, "me", "x", 1.0)
+        creds.take(Certificate(RUN, cert, {}), coordinator.public_hex, "me", "coord", Gate(RUN))
+        paused, hellos = [True], []
+
+        async def hello() -> None:
+            hellos.append(clock.now())
+
+        watch = asyncio.create_task(creds.watch(hello, lambda: paused[0], lambda _: None))
+        await clock.advance(3 * CERT_TTL_S)  # the coordinator lost: no hello, however long
+        paused[0] = False
+        await clock.advance(CERT_TTL_S + 2)
+        watch.cancel()
+        return hellos
+
+    assert asyncio.run(main()) == [4 * CERT_TTL_S + 1.0]
+
+
+def test_no_certificate_within_the_wait_is_a_join_error_and_a_public_swarm_waits_for_none() -> None:
+    async def main() -> None:
+        clock = FakeClock()
+        await Credentials(PeerConfig([], RUN), clock).wait()  # public: at once
+        waiting = asyncio.create_task(_private(clock).wait())
+        await clock.advance(CERT_WAIT_S + 1)
+        with pytest.raises(JoinError, match="no admission certificate"):
+            waiting.result()
+
+    asyncio.run(main())
+
+
+class _Unreachable:
+    """A transport whose coordinator cannot be reached; counts what is sent."""
+
+    def __init__(self) -> None:
+        self.gate = Gate(RUN)
+        self.sent: list[Any] = []
+        self.up = False
+
+    async def connected(self) -> set[str]:
+        return {"coord"} if self.up else set()
+
+    async def connect(self, peer_id: str) -> None:
+        if not self.up:
+            raise ConnectionError(f"{peer_id} is down")
+
+    async def send(self, peer_id: str, msg: Any, values: Any = None) -> int:
+        if not self.up:
+            raise ConnectionError(f"{peer_id} is down")
+        self.sent.append(msg)
+        return 0
+
+
+def _link(clock: FakeClock, tp: _Unreachable) -> CoordinatorLink:
+    cfg = PeerConfig([], RUN)
+    link = CoordinatorLink(cfg, None, tp, Identity.generate(), Credentials(cfg, clock), lambda _: None, clock)  # type: ignore[arg-type]
+    link.record = CoordinatorRecord("coord", [], RUN, 0.0)
+    return link
+
+
+def test_the_coordinator_counts_as_lost_after_it_is_unreachable_for_a_while_and_heartbeats_pause() -> None:
+    async def main() -> tuple[list[tuple[float, str]], int, int]:
+        clock, tp = FakeClock(), _Unreachable()
+        link = _link(clock, tp)
+        lost: list[tuple[float, str]] = []
+        watch = asyncio.create_task(link.watch(lambda why: lost.append((clock.now(), why))))
+        beats = asyncio.create_task(link.beat(lambda: Beat(RUN, 3, 1)))
+        await clock.advance(LOST_AFTER_S + 5)
+        assert link.reattaching
+        tp.up = True
+        await clock.advance(5 * BEAT_S)  # reattaching: no heartbeats, and lost only once
+        paused = len(tp.sent)
+        link.reattaching = False
+        await clock.advance(3 * BEAT_S)
+        watch.cancel()
+        beats.cancel()
+        return lost, paused, len(tp.sent)
+
+    lost, paused, sent = asyncio.run(main())
+    assert [t for t, _ in lost] == [1.0 + LOST_AFTER_S] and "cannot be reached for 3 s" in lost[0][1]
+    assert paused == 0 and sent == 3
