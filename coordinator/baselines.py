@@ -19,7 +19,7 @@ import math
 import random
 
 from coordinator.cutter import cut_for, proportional_cut
-from coordinator.estimator import DagCosts, PeerTable, Plan, boundary_positions, predict, stage_memory
+from coordinator.estimator import PASSES, DagCosts, PeerTable, Plan, boundary_positions, predict, stage_memory
 from coordinator.netmodel import Network, PeerProfile
 from coordinator.placement import balanced_groups
 from coordinator.plan_eval import Options, ScheduleError, evaluate, rank
@@ -356,7 +356,7 @@ def _earliest_start(costs: DagCosts, after: int, start: int, memory: int, in_fli
 def _throughput(costs: DagCosts, stage: tuple[int, int, list[PeerProfile]]) -> float:
     """Micro-batches per second a stage's group gets through its ops."""
     lo, hi, group = stage
-    return sum(p.flops for p in group) / (3 * max(costs.stage_flops(lo, hi), 1))
+    return sum(p.flops for p in group) / (PASSES * max(costs.stage_flops(lo, hi), 1))
 
 
 def _longest_span(costs: DagCosts, lo: int, cap: int, memory: int, in_flight: int) -> int | None:

@@ -59,6 +59,8 @@ from protocol.wire.codecs import Codec
 #: Adam keeps weights, gradients and two moments: 4 bytes of state per parameter byte
 #: (fp32 weights, gradients and moments: 16 bytes per parameter, as the live swarm keeps them)
 STATE_PER_PARAM_BYTE = 4
+#: a micro-batch's forward and backward cost this many forwards (the backward twice the forward)
+PASSES = 3
 #: a stage must compute at least this share of an even split of the model's FLOPs:
 #: one that computes nothing only relays its inputs over one more link
 MIN_STAGE_SHARE = 0.01
@@ -245,7 +247,7 @@ class PeerTable(dict[str, PeerProfile]):
 
 def lower_bound(costs: DagCosts, peers: dict[str, PeerProfile], micro_batches: int) -> float:
     total = peers.total_flops if isinstance(peers, PeerTable) else sum(p.flops for p in peers.values())
-    return 3 * micro_batches * costs.total_flops / max(total, 1.0)
+    return PASSES * micro_batches * costs.total_flops / max(total, 1.0)
 
 
 def wire_pair(costs: DagCosts, position: int, codec: Codec) -> tuple[float, float]:
@@ -290,7 +292,7 @@ class Replica:
         """One micro-batch's forward (``F``), backward with its replica gradient sends
         (``B``) or both (``FB``)."""
         compute = costs.stage_flops(lo, hi) / max(self.flops, 1.0) + costs.stage_kernels(lo, hi) * self.overhead_s
-        return compute * (part != "B") + (2 * compute + self.sends(costs, lo, hi)) * (part != "F")
+        return compute * (part != "B") + ((PASSES - 1) * compute + self.sends(costs, lo, hi)) * (part != "F")
 
     def sends(self, costs: DagCosts, lo: int, hi: int) -> float:
         return self.send_latency_s + costs.stage_params(lo, hi) * self.send_s_per_byte if self.send_s_per_byte else 0.0
@@ -317,7 +319,7 @@ class GroupModel:
     def _rows(self) -> np.ndarray:
         """Per replica kind, a micro-batch's seconds per FLOP, per kernel, per parameter
         byte (its gradient sends) and fixed (their latency)."""
-        return np.array([[3 / max(r.flops, 1.0), 3 * r.overhead_s, r.send_s_per_byte, r.send_latency_s]
+        return np.array([[PASSES / max(r.flops, 1.0), PASSES * r.overhead_s, r.send_s_per_byte, r.send_latency_s]
                          for r in self.replicas])  # fmt: skip
 
     def per_unit(self) -> np.ndarray:

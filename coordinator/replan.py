@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from coordinator.estimator import PASSES
+
 #: what a swarm does about a change (the simulator compares them): ``rebalance`` (these
 #: rules: recover from losses, move when the move pays), ``none`` (recover from losses
 #: only: slow peers stay, joiners wait) and ``restart`` (every change stops the run, which
@@ -142,8 +144,9 @@ class Rebalance:
 
 def effective_flops(stage_flops: float, micro_batches: int, compute_s: float) -> float:
     """A peer's measured speed in the estimator's terms: the FLOP/s at which its stage's
-    forward and backward (3x the forward FLOPs per micro-batch) took ``compute_s``."""
-    return 3 * stage_flops * micro_batches / max(compute_s, 1e-9)
+    forward and backward (``estimator.PASSES`` x the forward FLOPs per micro-batch) took
+    ``compute_s``."""
+    return PASSES * stage_flops * micro_batches / max(compute_s, 1e-9)
 
 
 def robust_speed(samples: list[float]) -> float:

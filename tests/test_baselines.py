@@ -44,7 +44,7 @@ def _instance(seed: int, num_peers: int = 7, num_ops: int = 24) -> tuple[DagCost
 def _check_valid(plan: Plan, name: str, costs: DagCosts, peers: list[PeerProfile], network: Network,
                  options: Options) -> None:  # fmt: skip
     """Every peer at most once, a contiguous cut at allowed positions, memory fits, and
-    the predicted times are those ``scheduler.evaluate`` gives (the swarm's codecs)."""
+    the predicted times are those ``plan_eval.evaluate`` gives (the swarm's codecs)."""
     members = [p for g in plan.groups for p in g]
     assert len(members) == len(set(members)) and set(members) <= {p.id for p in peers}
     assert all(plan.groups) and len(plan.cut) == len(plan.groups) - 1

@@ -1,6 +1,6 @@
 """The planner's model of ``auto``'s ladder (coordinator/codec_price.py): the codec
 a link gets, its bytes each way, and its steps factor, against hand-computed cases,
-the live choice (``links.auto_codec``) and ``Codec.wire_bytes``; the shipped data
+the live choice (``codec_choice.auto_codec``) and ``Codec.wire_bytes``; the shipped data
 file."""
 
 from __future__ import annotations
