@@ -61,7 +61,16 @@ def parse(data: Any, name: str = "") -> Topology:
     """A topology from its JSON value; raises TopologyError naming the bad field."""
     if not isinstance(data, dict):
         raise TopologyError("the topology must be a JSON object")
-    peers_raw = data.get("peers")
+    peers = _peers(data.get("peers"))
+    clusters = _clusters(data.get("clusters", {}), {p.cluster for p in peers})
+    overrides = _links(data.get("links", []), {p.id for p in peers})
+    cluster_of = {p.id: p.cluster for p in peers}
+    network = Network(cluster_of, clusters, overrides, measured=set(overrides), default=_slowest(clusters))
+    return Topology(peers, network, name)
+
+
+def _peers(peers_raw: Any) -> list[PeerProfile]:
+    """The ``peers`` list: each one's id, cluster, TFLOP/s, memory and kernel overhead."""
     if not isinstance(peers_raw, list) or not peers_raw:
         raise TopologyError("peers: must be a non-empty list")
     peers: list[PeerProfile] = []
@@ -83,7 +92,11 @@ def parse(data: Any, name: str = "") -> Topology:
         memory = _num(p, "memory_gb", where, 0.0)
         overhead = _num(p, "op_overhead_us", where, 0.0) / 1e6 if "op_overhead_us" in p else OP_OVERHEAD_S
         peers.append(PeerProfile(pid, tflops * 1e12, int(memory * 2**30), cluster, overhead))
-    clusters_raw = data.get("clusters", {})
+    return peers
+
+
+def _clusters(clusters_raw: Any, known: set[str]) -> dict[tuple[str, str], tuple[float, float]]:
+    """The ``clusters`` matrix: (Mbit/s, latency s) per pair, both ways unless both are given."""
     if not isinstance(clusters_raw, dict):
         raise TopologyError("clusters: must be an object of objects")
     clusters: dict[tuple[str, str], tuple[float, float]] = {}
@@ -97,13 +110,16 @@ def parse(data: Any, name: str = "") -> Topology:
             value = (_num(link, "mbps", where, 1e-6), _num(link, "latency_ms", where, 0.0) / 1000)
             clusters[(a, b)] = value
             clusters.setdefault((b, a), value)
-    known = {p.cluster for p in peers}
     for a, b in clusters:
         for c in (a, b):
             if c not in known:
                 raise TopologyError(f"clusters.{a}.{b}: no peer is in cluster '{c}'")
+    return clusters
+
+
+def _links(links_raw: Any, seen: set[str]) -> dict[tuple[str, str], tuple[float, float]]:
+    """The ``links`` list: single pairs of peers that override their clusters' link."""
     overrides: dict[tuple[str, str], tuple[float, float]] = {}
-    links_raw = data.get("links", [])
     if not isinstance(links_raw, list):
         raise TopologyError("links: must be a list")
     for i, link in enumerate(links_raw):
@@ -117,9 +133,7 @@ def parse(data: Any, name: str = "") -> Topology:
             _num(link, "mbps", where, 1e-6),
             _num(link, "latency_ms", where) / 1000,
         )
-    cluster_of = {p.id: p.cluster for p in peers}
-    network = Network(cluster_of, clusters, overrides, measured=set(overrides), default=_slowest(clusters))
-    return Topology(peers, network, name)
+    return overrides
 
 
 def _slowest(clusters: dict[tuple[str, str], tuple[float, float]]) -> tuple[float, float]:
