@@ -267,7 +267,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
 
 
 async def _join(args: argparse.Namespace) -> int:
-    from peer.node import JoinError, PeerConfig, PeerNode
+    from peer.config import JoinError, PeerConfig
+    from peer.node import PeerNode
 
     node = PeerNode(
         PeerConfig(
