@@ -43,6 +43,7 @@ from coordinator.checkpoint import RunDir
 from coordinator.messaging import Mailbox
 from coordinator.runstate import PeerLost, RunState
 from coordinator.spotchecks import Check, SpotChecker
+from protocol.net.clock import Clock
 from protocol.net.tasks import cancel_and_wait
 from protocol.trust.spotcheck import BACKWARD_SHARE, lone_draw
 
@@ -85,6 +86,7 @@ class Auditor:
         checker: SpotChecker,
         mailbox: Mailbox,
         run_dir: RunDir,
+        clock: Clock,
         on_event: Callable[[str], None],
     ) -> None:
         self.st = st
@@ -93,6 +95,7 @@ class Auditor:
         self.checker = checker
         self.mailbox = mailbox
         self.run_dir = run_dir
+        self.clock = clock
         self.on_event = on_event
         self._audit: tuple[int, asyncio.Task[None]] | None = None  # the committed step whose checks are under way
         self._marked = False  # whether the run directory records a checkpoint written while checks were under way
@@ -137,8 +140,13 @@ class Auditor:
         if self._audit is None:
             return
         step, task = self._audit
-        done, _ = await asyncio.wait({task}, timeout=grace)
-        if not done:
+        nap = asyncio.ensure_future(self.clock.sleep(grace)) if grace is not None else None
+        try:
+            await asyncio.wait({task} if nap is None else {task, nap}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if nap is not None:
+                nap.cancel()
+        if not task.done():
             await self.drop()
             raise PeerLost({}, rollback_to=step)
         self.outcome()

@@ -82,7 +82,7 @@ class Driver:
         self.planner = Planner(host, st, stages.dag, job.micro_batches)
         #: seeded from the OS: peers cannot predict which micro-batch is checked
         checker = SpotChecker(host, st, stages, self.mailbox, run_dir, random.Random(), clock, say)
-        self.auditor = Auditor(st, self.cfg.spot_check, job.micro_batches, checker, self.mailbox, run_dir, say)
+        self.auditor = Auditor(st, self.cfg.spot_check, job.micro_batches, checker, self.mailbox, run_dir, clock, say)
         self.checkpoints = Checkpoints(st, stages, run_dir, host.board, self.cfg.checkpoint_every, clock,
                                        self.auditor.note_unaudited, say)  # fmt: skip
         self.rebalancer = Rebalancer(host, st, stages.dag, job, self.planner, self.checkpoints, self.mailbox,
