@@ -158,7 +158,7 @@ def block_cut(dag: OpDag, stages: int) -> Cut | None:
 def launch(argv: list[str]) -> None:
     """``fusionllm`` with the coordinator's cut pinned to :func:`block_cut` (the
     planner still picks which peer serves which stage)."""
-    import coordinator.run as run
+    import coordinator.planning as run
     from fusionllm.cli import main
 
     planned = run.assign

@@ -345,8 +345,8 @@ def _apply_token(args: argparse.Namespace) -> None:
 
 def cmd_token(args: argparse.Namespace) -> int:
     """Print a private swarm's join token (after a new secret, with --rotate)."""
-    from coordinator.checkpoint import DB_NAME, RunDir
     from coordinator.admission import SECRET_FILE, AccessRules, write_secret
+    from coordinator.checkpoint import DB_NAME, RunDir
 
     path = Path(args.run_dir).expanduser()
     if not (path / SECRET_FILE).is_file() or not (path / DB_NAME).is_file():

@@ -146,7 +146,7 @@ def test_a_disputer_that_matched_no_one_is_named_with_what_it_computed() -> None
     """Two checkers agree that the suspect's loss is wrong; a third computed something
     else (it reports a fake loss of its own): it is excluded too, and its line says what
     its re-execution gave, so the fake loss is on the record (CI once saw it unnamed)."""
-    from coordinator.auditing import _convicted
+    from coordinator.spotchecks import convicted
     from protocol.wire.messages import Verdict
 
     def said(detail: str, computed: list[float]) -> Verdict:
@@ -157,7 +157,7 @@ def test_a_disputer_that_matched_no_one_is_named_with_what_it_computed() -> None
         ("twin", said("it reported a loss of 5.5; its inputs give 5.4", [5.4, 0.0])),
         ("last", said("it reported a loss of 5.5; its inputs give 5.4", [5.4, 0.0])),
     ]
-    lost = _convicted("cheat", "twin", against, 1e-6).lost
+    lost = convicted("cheat", "twin", against, 1e-6).lost
     assert set(lost) == {"cheat", "faker"}
     assert lost["faker"].endswith(f"matched neither it nor twin and last (its own verdict: {against[0][1].detail})")
 
@@ -233,9 +233,8 @@ def test_a_lone_stage_is_checked_a_few_micro_batches_at_a_time_as_often_on_avera
     """A stage of one peer: its micro-batches are drawn together (its weights travel
     once for them), as many a step on average as the rate gives a replicated stage."""
     import random
-    from types import SimpleNamespace
 
-    from coordinator.auditing import Auditing
+    from coordinator.auditing import sample_checks
     from protocol.trust.spotcheck import LONE_DRAW, lone_draw, lone_survival
 
     assert lone_draw(0.05, 8) == (pytest.approx(0.1), LONE_DRAW)
@@ -243,10 +242,8 @@ def test_a_lone_stage_is_checked_a_few_micro_batches_at_a_time_as_often_on_avera
     assert lone_draw(0.05, 2) == (0.05, 2)
     assert lone_survival(0.1, 1.0, 8, 1) == pytest.approx(0.9**8)
     assert survival(0.1, 0.05, 8, 20) < lone_survival(0.1, 0.05, 8, 20) < 0.5
-    plan = SimpleNamespace(stages=[["lone"], ["a", "b"]])
-    fake = SimpleNamespace(st=SimpleNamespace(plan=plan), cfg=SimpleNamespace(spot_check=0.05),
-                           job=SimpleNamespace(micro_batches=8), _audit_rng=random.Random(0))  # fmt: skip
-    draws = [Auditing._sample_checks(fake) for _ in range(4000)]  # type: ignore[arg-type]
+    rng = random.Random(0)
+    draws = [sample_checks([["lone"], ["a", "b"]], 0.05, 8, rng) for _ in range(4000)]
     lone = [[mb for s, mb, _ in d if s == 0] for d in draws]
     assert all(len(mbs) in (0, LONE_DRAW) and len(set(mbs)) == len(mbs) for mbs in lone)
     for s in (0, 1):
