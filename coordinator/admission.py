@@ -22,7 +22,7 @@ from coordinator.roster import Endpoint, Roster
 from coordinator.runstate import BANNED, EXCLUDED
 from coordinator.status import StatusBoard
 from protocol.net.clock import SYSTEM_CLOCK, Clock
-from protocol.net.tasks import cancel_all, every, honour_cancel
+from protocol.net.tasks import cancel_all, every
 from protocol.net.transport import PeerUnreachable
 from protocol.trust.admission import (
     SECRET_BYTES,
@@ -169,7 +169,7 @@ class Admission:
         """Certify each peer the gate admits, and renew certificates every renewal period."""
         self.gate.on_admit.append(lambda peer: self._spawn(self.certify([peer])))
         period = renewal_period(self.config.cert_ttl)
-        self._spawn(every(period, self._renew, what="renewing certificates", clock=self.clock))
+        self._spawn(every(period, self._renew, what="renewing certificates", clock=self.clock, level=logging.WARNING))
 
     async def aclose(self, timeout: float) -> None:
         await cancel_all(self._tasks, timeout)
@@ -225,11 +225,7 @@ class Admission:
         one that is not renewed is refused everywhere once its certificate ends."""
         assert self.endpoint.transport is not None
         me, excluded = self.endpoint.transport.peer_id, self.roster.excluded()
-        try:
-            await self.certify([p for p in self.gate.keys if p != me and p not in excluded])
-        except Exception as exc:  # never lose the renewals to one failure (said louder than a tick's)
-            honour_cancel()
-            logger.warning("renewing certificates failed: %s", exc)
+        await self.certify([p for p in self.gate.keys if p != me and p not in excluded])
 
     async def enforce_bans(self) -> None:
         """Banned peers (by id or key) lose their admission at once; a planned one is

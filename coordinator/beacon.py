@@ -12,7 +12,7 @@ from hivemind.utils import get_dht_time
 from coordinator.roster import Endpoint
 from protocol.net.clock import SYSTEM_CLOCK, Clock
 from protocol.net.records import publish_record
-from protocol.net.tasks import cancel_all, every, honour_cancel
+from protocol.net.tasks import cancel_all, every
 from protocol.wire.messages import CoordinatorRecord
 
 logger = logging.getLogger(__name__)
@@ -29,7 +29,10 @@ class Beacon:
         """Publish the record, then keep it fresh in the background."""
         await self.publish()
         self._refresh = asyncio.create_task(
-            every(self.ttl / 3, self._republish, what="record refresh", clock=self.clock)
+            # a warning: peers stop finding the run
+            every(
+                self.ttl / 3, self.publish, what="coordinator record refresh", clock=self.clock, level=logging.WARNING
+            )
         )
 
     async def aclose(self, timeout: float) -> None:
@@ -42,10 +45,3 @@ class Beacon:
         rec = CoordinatorRecord(ep.transport.peer_id, ep.visible_maddrs(), self.run_id, expires)
         subkey = ep.identity.public_hex  # under its own key: another's claim of the run cannot hide it
         await publish_record(ep.dht, ep.identity, self.run_id, "coordinator", subkey, rec.header(), expires)
-
-    async def _republish(self) -> None:
-        try:
-            await self.publish()
-        except Exception as exc:  # said louder than a tick's failure: peers stop finding the run
-            honour_cancel()
-            logger.warning("coordinator record refresh failed: %s", exc)

@@ -16,7 +16,7 @@ from peer.admission import Credentials
 from protocol.net.clock import SYSTEM_CLOCK, Clock
 from protocol.net.reach import HOW_TO_BE_REACHABLE
 from protocol.net.records import publish_record
-from protocol.net.tasks import every, honour_cancel
+from protocol.net.tasks import every
 from protocol.trust.identity import Identity
 from protocol.trust.text import clean
 from protocol.wire.messages import Advert, Reachability
@@ -57,14 +57,8 @@ class Adverts:
     async def refresh(self) -> None:
         """Publish again every ``ttl / 3`` s, forever (cancel to stop)."""
 
-        async def once() -> None:
-            try:
-                await self.publish()
-            except Exception as exc:  # the DHT may hiccup; the next refresh retries
-                honour_cancel()
-                logger.warning("advert refresh failed: %s", exc)
-
-        await every(self.ttl / 3, once, what="advert refresh", clock=self.clock)
+        # the DHT may hiccup; the next refresh retries
+        await every(self.ttl / 3, self.publish, what="advert refresh", clock=self.clock, level=logging.WARNING)
 
     def take_reachability(self, msg: Reachability) -> None:
         """Say whether the coordinator could dial this peer back, and what to do if not

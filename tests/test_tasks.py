@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from protocol.net.clock import FakeClock
 from protocol.net.tasks import every, wait_until
@@ -61,3 +62,20 @@ def test_a_cancel_ends_every_even_inside_a_failing_tick() -> None:
         return loop.cancelled()
 
     assert asyncio.run(main())
+
+
+def test_every_says_a_failing_tick_at_the_level_asked(caplog) -> None:
+    async def main() -> None:
+        clock = FakeClock()
+
+        async def tick() -> None:
+            raise OSError("the DHT hiccuped")
+
+        loop = asyncio.create_task(every(1.0, tick, what="advert refresh", clock=clock, level=logging.WARNING))
+        await clock.advance(1.0)
+        loop.cancel()
+
+    with caplog.at_level(logging.DEBUG, logger="protocol.net.tasks"):
+        asyncio.run(main())
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "protocol.net.tasks"]
+    assert said == [(logging.WARNING, "advert refresh failed: the DHT hiccuped")]

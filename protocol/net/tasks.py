@@ -63,10 +63,11 @@ async def every(
     what: str,
     clock: Clock = SYSTEM_CLOCK,
     first: float | None = None,
+    level: int = logging.DEBUG,
 ) -> None:
     """The one periodic loop: wait ``period`` s (``first`` s the first time), run
-    ``tick``, and again, until ``tick`` returns True. A tick that fails is logged
-    (``what`` names the loop) and the loop goes on; a cancel always ends it."""
+    ``tick``, and again, until ``tick`` returns True. A tick that fails is logged at
+    ``level`` ("<what> failed: <error>") and the loop goes on; a cancel always ends it."""
     await clock.sleep(period if first is None else first)
     while True:
         try:
@@ -74,7 +75,7 @@ async def every(
                 return
         except Exception as exc:
             honour_cancel()
-            logger.debug("%s failed: %s", what, exc)
+            logger.log(level, "%s failed: %s", what, exc)
         await clock.sleep(period)
 
 
