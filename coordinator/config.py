@@ -12,8 +12,9 @@ from protocol.trust.admission import CERT_TTL_S
 from protocol.trust.spotcheck import DEFAULT_SPOT_CHECK
 
 #: steps between two checks whether a plan on the measured speeds pays for moving to it;
-#: off by default until the estimator sees stragglers among replicas and per-operator
-#: overheads (on identical peers it moved work for gains the peers did not show)
+#: off by default: it was switched off when, on identical peers, it moved work for gains
+#: the peers did not show, and no run has measured it on since the estimator learned
+#: replicas and per-kernel costs (docs/faults.md)
 DEFAULT_REBALANCE_EVERY = 0
 
 
@@ -44,7 +45,7 @@ class CoordinatorConfig:
     rebalance_every: int = DEFAULT_REBALANCE_EVERY  # steps between rebalance checks (0: never)
     stall_floor_s: float = 8.0  # a planned peer silent this long (or 10 median steps, if longer) has stalled
     send_timeout_s: float = 30.0  # a send to a peer that takes longer counts as a lost peer
-    private: bool = False  # admit only peers whose hello proves the swarm's secret (coordinator.private)
+    private: bool = False  # admit only peers whose hello proves the swarm's secret (coordinator.admission)
     cert_ttl: float = CERT_TTL_S  # a private swarm's admission certificates hold this long (renewed before)
     spot_check: float = DEFAULT_SPOT_CHECK  # each replicated micro-batch re-executed with this chance (auditing)
     stages_as: str = "program"  # STAGE_FORMS: how peers get their stages

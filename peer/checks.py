@@ -1,5 +1,5 @@
 """What a peer expects to receive, from whom, given its assignment: the plan's
-half of the envelope checks (the rest is in ``protocol.wire.envelope.Gate``)."""
+half of the envelope checks (the rest is in ``protocol.wire.gate.Gate``)."""
 
 from __future__ import annotations
 
