@@ -202,5 +202,7 @@ class Auditor:
         step = min(marks.values())
         self.run_dir.drop_after(step)
         self.run_dir.set_meta(UNAUDITED, {})
-        self.on_event(f"the spot checks of step {step} had not passed when the coordinator stopped: "
-                      f"the checkpoints written since are dropped")  # fmt: skip
+        self.on_event(
+            f"the spot checks of step {step} had not passed when the coordinator stopped: "
+            f"the checkpoints written since are dropped"
+        )

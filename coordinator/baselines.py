@@ -26,8 +26,14 @@ from coordinator.plan_eval import Options, ScheduleError, evaluate, rank
 from protocol.wire.codecs import Codec
 
 
-def _finish(costs: DagCosts, cut: tuple[int, ...], groups: list[list[PeerProfile]], name: str, network: Network,
-            options: Options) -> Plan:  # fmt: skip
+def _finish(
+    costs: DagCosts,
+    cut: tuple[int, ...],
+    groups: list[list[PeerProfile]],
+    name: str,
+    network: Network,
+    options: Options,
+) -> Plan:
     ids = [[p.id for p in g] for g in groups]
     by_id = {p.id: p for g in groups for p in g}
     return predict(costs, Plan(cut, ids, [Codec()] * (len(groups) - 1), name), by_id, network, options.micro_batches)
@@ -36,8 +42,8 @@ def _finish(costs: DagCosts, cut: tuple[int, ...], groups: list[list[PeerProfile
 def even(costs: DagCosts, peers: list[PeerProfile], network: Network, options: Options, k: int) -> Plan:
     """Peers in the given order, ``k`` runs of them; equal op counts per stage."""
     groups = [peers[i * len(peers) // k : (i + 1) * len(peers) // k] for i in range(k)]
-    cut = proportional_cut(DagCosts([1] * costs.num_ops, [0] * costs.num_ops, [0] * costs.num_ops,
-                                     [0] * costs.num_ops, [0] * costs.num_ops, costs.forbidden), [1.0] * k)  # fmt: skip
+    n = costs.num_ops
+    cut = proportional_cut(DagCosts([1] * n, [0] * n, [0] * n, [0] * n, [0] * n, costs.forbidden), [1.0] * k)
     return _finish(costs, cut, groups, "even", network, options)
 
 
@@ -173,8 +179,14 @@ def bw_blind(costs: DagCosts, peers: list[PeerProfile], network: Network, option
     return fitting(best, "bw-blind", peers, options)
 
 
-def _blind_plan(costs: DagCosts, groups: list[list[PeerProfile]], by_id: PeerTable, network: Network,
-                blind: Network, options: Options) -> Plan | None:  # fmt: skip
+def _blind_plan(
+    costs: DagCosts,
+    groups: list[list[PeerProfile]],
+    by_id: PeerTable,
+    network: Network,
+    blind: Network,
+    options: Options,
+) -> Plan | None:
     """The best plan of ``groups`` over bw-blind's cuts (None: no cut fits)."""
     ids = ids_of(groups)
     best: Plan | None = None
@@ -191,8 +203,9 @@ def _blind_plan(costs: DagCosts, groups: list[list[PeerProfile]], by_id: PeerTab
     return best
 
 
-def _blind_cut(rule: str, costs: DagCosts, groups: list[list[PeerProfile]], blind: Network,
-               options: Options) -> tuple[int, ...] | None:  # fmt: skip
+def _blind_cut(
+    rule: str, costs: DagCosts, groups: list[list[PeerProfile]], blind: Network, options: Options
+) -> tuple[int, ...] | None:
     """The cut in proportion to the groups' FLOP/s, or balanced under memory on ``blind``."""
     if rule == "balanced":
         return cut_for(costs, groups, blind, options)
@@ -261,8 +274,13 @@ def petals(costs: DagCosts, peers: list[PeerProfile], network: Network, options:
     raise ScheduleError(f"petals: {problem} ({len(peers)} peers)")
 
 
-def _petals_plan(costs: DagCosts, stages: list[tuple[int, int, list[PeerProfile]]], by_id: PeerTable,
-                 network: Network, options: Options) -> Plan:  # fmt: skip
+def _petals_plan(
+    costs: DagCosts,
+    stages: list[tuple[int, int, list[PeerProfile]]],
+    by_id: PeerTable,
+    network: Network,
+    options: Options,
+) -> Plan:
     """The plan of Petals' placement; if it does not fit memory (replicas can change
     the pipeline schedule, and with it the micro-batches in flight), the replicas
     that joined last wait on standby, as few as make it fit."""
@@ -278,8 +296,9 @@ def _petals_plan(costs: DagCosts, stages: list[tuple[int, int, list[PeerProfile]
     return evaluate(costs, cut, ids, by_id, network, options, "petals")
 
 
-def _petals_fixed_point(costs: DagCosts, order: list[PeerProfile], options: Options, limit: int,
-                        every_micro_batch: bool) -> list[tuple[int, int, list[PeerProfile]]]:  # fmt: skip
+def _petals_fixed_point(
+    costs: DagCosts, order: list[PeerProfile], options: Options, limit: int, every_micro_batch: bool
+) -> list[tuple[int, int, list[PeerProfile]]]:
     """Petals' placement with spans sized for the stage count they make: start
     from one stage (or the forced count) and recount until the spans make no more
     stages than they were sized for (more stages hold more micro-batches in flight)."""
@@ -294,8 +313,9 @@ def _petals_fixed_point(costs: DagCosts, order: list[PeerProfile], options: Opti
         guess = len(stages)
 
 
-def _petals_problem(costs: DagCosts, stages: list[tuple[int, int, list[PeerProfile]]], options: Options,
-                    limit: int) -> str:  # fmt: skip
+def _petals_problem(
+    costs: DagCosts, stages: list[tuple[int, int, list[PeerProfile]]], options: Options, limit: int
+) -> str:
     """Why Petals' placement is no plan ("" if it is one)."""
     if not stages or stages[-1][1] < costs.num_ops:
         return "the peers' memory cannot hold the model" + (f" in {options.stages} stages" if options.stages else "")
@@ -309,8 +329,9 @@ def _equal_flops_ends(costs: DagCosts, k: int) -> list[int]:
     return [*proportional_cut(costs, [1.0] * k), costs.num_ops]
 
 
-def _petals_stages(costs: DagCosts, order: list[PeerProfile], in_flight: list[int],
-                   caps: list[int] | None) -> list[tuple[int, int, list[PeerProfile]]]:  # fmt: skip
+def _petals_stages(
+    costs: DagCosts, order: list[PeerProfile], in_flight: list[int], caps: list[int] | None
+) -> list[tuple[int, int, list[PeerProfile]]]:
     """Petals' placement, peer by peer, stage ``s`` holding ``in_flight[s]``
     micro-batches' activations (the last entry for any later stage) and ending by
     ``caps[s]``: (first op, end op, peers) per stage."""

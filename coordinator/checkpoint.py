@@ -208,9 +208,18 @@ class RunDir:
             with self._lock, db:
                 db.execute(
                     "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (step, epoch, ckpt.created_at, final.name, json.dumps(cut), json.dumps(peers), codecs, nbytes,
-                     json.dumps(files)),
-                )  # fmt: skip
+                    (
+                        step,
+                        epoch,
+                        ckpt.created_at,
+                        final.name,
+                        json.dumps(cut),
+                        json.dumps(peers),
+                        codecs,
+                        nbytes,
+                        json.dumps(files),
+                    ),
+                )
             self._prune()
         elapsed = time.perf_counter() - start
         log.info("checkpoint %s: %d stages, %d bytes, %.2f s", final.name, len(files), nbytes, elapsed)

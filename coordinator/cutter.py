@@ -91,14 +91,14 @@ class _Cutter:
     Each allowed end of a stage has the least bound its link needs there (steady
     bytes and that round trip), per wire table: uncompressed first, then ``STRONGEST``."""
 
-    def __init__(self, costs: DagCosts, stages: list[GroupModel], links: list[BoundaryModel],
-                 options: Options) -> None:  # fmt: skip
+    def __init__(self, costs: DagCosts, stages: list[GroupModel], links: list[BoundaryModel], options: Options) -> None:
         self.costs, self.stages, self.k = costs, stages, len(stages)
         self.least = costs.min_stage_flops(self.k)  # no empty stage
         self.positions = boundary_positions(costs)
         allowed = costs.cached("allowed", lambda: np.array(self.positions, dtype=np.int64))
-        self.latest = costs.cached(("latest", self.k), lambda: _latest_boundaries(costs, self.positions, self.k,
-                                                                                   self.least))  # fmt: skip
+        self.latest = costs.cached(
+            ("latest", self.k), lambda: _latest_boundaries(costs, self.positions, self.k, self.least)
+        )
         plain = costs.cached("plain", lambda: np.array(costs.cross_bytes, dtype=np.float64)[allowed])
         codec = STRONGEST if options.compression else Codec()
         floor = costs.cached(
@@ -107,8 +107,10 @@ class _Cutter:
         self.allowed = allowed
         gaps = [a.window - b.window if b.window else 0 for a, b in zip(stages, stages[1:])]
         #: per stage s and table: (the bound its link's bytes need, its round trip's link part, divisor or 0)
-        self.links = [[(t * link.per_byte(), _both_ways(link, t), gap + 1 if gap else 0) for t in (plain, floor)]
-                      for link, gap in zip(links, gaps)]  # fmt: skip
+        self.links = [
+            [(t * link.per_byte(), _both_ways(link, t), gap + 1 if gap else 0) for t in (plain, floor)]
+            for link, gap in zip(links, gaps)
+        ]
         self.rows: dict[tuple[int, int], tuple[np.ndarray, int, list[np.ndarray]]] = {}
 
     def ceiling(self) -> float:

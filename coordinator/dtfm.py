@@ -183,8 +183,9 @@ def _stage_grid(forced: int | None, top: int) -> list[int]:
     return grid(top)
 
 
-def dtfm(costs: DagCosts, peers: list[PeerProfile], network: Network, options: Options,
-         evaluations: int = DTFM_EVALUATIONS) -> Plan:  # fmt: skip
+def dtfm(
+    costs: DagCosts, peers: list[PeerProfile], network: Network, options: Options, evaluations: int = DTFM_EVALUATIONS
+) -> Plan:
     """A genetic search over peer-to-stage assignments, as Together's DT-FM (Yuan
     et al. 2022) searches device placements, scored by this project's estimator
     (``plan_eval.evaluate`` and ``scheduler.rank``: the predicted time to the loss

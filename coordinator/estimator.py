@@ -256,8 +256,9 @@ def wire_pair(costs: DagCosts, position: int, codec: Codec) -> tuple[float, floa
     key = ("pair", position, str(codec))
     if key not in costs._wire:
         floating = costs.float_cross[position]
-        got = price(codec, floating, costs.cross_bytes[position] - floating, costs.cross_cols[position],
-                    costs.float_itemsize)  # fmt: skip
+        got = price(
+            codec, floating, costs.cross_bytes[position] - floating, costs.cross_cols[position], costs.float_itemsize
+        )
         costs._wire[key] = (got.forward_bytes, got.backward_bytes)
     return costs._wire[key]
 
@@ -319,8 +320,11 @@ class GroupModel:
     def _rows(self) -> np.ndarray:
         """Per replica kind, a micro-batch's seconds per FLOP, per kernel, per parameter
         byte (its gradient sends) and fixed (their latency)."""
-        return np.array([[PASSES / max(r.flops, 1.0), PASSES * r.overhead_s, r.send_s_per_byte, r.send_latency_s]
-                         for r in self.replicas])  # fmt: skip
+        rows = [
+            [PASSES / max(r.flops, 1.0), PASSES * r.overhead_s, r.send_s_per_byte, r.send_latency_s]
+            for r in self.replicas
+        ]
+        return np.array(rows)
 
     def per_unit(self) -> np.ndarray:
         """The period's most seconds per FLOP, kernel and parameter byte of the stage,
@@ -353,8 +357,12 @@ class GroupModel:
 def group_models(groups: list[list[PeerProfile]], network: Network, micro_batches: int) -> list[GroupModel]:
     """The time and memory model of every stage group of a plan (in pipeline order);
     remembered by the network (with the peers' figures) while its links stay as they are."""
-    key = ("groups", micro_batches, tuple((p.id, p.flops, p.memory_bytes, p.op_overhead_s) for g in groups for p in g),
-           tuple(len(g) for g in groups))  # fmt: skip
+    key = (
+        "groups",
+        micro_batches,
+        tuple((p.id, p.flops, p.memory_bytes, p.op_overhead_s) for g in groups for p in g),
+        tuple(len(g) for g in groups),
+    )
     got = network._memo.get(key)
     if got is None:
         got = _group_models(groups, network, micro_batches)

@@ -83,8 +83,14 @@ def _distinct(plans: list[Plan], want: int) -> list[Plan]:
     return out
 
 
-def _best_first(costs: DagCosts, shapes: list[list[list[PeerProfile]]], by_id: PeerTable, network: Network,
-                options: Options, beat: float) -> list[Plan]:  # fmt: skip
+def _best_first(
+    costs: DagCosts,
+    shapes: list[list[list[PeerProfile]]],
+    by_id: PeerTable,
+    network: Network,
+    options: Options,
+    beat: float,
+) -> list[Plan]:
     """The plans of these stage groupings (each cut by ``cut_for``), in the order of
     their ``plan_floor``, until no grouping left can beat the best valid plan found
     (or ``beat``): branch and bound. Groupings the estimator cannot tell apart are
@@ -129,8 +135,9 @@ MOVE_ROUNDS = 2
 MOVE_GAIN = 1.005
 
 
-def _peer_moves(costs: DagCosts, start: Plan, peers: list[PeerProfile], by_id: PeerTable, network: Network,
-                options: Options) -> Plan:  # fmt: skip
+def _peer_moves(
+    costs: DagCosts, start: Plan, peers: list[PeerProfile], by_id: PeerTable, network: Network, options: Options
+) -> Plan:
     """A bounded local search over who runs the stages (the pools and stage counts
     only try shapes in proportion to compute): move one stage to the front, to the
     back or one place later, take one peer out, or put in one
@@ -149,14 +156,16 @@ def _peer_moves(costs: DagCosts, start: Plan, peers: list[PeerProfile], by_id: P
     return best
 
 
-def _cut_and_evaluate(costs: DagCosts, groups: list[list[PeerProfile]], by_id: PeerTable, network: Network,
-                      options: Options) -> Plan | None:  # fmt: skip
+def _cut_and_evaluate(
+    costs: DagCosts, groups: list[list[PeerProfile]], by_id: PeerTable, network: Network, options: Options
+) -> Plan | None:
     cut = cut_for(costs, groups, network, options)
     return None if cut is None else evaluate(costs, cut, [[p.id for p in g] for g in groups], by_id, network, options)
 
 
-def _tiny_candidates(costs: DagCosts, peers: list[PeerProfile], by_id: dict[str, PeerProfile], network: Network,
-                     options: Options) -> list[Plan]:  # fmt: skip
+def _tiny_candidates(
+    costs: DagCosts, peers: list[PeerProfile], by_id: dict[str, PeerProfile], network: Network, options: Options
+) -> list[Plan]:
     """Tiny swarms: every grouping of the peers, in every stage order (up to 24)."""
     out = []
     limit = len(boundary_positions(costs)) + 1
@@ -182,8 +191,9 @@ def _better(a: Plan, b: Plan | None) -> bool:
     return b is None or rank(a) < rank(b)
 
 
-def _refine(costs: DagCosts, start: Plan, by_id: dict[str, PeerProfile], network: Network, options: Options,
-            reach: int) -> Plan:  # fmt: skip
+def _refine(
+    costs: DagCosts, start: Plan, by_id: dict[str, PeerProfile], network: Network, options: Options, reach: int
+) -> Plan:
     """Hill-climb the boundaries on the predicted time to the loss (the bottleneck
     search ignores pipeline fill and drain): a few positions each way, and every
     position that splits the compute the same way (within ``TIE_FLOPS``), so a

@@ -143,13 +143,14 @@ class StepPipeline:
 
     async def _commit(self, step: int, update: Update, checkpoint: bool, evaluate: int, checks: list[Check]) -> None:
         """Tell every planned peer to apply step ``step``'s update."""
-        st, scale = self.st, self.scales.scale
+        st, scale, run_id = self.st, self.scales.scale, self.cfg.run_id
         assert st.plan is not None
         keep = {p for s, _, _ in checks for p in st.plan.stages[s]}  # they keep this step's weights
         try:
             for p in st.planned:
-                msg = Commit(self.cfg.run_id, step, st.epoch, checkpoint, update.factor, update.skip, scale.scale,
-                             evaluate, p in keep)  # fmt: skip
+                msg = Commit(
+                    run_id, step, st.epoch, checkpoint, update.factor, update.skip, scale.scale, evaluate, p in keep
+                )
                 await self.mailbox.send(p, msg)
         except PeerLost as exc:  # a peer gone before its commit (a cheat leaving?) cannot dodge the checks
             raise PeerLost(exc.lost, rollback_to=step if checks else None) from None

@@ -122,12 +122,15 @@ def alike(groups: list[list[PeerProfile]], network: Network) -> tuple[tuple[Any,
     order (peer ids where single links were measured: then any two peers may differ)."""
     if network.overrides:
         return tuple(tuple(p.id for p in g) for g in groups)
-    return tuple(tuple((network.cluster_of.get(p.id, p.cluster), p.flops, p.memory_bytes, p.op_overhead_s)
-                       for p in g) for g in groups)  # fmt: skip
+    return tuple(
+        tuple((network.cluster_of.get(p.id, p.cluster), p.flops, p.memory_bytes, p.op_overhead_s) for p in g)
+        for g in groups
+    )
 
 
-def moves(groups: list[list[PeerProfile]], peers: list[PeerProfile], network: Network,
-           options: Options) -> list[list[list[PeerProfile]]]:  # fmt: skip
+def moves(
+    groups: list[list[PeerProfile]], peers: list[PeerProfile], network: Network, options: Options
+) -> list[list[list[PeerProfile]]]:
     """Every stage grouping one peer away from ``groups`` (see ``_peer_moves``)."""
     keep_k = options.stages is not None
     out = []

@@ -49,8 +49,16 @@ def plan_codecs(costs: DagCosts, plan_: Plan, network: Network, options: Options
     return choose_codecs(floating, mbps, plan_.stage_s, "auto", edge_specs=specs)
 
 
-def evaluate(costs: DagCosts, cut: tuple[int, ...], ids: list[list[str]], by_id: dict[str, PeerProfile],
-             network: Network, options: Options, name: str = "opfence", revert: bool = True) -> Plan:  # fmt: skip
+def evaluate(
+    costs: DagCosts,
+    cut: tuple[int, ...],
+    ids: list[list[str]],
+    by_id: dict[str, PeerProfile],
+    network: Network,
+    options: Options,
+    name: str = "opfence",
+    revert: bool = True,
+) -> Plan:
     """The plan of stage groups ``ids`` cut at ``cut``, with the codecs the swarm would
     put on its links (each kept only where it reaches the loss sooner than none: with
     ``revert``, else all or none), and its predicted times: every scheduler finishes
@@ -62,8 +70,9 @@ def evaluate(costs: DagCosts, cut: tuple[int, ...], ids: list[list[str]], by_id:
         return best
     squeezed = predict(costs, Plan(cut, ids, codecs, name), by_id, network, m)
     for b in [b for b, c in enumerate(codecs) if c.name != "none" and revert]:
-        trial = predict(costs, Plan(cut, ids, [*squeezed.codecs[:b], Codec(), *squeezed.codecs[b + 1 :]], name),
-                        by_id, network, m)  # fmt: skip
+        trial = predict(
+            costs, Plan(cut, ids, [*squeezed.codecs[:b], Codec(), *squeezed.codecs[b + 1 :]], name), by_id, network, m
+        )
         squeezed = trial if trial.to_loss_s < squeezed.to_loss_s else squeezed
     return squeezed if squeezed.to_loss_s < best.to_loss_s else best
 

@@ -31,8 +31,8 @@ class Planner:
         stages = self.host.config.num_stages
         k = min(stages, len(use)) if stages else None if leave_out else len(use)
         try:
-            plan = assign(self.dag, use, k, self.micro_batches, standby=leave_out, measured=self.st.link_mbps,
-                          nat=self.behind_nat())  # fmt: skip
+            nat = self.behind_nat()
+            plan = assign(self.dag, use, k, self.micro_batches, standby=leave_out, measured=self.st.link_mbps, nat=nat)
         except ValueError as exc:
             raise SwarmError(f"cannot plan the run: {exc}") from None
         return plan

@@ -77,22 +77,24 @@ class Driver:
     def _build(self, clock: Clock, on_step: Callable[[StepReport], None] | None) -> None:
         """The components, each given the narrow parts of the others it uses."""
         host, st, stages, run_dir, say, job = self.host, self.st, self.stages, self.run_dir, self._say, self.stages.job
-        self.mailbox = Mailbox(host, st, clock, say)
-        self.scales = LossScales(stages.recipe, run_dir)
-        self.planner = Planner(host, st, stages.dag, job.micro_batches)
+        mailbox = Mailbox(host, st, clock, say)
+        scales = LossScales(stages.recipe, run_dir)
+        planner = Planner(host, st, stages.dag, job.micro_batches)
         #: seeded from the OS: peers cannot predict which micro-batch is checked
-        checker = SpotChecker(host, st, stages, self.mailbox, run_dir, random.Random(), clock, say)
-        self.auditor = Auditor(st, self.cfg.spot_check, job.micro_batches, checker, self.mailbox, run_dir, clock, say)
-        self.checkpoints = Checkpoints(st, stages, run_dir, host.board, self.cfg.checkpoint_every, clock,
-                                       self.auditor.note_unaudited, say)  # fmt: skip
-        self.rebalancer = Rebalancer(host, st, stages.dag, job, self.planner, self.checkpoints, self.mailbox,
-                                     self.auditor, say)  # fmt: skip
-        self.dispatcher = Dispatcher(host, st, stages, self.planner, self.checkpoints, self.scales, self.mailbox,
-                                     run_dir, clock)  # fmt: skip
-        self.pipeline = StepPipeline(host, st, stages, self.mailbox, self.auditor, self.checkpoints, self.rebalancer,
-                                     self.scales, run_dir, clock, on_step, say)  # fmt: skip
-        self.recovery = Recovery(host, st, stages, self.planner, self.mailbox, self.auditor, self.checkpoints,
-                                 self.rebalancer, self.scales, run_dir, say)  # fmt: skip
+        checker = SpotChecker(host, st, stages, mailbox, run_dir, random.Random(), clock, say)
+        auditor = Auditor(st, self.cfg.spot_check, job.micro_batches, checker, mailbox, run_dir, clock, say)
+        every = self.cfg.checkpoint_every
+        checkpoints = Checkpoints(st, stages, run_dir, host.board, every, clock, auditor.note_unaudited, say)
+        rebalancer = Rebalancer(host, st, stages.dag, job, planner, checkpoints, mailbox, auditor, say)
+        self.dispatcher = Dispatcher(host, st, stages, planner, checkpoints, scales, mailbox, run_dir, clock)
+        self.pipeline = StepPipeline(
+            host, st, stages, mailbox, auditor, checkpoints, rebalancer, scales, run_dir, clock, on_step, say
+        )
+        self.recovery = Recovery(
+            host, st, stages, planner, mailbox, auditor, checkpoints, rebalancer, scales, run_dir, say
+        )
+        self.mailbox, self.scales, self.planner, self.auditor = mailbox, scales, planner, auditor
+        self.checkpoints, self.rebalancer = checkpoints, rebalancer
         self.mailbox.on_wait(self.auditor.outcome)
         self.mailbox.on_part(self.checkpoints.take_part)
         #: peers asked for spot-check evidence (the host's gate expects their payloads)

@@ -194,9 +194,15 @@ class SpotChecker:
         raise await self.settle((step, mb), suspect, (checkers[0], first), more)
 
     def _disputed(
-        self, step: int, s: int, mb: int, suspect: str, checker: str, kept: tuple[list[str], list[torch.Tensor]],
+        self,
+        step: int,
+        s: int,
+        mb: int,
+        suspect: str,
+        checker: str,
+        kept: tuple[list[str], list[torch.Tensor]],
         verdict: Verdict,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Keep the evidence of a disagreement (once the coordinator has checked it) and
         say it on the page and the log."""
         self._verify_shown(step, s, mb, *kept)
@@ -234,8 +240,8 @@ class SpotChecker:
         for checker, ask in more[:MAX_MORE_CHECKERS]:
             verdict = await ask()
             if verdict.agree:
-                return PeerLost({c: f"{EXCLUDED}it disputed {suspect}'s work that {checker} re-executed the same "
-                                 f"{_own(v)}" for c, v in against})  # fmt: skip
+                why = f"it disputed {suspect}'s work that {checker} re-executed the same "
+                return PeerLost({c: f"{EXCLUDED}{why}{_own(v)}" for c, v in against})
             twin = next((c for c, v in against if alike(v.computed, verdict.computed, self._rtol(c, checker))), None)
             against.append((checker, verdict))
             if twin is not None:
@@ -366,9 +372,23 @@ class SpotChecker:
         suspect = self._route(s, mb)["suspect"]
         loss = self.losses.get(str(mb)) if s == len(st.plan.stages) - 1 else None
         names, weights, program, same = self._arbiter_parts(checker, step, s, shown)
-        msg = Recheck(cfg.run_id, step, mb, suspect, roles, [signers[r] for r in roles], st.epoch, loss,
-                      self._rtol(suspect, checker), -1 if shown is None else s, names, len(program), grads,
-                      backward, same)  # fmt: skip
+        msg = Recheck(
+            cfg.run_id,
+            step,
+            mb,
+            suspect,
+            roles,
+            [signers[r] for r in roles],
+            epoch=st.epoch,
+            loss=loss,
+            tolerance=self._rtol(suspect, checker),
+            stage=-1 if shown is None else s,
+            weights=names,
+            program=len(program),
+            grads=grads,
+            backward=backward,
+            same_weights=same,
+        )
         await self.mailbox.send(checker, msg, [*evidence, *weights, *program])
         deadline = self.deadline()
         while True:
@@ -403,8 +423,11 @@ class SpotChecker:
         folder = Path(self.run_dir.path) / "evidence"
         try:
             folder.mkdir(exist_ok=True)
-            tensors = {f"{role}/{part}": t.contiguous() for i, role in enumerate(roles)
-                       for part, t in zip(("head", "payload"), evidence[2 * i : 2 * i + 2], strict=True)}  # fmt: skip
+            tensors = {
+                f"{role}/{part}": t.contiguous()
+                for i, role in enumerate(roles)
+                for part, t in zip(("head", "payload"), evidence[2 * i : 2 * i + 2], strict=True)
+            }
             save_file(tensors, str(folder / f"step{step}-mb{mb}-{suspect[:16]}.safetensors"))
         except OSError as exc:
             logger.warning("could not keep the evidence of a spot check: %s", exc)

@@ -191,10 +191,17 @@ class StatusBoard:
             for c, codec, rate in zip(self.plan["cuts"], codecs, mbps, strict=True):
                 c.update(codec=codec, mbps=round(rate, 1))
         self.links = [
-            {"boundary": b, "codec": codec, "mbps": round(rate, 1), "wire_bytes": 0, "raw_bytes": 0, "ratio": 1.0,
-             "path": self._path(b)}
+            {
+                "boundary": b,
+                "codec": codec,
+                "mbps": round(rate, 1),
+                "wire_bytes": 0,
+                "raw_bytes": 0,
+                "ratio": 1.0,
+                "path": self._path(b),
+            }
             for b, (codec, rate) in enumerate(zip(codecs, mbps, strict=True))
-        ]  # fmt: skip
+        ]
         self.event(
             "links", ", ".join(f"boundary {b}: {c} at {r:.0f} Mbit/s" for b, (c, r) in enumerate(zip(codecs, mbps)))
         )
@@ -208,8 +215,10 @@ class StatusBoard:
         stages = self.plan["stages"] if self.plan is not None else []
         if boundary + 1 >= len(stages):
             return "direct"
-        natted = [{p for p in stages[s]["peers"] if self.connections.get(p, "direct") != "direct"}
-                  for s in (boundary, boundary + 1)]  # fmt: skip
+        natted = [
+            {p for p in stages[s]["peers"] if self.connections.get(p, "direct") != "direct"}
+            for s in (boundary, boundary + 1)
+        ]
         return "forwarded" if all(natted) else "dial-out" if any(natted) else "direct"
 
     def step_done(self, step: int, loss: float, seconds: float, tokens: int, traffic: list[tuple[int, int]]) -> None:

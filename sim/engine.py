@@ -48,8 +48,9 @@ class SimResult:
         return len(self.iteration_s) / max(sum(self.iteration_s), 1e-12)
 
 
-def iteration_seconds(costs: DagCosts, p: Plan, peers: dict[str, PeerProfile], network: Network, m: int,
-                      schedule: str = "1f1b") -> float:  # fmt: skip
+def iteration_seconds(
+    costs: DagCosts, p: Plan, peers: dict[str, PeerProfile], network: Network, m: int, schedule: str = "1f1b"
+) -> float:
     """One iteration of ``p`` on the true ``peers`` and ``network``, event by event, the
     way the live swarm runs it: micro-batch ``mb`` on replica ``mb mod r`` of each stage,
     each replica running ``schedule`` over its own micro-batches when every stage has as
@@ -109,8 +110,9 @@ class _Lane:
     free: float = 0.0
 
 
-def _lanes(costs: DagCosts, p: Plan, peers: dict[str, PeerProfile], network: Network, m: int,
-           schedule: str) -> list[_Lane]:  # fmt: skip
+def _lanes(
+    costs: DagCosts, p: Plan, peers: dict[str, PeerProfile], network: Network, m: int, schedule: str
+) -> list[_Lane]:
     k, out = len(p.groups), []
     for s, ((lo, hi), g) in enumerate(zip(p.ranges(costs.num_ops), p.groups)):
         sums = network.send_sums(tuple(g)) if len(g) > 1 else [(0.0, 0.0)] * len(g)
@@ -147,8 +149,15 @@ class _Change:
 class _Swarm:
     """One simulated run's state: the true peers, what the coordinator sees, the plan."""
 
-    def __init__(self, costs: DagCosts, topology: Topology, scheduler: str, options: Options,
-                 held_out: set[str], probes_per_peer: int) -> None:  # fmt: skip
+    def __init__(
+        self,
+        costs: DagCosts,
+        topology: Topology,
+        scheduler: str,
+        options: Options,
+        held_out: set[str],
+        probes_per_peer: int,
+    ) -> None:
         self.costs, self.topology, self.scheduler, self.options = costs, topology, scheduler, options
         self.true = {p.id: p for p in topology.peers if p.id not in held_out}
         self.reserve = {p.id: p for p in topology.peers if p.id in held_out}

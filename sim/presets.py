@@ -60,8 +60,9 @@ def testbed2() -> dict[str, Any]:
     return {"peers": peers, "clusters": clusters}
 
 
-def _lab_and_homes(seed: int, lab_gpu: str, homes: int, uplinks: tuple[list[int], list[int]],
-                   between: list[int]) -> dict[str, Any]:  # fmt: skip
+def _lab_and_homes(
+    seed: int, lab_gpu: str, homes: int, uplinks: tuple[list[int], list[int]], between: list[int]
+) -> dict[str, Any]:
     """8 GPUs of one kind in a lab on 10 Gbit/s, and ``homes`` home GPUs each in its own
     cluster: uplinks to the lab drawn from (Mbit/s, ms), links between homes from
     ``between`` Mbit/s (40-120 ms)."""

@@ -18,12 +18,35 @@ from protocol.wire.encoding import DTYPES
 #: ATen operators no program may call: they read files or print on the volunteer's machine, change
 #: process-wide state, pin or record memory, assert on a device, or make or read sparse tensors (whose
 #: indices the kernels trust: a forged one writes out of bounds)
-DENIED_OPS = frozenset({
-    "from_file", "_print", "save", "warn", "wait", "set_", "set_data", "_pin_memory", "pin_memory",
-    "record_stream", "_assert_async", "_functional_assert_async", "_indices", "_values", "indices", "values",
-    "_to_dense", "to_dense", "_coalesce", "coalesce", "crow_indices", "col_indices", "ccol_indices", "row_indices",
-    "_reshape_alias",  # applies the sizes and strides it is given, unchecked: a view anywhere in the heap
-})  # fmt: skip
+DENIED_OPS = frozenset(
+    {
+        "from_file",
+        "_print",
+        "save",
+        "warn",
+        "wait",
+        "set_",
+        "set_data",
+        "_pin_memory",
+        "pin_memory",
+        "record_stream",
+        "_assert_async",
+        "_functional_assert_async",
+        "_indices",
+        "_values",
+        "indices",
+        "values",
+        "_to_dense",
+        "to_dense",
+        "_coalesce",
+        "coalesce",
+        "crow_indices",
+        "col_indices",
+        "ccol_indices",
+        "row_indices",
+        "_reshape_alias",  # applies the sizes and strides it is given, unchecked: a view anywhere in the heap
+    }
+)
 #: parts of ATen operator names no program may call (sparse and quantized layouts, the FFT plan cache)
 DENIED_PARTS = ("sparse", "_cufft", "quantize", "mkldnn", "_nested")
 #: how deep a program's JSON and its arguments may nest
@@ -151,9 +174,14 @@ def _zero_after(op: Any) -> Any:
 #: operators that return uninitialised memory, replaced by ones that zero it
 _ZEROED = {
     f"aten.{name}": _zero_after(getattr(getattr(torch.ops.aten, name.split(".")[0]), name.split(".")[1]))
-    for name in ("empty.memory_format", "empty_like.default", "new_empty.default", "empty_strided.default",
-                 "new_empty_strided.default")
-}  # fmt: skip
+    for name in (
+        "empty.memory_format",
+        "empty_like.default",
+        "new_empty.default",
+        "empty_strided.default",
+        "new_empty_strided.default",
+    )
+}
 
 
 def _inputs(paths: Any) -> tuple[fx.Graph, dict[str, fx.Node]]:

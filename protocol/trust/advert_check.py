@@ -26,8 +26,11 @@ REACH_KINDS = ("", "direct", "nat")
 
 def advert_problem(ad: Advert) -> str:
     """Why ``ad`` cannot be planned with, in one line ('' if it can)."""
-    for name, value, top in (("FLOP/s", ad.flops, MAX_FLOPS), ("upload Mbit/s", ad.up_mbps, MAX_MBPS),
-                             ("download Mbit/s", ad.down_mbps, MAX_MBPS)):  # fmt: skip
+    for name, value, top in (
+        ("FLOP/s", ad.flops, MAX_FLOPS),
+        ("upload Mbit/s", ad.up_mbps, MAX_MBPS),
+        ("download Mbit/s", ad.down_mbps, MAX_MBPS),
+    ):
         if not _in_range(value, top):
             return f"{name} {value!r} is not a finite number in (0, {top:g}]"
     if not 0 <= ad.memory_bytes <= MAX_MEMORY_BYTES:

@@ -44,8 +44,12 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _ITEMSIZE = {v: torch.empty((), dtype=v).element_size() for v in DTYPES.values()}
 #: integer types a wider integer tensor may travel as, narrowest first, with their ranges
-_NARROW = ((torch.uint8, 0, 255), (torch.int8, -128, 127), (torch.int16, -(1 << 15), (1 << 15) - 1),
-           (torch.int32, -(1 << 31), (1 << 31) - 1))  # fmt: skip
+_NARROW = (
+    (torch.uint8, 0, 255),
+    (torch.int8, -128, 127),
+    (torch.int16, -(1 << 15), (1 << 15) - 1),
+    (torch.int32, -(1 << 31), (1 << 31) - 1),
+)
 
 
 _WIDE_INTS = (torch.int16, torch.int32, torch.int64)
