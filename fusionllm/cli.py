@@ -6,8 +6,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from coordinator.replan import POLICIES
 from coordinator.scheduler import SCHEDULERS
@@ -18,17 +17,12 @@ from coordinator.workloads import (
     WORKLOADS,
     defaults_text,
 )
+from fusionllm import commands, plan_cmds, swarm_cmds
+from fusionllm.usage import EXIT_INTERRUPTED, EXIT_USAGE, UsageError
 from protocol.model.program import STAGE_FORMS
 from protocol.model.recipe import PRECISIONS, SCHEDULES, RecipeError, parse_betas
 from protocol.trust.admission import CERT_TTL_S, MAX_CERT_TTL_S, MIN_CERT_TTL_S, RENEWALS_PER_TTL
 from protocol.trust.spotcheck import DEFAULT_SPOT_CHECK
-
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130  # Ctrl-C or SIGTERM, as shells report a SIGINT
-
-
-class UsageError(Exception):
-    """A problem with what the user asked for; printed as one line, exit code 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -68,69 +62,52 @@ def _add_job_flags(p: argparse.ArgumentParser, steps: int) -> None:
     g.add_argument("--steps", type=_positive, default=steps)
     g.add_argument("--micro-batches", type=_positive, default=4)
     g.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate (default: 3e-3)")
-    g.add_argument("--lr-schedule", choices=SCHEDULES, default="constant",
-                   help="after the warm-up: hold the rate, or bring it to --min-lr by the last step")  # fmt: skip
+    g.add_argument(
+        "--lr-schedule",
+        choices=SCHEDULES,
+        default="constant",
+        help="after the warm-up: hold the rate, or bring it to --min-lr by the last step",
+    )
     g.add_argument("--warmup", type=_natural, default=0, metavar="STEPS", help="linear warm-up steps (default: 0)")
     g.add_argument("--min-lr", type=_non_negative_float, default=0.0, help="the rate at the last step (default: 0)")
-    g.add_argument("--weight-decay", type=_non_negative_float, default=0.0,
-                   help="decoupled (AdamW) weight decay, not on biases and norms (default: 0)")  # fmt: skip
+    g.add_argument(
+        "--weight-decay",
+        type=_non_negative_float,
+        default=0.0,
+        help="decoupled (AdamW) weight decay, not on biases and norms (default: 0)",
+    )
     g.add_argument("--weight-decay-all", action="store_true", help="decay biases and norms too")
     g.add_argument("--betas", type=_betas, default=(0.9, 0.999), metavar="B1,B2", help="AdamW's (default: 0.9,0.999)")
-    g.add_argument("--clip-grad-norm", type=_non_negative_float, default=0.0, metavar="X",
-                   help="clip the gradient norm over every stage's parameters to X (default: 0, off)")  # fmt: skip
-    g.add_argument("--precision", choices=PRECISIONS, default="fp32",
-                   help="autocast precision; weights and optimizer state stay fp32; fp16 scales the loss")  # fmt: skip
-    g.add_argument("--init", default=None, metavar="PATH.safetensors",
-                   help="start from these weights (the model's names, or GPT-2's layout for gpt2)")  # fmt: skip
-    g.add_argument("--eval-every", type=_natural, default=0, metavar="N",
-                   help="validation loss every N steps and after the last (default: 0, never)")  # fmt: skip
-    g.add_argument("--eval-batches", type=_positive, default=4, metavar="N",
-                   help="validation batches per evaluation (default: 4)")  # fmt: skip
-    g.add_argument("--save", default=None, metavar="PATH.safetensors", help="write the trained model here")
-
-
-def job_from_args(args: argparse.Namespace) -> Any:
-    from protocol.model.job import JobSpec
-
-    data = args.data
-    if data is None:
-        data = "branchy" if args.model == "branchy" else "stdlib"
-    if args.save is not None and not args.save.endswith(".safetensors"):
-        raise UsageError(f"--save {args.save}: the checkpoint file must end in .safetensors")
-    if args.init is not None and not Path(args.init).is_file():
-        raise UsageError(f"--init {args.init}: no such file")
-    job = JobSpec(
-        model=args.model,
-        model_args=args.model_args,
-        data=data,
-        data_args=args.data_args,
-        seed=args.seed,
-        steps=args.steps,
-        micro_batches=args.micro_batches,
-        lr=args.lr,
-        lr_schedule=args.lr_schedule,
-        warmup=args.warmup,
-        min_lr=args.min_lr,
-        weight_decay=args.weight_decay,
-        betas=args.betas,
-        decay_all=args.weight_decay_all,
-        clip_grad_norm=args.clip_grad_norm,
-        precision=args.precision,
-        init=str(Path(args.init).resolve()) if args.init else "",
-        eval_every=args.eval_every,
-        eval_batches=args.eval_batches,
+    g.add_argument(
+        "--clip-grad-norm",
+        type=_non_negative_float,
+        default=0.0,
+        metavar="X",
+        help="clip the gradient norm over every stage's parameters to X (default: 0, off)",
     )
-    job.recipe()  # a recipe that cannot train is refused before anything starts
-    return job
-
-
-def parse_cut(text: str) -> Any:
-    from protocol.model.graph import Cut
-
-    try:
-        return Cut(tuple(int(x) for x in text.split(",") if x.strip()))
-    except ValueError:
-        raise UsageError(f"--cut '{text}' is not a comma-separated list of op indices") from None
+    g.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="fp32",
+        help="autocast precision; weights and optimizer state stay fp32; fp16 scales the loss",
+    )
+    g.add_argument(
+        "--init",
+        default=None,
+        metavar="PATH.safetensors",
+        help="start from these weights (the model's names, or GPT-2's layout for gpt2)",
+    )
+    g.add_argument(
+        "--eval-every",
+        type=_natural,
+        default=0,
+        metavar="N",
+        help="validation loss every N steps and after the last (default: 0, never)",
+    )
+    g.add_argument(
+        "--eval-batches", type=_positive, default=4, metavar="N", help="validation batches per evaluation (default: 4)"
+    )
+    g.add_argument("--save", default=None, metavar="PATH.safetensors", help="write the trained model here")
 
 
 def _add_swarm_flags(p: argparse.ArgumentParser) -> None:
@@ -414,13 +391,21 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RUN_DIR",
         help="continue the run in RUN_DIR from its last checkpoint (with the same flags as its first start)",
     )
-    p.add_argument("--private", action="store_true",
-                   help="admit only peers joined with the token it prints (the secret stays in the run "
-                   "directory; 'fusionllm token --rotate' makes a new one, 'fusionllm ban' drops a peer)")  # fmt: skip
-    p.add_argument("--cert-ttl", type=_cert_ttl, default=CERT_TTL_S, metavar="SECONDS",
-                   help="a private swarm's admission certificates hold this long, renewed "
-                   f"{RENEWALS_PER_TTL} times in it: a banned peer is refused everywhere within it "
-                   f"(default {CERT_TTL_S:.0f})")  # fmt: skip
+    p.add_argument(
+        "--private",
+        action="store_true",
+        help="admit only peers joined with the token it prints (the secret stays in the run "
+        "directory; 'fusionllm token --rotate' makes a new one, 'fusionllm ban' drops a peer)",
+    )
+    p.add_argument(
+        "--cert-ttl",
+        type=_cert_ttl,
+        default=CERT_TTL_S,
+        metavar="SECONDS",
+        help="a private swarm's admission certificates hold this long, renewed "
+        f"{RENEWALS_PER_TTL} times in it: a banned peer is refused everywhere within it "
+        f"(default {CERT_TTL_S:.0f})",
+    )
     _add_identity_flag(p, "~/.fusionllm/coordinator.key")
 
     p = sub.add_parser("token", help="print a private swarm's join token (--rotate: with a new secret)")
@@ -434,19 +419,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR")
     p.add_argument("--token", default=None, help="a private swarm's join token, as its coordinator prints it")
     p.add_argument("--host-maddrs", nargs="+", default=["/ip4/127.0.0.1/tcp/0"], metavar="MADDR")
-    p.add_argument("--announce-maddrs", nargs="+", default=[], metavar="MADDR",
-                   help="where others should dial this peer (e.g. your router's public address and a port it "
-                   "forwards here); behind a NAT without one, the peer dials out instead")  # fmt: skip
+    p.add_argument(
+        "--announce-maddrs",
+        nargs="+",
+        default=[],
+        metavar="MADDR",
+        help="where others should dial this peer (e.g. your router's public address and a port it "
+        "forwards here); behind a NAT without one, the peer dials out instead",
+    )
     p.add_argument("--run", default="fusionllm", help="the run to join")
-    p.add_argument("--allow-code", action="append", default=[], metavar="MODULE",
-                   help="also run models from this module (pkg.mod or path/file.py; repeatable): their Python is "
-                   "imported here (default: only FusionLLM's built-in models)")  # fmt: skip
-    p.add_argument("--allow-ops", action="append", default=[], metavar="NAMESPACE",
-                   help="also run stage programs that call operators of this torch.ops namespace (repeatable; "
-                   "default: aten only); its operators must be registered here, e.g. by --allow-code")  # fmt: skip
-    p.add_argument("--coordinator-key", type=_key_hex, default=None, metavar="HEX",
-                   help="the coordinator's public key, as its join command prints it: only it is trusted "
-                   "(without it: the only coordinator of the run, trusted on first use)")  # fmt: skip
+    p.add_argument(
+        "--allow-code",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="also run models from this module (pkg.mod or path/file.py; repeatable): their Python is "
+        "imported here (default: only FusionLLM's built-in models)",
+    )
+    p.add_argument(
+        "--allow-ops",
+        action="append",
+        default=[],
+        metavar="NAMESPACE",
+        help="also run stage programs that call operators of this torch.ops namespace (repeatable; "
+        "default: aten only); its operators must be registered here, e.g. by --allow-code",
+    )
+    p.add_argument(
+        "--coordinator-key",
+        type=_key_hex,
+        default=None,
+        metavar="HEX",
+        help="the coordinator's public key, as its join command prints it: only it is trusted "
+        "(without it: the only coordinator of the run, trusted on first use)",
+    )
     p.add_argument("--device", default=None, help="cuda, cuda:1 or cpu (default: cuda if present)")
     _add_threads_flag(p)
     p.add_argument("--join-timeout", type=float, default=30.0, help="seconds to reach the DHT and coordinator")
@@ -493,10 +498,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--topology", required=True, help="topology JSON file or preset (testbed1..3, internet-1k/10k)")
         p.add_argument("--stages", type=_positive, default=None, help="force the number of stages")
         p.add_argument("--max-stages", type=_positive, default=32)
-        p.add_argument("--compression", choices=["auto", "none"], default="auto",
-                       help="auto: slow links get the codec the live swarm's auto mode would give them (fp16, "
-                       "int8, low rank with int4 gradients), or none where that reaches the loss sooner (each "
-                       "codec's measured steps factor); none: no codec (default: auto)")  # fmt: skip
+        p.add_argument(
+            "--compression",
+            choices=["auto", "none"],
+            default="auto",
+            help="auto: slow links get the codec the live swarm's auto mode would give them (fp16, "
+            "int8, low rank with int4 gradients), or none where that reaches the loss sooner (each "
+            "codec's measured steps factor); none: no codec (default: auto)",
+        )
         p.add_argument("--json", action="store_true", help="print one JSON object")
         if name == "plan":
             p.add_argument("--scheduler", choices=SCHEDULERS, default="opfence")
@@ -557,7 +566,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if not args.verbose:  # hivemind logs its own INFO lines (identity files, bootstrap) through its own handler
         logging.getLogger("hivemind").setLevel(logging.WARNING)
-    from fusionllm import commands, plan_cmds, swarm_cmds
     from protocol.model.graph import CutError, TraceFailure
     from protocol.model.job import ModelError, SpecError
 

@@ -15,7 +15,6 @@ from tqdm import tqdm
 
 from coordinator.opdag import OpDag, balanced_cut, build_opdag
 from coordinator.weights import read_init
-from fusionllm.cli import UsageError, job_from_args, parse_cut
 from fusionllm.local import (
     TrainResult,
     check_stages,
@@ -24,6 +23,7 @@ from fusionllm.local import (
     train_reference,
     train_staged,
 )
+from fusionllm.usage import UsageError, job_from_args, parse_cut
 from protocol.model.graph import Cut
 from protocol.trust.text import clean
 
@@ -49,8 +49,6 @@ def _cut_for(args: argparse.Namespace, dag: OpDag, stages: int) -> Cut:
 
 
 def _bar(total: int, desc: str) -> tqdm:
-    import sys
-
     # Redraw often on a terminal, rarely into a log file.
     return tqdm(
         total=total, desc=desc, unit="step", dynamic_ncols=True, mininterval=0.2 if sys.stderr.isatty() else 5.0

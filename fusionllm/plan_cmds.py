@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fusionllm.cli import UsageError, job_from_args
+from fusionllm.usage import UsageError, job_from_args
 
 
 def _topology(text: str) -> Any:

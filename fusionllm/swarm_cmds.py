@@ -19,8 +19,8 @@ from multiaddr import Multiaddr
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from fusionllm.cli import EXIT_INTERRUPTED, UsageError, job_from_args
 from fusionllm.reaper import exit_within, start_reaper, watch_exit
+from fusionllm.usage import EXIT_INTERRUPTED, UsageError, job_from_args
 from protocol.model.job import foreign_code
 from protocol.net.ports import PortTaken, check_listen_ports
 from protocol.trust.admission import CERT_TTL_S

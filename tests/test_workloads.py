@@ -24,8 +24,9 @@ from coordinator.workloads import (
     workload_costs,
     workload_dag,
 )
-from fusionllm.cli import UsageError, build_parser
+from fusionllm.cli import build_parser
 from fusionllm.plan_cmds import _costs, batch_of
+from fusionllm.usage import UsageError
 from zoo.gpt import GPT
 
 #: published parameter counts (tied embeddings counted once)
