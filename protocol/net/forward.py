@@ -17,9 +17,10 @@ import asyncio
 import logging
 import struct
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+from protocol.net.budget import ByteBudget
 from protocol.net.streams import read_frame_head, read_or_end, read_payload
 from protocol.wire.envelope import Envelope
 from protocol.wire.gate import Gate
@@ -64,16 +65,35 @@ def signed_head(run_id: str, origin: str, key: Any, head: bytes, max_payload: in
     return gate, env
 
 
-class Forwarding:
-    """Mixed into :class:`protocol.net.transport.Transport`: sending through a forwarder,
-    forwarding (where ``relay_ok`` allows), and taking forwarded frames in."""
+#: writes buffers on the persistent stream ``key`` to a peer: (key, peer, protocol, buffers) -> bytes written
+Write = Callable[[str, str, str, list[bytes | memoryview]], Awaitable[int]]
+#: reads, checks and delivers one frame of an origin forwarded by a peer: (reader, origin, forwarder) -> False
+#: at the stream's end or once the one to blame is muted
+TakeFrame = Callable[[asyncio.StreamReader, str, str], Awaitable[bool]]
 
-    gate: Gate
-    peer_id: str
-    max_payload: int
 
-    def _init_forwarding(self) -> None:
-        self.forward_via: dict[str, str] = {}  # destination -> the peer that forwards our frames to it
+class Forwarder:
+    """This process's part in forwarding, a component of its transport: sending through
+    a forwarder (the transport says which), forwarding where ``relay_ok`` allows, and
+    taking in the frames that a peer of ``forwarders`` forwards. What it needs of the
+    transport comes in explicitly: its peer id, the gate, the byte budget, the stream
+    writer, the frame reader, and the mark of a sender's activity."""
+
+    def __init__(
+        self,
+        peer_id: str,
+        gate: Gate,
+        budget: ByteBudget,
+        write: Write,
+        take: TakeFrame,
+        active: Callable[[str], None],
+    ) -> None:
+        self.peer_id = peer_id
+        self.gate = gate
+        self.budget = budget
+        self._write = write
+        self._take = take
+        self._active = active
         #: whether this process forwards a frame of so many bytes from an origin to a
         #: destination (None: it forwards none)
         self.relay_ok: Callable[[str, str, int], bool] | None = None
@@ -82,12 +102,14 @@ class Forwarding:
         #: misdirect an honest origin's frames to get it refused, and blamed
         self.forwarders: set[str] = set()
 
-    async def _send_forwarded(self, peer_id: str, head: bytes, chunks: list[memoryview]) -> int:
-        via = self.forward_via[peer_id]  # a stream per destination: a slow one holds up no other
+    async def send(self, via: str, peer_id: str, head: bytes, chunks: list[memoryview]) -> int:
+        """Write a sealed frame (payload inline) to ``peer_id`` through the peer ``via``."""
         route = route_head(peer_id, self.peer_id)
+        # a stream per destination: a slow one holds up no other
         return await self._write(f"{via}/fwd/{peer_id}", via, FWD_PROTOCOL, [route, head, *chunks])
 
-    async def _handle_fwd(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def handle(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """The ``FWD_PROTOCOL`` stream handler: frames to forward, or forwarded to us."""
         via = info.peer_id.to_base58()
         try:
             if self.gate.refuse_stream(via):
@@ -101,7 +123,7 @@ class Forwarding:
                 if dest == self.peer_id:
                     if via not in self.forwarders:
                         raise Rejected(Reject.UNEXPECTED, f"frames forwarded by {via[:64]}, which forwards none here")
-                    if not await self._frame(reader, origin, via):
+                    if not await self._take(reader, origin, via):
                         break
                 elif origin == via and self.relay_ok is not None:
                     await self._relay(reader, origin, dest)
@@ -125,7 +147,7 @@ class Forwarding:
         if head is None:
             raise Rejected(Reject.TRUNCATED, "stream ended after a route head")
         self.gate.check_admitted(origin, "a frame to forward")
-        gate, env = signed_head(self.gate.run_id, origin, self.gate.keys.get(origin), head, self.max_payload)
+        gate, env = signed_head(self.gate.run_id, origin, self.gate.keys.get(origin), head, self.gate.max_payload)
         if not self.relay_ok(origin, dest, env.payload_bytes):
             raise Rejected(Reject.UNEXPECTED, f"a frame of {env.payload_bytes} bytes to forward to {dest[:64]}")
         async with self.budget.hold(origin, env.payload_bytes):
@@ -138,9 +160,3 @@ class Forwarding:
                 logger.warning("could not forward a frame of %s to %s: %s", origin, dest, exc or "timed out")
                 return
         self.forwarded[(origin, dest)] += len(head) + len(payload)
-
-    # provided by Transport
-    budget: Any
-    _write: Any
-    _frame: Any
-    _active: Any

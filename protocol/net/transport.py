@@ -6,7 +6,8 @@ chunking). Received frames land in an inbox queue with the sender's libp2p peer
 id, which the libp2p handshake authenticated. A sender that the gate mutes (too
 many rejections: ``protocol.wire.gate.MUTE_REJECTS``) is disconnected once, and
 every stream it opens until the mute ends is closed before a byte is read. Its
-parts: ``lanes`` (large payloads), ``probe`` (bandwidth), ``pacing``, ``forward``.
+parts: ``lanes`` (large payloads), ``probe`` (bandwidth), ``pacing``, ``handlers``
+(stream limits), and ``forward``'s ``Forwarder``, a component it owns.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import logging
 import struct
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,8 @@ from hivemind.utils.multiaddr import Multiaddr as HivemindMultiaddr
 from protocol.net import probe
 from protocol.net.addrs import strip_p2p
 from protocol.net.budget import ByteBudget
-from protocol.net.forward import FWD_PROTOCOL, Forwarding
+from protocol.net.forward import FWD_PROTOCOL, Forwarder
+from protocol.net.handlers import StreamLimits, ends_quietly
 from protocol.net.lanes import LaneParts
 from protocol.net.pacing import Pacer
 from protocol.net.probe import BW_PROTOCOL, ProbeBudget
@@ -49,8 +51,6 @@ from protocol.wire.reject import Reject, Rejected
 
 logger = logging.getLogger(__name__)
 
-#: a libp2p stream handler: (stream info, reader, writer)
-Handler = Callable[[Any, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 MSG_PROTOCOL = "/fusionllm/msg/1"
 #: lane parts that arrived before (or without) their frame's head: kept this long, and
 #: at most this many per sender
@@ -92,8 +92,15 @@ class PeerUnreachable(ConnectionError):
 _FATAL = (Reject.MALFORMED, Reject.TRUNCATED, Reject.OVERSIZED, Reject.BAD_ENVELOPE)
 #: rejections raised before a frame's signature proves who sent it: on a forwarded
 #: stream they are the forwarder's to answer for, not the named sender's
-UNSIGNED = (*_FATAL, Reject.VERSION, Reject.WRONG_RUN, Reject.SENDER_MISMATCH, Reject.NOT_ADMITTED,
-            Reject.BAD_SIGNATURE, Reject.EXPIRED)  # fmt: skip
+UNSIGNED = (
+    *_FATAL,
+    Reject.VERSION,
+    Reject.WRONG_RUN,
+    Reject.SENDER_MISMATCH,
+    Reject.NOT_ADMITTED,
+    Reject.BAD_SIGNATURE,
+    Reject.EXPIRED,
+)
 
 
 @dataclass(frozen=True)
@@ -108,7 +115,7 @@ class Inbound:
         return self.frame.values()
 
 
-class Transport(Forwarding):
+class Transport:
     """Send and receive signed FusionLLM frames over a hivemind ``P2P`` instance.
 
     Every message is sealed with this process's identity; every incoming one goes
@@ -139,10 +146,12 @@ class Transport(Forwarding):
         self.last_activity: dict[str, float] = {}
         self._laned: set[asyncio.Task[None]] = set()  # frames whose payload is still on the lanes
         self._cutting: set[asyncio.Task[None]] = set()  # disconnects of muted senders
-        self.open_streams: dict[str, int] = defaultdict(int)  # sender -> its streams open to us now
+        self.limits = StreamLimits(gate, MAX_STREAMS_PER_PEER, MAX_STREAMS_OUTSIDER, MAX_STREAMS)
+        self.open_streams = self.limits.open  # sender -> its streams open to us now
         self.budget = ByteBudget()  # payload bytes read at once, per sender and in all
         self.dials_in: set[str] = set()  # peers behind a NAT: they dial us (protocol.net.reach)
-        self._init_forwarding()
+        self.forward_via: dict[str, str] = {}  # destination -> the peer that forwards our frames to it
+        self.forwarder = Forwarder(self.peer_id, gate, self.budget, self._write, self._frame, self._active)
         gate.on_mute.append(self._cut_off)
 
     @property
@@ -153,42 +162,35 @@ class Transport(Forwarding):
     def max_payload(self) -> int:
         return self.gate.max_payload
 
+    # the forwarder's rules and counts (``protocol.net.forward.Forwarder``)
+    @property
+    def relay_ok(self) -> Callable[[str, str, int], bool] | None:
+        return self.forwarder.relay_ok
+
+    @relay_ok.setter
+    def relay_ok(self, rule: Callable[[str, str, int], bool] | None) -> None:
+        self.forwarder.relay_ok = rule
+
+    @property
+    def forwarders(self) -> set[str]:
+        return self.forwarder.forwarders
+
+    @forwarders.setter
+    def forwarders(self, peers: set[str]) -> None:
+        self.forwarder.forwarders = peers
+
+    @property
+    def forwarded(self) -> dict[tuple[str, str], int]:
+        return self.forwarder.forwarded
+
     async def start(self) -> None:
         for protocol, handler in (
             (MSG_PROTOCOL, self._handle),
             (BW_PROTOCOL, self._handle_bandwidth),
             (LANE_PROTOCOL, self._handle_lane),
-            (FWD_PROTOCOL, self._handle_fwd),
+            (FWD_PROTOCOL, self.forwarder.handle),
         ):
-            await self.p2p.add_binary_stream_handler(protocol, _ends_quietly(self._counted(handler)))
-
-    def _counted(self, handler: Handler) -> Handler:
-        """``handler``, run only while its sender holds at most ``MAX_STREAMS_PER_PEER``
-        open streams and everyone at most ``MAX_STREAMS`` (else the stream is closed
-        unread: a ``streams`` rejection)."""
-
-        async def run(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            sender = info.peer_id.to_base58()
-            mine, total = self.open_streams.get(sender, 0), sum(self.open_streams.values())
-            own_limit = MAX_STREAMS_PER_PEER if sender in self.gate.keys else MAX_STREAMS_OUTSIDER
-            if mine >= own_limit or total >= MAX_STREAMS:
-                writer.close()
-                if self.gate.refuse_stream(sender):  # a muted sender's streams are counted as such
-                    return
-                if mine >= own_limit:
-                    self.gate.reject(sender, Rejected(Reject.STREAMS, f"{mine} of its streams are open"))
-                else:  # everyone's limit: not this sender's doing, so not held against it
-                    self.gate.counts[Reject.STREAMS] += 1
-                return
-            self.open_streams[sender] += 1
-            try:
-                await handler(info, reader, writer)
-            finally:
-                self.open_streams[sender] -= 1
-                if not self.open_streams[sender]:
-                    del self.open_streams[sender]
-
-        return run
+            await self.p2p.add_binary_stream_handler(protocol, ends_quietly(self.limits.counted(handler)))
 
     def learn(self, peer_id: str, maddrs: list[str]) -> None:
         """Remember where a peer listens (from its advert or assignment)."""
@@ -275,7 +277,7 @@ class Transport(Forwarding):
         if peer_id in self.forward_via:  # both behind NATs: through a peer both reach, payload inline
             head, _ = self.sealer.seal(message, descs, chunks, codec)
             await self.pacer.wait(peer_id, len(head) + total)
-            n = await self._send_forwarded(peer_id, head, chunks)
+            n = await self.forwarder.send(self.forward_via[peer_id], peer_id, head, chunks)
         elif total <= LANE_THRESHOLD:
             head, _ = self.sealer.seal(message, descs, chunks, codec)
             await self.pacer.wait(peer_id, len(head) + total)
@@ -483,16 +485,3 @@ class Transport(Forwarding):
         for _, writer in self._streams.values():  # main and lane streams
             writer.close()
         self._streams.clear()
-
-
-def _ends_quietly(handler: Any) -> Any:
-    """A stream handler whose cancellation (the transport closing while a stream is
-    open) ends it quietly: hivemind logs a cancelled handler as an error traceback."""
-
-    async def run(info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            await handler(info, reader, writer)
-        except asyncio.CancelledError:
-            writer.close()
-
-    return run
