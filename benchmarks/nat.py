@@ -51,8 +51,9 @@ async def _node(listen_ip: str, bootstrap: str) -> None:
     from protocol.wire.gate import Gate
     from protocol.wire.messages import Activations
 
-    dht = hivemind.DHT(host_maddrs=[f"/ip4/{listen_ip}/tcp/0"], initial_peers=[bootstrap] if bootstrap else [],
-                       start=True)  # fmt: skip
+    dht = hivemind.DHT(
+        host_maddrs=[f"/ip4/{listen_ip}/tcp/0"], initial_peers=[bootstrap] if bootstrap else [], start=True
+    )
     ident = Identity.generate()
     tp = Transport(await dht.replicate_p2p(), ident, Gate("bench", 1 << 30))
     await tp.start()
@@ -184,15 +185,16 @@ def _swarm_tokens(lab: Any, natted: bool, steps: int, tmp: Path) -> float:
     where = [(lab.hosts[r], lab.host_ip(r + 1)) if natted else (lab.routers[r], lab.router_ip(r + 1)) for r in (0, 1)]
     procs: list[Proc] = []
     try:
-        coord = Proc("coordinator", "--steps", str(steps), "--seed", "0", *SMALL, "--min-peers", "2", "--stages", "2",
-                     "--host-maddrs", f"/ip4/{PUBLIC_IP}/tcp/0", "--identity", str(tmp / f"c{natted}.key"),
-                     "--status-port", "0", "--compression", "none", "--spot-check", "0",
-                     "--run-dir", str(tmp / f"run{natted}"), prefix=lab.prefix(lab.pub))  # fmt: skip
+        stage_args = ["--steps", str(steps), "--seed", "0", *SMALL, "--min-peers", "2", "--stages", "2"]
+        key = str(tmp / f"c{natted}.key")
+        net_args = ["--host-maddrs", f"/ip4/{PUBLIC_IP}/tcp/0", "--identity", key, "--status-port", "0"]
+        run_args = ["--compression", "none", "--spot-check", "0", "--run-dir", str(tmp / f"run{natted}")]
+        coord = Proc("coordinator", *stage_args, *net_args, *run_args, prefix=lab.prefix(lab.pub))
         procs.append(coord)
         join = coord.wait_line(r"^\s+fusionllm join (.*)$").group(1).split()
         for i, (ns, ip) in enumerate(where):
-            procs.append(Proc("join", *join, "--threads", "1", "--identity", str(tmp / f"p{i}{natted}.key"),
-                              "--host-maddrs", f"/ip4/{ip}/tcp/0", prefix=lab.prefix(ns)))  # fmt: skip
+            peer_args = ["--identity", str(tmp / f"p{i}{natted}.key"), "--host-maddrs", f"/ip4/{ip}/tcp/0"]
+            procs.append(Proc("join", *join, "--threads", "1", *peer_args, prefix=lab.prefix(ns)))
         if coord.wait(600) != 0:
             raise RuntimeError(f"the swarm failed:\n{coord.output[-2000:]}")
         found = re.search(r"over \d+ steps in [\d.]+ s, ([\d,]+) tokens/s", coord.output)

@@ -163,7 +163,7 @@ def sim_time(name: str, iterations: int, shape: dict[str, Any]) -> float:
             kind,
             rng.choice(sorted(held)) if kind == "join" else rng.choice(ids[50:]),
             0.5,
-        )  # fmt: skip
+        )
         for kind in (["leave"] * 7 + ["slow"] * 7 + ["join"] * 6)
     ]
     start = time.perf_counter()

@@ -93,9 +93,9 @@ class NatLab:
             _run("ip", "netns", "exec", router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
             _run("ip", "netns", "exec", router, "nft", "-f", "-", stdin=_NAT_RULES)
             if self.mbps:
+                tbf = ["root", "tbf", "rate", f"{self.mbps}mbit", "burst", "256kb", "latency", "50ms"]
                 for ns, dev in ((self.pub, f"tor{r}"), (router, "wan")):
-                    _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{self.mbps}mbit",
-                         "burst", "256kb", "latency", "50ms")  # fmt: skip
+                    _run("tc", "-n", ns, "qdisc", "add", "dev", dev, *tbf)
 
     def _link(self, ns_a: str, dev_a: str, ip_a: str, ns_b: str, dev_b: str, ip_b: str) -> None:
         _run("ip", "link", "add", "fltmp0", "netns", ns_a, "type", "veth", "peer", "name", "fltmp1", "netns", ns_b)

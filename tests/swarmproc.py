@@ -143,8 +143,10 @@ def wait_for(
             state = api(url)
         except OSError as exc:  # the coordinator is gone: say what it printed last
             coord = COORDINATORS.get(url)
-            raise AssertionError(f"status page {url} unreachable ({exc}); the coordinator printed: "
-                                 f"{coord.output[-3000:] if coord else '?'}") from None  # fmt: skip
+            raise AssertionError(
+                f"status page {url} unreachable ({exc}); the coordinator printed: "
+                f"{coord.output[-3000:] if coord else '?'}"
+            ) from None
         if check(state):
             return state
         assert time.monotonic() < deadline, f"status never satisfied the check: {json.dumps(state)[:2000]}"

@@ -41,8 +41,9 @@ def _instance(seed: int, num_peers: int = 7, num_ops: int = 24) -> tuple[DagCost
     return costs, peers, Network({p.id: p.cluster for p in peers}, clusters)
 
 
-def _check_valid(plan: Plan, name: str, costs: DagCosts, peers: list[PeerProfile], network: Network,
-                 options: Options) -> None:  # fmt: skip
+def _check_valid(
+    plan: Plan, name: str, costs: DagCosts, peers: list[PeerProfile], network: Network, options: Options
+) -> None:
     """Every peer at most once, a contiguous cut at allowed positions, memory fits, and
     the predicted times are those ``plan_eval.evaluate`` gives (the swarm's codecs)."""
     members = [p for g in plan.groups for p in g]

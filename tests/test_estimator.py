@@ -131,6 +131,12 @@ def test_memory_refuses_plans_that_do_not_fit() -> None:
 
 
 def test_topology_sets_the_fixed_cost_per_peer() -> None:
-    topo = parse({"peers": [{"id": "a", "tflops": 1, "memory_gb": 1, "op_overhead_us": 25}, {"id": "b", "tflops": 1,
-                                                                                         "memory_gb": 1}]})  # fmt: skip
+    topo = parse(
+        {
+            "peers": [
+                {"id": "a", "tflops": 1, "memory_gb": 1, "op_overhead_us": 25},
+                {"id": "b", "tflops": 1, "memory_gb": 1},
+            ]
+        }
+    )
     assert topo.peers[0].op_overhead_s == pytest.approx(25e-6) and topo.peers[1].op_overhead_s == pytest.approx(10e-6)

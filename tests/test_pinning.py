@@ -60,8 +60,8 @@ def test_an_outsiders_coordinator_record_does_not_capture_a_pinned_peer(tmp_path
 
 
 def _model_args(tmp_path: Path, spec: str, peers: int = 2) -> list[str]:
-    return ["--steps", "2", "--seed", "0", "--model", spec, "--model-args", "n_layer=2,n_embd=64,n_head=4",
-            "--min-peers", str(peers), "--run-dir", str(tmp_path / "run")]  # fmt: skip
+    model = ["--model", spec, "--model-args", "n_layer=2,n_embd=64,n_head=4"]
+    return ["--steps", "2", "--seed", "0", *model, "--min-peers", str(peers), "--run-dir", str(tmp_path / "run")]
 
 
 def test_a_peer_trains_a_model_whose_code_it_cannot_import(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -99,8 +99,8 @@ def test_a_peer_imports_no_model_code_it_did_not_opt_in_to(tmp_path: Path, monke
         swarm.procs.append(cautious)
         cautious.wait_line(r"joined run", 120)
         key = swarm.join_args[swarm.join_args.index("--coordinator-key") + 1]
-        willing_proc = Proc("join", *_unpinned(swarm.join_args), "--threads", "1", "--identity",
-                            str(tmp_path / "w.key"), "--allow-code", "tests/marker_model.py")  # fmt: skip
+        willing_args = [*_unpinned(swarm.join_args), "--threads", "1", "--identity", str(tmp_path / "w.key")]
+        willing_proc = Proc("join", *willing_args, "--allow-code", "tests/marker_model.py")
         swarm.procs.append(willing_proc)
         # unpinned, it trusts the only coordinator of the run on first use, and says so
         tofu = willing_proc.wait_line(r"trusting the coordinator of run 'fusionllm' on first use: key (\w+)", 120)
@@ -122,9 +122,9 @@ def test_a_program_calling_operators_outside_the_allowlist_is_refused(tmp_path: 
     """The model registers its own operator: a peer that allows only ATen refuses the
     stage program before it runs, in one line, and leaves; a peer that opted in to the
     model's code and the operator's namespace trains it."""
-    args = ["--steps", "2", "--seed", "0", "--model", "tests/custom_op_model.py:build",
-            "--data", "tests/custom_op_model.py:data", "--min-peers", "2", "--stages", "1",
-            "--run-dir", str(tmp_path / "run")]  # fmt: skip
+    model = ["--model", "tests/custom_op_model.py:build", "--data", "tests/custom_op_model.py:data"]
+    swarm_args = ["--min-peers", "2", "--stages", "1", "--run-dir", str(tmp_path / "run")]
+    args = ["--steps", "2", "--seed", "0", *model, *swarm_args]
     swarm = Swarm(tmp_path, args, peers=0)
     try:
         strict = Proc("join", *swarm.join_args, "--threads", "1", "--identity", str(tmp_path / "s.key"))

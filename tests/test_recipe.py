@@ -168,8 +168,9 @@ def test_clipping_clips_and_bf16_computes_in_bf16() -> None:
     assert bf16.losses[0] != fp32.losses[0] and bf16.losses[0] == pytest.approx(fp32.losses[0], rel=1e-2)
 
 
-ALL = ["--lr-schedule", "cosine", "--warmup", "3", "--min-lr", "3e-4", "--weight-decay", "0.1", "--betas", "0.9,0.95",
-       "--clip-grad-norm", "0.05", "--precision", "bf16", "--eval-every", "4"]  # fmt: skip
+_SCHEDULE = ["--lr-schedule", "cosine", "--warmup", "3", "--min-lr", "3e-4"]
+_OPTIMIZER = ["--weight-decay", "0.1", "--betas", "0.9,0.95", "--clip-grad-norm", "0.05"]
+ALL = [*_SCHEDULE, *_OPTIMIZER, "--precision", "bf16", "--eval-every", "4"]
 
 
 def _val_losses(out: str) -> list[tuple[int, float]]:

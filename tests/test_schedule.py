@@ -85,7 +85,7 @@ def test_gpt_cuts_land_where_only_the_residual_stream_crosses() -> None:
                 "2",
                 1,
                 0.0,
-            )  # fmt: skip
+            )
             for i in range(3)
         ]
         plan = assign(dag, ads)

@@ -87,8 +87,9 @@ def test_slow_links_get_autos_codec_when_it_reaches_the_loss_sooner() -> None:
     peers, net = _two_clusters(slow=100.0)
     p = opfence(costs, peers, net, Options(micro_batches=8, standby=False))
     slow = [b for b in range(len(p.cut)) if p.groups[b][0][0] != p.groups[b + 1][0][0]]
-    assert slow and all(p.codecs[b].name == "lowrank" and p.codecs[b].grad == Codec("int4", stochastic=True)
-                        for b in slow)  # fmt: skip
+    assert slow and all(
+        p.codecs[b].name == "lowrank" and p.codecs[b].grad == Codec("int4", stochastic=True) for b in slow
+    )
     assert all(p.codecs[b] == Codec() for b in range(len(p.cut)) if b not in slow)
     assert p.steps_factor == pytest.approx(steps_factor(p.codecs[slow[0]]) ** len(slow)) and p.steps_factor > 1
     plain = opfence(costs, peers, net, Options(micro_batches=8, standby=False, compression=False))
@@ -242,11 +243,13 @@ def test_plan_and_sim_commands(tmp_path: Path) -> None:
         json.dumps(
             {
                 "peers": [_peer(f"{c}{i}", c, tflops=20, memory_gb=24) for c in "AB" for i in range(3)],
-                "clusters": {"A": {"A": {"mbps": 10000, "latency_ms": 0.1}, "B": {"mbps": 50, "latency_ms": 40}},
-                             "B": {"B": {"mbps": 10000, "latency_ms": 0.1}}},
+                "clusters": {
+                    "A": {"A": {"mbps": 10000, "latency_ms": 0.1}, "B": {"mbps": 50, "latency_ms": 40}},
+                    "B": {"B": {"mbps": 10000, "latency_ms": 0.1}},
+                },
             }
         )
-    )  # fmt: skip
+    )
     r = run_cli("plan", "--topology", str(topo), "--model", "gpt", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
@@ -264,8 +267,8 @@ def test_plan_and_sim_commands(tmp_path: Path) -> None:
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "peers[0]: missing 'memory_gb'" in r.stderr
     r = run_cli("sim", "--topology", "testbed9", "--model", "gpt")
     assert r.returncode == 2 and "not a preset" in r.stderr
-    churned = run_cli("sim", "--topology", "testbed3", "--model", "gpt", "--iterations", "50", "--churn", "6",
-                      "--policy", "restart", "--schedulers", "opfence", "--json")  # fmt: skip
+    churn_args = ["--iterations", "50", "--churn", "6", "--policy", "restart", "--schedulers", "opfence", "--json"]
+    churned = run_cli("sim", "--topology", "testbed3", "--model", "gpt", *churn_args)
     assert churned.returncode == 0, churned.stderr
     got = json.loads(churned.stdout)
     assert got["policy"] == "restart" and got["schedulers"]["opfence"]["goodput"] > 0, got
@@ -353,8 +356,11 @@ def test_send_sums_equal_every_pair_summed() -> None:
     rng = random.Random(5)
     peers = [f"p{i}" for i in range(12)]
     cluster_of = {p: f"c{rng.randrange(3)}" for p in peers}
-    clusters = {(f"c{a}", f"c{b}"): (rng.choice([10.0, 100.0, 1000.0]), rng.random() / 10)
-                for a in range(3) for b in range(a, 3)}  # fmt: skip
+    clusters = {
+        (f"c{a}", f"c{b}"): (rng.choice([10.0, 100.0, 1000.0]), rng.random() / 10)
+        for a in range(3)
+        for b in range(a, 3)
+    }
     net = Network(cluster_of, clusters)
     net.learn("p1", "p7", net.link("p1", "p7").__class__(5.0, 0.2, True))
     net.learn("p3", "p1", net.link("p3", "p1").__class__(50.0, 0.01, True))

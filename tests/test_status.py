@@ -283,12 +283,10 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = _free_port()
     log = tmp_path_factory.mktemp("live") / "demo.log"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    demo = [sys.executable, "-m", "fusionllm", "demo", "--peers", "3", "--steps", "100000", *SMALL]
+    cmd = [*demo, "--status-port", str(port), "--save", str(log.with_suffix(".safetensors"))]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "fusionllm", "demo", "--peers", "3", "--steps", "100000", *SMALL,
-             "--status-port", str(port), "--save", str(log.with_suffix(".safetensors"))],
-            stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True,
-        )  # fmt: skip
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
     base = f"http://127.0.0.1:{port}/"
     try:
         _wait(lambda: f"status page: {base}" in log.read_text(errors="replace"), 60, "the status URL")
@@ -553,6 +551,5 @@ def test_each_link_shows_its_path_through_nats() -> None:
     board.set_links(["none"] * 3, [100.0] * 3)
     st = board.state()
     assert [link["path"] for link in st["links"]] == ["dial-out", "forwarded", "dial-out"]
-    assert {p["id"]: p["connection"] for p in st["peers"]} == {
-        "a": "direct", "b": "forwarded", "c": "forwarded", "d": "direct"
-    }  # fmt: skip
+    connections = {p["id"]: p["connection"] for p in st["peers"]}
+    assert connections == {"a": "direct", "b": "forwarded", "c": "forwarded", "d": "direct"}

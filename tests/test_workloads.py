@@ -172,8 +172,8 @@ def test_plan_each_workload_on_a_preset(cli) -> None:
 
 
 def test_sim_workload_and_scheduler_choices(cli) -> None:
-    r = cli("sim", "--model", "llama-7b", "--model-args", "n_layer=2", "--topology", "testbed1",
-            "--schedulers", "even,opfence,even", "--iterations", "2", "--micro-batches", "8", "--json")  # fmt: skip
+    sim_args = ["--schedulers", "even,opfence,even", "--iterations", "2", "--micro-batches", "8", "--json"]
+    r = cli("sim", "--model", "llama-7b", "--model-args", "n_layer=2", "--topology", "testbed1", *sim_args)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert list(out["schedulers"]) == ["even", "opfence"] and out["workload"]["micro_batches"] == 8
