@@ -9,7 +9,7 @@ from typing import Any
 
 from protocol.model.job import JobSpec
 from protocol.trust.admission import CERT_TTL_S
-from protocol.trust.spotcheck import DEFAULT_SPOT_CHECK
+from protocol.trust.spot_rate import DEFAULT_SPOT_CHECK
 
 #: steps between two checks whether a plan on the measured speeds pays for moving to it;
 #: off by default: it was switched off when, on identical peers, it moved work for gains

@@ -8,11 +8,6 @@ from dataclasses import dataclass
 
 from coordinator.estimator import PASSES
 
-#: what a swarm does about a change (the simulator compares them): ``rebalance`` (these
-#: rules: recover from losses, move when the move pays), ``none`` (recover from losses
-#: only: slow peers stay, joiners wait) and ``restart`` (every change stops the run, which
-#: restarts from the last checkpoint on a fresh plan)
-POLICIES = ("rebalance", "none", "restart")
 #: a re-plan that nothing forces must beat the current plan's iteration time by this fraction
 #: (the estimator's error on live CPU peers: moves predicted 9-20% faster measured 5-30% slower)
 REPLAN_GAIN = 0.2

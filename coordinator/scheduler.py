@@ -36,8 +36,8 @@ from coordinator.estimator import DagCosts, Plan, boundary_positions
 from coordinator.netmodel import Network, PeerProfile
 from coordinator.opfence import opfence
 from coordinator.plan_eval import DEFAULT_OPTIONS, Options, ScheduleError
+from coordinator.plan_options import SCHEDULERS
 
-SCHEDULERS = ("opfence", "bw-blind", "petals", "dtfm", "even", "compute", "random")
 #: the baselines as well equipped as OP-Fence (codecs, replicas, standby peers)
 STRONG = ("bw-blind", "petals", "dtfm")
 

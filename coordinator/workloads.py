@@ -1,6 +1,7 @@
 """Built-in workloads for planning: published model shapes (GPT-2 small, GPT-2 XL,
 LLaMA-7B) built on the meta device and traced into an OP-DAG with costs, without
-weights, in seconds and little memory; and the batch a realistic iteration uses.
+weights, in seconds and little memory. Their names, summaries and default batches
+(the batch a realistic iteration uses) are ``plan_options``'s, which needs no torch.
 
 Precision, as the swarm trains with ``--precision``: weights, gradients and Adam's
 two moments stay fp32 (parameter bytes are 4 per parameter; the estimator adds the
@@ -13,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,48 +21,21 @@ from torch import nn
 
 from coordinator.estimator import DagCosts
 from coordinator.opdag import OpDag, build_opdag
+from coordinator.plan_options import WORKLOADS, Workload
 from protocol.model.graph import operators
+from protocol.model.options import PRECISIONS
 from zoo.gpt import gpt2
 from zoo.llama import Llama
 
-#: tokens per iteration of every built-in workload's default batch (2^18, about
-#: GPT-2-scale practice: nanoGPT's GPT-2 runs use ~0.5M)
-TOKENS_PER_ITERATION = 262_144
 GPT2_VOCAB = 50257
-#: the dtype activations have under each ``--precision``
-ACTIVATION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: the dtype activations have under each ``--precision`` (``PRECISIONS``, in order)
+ACTIVATION_DTYPES = dict(zip(PRECISIONS, (torch.float32, torch.bfloat16, torch.float16), strict=True))
 #: weights, gradients and optimizer state stay fp32 under every precision
 MASTER_DTYPE = torch.float32
-#: what plan and sim model for a workload unless told: mixed precision, as the GPU
-#: speeds of the topology presets are (``sim.presets``)
-DEFAULT_PRECISION = "bf16"
 
 
 class WorkloadError(ValueError):
     """An unknown workload or a batch it cannot take; ``str()`` is one line."""
-
-
-@dataclass(frozen=True)
-class Workload:
-    """A built-in model shape and its default batch: ``micro_batches`` micro-batches of
-    ``batch_size`` sequences of ``context`` tokens, ``TOKENS_PER_ITERATION`` in all;
-    ``batch_size`` is small enough that one micro-batch's activations fit a GPU."""
-
-    name: str
-    build: Callable[..., nn.Module]  # the model on the current default device; keywords change the shape
-    context: int  # the longest sequence it takes (and the default sequence length)
-    batch_size: int  # default sequences per micro-batch
-    summary: str
-    context_arg: str  # the keyword of ``build`` that sets the context
-
-    def context_of(self, shape: dict[str, Any] | None) -> int:
-        """The context of the shape with ``shape``'s changes."""
-        return int((shape or {}).get(self.context_arg, self.context))
-
-    @property
-    def micro_batches(self) -> int:
-        """Default micro-batches per iteration."""
-        return TOKENS_PER_ITERATION // (self.batch_size * self.context)
 
 
 def _gpt2(**shape: Any) -> nn.Module:
@@ -71,20 +44,12 @@ def _gpt2(**shape: Any) -> nn.Module:
     return gpt2(vocab_size=GPT2_VOCAB, tie_weights=True, **shape)
 
 
-WORKLOADS: dict[str, Workload] = {
-    w.name: w
-    for w in (
-        Workload("gpt2", _gpt2, 1024, 8, "GPT-2 small: 12 layers, 768 wide, 12 heads, tied, 124M", "block_size"),
-        Workload(
-            "gpt2-xl",
-            functools.partial(_gpt2, n_layer=48, n_embd=1600, n_head=25),
-            1024,
-            4,
-            "GPT-2 XL: 48 layers, 1600 wide, 25 heads, tied, 1.56B",
-            "block_size",
-        ),
-        Workload("llama-7b", Llama, 2048, 1, "LLaMA-7B: 32 layers, 4096 wide, SwiGLU, rotary, untied, 6.7B", "context"),
-    )
+#: each workload's model (``plan_options.WORKLOADS``) on the current default device;
+#: keywords change the shape
+BUILDERS: dict[str, Callable[..., nn.Module]] = {
+    "gpt2": _gpt2,
+    "gpt2-xl": functools.partial(_gpt2, n_layer=48, n_embd=1600, n_head=25),
+    "llama-7b": Llama,
 }
 
 
@@ -104,7 +69,7 @@ def meta_model(name: str, precision: str = "fp32", shape: dict[str, Any] | None 
         raise WorkloadError(f"precision '{precision}': choose from {', '.join(ACTIVATION_DTYPES)}")
     try:
         with torch.device("meta"):
-            model = w.build(**(shape or {}))
+            model = BUILDERS[w.name](**(shape or {}))
     except Exception as exc:  # an unknown keyword, or a value the model cannot take
         raise WorkloadError(f"{name} cannot take {shape}: {_first_line(exc)}") from None
     return model.to(ACTIVATION_DTYPES[precision])
@@ -182,8 +147,3 @@ def _is_parameter(gm: torch.fx.GraphModule, target: str) -> bool:
 def parameter_count(dag: OpDag) -> int:
     """Parameters of a traced model (tied weights once)."""
     return sum(p.numel() for p in dag.gm.parameters())
-
-
-def defaults_text() -> str:
-    """Each workload's default batch, M x B x S, for ``--help``."""
-    return "; ".join(f"{w.name} {w.micro_batches} x {w.batch_size} x {w.context}" for w in WORKLOADS.values())

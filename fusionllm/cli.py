@@ -3,26 +3,32 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from coordinator.replan import POLICIES
-from coordinator.scheduler import SCHEDULERS
-from coordinator.workloads import (
-    ACTIVATION_DTYPES,
+from coordinator.plan_options import (
     DEFAULT_PRECISION,
+    POLICIES,
+    SCHEDULERS,
     TOKENS_PER_ITERATION,
     WORKLOADS,
     defaults_text,
 )
-from fusionllm import commands, plan_cmds, swarm_cmds
 from fusionllm.usage import EXIT_INTERRUPTED, EXIT_USAGE, UsageError
-from protocol.model.program import STAGE_FORMS
-from protocol.model.recipe import PRECISIONS, SCHEDULES, RecipeError, parse_betas
+from protocol.model.options import PRECISIONS, SCHEDULES, STAGE_FORMS, RecipeError, parse_betas
 from protocol.trust.admission import CERT_TTL_S, MAX_CERT_TTL_S, MIN_CERT_TTL_S, RENEWALS_PER_TTL
-from protocol.trust.spotcheck import DEFAULT_SPOT_CHECK
+from protocol.trust.spot_rate import DEFAULT_SPOT_CHECK
+
+#: the module that holds each command's ``cmd_<name>``: imported only once the arguments
+#: parsed, as the commands import torch (seconds) and a usage error or --help needs none
+COMMANDS = {
+    **dict.fromkeys(("demo", "coordinator", "join", "token", "ban"), "fusionllm.swarm_cmds"),
+    **dict.fromkeys(("plan", "sim"), "fusionllm.plan_cmds"),
+    **dict.fromkeys(("train", "inspect", "compare", "status"), "fusionllm.commands"),
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -350,7 +356,7 @@ def _add_batch_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--precision",
-        choices=tuple(ACTIVATION_DTYPES),
+        choices=PRECISIONS,
         default=None,
         help="the training precision the plan models: the activations' dtype; weights, gradients and Adam's "
         f"moments stay fp32, 16 bytes per parameter (default: {DEFAULT_PRECISION} for the built-in workloads, as "
@@ -566,12 +572,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if not args.verbose:  # hivemind logs its own INFO lines (identity files, bootstrap) through its own handler
         logging.getLogger("hivemind").setLevel(logging.WARNING)
+    # these import torch: only now that the arguments parsed
+    handler = getattr(importlib.import_module(COMMANDS[args.command]), f"cmd_{args.command}")
     from protocol.model.graph import CutError, TraceFailure
     from protocol.model.job import ModelError, SpecError
 
     try:
-        name = f"cmd_{args.command}"
-        handler = getattr(swarm_cmds, name, None) or getattr(plan_cmds, name, None) or getattr(commands, name)
         return int(handler(args) or 0)
     except (UsageError, SpecError, CutError, TraceFailure) as exc:
         print(f"fusionllm: error: {exc}", file=sys.stderr)

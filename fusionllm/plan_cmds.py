@@ -48,7 +48,7 @@ class Batch:
 
 def batch_of(args: argparse.Namespace) -> Batch:
     """The batch the flags ask for; :class:`UsageError` for flags the model cannot take."""
-    from coordinator.workloads import DEFAULT_PRECISION, WORKLOADS
+    from coordinator.plan_options import DEFAULT_PRECISION, WORKLOADS
     from protocol.model.job import JobSpec
 
     w = WORKLOADS.get(args.model)

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field, replace
 from coordinator.estimator import STATE_PER_PARAM_BYTE, DagCosts, Plan, Replica, predict, tied_sync_s, wire_pair
 from coordinator.netmodel import Network, PeerProfile, link_seconds, transfer_s
 from coordinator.plan_eval import Options, ScheduleError
-from coordinator.replan import JOIN_REPLAN_EVERY, POLICIES, checkpoint_due, rebalance, recover, wants_replan
+from coordinator.plan_options import POLICIES
+from coordinator.replan import JOIN_REPLAN_EVERY, checkpoint_due, rebalance, recover, wants_replan
 from coordinator.scheduler import plan
 from protocol.model import schedule as schedules
 from sim.topology import Topology

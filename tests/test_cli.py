@@ -91,3 +91,62 @@ def test_untraceable_model_is_one_line(cli) -> None:
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "torch.fx cannot trace" in lines[0] and "if h.sum() > 0" in lines[0]
+
+
+#: what parsing a command line must not import: they take seconds, and a usage error or --help needs none
+HEAVY = ("torch", "hivemind", "numpy", "scipy")
+
+
+def test_parsing_imports_nothing_heavy() -> None:
+    import subprocess
+    import sys
+
+    argvs = [
+        ["demo", "--steps", "3", "--spot-check", "0.1", "--stages-as", "code", "--betas", "0.9,0.95"],
+        ["join", "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--throttle", "0.5"],
+        ["plan", "--topology", "testbed1", "--model", "gpt2", "--precision", "fp16", "--scheduler", "dtfm"],
+        ["sim", "--topology", "testbed1", "--schedulers", "opfence,even", "--policy", "none"],
+    ]
+    code = (
+        "import json, sys\nfrom fusionllm.cli import build_parser\n"
+        f"for argv in {argvs!r}:\n    build_parser().parse_args(argv)\n"
+        f"print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r}))))"
+    )
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == []
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "needle"),
+    [
+        (["demo", "--steps", "0"], 2, "argument --steps: 0 must be at least 1"),
+        (["demo", "--bogus"], 2, "unrecognized arguments: --bogus"),
+        (["join", "--help"], 0, ""),
+    ],
+    ids=["bad-value", "bad-flag", "help"],
+)
+def test_usage_errors_and_help_import_nothing_heavy(args: list[str], code: int, needle: str) -> None:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "-X", "importtime", "-m", "fusionllm", *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=root)
+    assert r.returncode == code, r.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in r.stderr.splitlines() if "|" in line}
+    assert "fusionllm" in imported and imported.isdisjoint(HEAVY), sorted(imported & set(HEAVY))
+    said = [line for line in r.stderr.splitlines() if not line.startswith("import time:")]
+    assert len(said) == (1 if code else 0) and all(line.startswith(f"fusionllm: error: {needle}") for line in said)
+
+
+def test_every_command_has_its_handler() -> None:
+    import argparse
+    import importlib
+
+    from fusionllm.cli import COMMANDS, build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(COMMANDS) == set(sub.choices)
+    assert all(callable(getattr(importlib.import_module(m), f"cmd_{c}", None)) for c, m in COMMANDS.items())

@@ -14,7 +14,8 @@ import torch
 from fusionllm.local import TrainResult, compare_checkpoints, relative_error, train_reference, train_staged
 from peer.executor import make_optimizer
 from protocol.model.job import JobSpec, SpecError
-from protocol.model.recipe import LOSS_SCALE_INTERVAL, LossScale, Recipe, RecipeError, decide_update, parse_betas
+from protocol.model.options import RecipeError, parse_betas
+from protocol.model.recipe import LOSS_SCALE_INTERVAL, LossScale, Recipe, decide_update
 from tests.conftest import run_cli
 from tests.test_swarm import _reference
 

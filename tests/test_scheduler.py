@@ -18,7 +18,7 @@ from coordinator.netmodel import Network, PeerProfile
 from coordinator.opfence import opfence, plan_floor
 from coordinator.placement import alike, moves
 from coordinator.plan_eval import Options, ScheduleError, evaluate
-from coordinator.replan import POLICIES
+from coordinator.plan_options import POLICIES
 from coordinator.scheduler import SCHEDULERS, plan
 from protocol.wire.codecs import Codec
 from sim.engine import Churn, iteration_seconds, simulate

@@ -14,8 +14,8 @@ from torch import nn
 
 from coordinator.estimator import DagCosts
 from coordinator.opdag import build_opdag
+from coordinator.plan_options import TOKENS_PER_ITERATION
 from coordinator.workloads import (
-    TOKENS_PER_ITERATION,
     WORKLOADS,
     WorkloadError,
     meta_batch,

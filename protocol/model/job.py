@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from protocol.model.recipe import Recipe, RecipeError, RecipeFields, recipe_of
+from protocol.model.options import RecipeError
+from protocol.model.recipe import Recipe, RecipeFields, recipe_of
 
 BUILTIN_MODELS = {"gpt": "zoo.gpt:gpt", "gpt2": "zoo.gpt:gpt2", "branchy": "zoo.branchy:branchy"}
 BUILTIN_DATA = {"stdlib": "zoo.text:stdlib_text", "branchy": "zoo.branchy:branchy_data"}

@@ -27,8 +27,6 @@ from typing import Any
 import torch
 
 PROGRAM_FORMAT = 1
-#: how a coordinator sends stages: as programs (this module), or as the job's model code to rebuild
-STAGE_FORMS = ("program", "code")
 #: operator namespaces a peer runs unless told otherwise (``fusionllm join --allow-ops``)
 DEFAULT_NAMESPACES = ("aten",)
 MAX_PROGRAM_BYTES = 64 << 20

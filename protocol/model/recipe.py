@@ -16,9 +16,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-SCHEDULES = ("constant", "linear", "cosine")
-#: compute precisions: autocast dtype per name (fp32: no autocast)
-PRECISIONS = ("fp32", "bf16", "fp16")
+from protocol.model.options import PRECISIONS, SCHEDULES, RecipeError, betas_ok
+
 #: torch's clip_grad_norm_ adds this to the norm before dividing
 CLIP_EPS = 1e-6
 #: fp16 loss scale: torch.amp.GradScaler's defaults
@@ -28,10 +27,6 @@ LOSS_SCALE_BACKOFF = 0.5
 LOSS_SCALE_INTERVAL = 2000
 #: the scale backs off no lower (forged overflows must not drive it to 0)
 LOSS_SCALE_MIN = 1.0
-
-
-class RecipeError(ValueError):
-    """A recipe that cannot train; ``str()`` is one line."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +64,7 @@ class Recipe(RecipeFields):
             raise RecipeError(f"min lr {self.min_lr} is not between 0 and the learning rate {self.lr}")
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             raise RecipeError(f"weight decay {self.weight_decay} is not a non-negative, finite number")
-        if not _betas_ok(self.betas):
+        if not betas_ok(self.betas):
             raise RecipeError(f"betas {self.betas} are not two numbers in [0, 1)")
         if not (math.isfinite(self.clip_grad_norm) and self.clip_grad_norm >= 0):
             raise RecipeError(f"gradient-norm clip {self.clip_grad_norm} is not a non-negative, finite number")
@@ -151,22 +146,6 @@ def autocast(recipe: Recipe, device: torch.device | str = "cpu") -> Iterator[Non
 
 def initial_scale(recipe: Recipe) -> LossScale:
     return LossScale() if recipe.scales_loss else NO_SCALE
-
-
-def parse_betas(text: str) -> tuple[float, float]:
-    """``"0.9,0.95"`` -> (0.9, 0.95); a one-line error otherwise."""
-    parts = [p.strip() for p in text.split(",")]
-    try:
-        betas = tuple(float(p) for p in parts)
-    except ValueError:
-        raise RecipeError(f"betas '{text}' are not two comma-separated numbers") from None
-    if not _betas_ok(betas):
-        raise RecipeError(f"betas '{text}' are not two numbers in [0, 1)")
-    return betas  # type: ignore[return-value]
-
-
-def _betas_ok(betas: tuple[float, ...]) -> bool:
-    return len(betas) == 2 and all(isinstance(b, float) and 0 <= b < 1 for b in betas)
 
 
 def recipe_of(spec: RecipeFields, steps: int) -> Recipe:

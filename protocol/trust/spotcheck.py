@@ -66,8 +66,6 @@ CROSS_DEVICE_RTOL = 1e-3
 HALF_PRECISION_FACTOR = 100.0
 #: elements of a fingerprint's random direction drawn at a time (bounds its memory)
 FINGERPRINT_CHUNK = 1 << 20
-#: the chance that a micro-batch of a replicated stage is re-executed (``--spot-check``)
-DEFAULT_SPOT_CHECK = 0.05
 #: the share of spot checks that re-execute the backward too (the rest: the forward only)
 BACKWARD_SHARE = 0.25
 #: micro-batches of a stage served by one peer that are checked together, at least: its
