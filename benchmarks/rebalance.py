@@ -12,8 +12,12 @@ seeded churn events (joins, leaves, 0.25x/0.5x slow-downs; half of the leaves an
 slow-downs hit a peer the plan uses), once per policy of ``coordinator.replan``:
 the live rules, no rebalancing (losses are still recovered) and a restart from the
 last checkpoint on every change. Goodput is iterations kept per simulated second
-(checkpoints, moves and redone iterations count), the mean over 4 churn seeds (short
-mode: 1 seed, 10 events). Prints one JSON object."""
+(checkpoints, moves and redone iterations count), the mean over 4 churn seeds. Prints
+one JSON object.
+
+``--short`` runs the same paths smaller, for the test suite: the demo's GPT at 2
+layers of width 64, a check every 10 steps instead of 20 (the plan settles after 40),
+200 steps; the simulation with 1 seed, 3 churn events and a 4-layer model."""
 
 from __future__ import annotations
 
@@ -31,9 +35,12 @@ sys.path.insert(0, str(ROOT))
 
 from tests.swarmproc import SMALL, Swarm, api, wait_for  # noqa: E402
 
-EVERY = 20
-SETTLED = 4 * EVERY  # steps after which the plan has settled
+#: steps between two rebalance checks (the short mode's: ``SHORT_EVERY``)
+EVERY = [20]
+SHORT_EVERY = 10
 SIM_MODEL = "n_layer=24,n_embd=1024,n_head=16"
+#: the short mode's: 4 layers, so each of its plans of 1,000 peers takes a second, not five
+SHORT_SIM_MODEL = "n_layer=4,n_embd=1024,n_head=16"
 SIM_ITERATIONS = 20_000
 SIM_CHURN = 40
 MODEL: list[str] = []
@@ -42,8 +49,13 @@ MODEL: list[str] = []
 def _args(tmp: Path, steps: int) -> list[str]:
     # spot checks off: peers re-executing other stages' micro-batches add noise to the speeds measured here
     return ["--steps", str(steps), "--seed", "0", *MODEL, "--min-peers", "4", "--stages", "4",
-            "--rebalance-every", str(EVERY), "--run-dir", str(tmp / "run"),
+            "--rebalance-every", str(EVERY[0]), "--run-dir", str(tmp / "run"),
             "--spot-check", "0"]  # fmt: skip
+
+
+def _settled() -> int:
+    """Steps after which the plan has settled: four checks."""
+    return 4 * EVERY[0]
 
 
 def _rate(url: str) -> float:
@@ -62,7 +74,7 @@ def _slowed_run(tmp: Path, steps: int) -> dict[str, Any]:
         for i in range(4):
             files[swarm.add_peer(i, "--throttle-file", str(tmp / f"t{i}"))] = tmp / f"t{i}"
         # settled: the first checks may correct the advertised speeds, and undo that move
-        state = wait_for(swarm.url, lambda s: s["training"]["step"] >= SETTLED and s["phase"] == "training", 300)
+        state = wait_for(swarm.url, lambda s: s["training"]["step"] >= _settled() and s["phase"] == "training", 300)
         before = _rate(swarm.url)
         slow = max(files, key=lambda p: _ops(state, p))
         files[slow].write_text("0.25")
@@ -112,7 +124,7 @@ def _ideal(tmp: Path, steps: int, slow_index: int) -> float:
     try:
         for i in range(4):
             swarm.add_peer(i, *(["--throttle", "0.25"] if i == slow_index else []))
-        wait_for(swarm.url, lambda s: s["training"]["step"] >= SETTLED + 25, 600)
+        wait_for(swarm.url, lambda s: s["training"]["step"] >= _settled() + 25, 600)
         rate = _rate(swarm.url)
         assert swarm.coord.wait(600) == 0, swarm.coord.output[-3000:]
     finally:
@@ -120,14 +132,14 @@ def _ideal(tmp: Path, steps: int, slow_index: int) -> float:
     return rate
 
 
-def _sim(seeds: int, events: int) -> dict[str, Any]:
+def _sim(seeds: int, events: int, model: str = SIM_MODEL) -> dict[str, Any]:
     """Mean goodput of each policy over ``seeds`` churn seeds (see the module's text)."""
-    from coordinator.replan import POLICIES
+    from coordinator.plan_options import POLICIES
     from fusionllm.cli import build_parser
     from fusionllm.plan_cmds import _costs, _options, _topology, churn_events
     from sim.engine import simulate
 
-    argv = ["sim", "--topology", "internet-1k", "--model", "zoo.gpt:gpt2", "--model-args", SIM_MODEL,
+    argv = ["sim", "--topology", "internet-1k", "--model", "zoo.gpt:gpt2", "--model-args", model,
             "--iterations", str(SIM_ITERATIONS), "--churn", str(events)]  # fmt: skip
     args = build_parser().parse_args(argv)
     costs, topo, options = _costs(args), _topology(args.topology), _options(args)
@@ -152,11 +164,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--short", action="store_true", help="a shorter run (the test suite's)")
     args = parser.parse_args()
-    steps = 400 if args.short else 1000
+    steps = 200 if args.short else 1000
     MODEL[:] = SMALL if args.short else []
+    EVERY[:] = [SHORT_EVERY] if args.short else EVERY
     with tempfile.TemporaryDirectory(prefix="fusionllm-rebalance-") as d:
         run = _slowed_run(Path(d) / "slowed", steps)
-        ideal = _ideal(Path(d) / "ideal", SETTLED + 40, int(run["slow_index"]))
+        ideal = _ideal(Path(d) / "ideal", _settled() + 40, int(run["slow_index"]))
     out: dict[str, Any] = {
         "tokens_per_s_before": round(run["before"]),
         "tokens_per_s_slowed": round(run["slowed"]),
@@ -164,7 +177,7 @@ def main() -> None:
         "ideal_after": round(ideal),
         "recovery_vs_ideal": round(run["after"] / ideal, 3),
         "replan_s": None if run["replan_s"] is None else round(run["replan_s"], 2),  # None: never rebalanced
-        "sim_1000_peers": _sim(1, 10) if args.short else _sim(4, SIM_CHURN),
+        "sim_1000_peers": _sim(1, 3, SHORT_SIM_MODEL) if args.short else _sim(4, SIM_CHURN),
     }
     if args.short:
         out["short"] = True
