@@ -1,12 +1,14 @@
 """Hostile members of a private swarm, for integration tests.
 
-``python -m tests.cert_peer MODE --token TOKEN --identity KEY``
+``python -m tests.cert_peer MODE --token TOKEN --identity KEY [--go FILE]``
 
 - ``forger``: holds the join token's public parts but not its secret. It forges an
   admission certificate (its own key standing in for the coordinator's, and a copy
   whose signer field names the coordinator), publishes its advert with it, says
   hello, and sends a control message (a heartbeat), a RAD message (activations) and
-  a bandwidth probe to the coordinator and to every peer whose advert it reads.
+  a bandwidth probe to the coordinator and to every peer whose advert it reads;
+  with ``--go``, only once that file exists (it starts with the swarm's peers, and
+  the test reads the receivers' counts before it creates the file).
 - ``lapsed``: joins with the whole token like ``fusionllm join``, trains, and when
   the host bans it (the coordinator says so, and stops renewing its certificate) it
   does not leave: once its certificate has expired it sends the same three kinds of
@@ -76,13 +78,15 @@ def forged_certificates(me: Identity, run: str, peer_id: str, coordinator_key: s
     return [own, {**own, "pubkey": coordinator_key}]
 
 
-async def forger(token: str, key_file: str, members: int) -> None:
+async def forger(token: str, key_file: str, members: int, go: Path | None) -> None:
     t = parse_token(token)
     me = Identity.load_or_create(key_file)
     dht = hivemind.DHT(initial_peers=t.maddrs, start=True)
     tp = Transport(await dht.replicate_p2p(), me, Gate(t.run))
     await tp.start()
     try:
+        if go is not None:  # nothing stored or sent before
+            await _until_exists(go, 300.0)
         receivers = await _members(dht, t.run, members)
         coordinator = await dht.get(dht_key(t.run, "coordinator"), latest=True, return_future=True)
         cid, cmaddrs = _coordinator(coordinator, t.coordinator_key)
@@ -145,7 +149,7 @@ async def _until_exists(path: Path, within_s: float = 120.0) -> None:
         return True if path.exists() else None
 
     if await wait_until(there, within_s, interval=0.1) is None:
-        raise SystemExit(f"lapsed: {path} did not appear within {within_s:.0f} s")
+        raise SystemExit(f"{path} did not appear within {within_s:.0f} s")
 
 
 class Lapsed(PeerNode):
@@ -205,10 +209,10 @@ async def main() -> None:
     ap.add_argument("--token", required=True)
     ap.add_argument("--identity", required=True)
     ap.add_argument("--members", type=int, default=3, help="forger: the adverts to wait for")
-    ap.add_argument("--go", type=Path, help="lapsed: send once this file exists")
+    ap.add_argument("--go", type=Path, help="send once this file exists (lapsed: once banned and expired too)")
     args = ap.parse_args()
     if args.mode == "forger":
-        await forger(args.token, args.identity, args.members)
+        await forger(args.token, args.identity, args.members, args.go)
     else:
         await lapsed(args.token, args.identity, args.go)
 

@@ -124,6 +124,11 @@ def wait_gone(pids: set[int], timeout: float = 15.0) -> set[int]:
     return alive(pids)
 
 
+def joined(proc: Proc, timeout: float = 120.0) -> str:
+    """Bounded wait for a started peer to join; its peer id."""
+    return proc.wait_line(r"joined run '.*' as (\w+)", timeout).group(1)
+
+
 #: status page URL -> the coordinator serving it (to show its output when the page goes away)
 COORDINATORS: dict[str, Proc] = {}
 
@@ -176,17 +181,28 @@ class Swarm:
         return proc
 
     def add_peer(self, i: int, *extra: str) -> str:
-        p = Proc("join", *self.join_args, "--threads", "1", "--identity", str(self.tmp / f"p{i}.key"), *extra)
-        self.procs.append(p)
-        pid = p.wait_line(r"joined run '.*' as (\w+)").group(1)
+        """A peer joined; returns its peer id."""
+        p = self.start_peer(i, *extra)
+        pid = joined(p, 90.0)
         self.peers[pid] = p
         return pid
 
+    def start_peer(self, i: int, *extra: str) -> Proc:
+        """A peer started, not waited for (``joined`` waits): peers started together
+        join side by side, not one after another."""
+        p = Proc("join", *self.join_args, "--threads", "1", "--identity", str(self.tmp / f"p{i}.key"), *extra)
+        self.procs.append(p)
+        return p
+
     def add_hostile(self, mode: str, key: str, env: dict[str, str] | None = None) -> str:
         """A ``tests.hostile_peer`` of ``mode`` joined; returns its peer id."""
+        return joined(self.start_hostile(mode, key, env))
+
+    def start_hostile(self, mode: str, key: str, env: dict[str, str] | None = None) -> Proc:
+        """A ``tests.hostile_peer`` of ``mode`` started, not waited for (``joined`` waits)."""
         p = Proc(mode, *self.join_args, "--identity", str(self.tmp / key), module="tests.hostile_peer", env=env)
         self.procs.append(p)
-        return p.wait_line(r"joined run '.*' as (\w+)", 120).group(1)
+        return p
 
     def serving(self, state: dict[str, Any]) -> dict[str, tuple[int, int]]:
         """Peer id -> (stage, replica) of the peers serving now."""
@@ -214,3 +230,16 @@ class Swarm:
     def close(self) -> None:
         for p in self.procs:
             p.kill_all()
+
+
+def join_together(swarm: Swarm, extras: list[list[str]], first: int = 0) -> list[str]:
+    """Peers ``first``, ``first + 1``, ... of ``swarm`` (peer ``first + k`` with the flags
+    ``extras[k]``) started together, so that their start-ups overlap, then each waited
+    for until it joined; their peer ids in that order (in ``swarm.peers`` too)."""
+    procs = [swarm.start_peer(i, *extra) for i, extra in enumerate(extras, first)]
+    ids = []
+    for p in procs:
+        pid = joined(p)
+        swarm.peers[pid] = p
+        ids.append(pid)
+    return ids

@@ -4,6 +4,8 @@ coordinator, stall the honest peers or corrupt the model."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,10 @@ from fusionllm.local import compare_checkpoints
 from protocol.trust.advert_check import MAX_FLOPS, advert_problem
 from protocol.wire.messages import PROTOCOL_VERSION, Advert
 from tests.conftest import run_cli
-from tests.swarmproc import SMALL, Swarm
+from tests.swarmproc import SMALL, Swarm, joined
+
+STEPS = 4  # every swarm here trains as long: one clean run is their reference
+COMMON = ["--steps", str(STEPS), "--seed", "0", *SMALL]
 
 
 def _advert(**kw: object) -> Advert:
@@ -24,10 +29,30 @@ def _advert(**kw: object) -> Advert:
     return Advert(**{**base, **kw})  # type: ignore[arg-type]
 
 
-def _equals_reference(tmp_path: Path, common: list[str], save: Path) -> None:
-    ref = tmp_path / "ref.safetensors"
-    assert run_cli("train", "--reference", *common, "--save", str(ref)).returncode == 0
-    assert compare_checkpoints(save, ref) <= 1e-5
+def _train_reference(common: list[str], save: Path) -> Path:
+    r = run_cli("train", "--reference", "--threads", "1", *common, "--save", str(save))  # as the peers train
+    assert r.returncode == 0, r.stderr[-3000:]
+    return save
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[list[str]], Future[Path]]]:
+    """The weights of a clean run of ``common``: trained once for the module, on the
+    side (it trains while the first swarm that asks for it starts)."""
+    runs: dict[tuple[str, ...], Future[Path]] = {}
+    with ThreadPoolExecutor() as pool:
+
+        def clean(common: list[str]) -> Future[Path]:
+            if tuple(common) not in runs:
+                save = tmp_path_factory.mktemp("reference") / "ref.safetensors"
+                runs[tuple(common)] = pool.submit(_train_reference, common, save)
+            return runs[tuple(common)]
+
+        yield clean
+
+
+def _equals_reference(save: Path, ref: Future[Path]) -> None:
+    assert compare_checkpoints(save, ref.result(timeout=240)) <= 1e-5
 
 
 @pytest.mark.parametrize(
@@ -54,7 +79,9 @@ def test_an_advert_with_a_bad_claim_is_refused_in_one_line(claim: dict, says: st
     assert advert_problem(_advert()) == ""
 
 
-def test_hostile_peers_are_left_out_and_the_run_ends_equal_to_a_clean_one(tmp_path: Path) -> None:
+def test_hostile_peers_are_left_out_and_the_run_ends_equal_to_a_clean_one(
+    tmp_path: Path, reference: Callable[[list[str]], Future[Path]]
+) -> None:
     """One swarm, every kind of hostile peer met so far, next to three honest ones:
     adverts claiming NaN or negative FLOP/s or an address that does not parse (each
     named once, never planned); a peer whose every activation, loss and gradient is
@@ -62,15 +89,15 @@ def test_hostile_peers_are_left_out_and_the_run_ends_equal_to_a_clean_one(tmp_pa
     excludes it); and a peer that reports an honest sender's finite values as poison
     (the signed frame it must attach shows no NaN: it is the one excluded). The run
     redoes the poisoned steps without them and ends finite and equal to a clean run."""
-    steps = 5
+    ref = reference(COMMON)
     save = tmp_path / "swarm.safetensors"
-    common = ["--steps", str(steps), "--seed", "0", *SMALL]
-    args = [*common, "--min-peers", "5", "--stages", "5", "--save", str(save), "--run-dir", str(tmp_path / "run")]
+    args = [*COMMON, "--min-peers", "5", "--stages", "5", "--save", str(save), "--run-dir", str(tmp_path / "run")]
     swarm = Swarm(tmp_path, args, peers=0)
     try:
         modes = ("nan", "negative", "maddr", "poison", "framer")
-        hostile = {mode: swarm.add_hostile(mode, f"h{i}.key") for i, mode in enumerate(modes)}
-        honest = {swarm.add_peer(i) for i in range(3)}
+        started = {mode: swarm.start_hostile(mode, f"h{i}.key") for i, mode in enumerate(modes)}
+        hostile = {mode: joined(p) for mode, p in started.items()}  # all before the first honest peer
+        honest = {joined(p, 90) for p in [swarm.start_peer(i) for i in range(3)]}
         assert swarm.coord.wait(300) == 0, swarm.coord.output[-3000:]
         out = swarm.coord.output
         said = {
@@ -89,12 +116,12 @@ def test_hostile_peers_are_left_out_and_the_run_ends_equal_to_a_clean_one(tmp_pa
         swarm.close()
     state = load_file(str(save))
     assert all(bool(torch.isfinite(t).all()) for t in state.values())
-    ref = tmp_path / "ref.safetensors"
-    assert run_cli("train", "--reference", *common, "--save", str(ref)).returncode == 0
-    assert compare_checkpoints(save, ref) <= 1e-5
+    _equals_reference(save, ref)
 
 
-def test_wrong_but_finite_work_is_caught_by_re_execution(tmp_path: Path) -> None:
+def test_wrong_but_finite_work_is_caught_by_re_execution(
+    tmp_path: Path, reference: Callable[[list[str]], Future[Path]]
+) -> None:
     """Accountable compute: one stage served by five replicas, three of them cheats:
     one adds (finite) noise to what it computes, one reports a fake loss while
     computing honestly, one computes honestly but shows tampered frames as evidence.
@@ -102,15 +129,16 @@ def test_wrong_but_finite_work_is_caught_by_re_execution(tmp_path: Path) -> None
     cheat is excluded (by the majority, or as its frames' signatures fail), the
     disputed frames are kept as evidence, no honest peer is blamed, and the run ends
     equal to a clean one."""
-    steps = 4
+    ref = reference(COMMON)
     save, run_dir = tmp_path / "swarm.safetensors", tmp_path / "run"
-    common = ["--steps", str(steps), "--seed", "0", *SMALL]
-    args = [*common, "--min-peers", "5", "--stages", "1", "--spot-check", "1", "--save", str(save)]
+    args = [*COMMON, "--min-peers", "5", "--stages", "1", "--spot-check", "1", "--save", str(save)]
     swarm = Swarm(tmp_path, [*args, "--run-dir", str(run_dir)], peers=0)
     try:
         modes = ("noisy", "fakeloss", "liar")
-        cheats = {mode: swarm.add_hostile(mode, f"c{i}.key") for i, mode in enumerate(modes)}
-        honest = {swarm.add_peer(i) for i in range(2)}
+        started = {mode: swarm.start_hostile(mode, f"c{i}.key") for i, mode in enumerate(modes)}
+        peers = [swarm.start_peer(i) for i in range(2)]  # the plan waits for all five: they start together
+        cheats = {mode: joined(p) for mode, p in started.items()}
+        honest = {joined(p, 90) for p in peers}
         assert swarm.coord.wait(300) == 0, swarm.coord.output[-3000:]
         out = swarm.coord.output
         for mode, pid in cheats.items():
@@ -120,12 +148,12 @@ def test_wrong_but_finite_work_is_caught_by_re_execution(tmp_path: Path) -> None
         assert named, ("the fake loss is named (as reported, or as its own re-execution gave it)", out[-4000:])
         assert not any(re.search(rf"peer {h} .*failed", out) for h in honest), "no honest peer was blamed"
         assert set(re.findall(r"stage \d replica \d: peer (\w+)", out)) == honest
-        assert re.search(r"(\d+) spot checks", out) and int(re.search(r"(\d+) spot checks", out).group(1)) >= 4 * steps
+        assert re.search(r"(\d+) spot checks", out) and int(re.search(r"(\d+) spot checks", out).group(1)) >= 4 * STEPS
         assert list((run_dir / "evidence").glob("*.safetensors")), "the disputed frames are kept"
         assert "Traceback" not in out
     finally:
         swarm.close()
-    _equals_reference(tmp_path, common, save)
+    _equals_reference(save, ref)
 
 
 @pytest.mark.parametrize(
@@ -133,7 +161,9 @@ def test_wrong_but_finite_work_is_caught_by_re_execution(tmp_path: Path) -> None
     [(2, {"FUSIONLLM_CLAIM_FLOPS": "1e9"}), (3, {})],
     ids=["replicas-arbitrated-by-another-stage", "one-peer-stages-checked-by-other-stages"],
 )
-def test_a_cheat_is_caught_by_peers_of_another_stage(tmp_path: Path, stages: int, claim: dict[str, str]) -> None:
+def test_a_cheat_is_caught_by_peers_of_another_stage(
+    tmp_path: Path, stages: int, claim: dict[str, str], reference: Callable[[list[str]], Future[Path]]
+) -> None:
     """A noisy cheat among three peers, every micro-batch spot-checked.
     Two stages: the cheat (claiming a low FLOP/s, so that OP-Fence pairs it with an
     honest replica) and its honest twin disagree, and a peer of the other stage
@@ -143,14 +173,15 @@ def test_a_cheat_is_caught_by_peers_of_another_stage(tmp_path: Path, stages: int
     another's stage with its noise, it disputes honest work and a second checker
     exposes it). Either way the cheat is excluded, no honest peer is blamed, and the
     run ends equal to a clean one."""
-    steps = 4 if stages == 2 else 3
+    ref = reference(COMMON)
     save = tmp_path / "swarm.safetensors"
-    common = ["--steps", str(steps), "--seed", "0", *SMALL]
-    args = [*common, "--min-peers", "3", "--stages", str(stages), "--spot-check", "1", "--save", str(save)]
+    args = [*COMMON, "--min-peers", "3", "--stages", str(stages), "--spot-check", "1", "--save", str(save)]
     swarm = Swarm(tmp_path, [*args, "--run-dir", str(tmp_path / "run")], peers=0)
     try:
-        cheat = swarm.add_hostile("noisy", "c.key", claim)
-        honest = {swarm.add_peer(i) for i in range(2)}
+        started = swarm.start_hostile("noisy", "c.key", claim)
+        peers = [swarm.start_peer(i) for i in range(2)]  # the plan waits for all three: they start together
+        cheat = joined(started)
+        honest = {joined(p, 90) for p in peers}
         assert swarm.coord.wait(300) == 0, swarm.coord.output[-3000:]
         out = swarm.coord.output
         assert re.search(rf"peer {cheat} .*failed: excluded: .*re-executed", out), out[-3000:]
@@ -162,7 +193,7 @@ def test_a_cheat_is_caught_by_peers_of_another_stage(tmp_path: Path, stages: int
         assert "Traceback" not in out
     finally:
         swarm.close()
-    _equals_reference(tmp_path, common, save)
+    _equals_reference(save, ref)
 
 
 def test_a_flood_of_rejects_is_counted_but_logged_a_few_lines_without_escapes(caplog: pytest.LogCaptureFixture) -> None:

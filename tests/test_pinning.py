@@ -6,6 +6,7 @@ the run), and a peer imports no model code it did not opt in to."""
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import hivemind
@@ -15,7 +16,7 @@ from hivemind.utils import get_dht_time
 from protocol.trust.identity import Identity, sign_record
 from protocol.wire.messages import CoordinatorRecord, dht_key
 from tests.conftest import ROOT
-from tests.swarmproc import SMALL, Proc, Swarm
+from tests.swarmproc import SMALL, Proc, Swarm, join_together
 
 
 def _claim_the_run(swarm: Swarm, run: str) -> hivemind.DHT:
@@ -37,6 +38,8 @@ def _unpinned(join_args: list[str]) -> list[str]:
 
 
 def test_an_outsiders_coordinator_record_does_not_capture_a_pinned_peer(tmp_path: Path) -> None:
+    """(The unpinned peer and the two pinned ones start together: the outsider's claim
+    is in the DHT before any of them looks.)"""
     args = ["--steps", "3", "--seed", "0", *SMALL, "--min-peers", "2", "--run-dir", str(tmp_path / "run")]
     swarm = Swarm(tmp_path, args, peers=0)
     outsider = None
@@ -46,11 +49,10 @@ def test_an_outsiders_coordinator_record_does_not_capture_a_pinned_peer(tmp_path
         outsider = _claim_the_run(swarm, "fusionllm")
         unpinned = Proc("join", *_unpinned(swarm.join_args), "--identity", str(tmp_path / "u.key"))
         swarm.procs.append(unpinned)
+        join_together(swarm, [[], []])  # pinned: they find and train with the real one
         assert unpinned.wait(120) == 2
         line = unpinned.wait_line(r"fusionllm: error: .*")
         assert "2 coordinators claim run 'fusionllm'" in line.group(0) and "--coordinator-key" in line.group(0)
-        for i in range(2):  # pinned: they find and train with the real one
-            swarm.add_peer(i)
         assert swarm.coord.wait(300) == 0, swarm.coord.output[-3000:]
         assert "Traceback" not in swarm.coord.output
     finally:
@@ -71,8 +73,9 @@ def test_a_peer_trains_a_model_whose_code_it_cannot_import(tmp_path: Path, monke
     marker = tmp_path / "imported"
     monkeypatch.setenv("FUSIONLLM_IMPORT_MARKER", str(marker))
     env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'tests'}"}
-    swarm = Swarm(tmp_path, _model_args(tmp_path, "marker_model:build"), peers=2, env=env)
+    swarm = Swarm(tmp_path, _model_args(tmp_path, "marker_model:build"), peers=0, env=env)
     try:
+        join_together(swarm, [[], []])
         assert swarm.coord.wait(300) == 0, swarm.coord.output[-3000:]
         assert not swarm.reap()
         for p in swarm.peers.values():
@@ -89,7 +92,7 @@ def test_a_peer_imports_no_model_code_it_did_not_opt_in_to(tmp_path: Path, monke
     """A model with data-dependent Python cannot travel as a program, so its stages
     are the model's code: a peer without --allow-code refuses the assignment (and
     never imports the file); a peer that opted in trains. (That peer joins unpinned:
-    it trusts the run's only coordinator on first use.)"""
+    it trusts the run's only coordinator on first use. The two start together.)"""
     marker = tmp_path / "imported"
     monkeypatch.setenv("FUSIONLLM_IMPORT_MARKER", str(marker))
     spec = "tests/marker_model.py:build_checked"
@@ -97,11 +100,11 @@ def test_a_peer_imports_no_model_code_it_did_not_opt_in_to(tmp_path: Path, monke
     try:
         cautious = Proc("join", *swarm.join_args, "--threads", "1", "--identity", str(tmp_path / "c.key"))
         swarm.procs.append(cautious)
-        cautious.wait_line(r"joined run", 120)
         key = swarm.join_args[swarm.join_args.index("--coordinator-key") + 1]
         willing_args = [*_unpinned(swarm.join_args), "--threads", "1", "--identity", str(tmp_path / "w.key")]
         willing_proc = Proc("join", *willing_args, "--allow-code", "tests/marker_model.py")
         swarm.procs.append(willing_proc)
+        cautious.wait_line(r"joined run", 120)
         # unpinned, it trusts the only coordinator of the run on first use, and says so
         tofu = willing_proc.wait_line(r"trusting the coordinator of run 'fusionllm' on first use: key (\w+)", 120)
         assert tofu.group(1) == key
@@ -121,7 +124,7 @@ def test_a_peer_imports_no_model_code_it_did_not_opt_in_to(tmp_path: Path, monke
 def test_a_program_calling_operators_outside_the_allowlist_is_refused(tmp_path: Path) -> None:
     """The model registers its own operator: a peer that allows only ATen refuses the
     stage program before it runs, in one line, and leaves; a peer that opted in to the
-    model's code and the operator's namespace trains it."""
+    model's code and the operator's namespace trains it. (The two start together.)"""
     model = ["--model", "tests/custom_op_model.py:build", "--data", "tests/custom_op_model.py:data"]
     swarm_args = ["--min-peers", "2", "--stages", "1", "--run-dir", str(tmp_path / "run")]
     args = ["--steps", "2", "--seed", "0", *model, *swarm_args]
@@ -129,8 +132,8 @@ def test_a_program_calling_operators_outside_the_allowlist_is_refused(tmp_path: 
     try:
         strict = Proc("join", *swarm.join_args, "--threads", "1", "--identity", str(tmp_path / "s.key"))
         swarm.procs.append(strict)
+        join_together(swarm, [["--allow-code", "tests/custom_op_model.py", "--allow-ops", "fusiontest"]], first=1)
         strict.wait_line(r"joined run", 120)
-        swarm.add_peer(1, "--allow-code", "tests/custom_op_model.py", "--allow-ops", "fusiontest")
         line = strict.wait_line(r"refused the stage: (.*)", 120).group(1)
         assert "fusiontest.scaled.default, outside the allowed operator namespaces (aten)" in line
         assert strict.wait(60) == 2 and "Traceback" not in strict.output
@@ -139,30 +142,48 @@ def test_a_program_calling_operators_outside_the_allowlist_is_refused(tmp_path: 
         swarm.close()
 
 
-@pytest.mark.parametrize("pinned", [True, False], ids=["pinned-at-once", "unpinned-at-the-join-timeout"])
-def test_a_coordinator_speaking_another_protocol_version_is_named(tmp_path: Path, pinned: bool) -> None:
-    """The run's coordinator record is signed but in another protocol version: the peer
-    says so in one line, not a generic 'no coordinator'. Pinned to that key, at once
-    (only the key's owner signs with it); unpinned, when its join timeout ends (anyone
-    may claim the run, the right coordinator may come later)."""
+@pytest.fixture(scope="module")
+def foreign_version(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[bool, Proc]]:
+    """A DHT whose coordinator record for run 'r' is signed but in another protocol
+    version, and a peer of each kind started against it together (their start-ups and
+    the unpinned one's join timeout overlap): pinned to the record's key (True), and
+    unpinned (False)."""
     from protocol.wire.messages import PROTOCOL_VERSION
 
+    tmp = tmp_path_factory.mktemp("foreign")
     dht = hivemind.DHT(start=True)
-    peer = None
+    peers: dict[bool, Proc] = {}
     try:
         other, expires = Identity.generate(), get_dht_time() + 600
         maddrs = [str(m) for m in dht.get_visible_maddrs()]
         record = CoordinatorRecord(dht.peer_id.to_base58(), maddrs, "r", expires)
         header = {**record.header(), "v": PROTOCOL_VERSION + 1}
         assert dht.store(dht_key("r", "coordinator"), sign_record(other, header), expires, subkey=other.public_hex)
-        argv = ["--initial-peers", maddrs[0], "--run", "r"]
-        argv += ["--coordinator-key", other.public_hex, "--join-timeout", "300"] if pinned else ["--join-timeout", "3"]
-        peer = Proc("join", *argv, "--identity", str(tmp_path / "p.key"))
-        assert peer.wait(120) == 2, peer.output[-2000:]
-        line = peer.wait_line(r"fusionllm: error: .*").group(0)
-        assert f"speaks protocol version {PROTOCOL_VERSION + 1}; this peer speaks {PROTOCOL_VERSION}" in line, line
-        assert "Traceback" not in peer.output
+        for pinned in (True, False):
+            argv = ["--initial-peers", maddrs[0], "--run", "r"]
+            argv += (
+                ["--coordinator-key", other.public_hex, "--join-timeout", "300"] if pinned else ["--join-timeout", "3"]
+            )
+            peers[pinned] = Proc("join", *argv, "--identity", str(tmp / f"p{int(pinned)}.key"))
+        yield peers
     finally:
-        if peer is not None:
+        for peer in peers.values():
             peer.kill_all()
         dht.shutdown()
+
+
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned-at-once", "unpinned-at-the-join-timeout"])
+def test_a_coordinator_speaking_another_protocol_version_is_named(
+    foreign_version: dict[bool, Proc], pinned: bool
+) -> None:
+    """The run's coordinator record is signed but in another protocol version: the peer
+    says so in one line, not a generic 'no coordinator'. Pinned to that key, at once
+    (only the key's owner signs with it); unpinned, when its join timeout ends (anyone
+    may claim the run, the right coordinator may come later)."""
+    from protocol.wire.messages import PROTOCOL_VERSION
+
+    peer = foreign_version[pinned]
+    assert peer.wait(120) == 2, peer.output[-2000:]
+    line = peer.wait_line(r"fusionllm: error: .*").group(0)
+    assert f"speaks protocol version {PROTOCOL_VERSION + 1}; this peer speaks {PROTOCOL_VERSION}" in line, line
+    assert "Traceback" not in peer.output

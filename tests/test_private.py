@@ -42,7 +42,7 @@ from protocol.wire.gate import Gate
 from protocol.wire.messages import NOT_ADMITTED, Abort, Beat, dht_key
 from protocol.wire.reject import Reject, Rejected
 from tests.conftest import run_cli
-from tests.swarmproc import SMALL, Proc, Swarm, api, wait_for
+from tests.swarmproc import SMALL, Proc, Swarm, api, join_together, joined, wait_for
 
 
 def test_tokens_round_trip_and_damaged_ones_are_one_line() -> None:
@@ -72,31 +72,45 @@ def test_admission_needs_the_current_secret_and_refuses_the_banned(tmp_path: Pat
     assert adm.banned_among(admitted) == {"QmA", "QmK"}, "an admitted peer is banned by its id or its key"
 
 
-def _refused(swarm: Swarm, tmp_path: Path, name: str, *join: str) -> str:
+def _joining(swarm: Swarm, tmp_path: Path, name: str, *join: str) -> Proc:
     p = Proc("join", *join, "--identity", str(tmp_path / f"{name}.key"), "--join-timeout", "20")
     swarm.procs.append(p)
+    return p
+
+
+def _refused(p: Proc) -> str:
     assert p.wait(120) == 2, p.output[-2000:]
     return p.wait_line(r"fusionllm: error: (.*)").group(1)
 
 
 def test_a_private_swarm_admits_token_holders_and_drops_a_banned_peer(tmp_path: Path) -> None:
+    """(The two refused joins start together, then the two members together. The
+    members train at a tenth of their speed until the ban is enforced, and the one
+    that stays at full speed from then on: however fast the machine, the run cannot
+    end before the ban, and its end does not wait out a long run.)"""
     run_dir = tmp_path / "run"
-    args = ["--private", "--cert-ttl", "15", "--steps", "1000", "--seed", "0", *SMALL, "--min-peers", "2"]
+    args = ["--private", "--cert-ttl", "15", "--steps", "200", "--seed", "0", *SMALL, "--min-peers", "2"]
     swarm = Swarm(tmp_path, [*args, "--run-dir", str(run_dir)], peers=0)
     try:
         assert swarm.join_args[0] == "--token"
         token = parse_token(swarm.join_args[1])
         bare = ["--initial-peers", *token.maddrs, "--coordinator-key", token.coordinator_key]
-        why = _refused(swarm, tmp_path, "outsider", *bare)
-        assert "did not admit this peer" in why and "--token" in why
         forged = Token(token.run, token.coordinator_key, new_secret(), token.maddrs).encode()
-        assert "did not admit this peer" in _refused(swarm, tmp_path, "forger", "--token", forged)
+        outsider = _joining(swarm, tmp_path, "outsider", *bare)
+        forger = _joining(swarm, tmp_path, "forger", "--token", forged)
+        why = _refused(outsider)
+        assert "did not admit this peer" in why and "--token" in why
+        assert "did not admit this peer" in _refused(forger)
         assert api(swarm.url)["rejected"].get("not_admitted", 0) >= 2, "both hellos counted as rejects"
-        members = [swarm.add_peer(i) for i in range(2)]
+        slow = [tmp_path / f"throttle{i}" for i in range(2)]
+        for f in slow:
+            f.write_text("0.1\n")
+        members = join_together(swarm, [["--throttle-file", str(f)] for f in slow])
         wait_for(swarm.url, lambda s: s["training"]["step"] >= 5, 120)
         r = run_cli("ban", members[1], "--run-dir", str(run_dir))
         assert r.returncode == 0, r.stderr
         swarm.coord.wait_line(rf"peer {members[1]} .*failed: excluded: banned by the swarm's host", 60)
+        slow[0].write_text("1\n")
         # it is told why and leaves in one line; should that word be lost, it leaves once its
         # certificate has run out unrenewed and a hello again got no renewal
         told = r"the coordinator no longer admits this peer: .* is banned from run"
@@ -264,7 +278,8 @@ def test_a_private_swarms_dht_keeps_only_records_its_coordinator_stands_behind()
 
 
 def _cert_peer(swarm: Swarm, tmp_path: Path, mode: str, token: str) -> Proc:
-    go = ["--go", str(tmp_path / "go")] if mode == "lapsed" else []
+    """A ``tests.cert_peer`` of ``mode``; it sends once the file ``go-<mode>`` exists."""
+    go = ["--go", str(tmp_path / f"go-{mode}")]
     p = Proc(mode, "--token", token, "--identity", str(tmp_path / f"{mode}.key"), *go, module="tests.cert_peer")
     swarm.procs.append(p)
     return p
@@ -284,18 +299,20 @@ def test_forged_and_run_out_certificates_are_refused_by_every_receiver(tmp_path:
     """A forger (the token's public parts, a certificate it signed itself) and a member
     banned mid-run that goes on sending after its certificate ran out: the coordinator
     and every peer refuse their heartbeats, activations and bandwidth probes, and count
-    them."""
+    them. (The members and the forger start together; the forger sends nothing before
+    the test says go.)"""
     run_dir = tmp_path / "run"
     args = ["--private", "--cert-ttl", "15", "--steps", "5000", "--seed", "0", *SMALL, "--min-peers", "3"]
     swarm = Swarm(tmp_path, [*args, "--run-dir", str(run_dir)], peers=0)
     try:
         token = swarm.join_args[1]
-        honest = [swarm.add_peer(i) for i in range(2)]
         member = _cert_peer(swarm, tmp_path, "lapsed", token)
-        lapsed = member.wait_line(r"joined run '.*' as (\w+)", 120).group(1)
+        forger = _cert_peer(swarm, tmp_path, "forger", token)
+        honest = join_together(swarm, [[], []])
+        lapsed = joined(member)
         wait_for(swarm.url, lambda s: s["training"]["step"] >= 5, 120)
         refused = _rejects(api(swarm.url))
-        forger = _cert_peer(swarm, tmp_path, "forger", token)
+        (tmp_path / "go-forger").touch()
         sent = forger.wait_line(r"forger (\w+) sent to \d+ receivers: (.*)", 120)
         assert set(sent.group(2).split()) == {*honest, lapsed}, "it reached every member"
         for p in honest:
@@ -312,7 +329,7 @@ def test_forged_and_run_out_certificates_are_refused_by_every_receiver(tmp_path:
         member.wait_line(r"told: not admitted: .* is banned from run", 60)
         member.wait_line(r"certificate ran out: it expired", 60)
         refused = _rejects(api(swarm.url))  # its heartbeats stopped here
-        (tmp_path / "go").touch()  # and now it sends
+        (tmp_path / "go-lapsed").touch()  # and now it sends
         again = member.wait_line(r"lapsed (\w+) sent to \d+ receivers: (.*)", 120)
         assert set(again.group(2).split()) == set(honest)
         for p in honest:

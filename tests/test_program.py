@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -28,10 +29,34 @@ BRANCHY = JobSpec(model="tests/models.py:branchy_wide", data="branchy")
 CUSTOM = JobSpec(model="tests/custom_op_model.py:build", data="tests/custom_op_model.py:data")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    """These models are too small for a second thread to help, and on a loaded machine
+    torch's threads wait for each other (the exports ran 2-5x slower): one thread here,
+    as the swarm tests' peers run."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@functools.cache
+def _exported(job: JobSpec, cut: Cut) -> tuple[tuple[torch.Tensor, ...], ...]:
+    """Each stage's program of ``cut`` in its wire form, exported once for every test
+    (a job's model is the same for every build: seeded)."""
+    programs = export_stages(job.build_model(), cut, job.first_micro_batch(), job.recipe())
+    return tuple(tuple(program.to_payload()) for program in programs)
+
+
+def _programs(job: JobSpec, cut: Cut) -> list[Program]:
+    """The stages' programs, each a fresh copy: what one test does to its own leaves
+    the next one's as exported."""
+    return [Program.from_payload([t.clone() for t in payload]) for payload in _exported(job, cut)]
+
+
 def _stages(job: JobSpec, cut: Cut) -> tuple[list[nn.Module], list[Program]]:
-    model = job.build_model()
-    _, stages = stage_modules(model, cut)
-    return stages, export_stages(model, cut, job.first_micro_batch(), job.recipe())
+    _, stages = stage_modules(job.build_model(), cut)
+    return stages, _programs(job, cut)
 
 
 def _loaded(program: Program, stage: nn.Module) -> nn.Module:
@@ -104,7 +129,7 @@ def _edited(program: Program, edit: Any) -> list[torch.Tensor]:
 
 
 def _gpt_last() -> Program:
-    return _stages(GPT, Cut((10,)))[1][1]
+    return _programs(GPT, Cut((10,)))[1]
 
 
 def _set_op(graph: dict[str, Any], op: str) -> None:
@@ -168,7 +193,7 @@ def test_a_program_is_checked_against_the_plans_shapes() -> None:
     model = GPT.build_model()
     cut = Cut((10,))
     specs = boundary_specs(model, cut, GPT.first_micro_batch())
-    first, last = export_stages(model, cut, GPT.first_micro_batch())
+    first, last = _programs(GPT, cut)
     assert dry_run(first, specs[0], specs[1]) > 0
     assert dry_run(last, specs[1], None) > 0
     wrong = json.loads(json.dumps(specs[1]))
@@ -218,16 +243,22 @@ def test_a_model_whose_program_would_differ_is_not_sent_as_one() -> None:
         export_stages(late.build_model(), Cut(()), late.first_micro_batch())
 
 
+@functools.cache
+def _every_other_boundary() -> tuple[int, ...]:
+    """Every other boundary the GPT can be cut at (half the cuts: half the time)."""
+    gm = trace(GPT.build_model())
+    forbidden = forbidden_boundaries(gm)
+    return tuple(b for b in range(1, len(operators(gm)), 2) if b not in forbidden)
+
+
 def test_every_cut_gives_programs_that_run_on_what_the_wire_delivers() -> None:
     """Boundary values arrive contiguous: a program traced on a transposed view once
     recorded an ``aten.view`` that only those strides allow (a 2-peer swarm cut there)."""
     model = GPT.build_model()
-    gm = trace(model)
-    forbidden = forbidden_boundaries(gm)
-    for b in [b for b in range(1, len(operators(gm)), 2) if b not in forbidden]:  # every other: half the time
+    for b in _every_other_boundary():
         cut = Cut((b,))
         first, last = stage_modules(model, cut)[1]
-        program = export_stages(model, cut, GPT.first_micro_batch())[1]
+        program = _programs(GPT, cut)[1]
         with torch.no_grad():
             values = list(first(*GPT.first_micro_batch()))
         arrived = [v.contiguous().requires_grad_(v.is_floating_point()) if _floating(v) else v for v in values]
@@ -241,15 +272,12 @@ def test_every_cut_passes_the_peers_dry_run_against_the_plans_specs() -> None:
     both stages: a cut that passes ``idx.device`` on once failed the dry run (its
     device was meta there, cpu in the plan), and the NAT test's planner chose it."""
     model = GPT.build_model()
-    gm = trace(model)
-    forbidden = forbidden_boundaries(gm)
-    for b in [b for b in range(1, len(operators(gm)), 2) if b not in forbidden]:
+    for b in _every_other_boundary():
         cut = Cut((b,))
         specs = boundary_specs(model, cut, GPT.first_micro_batch())
-        programs = export_stages(model, cut, GPT.first_micro_batch())
+        programs = _programs(GPT, cut)
         for s, outputs in ((0, specs[1]), (1, None)):
-            program = Program.from_payload(programs[s].to_payload())
-            build_checked(program, specs[s], outputs, "cpu", DEFAULT_NAMESPACES)
+            build_checked(programs[s], specs[s], outputs, "cpu", DEFAULT_NAMESPACES)
 
 
 def _node(name: str, op: str, *args: Any, **kwargs: Any) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -113,28 +114,46 @@ def _coordinator(tmp_path: Path) -> subprocess.Popen[str]:
     )
 
 
-def test_kill9_coordinator_leaves_no_process(tmp_path: Path) -> None:
-    coord = _coordinator(tmp_path)
-    kids: list[psutil.Process] = []
+class _Coordinators:
+    """The coordinator the kill -9 tests share (it waits for 5 peers all along): the one
+    started last while it runs, a new one once a test has killed it."""
+
+    def __init__(self, tmp: pytest.TempPathFactory) -> None:
+        self.tmp = tmp
+        self.started: list[subprocess.Popen[str]] = []
+        self.join_args: list[str] = []
+
+    def get(self) -> tuple[subprocess.Popen[str], list[str]]:
+        """A running coordinator and its join arguments."""
+        if not self.started or self.started[-1].poll() is not None:
+            self.started.append(_coordinator(self.tmp.mktemp("coordinator")))
+            self.join_args = _join_command(self.started[-1])
+        return self.started[-1], self.join_args
+
+    def close(self) -> None:
+        for proc in self.started:
+            if proc.poll() is None:
+                kids = _descendants(proc.pid)
+                _kill9(proc)
+                _kill_all(kids)
+
+
+@pytest.fixture(scope="module")
+def coordinators(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Coordinators]:
+    shared = _Coordinators(tmp_path_factory)
     try:
-        _join_command(coord)
-        kids = _tree(coord)
-        _kill9(coord)
-        left = _all_gone(kids)
-        assert not left, [" ".join(p.cmdline()) for p in left]
+        yield shared
     finally:
-        _kill_all(kids)
-        if coord.poll() is None:
-            _kill9(coord)
+        shared.close()
 
 
-def test_kill9_join_leaves_no_process_and_the_coordinator_runs_on(tmp_path: Path) -> None:
-    coord = _coordinator(tmp_path)
+def test_kill9_join_leaves_no_process_and_the_coordinator_runs_on(coordinators: _Coordinators, tmp_path: Path) -> None:
+    """(The coordinator it leaves running is the one the next test kills: that its
+    kill -9 leaves no process behind, once a peer has come and gone, is checked there.)"""
+    coord, join_args = coordinators.get()
     peer: subprocess.Popen[str] | None = None
-    coord_kids: list[psutil.Process] = []
     kids: list[psutil.Process] = []
     try:
-        join_args = _join_command(coord)
         coord_kids = _descendants(coord.pid)
         peer = _spawn("join", *join_args, "--threads", "1", "--identity", str(tmp_path / "p.key"))
         _readline_until(peer, "joined run")
@@ -143,13 +162,24 @@ def test_kill9_join_leaves_no_process_and_the_coordinator_runs_on(tmp_path: Path
         left = _all_gone(kids)
         assert not left, [" ".join(p.cmdline()) for p in left]
         assert coord.poll() is None and all(_running(p) for p in coord_kids), "the coordinator was hit too"
-        _kill9(coord)
-        assert not _all_gone(coord_kids)
     finally:
-        _kill_all([*kids, *coord_kids])
-        for proc in (peer, coord):
-            if proc is not None and proc.poll() is None:
-                _kill9(proc)
+        _kill_all(kids)
+        if peer is not None and peer.poll() is None:
+            _kill9(peer)
+
+
+def test_kill9_coordinator_leaves_no_process(coordinators: _Coordinators) -> None:
+    """(The coordinator the previous test left running, a peer of it killed, when run
+    after it; else one of its own.)"""
+    coord, _ = coordinators.get()
+    kids: list[psutil.Process] = []
+    try:
+        kids = _tree(coord)
+        _kill9(coord)
+        left = _all_gone(kids)
+        assert not left, [" ".join(p.cmdline()) for p in left]
+    finally:
+        _kill_all(kids)
 
 
 def test_coordinator_refuses_a_taken_port(tmp_path: Path) -> None:
@@ -247,20 +277,35 @@ sys.exit(run_async(command()))
 """
 
 
+@pytest.fixture(scope="module")
+def hanging() -> Iterator[dict[str, subprocess.Popen[str]]]:
+    """The ``HANGING_SHUTDOWN`` command of each kind, started together (their start-ups
+    overlap); each test reads its own."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs: dict[str, subprocess.Popen[str]] = {}
+    try:
+        for how in ("done", "interrupt"):
+            procs[how] = subprocess.Popen(
+                [sys.executable, "-c", HANGING_SHUTDOWN, how],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+                start_new_session=True,
+            )
+        yield procs
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                _kill9(proc)
+
+
 @pytest.mark.parametrize("how", ["done", "interrupt"])
-def test_a_command_whose_shutdown_hangs_ends_anyway(how: str) -> None:
+def test_a_command_whose_shutdown_hangs_ends_anyway(hanging: dict[str, subprocess.Popen[str]], how: str) -> None:
     """A task that swallows its cancellation keeps asyncio's shutdown waiting forever;
     the command still ends ``EXIT_GRACE_S`` after its outcome (or after Ctrl-C), with
     its exit code, one line, and every thread's stack in a file."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", HANGING_SHUTDOWN, how],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
+    proc = hanging[how]
     try:
         _readline_until(proc, "ready", timeout=30)
         if how == "interrupt":

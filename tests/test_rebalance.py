@@ -15,7 +15,7 @@ import pytest
 
 from fusionllm.local import compare_checkpoints
 from tests.conftest import run_cli
-from tests.swarmproc import SMALL, Swarm, api, wait_for
+from tests.swarmproc import SMALL, Swarm, api, join_together, wait_for
 
 pytestmark = pytest.mark.timeout(420)
 EVERY = 20
@@ -112,12 +112,12 @@ def test_a_lying_peer_is_corrected_at_the_first_check(tmp_path: Path) -> None:
     of undoing that is under the 20% a move needs. The run is long enough that the
     better plan pays twice for the move: 600 steps, as at 300 a 4 s move on a busy
     machine came within 20% of what the new plan saves, and CI once saw the check at
-    step 20 decline.)"""
+    step 20 decline. The three peers start together: what they advertise is replaced
+    by what they measure at that check.)"""
     steps = 600
     swarm = Swarm(tmp_path, _args(tmp_path, steps, 3, DEMO), peers=0)
     try:
-        honest = [swarm.add_peer(i) for i in range(2)]
-        liar = swarm.add_peer(2, "--advertise-flops", "1e15")
+        *honest, liar = join_together(swarm, [[], [], ["--advertise-flops", "1e15"]])
         state = wait_for(swarm.url, lambda s: s["training"]["step"] >= 1, 300)
         before = _ops(state, liar)
         assert before > max(_ops(state, p) for p in honest), "the claim won it the most work"
@@ -138,13 +138,13 @@ def test_a_peer_joining_mid_run_is_put_to_work(tmp_path: Path) -> None:
     """(c) two peers; one slows down to a tenth, and a third joins mid-run: it waits
     as standby and is taken in at a rebalance. (The first peer lends 0.3 of its speed,
     so the newcomer is the better choice even if an earlier check has already dropped
-    to one peer, as it may on a 2-core machine where one process beats a pipeline.)"""
+    to one peer, as it may on a 2-core machine where one process beats a pipeline.
+    The first two start together.)"""
     steps = 400
     swarm = Swarm(tmp_path, _args(tmp_path, steps, 2), peers=0)
     try:
-        swarm.add_peer(0, "--throttle", "0.3")
         slow_file = tmp_path / "throttle1"
-        swarm.add_peer(1, "--throttle-file", str(slow_file))
+        join_together(swarm, [["--throttle", "0.3"], ["--throttle-file", str(slow_file)]])
         wait_for(swarm.url, lambda s: s["training"]["step"] >= 10, 300)
         late = swarm.add_peer(2)
         wait_for(swarm.url, lambda s: any(p["id"] == late and p.get("state") == "standby" for p in s["peers"]), 60)

@@ -16,6 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -270,6 +271,15 @@ def _state(base: str) -> dict:
     return json.loads(body)
 
 
+def _step(base: str) -> int:
+    """The run's step, or -1 while the page does not answer in time (a busy machine
+    can keep a request to a coordinator setting its run up waiting past its timeout)."""
+    try:
+        return _state(base)["training"]["step"]
+    except OSError:
+        return -1
+
+
 def _wait(cond, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while not cond():
@@ -288,9 +298,15 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
     base = f"http://127.0.0.1:{port}/"
+
+    def running() -> str:
+        out = log.read_text(errors="replace")
+        assert proc.poll() is None, f"the demo exited: {out[-3000:]}"
+        return out
+
     try:
-        _wait(lambda: f"status page: {base}" in log.read_text(errors="replace"), 60, "the status URL")
-        _wait(lambda: _state(base)["training"]["step"] >= 3, 120, "training to start")
+        _wait(lambda: f"status page: {base}" in running(), 60, "the status URL")
+        _wait(lambda: running() and _step(base) >= 3, 120, "training to start")
         yield base
     finally:
         try:
@@ -393,13 +409,17 @@ def test_bad_paths_404_and_nothing_changes_state(live: str) -> None:
 
 
 def test_status_command_prints_the_page(live: str) -> None:
-    r = run_cli("status", "--coordinator", live)
+    """(The command against the page and against a port nobody serves run side by side.)"""
+    with ThreadPoolExecutor(2) as pool:
+        page = pool.submit(run_cli, "status", "--coordinator", live)
+        nobody = pool.submit(run_cli, "status", "--coordinator", f"http://127.0.0.1:{_free_port()}")
+    r = page.result()
     assert r.returncode == 0, r.stderr
     assert "training" in r.stdout and "step " in r.stdout
     assert sum(1 for line in r.stdout.splitlines() if line.startswith("12D3KooW")) == 3
     assert "boundary 0 -> 1: none" in r.stdout and "failures 0" in r.stdout
     assert sum(1 for line in r.stdout.splitlines() if line.startswith("12D3KooW") and " serving " in line) == 3
-    r = run_cli("status", "--coordinator", f"http://127.0.0.1:{_free_port()}")
+    r = nobody.result()
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "cannot read the status" in r.stderr
 
 
