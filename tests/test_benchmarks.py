@@ -45,7 +45,7 @@ BENCHMARKS = [
     ("pipeline.py", {"swarm_tokens_per_s", "reference_tokens_per_s", "swarm_vs_reference", "rad_64mib_mb_per_s",
                      "tcp_64mib_mb_per_s", "rad_vs_tcp", "step_ms_fp32", "step_ms_clip", "step_ms_bf16",
                      "clip_vs_fp32", "bf16_vs_fp32", "in_process_bf16_vs_fp32", "code_swarm_vs_reference",
-                     "programs_vs_code", "step_ms_code"}),
+                     "programs_vs_code", "step_ms_code", "cpu_has_bf16"}),
     ("scheduler.py", {"cases", "plan_s_1000peers_1000ops", "sim_s_10000peers_100iters", "cases_needing_4_gpus",
                       "min_opfence_vs_best_blind", "max_opfence_vs_dtfm", "max_opfence_plan_vs_dtfm",
                       "sim_vs_estimate_range"}),
@@ -131,7 +131,8 @@ def _pipeline(out: dict[str, Any]) -> None:
     _positive(out, "step_ms_fp32", "step_ms_clip", "step_ms_bf16")
     # the clip's norms ride on messages every step sends anyway; bf16 autocast may be slower on a CPU
     assert 0.2 < out["clip_vs_fp32"] < 5 and 0.1 < out["bf16_vs_fp32"] < 10, out
-    assert 0.1 < out["in_process_bf16_vs_fp32"] < 10, out
+    # a CPU without bf16 instructions emulates it: CI's took 17.6x as long as in fp32
+    assert 0.1 < out["in_process_bf16_vs_fp32"] < (10 if out["cpu_has_bf16"] else 50), out
     # the same operators, run from a program instead of the model's modules
     _positive(out, "step_ms_code", "code_swarm_vs_reference")
     assert 0.2 < out["programs_vs_code"] < 5, out
