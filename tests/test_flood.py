@@ -16,6 +16,7 @@ import protocol.wire.gate as gate_module
 from protocol.wire.gate import LOG_BURST, MUTE_REJECTS, MUTE_S, MUTE_WINDOW_S, Gate
 from protocol.wire.messages import Activations
 from protocol.wire.reject import Reject, Rejected
+from tests.flooder import FLOOD_S, FRAMES, FloodResult, measure_flood
 
 
 class Clock:
@@ -143,6 +144,33 @@ async def _until(cond, timeout: float = 20.0) -> None:  # type: ignore[no-untype
         await asyncio.sleep(0.02)
 
 
+def _left_alone(r: FloodResult) -> None:
+    """What a flood must leave as it was, however fast the swarm trained meanwhile: every
+    frame sent, each flooder muted once after a few log lines, the page still showing
+    the joins and the plan, no traceback."""
+    assert r.flood["sent"] >= FRAMES
+    kinds = [e["kind"] for e in r.state["events"]]
+    assert kinds.count("join") == 2 and "plan" in kinds, kinds
+    assert r.state["rejected"].get("muted") == r.flooders, r.state["rejected"]  # each flooder muted once
+    assert r.state["rejected"].get("wrong_run", 0) <= 2 * MUTE_REJECTS * r.flooders, r.state["rejected"]
+    assert r.output.count("muting ") == r.flooders
+    # each flooder is a new sender: its own burst of log lines
+    assert r.output.count("rejected a message from") <= 2 * LOG_BURST * r.flooders
+    assert "Traceback" not in r.output
+
+
+def test_a_flood_of_100000_outsider_frames_is_muted_and_training_goes_on(tmp_path: Path) -> None:
+    """The short version of the measurement below, in the default suite: one flood of
+    100,000 wrong-run frames between two 4 s windows without. One window against its
+    neighbours varies by 10-20% here flood or not, so the 10% goal is the marked
+    test's (and the adversary benchmark's); this one holds the flood to costing less
+    than half of the swarm's speed, and everything else the same."""
+    r = measure_flood(tmp_path, seconds=FLOOD_S / 2, attempts=1, rounds=1)
+    _left_alone(r)
+    assert r.ratio >= 0.5, str(r)
+
+
+@pytest.mark.slow
 def test_a_flood_of_100000_outsider_frames_costs_training_under_10_percent(tmp_path: Path) -> None:
     """A 2-peer loopback swarm trains; its steps per second over 8 s from the start of
     100,000 wrong-run frames that a node never admitted sends as fast as it can (on a
@@ -154,17 +182,8 @@ def test_a_flood_of_100000_outsider_frames_costs_training_under_10_percent(tmp_p
     0.9 in about 1 run in 4, while per half-second CPU samples showed the flood
     costing the coordinator's p2p daemon about 0.03 CPU-seconds in all. The flooder
     is muted after ``MUTE_REJECTS`` of them; the coordinator logs a few lines, shows
-    one ``muted`` event per flooder, and its page still shows the joins and the plan."""
-    from tests.flooder import FRAMES, measure_flood
-
+    one ``muted`` event per flooder, and its page still shows the joins and the plan.
+    (Marked slow: seven 8 s windows on a swarm of one CPU.)"""
     r = measure_flood(tmp_path)
-    assert r.flood["sent"] >= FRAMES
+    _left_alone(r)
     assert r.ratio >= 0.9, str(r)
-    kinds = [e["kind"] for e in r.state["events"]]
-    assert kinds.count("join") == 2 and "plan" in kinds, kinds
-    assert r.state["rejected"].get("muted") == r.flooders, r.state["rejected"]  # each flooder muted once
-    assert r.state["rejected"].get("wrong_run", 0) <= 2 * MUTE_REJECTS * r.flooders, r.state["rejected"]
-    assert r.output.count("muting ") == r.flooders
-    # each flooder is a new sender: its own burst of log lines
-    assert r.output.count("rejected a message from") <= 2 * LOG_BURST * r.flooders
-    assert "Traceback" not in r.output
