@@ -177,8 +177,8 @@ def cheater_caught(short: bool) -> tuple[int, float, float]:
     which only the backward checks see) in a swarm of one stage on two honest
     replicas and the cheat, at the default spot-check rate."""
     steps, mbs = (25, 32) if short else (60, 64)
-    args = ["--steps", str(steps), "--seed", "0", *SMALL, "--micro-batches", str(mbs), "--data-args",
-            f"batch_size={mbs}", "--min-peers", "3", "--stages", "1"]  # fmt: skip
+    batches = ["--micro-batches", str(mbs), "--data-args", f"batch_size={mbs}"]
+    args = ["--steps", str(steps), "--seed", "0", *SMALL, *batches, "--min-peers", "3", "--stages", "1"]
     with tempfile.TemporaryDirectory() as tmp:
         swarm = Swarm(Path(tmp), args, peers=0)
         try:

@@ -34,8 +34,9 @@ MODEL: list[str] = []
 def _args(tmp: Path, steps: int, every: int | None) -> list[str]:
     every_flag = [] if every is None else ["--checkpoint-every", str(every)]
     # spot checks off: their random re-executions would blur the checkpoints' cost this measures
-    return ["--steps", str(steps), "--seed", "0", *MODEL, "--min-peers", "4", "--stages", "4", *every_flag,
-            "--save", str(tmp / "swarm.safetensors"), "--run-dir", str(tmp / "run"), "--spot-check", "0"]  # fmt: skip
+    run = ["--steps", str(steps), "--seed", "0", *MODEL, "--min-peers", "4", "--stages", "4", *every_flag]
+    files = ["--save", str(tmp / "swarm.safetensors"), "--run-dir", str(tmp / "run")]
+    return [*run, *files, "--spot-check", "0"]
 
 
 def _kill_run(tmp: Path, steps: int) -> dict[str, float | int | bool]:
@@ -57,15 +58,21 @@ def _kill_run(tmp: Path, steps: int) -> dict[str, float | int | bool]:
         code = swarm.coord.wait(600)
         assert code == 0, swarm.coord.output[-3000:]
         ref = tmp / "reference.safetensors"
-        r = run_cli("train", "--reference", "--threads", "1", "--steps", str(steps), "--seed", "0", *MODEL,
-                    "--save", str(ref))  # fmt: skip
+        r = run_cli(
+            "train", "--reference", "--threads", "1", "--steps", str(steps), "--seed", "0", *MODEL, "--save", str(ref)
+        )
         assert r.returncode == 0, r.stderr
         equal = compare_checkpoints(tmp / "swarm.safetensors", ref) <= 1e-5
         left = swarm.reap()
     finally:
         swarm.close()
-    return {"detect_s": round(detect_s, 2), "resume_s": round(resume_s, 2), "steps_redone": redone,
-            "equal_to_reference": equal, "processes_left": len(left)}  # fmt: skip
+    return {
+        "detect_s": round(detect_s, 2),
+        "resume_s": round(resume_s, 2),
+        "steps_redone": redone,
+        "equal_to_reference": equal,
+        "processes_left": len(left),
+    }
 
 
 def _tokens_per_s(tmp: Path, steps: int, every: int | None) -> tuple[float, int]:

@@ -48,9 +48,8 @@ MODEL: list[str] = []
 
 def _args(tmp: Path, steps: int) -> list[str]:
     # spot checks off: peers re-executing other stages' micro-batches add noise to the speeds measured here
-    return ["--steps", str(steps), "--seed", "0", *MODEL, "--min-peers", "4", "--stages", "4",
-            "--rebalance-every", str(EVERY[0]), "--run-dir", str(tmp / "run"),
-            "--spot-check", "0"]  # fmt: skip
+    run = ["--steps", str(steps), "--seed", "0", *MODEL, "--min-peers", "4", "--stages", "4"]
+    return [*run, "--rebalance-every", str(EVERY[0]), "--run-dir", str(tmp / "run"), "--spot-check", "0"]
 
 
 def _settled() -> int:
@@ -139,8 +138,9 @@ def _sim(seeds: int, events: int, model: str = SIM_MODEL) -> dict[str, Any]:
     from fusionllm.plan_cmds import _costs, _options, _topology, churn_events
     from sim.engine import simulate
 
-    argv = ["sim", "--topology", "internet-1k", "--model", "zoo.gpt:gpt2", "--model-args", model,
-            "--iterations", str(SIM_ITERATIONS), "--churn", str(events)]  # fmt: skip
+    model_flags = ["--model", "zoo.gpt:gpt2", "--model-args", model]
+    scale = ["--iterations", str(SIM_ITERATIONS), "--churn", str(events)]
+    argv = ["sim", "--topology", "internet-1k", *model_flags, *scale]
     args = build_parser().parse_args(argv)
     costs, topo, options = _costs(args), _topology(args.topology), _options(args)
     goodput: dict[str, list[float]] = {p: [] for p in POLICIES}

@@ -27,7 +27,8 @@ from coordinator.scheduler import SCHEDULERS
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: (script in benchmarks/, the top-level keys of its JSON object besides "short")
+#: (script in benchmarks/, the top-level keys of its JSON object besides "short"); a table
+#: wrapped by hand, one script to a row, which the formatter would spread a key to a line (fmt: skip)
 BENCHMARKS = [
     ("adversary.py", {"flood_throughput_ratio", "flood_sustained_throughput_ratio", "idle_rss_mb",
                       "max_rss_mb_under_alloc_attack", "probe_amplification", "spot_check_overhead",

@@ -43,8 +43,8 @@ def _finish(swarm: Swarm, tmp_path: Path, steps: int, timeout: float = 300) -> s
 
 
 def _common(tmp_path: Path, steps: int) -> list[str]:
-    return ["--steps", str(steps), "--seed", "0", *SMALL, "--save", str(tmp_path / "swarm.safetensors"),
-            "--run-dir", str(tmp_path / "run"), "--step-timeout", "120"]  # fmt: skip
+    files = ["--save", str(tmp_path / "swarm.safetensors"), "--run-dir", str(tmp_path / "run")]
+    return ["--steps", str(steps), "--seed", "0", *SMALL, *files, "--step-timeout", "120"]
 
 
 def _at_step(swarm: Swarm, step: int) -> dict:
@@ -134,7 +134,7 @@ def test_stalled_peer_is_replaced_and_its_old_frames_refused(tmp_path: Path) -> 
             swarm.url,
             lambda s: any(
                 e["kind"] == "rejected" and victim in e["text"] and "stale_epoch" in e["text"] for e in s["events"]
-            ),  # fmt: skip
+            ),
             60,
         )
         proc.wait_line(r"dropped from the run: .*stalled", 30)

@@ -23,9 +23,18 @@ COMMON = ["--steps", str(STEPS), "--seed", "0", *SMALL]
 
 
 def _advert(**kw: object) -> Advert:
-    base = dict(peer_id="QmPeer", maddrs=["/ip4/127.0.0.1/tcp/4001"], device="cpu", flops=1e12,
-                memory_bytes=1 << 30, up_mbps=100.0, down_mbps=100.0, torch_version="2",
-                protocol_version=PROTOCOL_VERSION, expires_at=1.0)  # fmt: skip
+    base = dict(
+        peer_id="QmPeer",
+        maddrs=["/ip4/127.0.0.1/tcp/4001"],
+        device="cpu",
+        flops=1e12,
+        memory_bytes=1 << 30,
+        up_mbps=100.0,
+        down_mbps=100.0,
+        torch_version="2",
+        protocol_version=PROTOCOL_VERSION,
+        expires_at=1.0,
+    )
     return Advert(**{**base, **kw})  # type: ignore[arg-type]
 
 
@@ -213,8 +222,15 @@ def test_a_number_beyond_any_float_is_a_bad_message_not_a_crash() -> None:
     from protocol.wire.messages import PROTOCOL_VERSION, Message
     from protocol.wire.schema import MessageError
 
-    header = {"kind": "done", "v": PROTOCOL_VERSION, "run_id": "r", "step": 0, "stage": 0, "replica": 0,
-              "grad_norms": {"w": 10**400}}  # fmt: skip
+    header = {
+        "kind": "done",
+        "v": PROTOCOL_VERSION,
+        "run_id": "r",
+        "step": 0,
+        "stage": 0,
+        "replica": 0,
+        "grad_norms": {"w": 10**400},
+    }
     with pytest.raises(MessageError, match="out of range"):
         Message.from_header(header)
 

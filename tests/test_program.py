@@ -70,8 +70,11 @@ def _run(ex: StageExecutor, inputs: list[Any]) -> list[Any]:
     out = ex.forward(0, inputs)
     outs = [out] if ex.is_last else list(out)
     gen = torch.Generator().manual_seed(1)
-    grads = None if ex.is_last else [torch.randn(o.shape, generator=gen).to(o.dtype) if _floating(o) else None
-                                     for o in outs]  # fmt: skip
+    grads = (
+        None
+        if ex.is_last
+        else [torch.randn(o.shape, generator=gen).to(o.dtype) if _floating(o) else None for o in outs]
+    )
     in_grads = ex.backward(0, grads)
     params = [p.grad for _, p in sorted(ex.module.named_parameters())]
     return [*outs, *in_grads, *params]
@@ -352,8 +355,13 @@ def test_json_nested_past_any_program_is_refused_in_one_line() -> None:
 
 def test_uninitialised_memory_never_reaches_a_program() -> None:
     """``aten.empty`` gives zeros here, and so do state entries before they are loaded."""
-    graph = {"format": 1, "inputs": [[0]], "state": [], "output": {"ref": "x"},
-             "nodes": [_node("x", "aten.empty.memory_format", {"list": [1 << 16]})]}  # fmt: skip
+    graph = {
+        "format": 1,
+        "inputs": [[0]],
+        "state": [],
+        "output": {"ref": "x"},
+        "nodes": [_node("x", "aten.empty.memory_format", {"list": [1 << 16]})],
+    }
     module = load_stage(Program(graph))
     for _ in range(3):
         garbage = torch.full((1 << 16,), 7.0)

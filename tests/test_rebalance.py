@@ -27,8 +27,9 @@ DEMO: list[str] = []
 
 def _equal_to_reference(tmp_path: Path, steps: int, model: list[str] = SMALL) -> bool:
     ref = tmp_path / "reference.safetensors"
-    r = run_cli("train", "--reference", "--threads", "1", "--steps", str(steps), "--seed", "0", *model,
-                "--save", str(ref))  # fmt: skip
+    r = run_cli(
+        "train", "--reference", "--threads", "1", "--steps", str(steps), "--seed", "0", *model, "--save", str(ref)
+    )
     assert r.returncode == 0, r.stderr
     gap = compare_checkpoints(tmp_path / "swarm.safetensors", ref)
     assert gap <= 1e-5, f"the swarm ended {gap:.3g} off the reference"
@@ -99,9 +100,9 @@ def _finish(swarm: Swarm, tmp_path: Path, steps: int, model: list[str] = SMALL) 
 
 def _args(tmp_path: Path, steps: int, peers: int, model: list[str] = SMALL) -> list[str]:
     # spot checks off: peers re-executing other stages' micro-batches add noise to the speeds measured here
-    return ["--steps", str(steps), "--seed", "0", *model, "--min-peers", str(peers),
-            "--rebalance-every", str(EVERY), "--save", str(tmp_path / "swarm.safetensors"),
-            "--run-dir", str(tmp_path / "run"), "--spot-check", "0"]  # fmt: skip
+    run = ["--steps", str(steps), "--seed", "0", *model, "--min-peers", str(peers), "--rebalance-every", str(EVERY)]
+    files = ["--save", str(tmp_path / "swarm.safetensors"), "--run-dir", str(tmp_path / "run")]
+    return [*run, *files, "--spot-check", "0"]
 
 
 def test_a_lying_peer_is_corrected_at_the_first_check(tmp_path: Path) -> None:
