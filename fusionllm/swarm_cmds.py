@@ -19,6 +19,7 @@ from multiaddr import Multiaddr
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from fusionllm.launcher import Launcher, Started
 from fusionllm.reaper import exit_within, start_reaper, watch_exit
 from fusionllm.usage import EXIT_INTERRUPTED, UsageError, job_from_args
 from protocol.model.job import foreign_code
@@ -380,7 +381,7 @@ def cmd_ban(args: argparse.Namespace) -> int:
     return 0
 
 
-def _kill_groups(procs: list[subprocess.Popen[bytes]], grace: float = 5.0) -> None:
+def _kill_groups(procs: list[Started], grace: float = 5.0) -> None:
     """SIGTERM each process's group (a peer, its DHT child and p2pd), then SIGKILL
     every group after ``grace`` s at most, all at once."""
 
@@ -417,16 +418,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="fusionllm-demo-"))
     if args.run_dir is None:
         args.run_dir = str(log_dir / "run")
-    procs: list[subprocess.Popen[bytes]] = []
+    procs: list[Started] = []
+    peer_env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launcher = Launcher(peer_env)  # imports torch and hivemind for the peers while the coordinator sets up
 
     async def spawn(coord: Any) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
         code = foreign_code(coord.config.job.model)
         for i in range(args.peers):
             cmd = [
-                sys.executable,
-                "-m",
-                "fusionllm",
                 "join",
                 "--run",
                 args.run,
@@ -441,9 +440,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 *coord.visible_maddrs,
             ]
             with open(log_dir / f"peer{i}.log", "wb") as log:
-                procs.append(
-                    subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-                )
+                procs.append(launcher.spawn(cmd, env=peer_env, stdout=log.fileno()))
         print(f"started {args.peers} peer processes (logs in {log_dir})", flush=True)
 
     print(f"fusionllm demo: a coordinator and {args.peers} peers on loopback, talking libp2p", flush=True)
@@ -453,6 +450,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     finally:
         failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
         _kill_groups(procs)
+        launcher.close()
     for i in failed if code != 0 else []:
         tail = (log_dir / f"peer{i}.log").read_text(errors="replace").strip().splitlines()[-3:]
         if tail:

@@ -1,28 +1,50 @@
 from __future__ import annotations
 
+import atexit
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from fusionllm.launcher import Launcher
+
 ROOT = Path(__file__).resolve().parent.parent
+BASE_ENV = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # every command a test starts
+
+_launcher: list[Launcher] = []
+
+
+def launcher() -> Launcher:
+    """The tests' one zygote (:mod:`fusionllm.launcher`), started on first use and
+    closed when pytest exits: commands fork from it instead of importing torch anew."""
+    if not _launcher:
+        _launcher.append(Launcher({**os.environ, **BASE_ENV}))
+        atexit.register(_launcher[0].close)
+    return _launcher[0]
 
 
 def run_cli(*args: str, timeout: float = 240, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """Run ``fusionllm`` in a fresh interpreter and capture its output."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        [sys.executable, "-m", "fusionllm", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=cwd or ROOT,
-        env=env,
-    )
+    """Run ``fusionllm`` as its own process and capture its output."""
+    return launcher().run(list(args), env={**os.environ, **BASE_ENV}, cwd=cwd or ROOT, timeout=timeout)
 
 
 @pytest.fixture
 def cli():
     return run_cli
+
+
+def stray_commands() -> list[str]:
+    """The command lines of ``fusionllm`` processes running outside this test
+    process's own tree: a ``join`` started fresh, or anything a zygote forked (those
+    read ``python -m fusionllm.launcher``)."""
+    import psutil
+
+    mine = {p.pid for p in psutil.Process().children(recursive=True)}
+    out = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = p.info["cmdline"] or []
+        ours = "fusionllm.launcher" in cmd or ("join" in cmd and "fusionllm" in " ".join(cmd))
+        if ours and p.info["pid"] not in mine:
+            out.append(" ".join(cmd))
+    return out

@@ -18,7 +18,8 @@ from typing import Any
 
 import psutil
 
-from tests.conftest import ROOT
+from fusionllm.launcher import Started
+from tests.conftest import BASE_ENV, ROOT, launcher
 
 SMALL = ["--model-args", "n_layer=2,n_embd=64,n_head=4"]
 
@@ -29,17 +30,21 @@ class Proc:
     def __init__(
         self, *args: str, module: str = "fusionllm", env: dict[str, str] | None = None, prefix: list[str] | None = None
     ) -> None:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+        env = {**os.environ, **BASE_ENV, **(env or {})}
         self.args = args
-        self.popen = subprocess.Popen(
-            [*(prefix or []), sys.executable, "-m", module, *args],  # prefix: e.g. ip netns exec NS (it execs)
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            cwd=ROOT,
-            env=env,
-            start_new_session=True,
-        )
+        self.popen: Started
+        if prefix:  # e.g. ip netns exec NS (it execs): a fresh interpreter inside
+            self.popen = subprocess.Popen(
+                [*prefix, sys.executable, "-m", module, *args],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                cwd=ROOT,
+                env=env,
+                start_new_session=True,
+            )
+        else:  # forked from a warm zygote: the same process, less its seconds of imports
+            self.popen = launcher().spawn(list(args), module=module, env=env, cwd=ROOT, text_stdout=True)
         self.lines: list[str] = []
         self.times: list[float] = []  # time.monotonic() when each line was read
         self.last_time = 0.0

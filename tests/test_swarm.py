@@ -7,7 +7,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -17,8 +16,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from fusionllm.launcher import Started
 from fusionllm.local import compare_checkpoints
-from tests.conftest import ROOT, run_cli
+from tests.conftest import BASE_ENV, ROOT, launcher, run_cli, stray_commands
 
 SMALL = ["--model-args", "n_layer=2,n_embd=64,n_head=4"]
 BRANCHY = ["--model", "tests/models.py:branchy_wide", "--data", "branchy"]
@@ -45,20 +45,11 @@ def _reference(tmp_path: Path, flags: list[str]) -> Path:
     return out
 
 
-def _spawn(*args: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "fusionllm", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        start_new_session=True,
-    )
+def _spawn(*args: str) -> Started:
+    return launcher().spawn(list(args), env={**os.environ, **BASE_ENV}, cwd=ROOT, text_stdout=True)
 
 
-def _kill(proc: subprocess.Popen[str]) -> None:
+def _kill(proc: Started) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -66,7 +57,7 @@ def _kill(proc: subprocess.Popen[str]) -> None:
     proc.wait(10)
 
 
-def _status_url(proc: subprocess.Popen[str]) -> str:
+def _status_url(proc: Started) -> str:
     """Read a demo's or coordinator's output up to the status page's URL."""
     assert proc.stdout is not None
     deadline = time.monotonic() + 60
@@ -89,7 +80,7 @@ def _wait_for_steps(url: str, steps: int = 2, timeout: float = 120.0) -> None:
         time.sleep(0.2)
 
 
-def _join_command(coord: subprocess.Popen[str]) -> list[str]:
+def _join_command(coord: Started) -> list[str]:
     assert coord.stdout is not None
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -105,7 +96,7 @@ def test_coordinator_and_three_joined_peers_equal_reference(tmp_path: Path, flag
     ckpt = tmp_path / "swarm.safetensors"
     before = _p2pd_pids()
     coord = _spawn("coordinator", *common, "--min-peers", "3", "--save", str(ckpt), "--step-timeout", "60")
-    peers: list[subprocess.Popen[str]] = []
+    peers: list[Started] = []
     try:
         join_args = _join_command(coord)
         assert join_args[0] == "--initial-peers" and "/p2p/" in join_args[1]
@@ -158,12 +149,7 @@ def test_demo_lowers_loss_and_leaves_nothing_behind(tmp_path: Path) -> None:
     assert m and float(m.group(2)) < float(m.group(1)) - 0.5, r.stdout
     assert "saved fusionllm-demo.safetensors" in r.stdout and (tmp_path / "fusionllm-demo.safetensors").is_file()
     assert _no_new_p2pd(before)
-    leftovers = [
-        p
-        for p in psutil.process_iter(["cmdline"])
-        if "join" in (p.info["cmdline"] or []) and "fusionllm" in " ".join(p.info["cmdline"] or [])
-    ]
-    assert not leftovers
+    assert not stray_commands()
 
 
 def test_join_rejects_a_malformed_address() -> None:
@@ -214,7 +200,7 @@ def test_demo_interrupted_stops_every_process(sig: int) -> None:
     finally:
         _kill(demo)
     assert _no_new_p2pd(before)
-    assert not [p for p in psutil.process_iter(["cmdline"]) if "join" in (p.info["cmdline"] or [])]
+    assert not stray_commands()
 
 
 @pytest.mark.parametrize(

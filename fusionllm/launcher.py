@@ -1,0 +1,415 @@
+"""Start ``fusionllm`` processes without paying for their imports each time.
+
+A process that trains imports torch, torch._dynamo (AdamW's first step does) and
+hivemind: about 4.5 CPU-seconds, more than a small swarm's peers spend on anything
+else before their first step. :class:`Launcher` starts one warm process (the
+*zygote*, ``python -m fusionllm.launcher``) that imports all of that once, then
+forks each command from there: a forked child is a separate process with its own
+session, environment, working directory and standard streams, which runs the
+command's module as ``python -m`` would, and exits as a fresh interpreter does.
+
+The zygote forks only while it runs a single thread (a fork copies no other thread,
+and a lock such a thread held would stay locked); if it ever runs more, or dies,
+:meth:`Launcher.spawn` starts the command as a fresh interpreter instead. The
+zygote is the caller's child and the commands its children, so a caller's reaper
+(:mod:`fusionllm.reaper`) sees them all; it exits once the caller closes or dies.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import IO, Any
+
+#: what the zygote imports before it forks anything: the commands' heavy imports
+PRELOAD = ("torch", "torch._dynamo", "torch.optim", "hivemind", "fusionllm.swarm_cmds", "fusionllm.commands")
+#: read by the thread pools the preloaded libraries set up at import: a request that
+#: asks for other values than the zygote imported with starts fresh
+IMPORT_TIME_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+REAP_POLL_S = 0.05  # how often the zygote collects its exited children
+MAX_MESSAGE = 1 << 20  # one request (argv, environment, cwd) or reply, in bytes
+ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+class Child:
+    """A command the zygote forked: the part of ``subprocess.Popen`` its callers use."""
+
+    def __init__(self, pid: int, args: list[str], stdout: IO[str] | None) -> None:
+        self.pid = pid
+        self.args = args
+        self.stdout = stdout
+        self.returncode: int | None = None
+        self._done = threading.Event()
+
+    def _exited(self, code: int) -> None:
+        self.returncode = code
+        self._done.set()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._done.wait(timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        assert self.returncode is not None
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str | None, None]:
+        """Read stdout (a ``text_stdout`` pipe) to its end and wait for the exit."""
+        text: list[str] = []
+        if self.stdout is not None:
+            stream = self.stdout
+            reader = threading.Thread(target=lambda: text.append(stream.read()), daemon=True)
+            reader.start()
+            reader.join(timeout)
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        self.wait(timeout)
+        return ("".join(text) if self.stdout is not None else None), None
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+Started = Child | subprocess.Popen  # what spawn returns: forked when it could be, else a fresh interpreter
+
+
+class Launcher:
+    """One zygote, started now (its imports overlap with the caller's work), and the
+    commands forked from it. ``env`` is the zygote's environment (give it
+    ``OMP_NUM_THREADS=1``: more threads at import, and it cannot fork). ``close`` ends
+    the zygote, not the commands."""
+
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._env = dict(os.environ if env is None else env)
+        zygote_env = {**self._env, "PYTHONPATH": _pythonpath(self._env)}
+        self._zygote = subprocess.Popen(
+            [sys.executable, "-m", "fusionllm.launcher", str(theirs.fileno())],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            pass_fds=(theirs.fileno(),),
+            start_new_session=True,  # a Ctrl-C to the caller's group is the caller's to handle
+            env=zygote_env,
+        )
+        theirs.close()
+        self._lock = threading.Lock()  # one request, one pid reply at a time
+        self._pid_reply: list[dict[str, Any]] = []
+        self._replied = threading.Condition()
+        self._children: dict[int, Child] = {}
+        self._alive = True
+        self._reader = threading.Thread(target=self._read, name="fusionllm-launcher", daemon=True)
+        self._reader.start()
+
+    def spawn(
+        self,
+        args: list[str],
+        *,
+        module: str = "fusionllm",
+        env: dict[str, str] | None = None,
+        cwd: str | os.PathLike[str] | None = None,
+        stdout: int | None = None,
+        stderr: int | None = None,
+        text_stdout: bool = False,
+    ) -> Started:
+        """``python -m module *args`` in its own session, stdin from /dev/null, stdout
+        to the file descriptor ``stdout`` (or, with ``text_stdout``, to a pipe whose
+        reading end is the result's ``stdout``), stderr to ``stderr`` (default: where
+        stdout goes). The caller keeps its descriptors."""
+        env = dict(os.environ if env is None else env)
+        cwd = os.fspath(cwd or os.getcwd())
+        read_end: int | None = None
+        mine: list[int] = []  # descriptors opened here, closed once the child has its copies
+        if text_stdout:
+            read_end, stdout = os.pipe()
+            mine.append(stdout)
+        elif stdout is None:
+            stdout = os.open(os.devnull, os.O_WRONLY)
+            mine.append(stdout)
+        fds = [stdout, stdout if stderr is None else stderr]
+        try:
+            child = self._fork(args, module, env, cwd, fds)
+            if child is None:
+                return self._exec(args, module, env, cwd, fds, read_end)
+            child.stdout = open(read_end, encoding="utf-8", errors="replace") if read_end is not None else None
+            return child
+        finally:
+            for fd in mine:
+                os.close(fd)
+
+    def run(
+        self,
+        args: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str | os.PathLike[str] | None = None,
+        timeout: float | None = None,
+    ) -> subprocess.CompletedProcess[str]:
+        """``subprocess.run(..., capture_output=True, text=True)`` for a command: its
+        exit code and both streams; killed (and ``TimeoutExpired`` raised) after ``timeout``."""
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            child = self.spawn(args, env=env, cwd=cwd, stdout=out.fileno(), stderr=err.fileno())
+            try:
+                code = child.wait(timeout)
+            except subprocess.TimeoutExpired:
+                _kill_group(child.pid)
+                child.wait()
+                raise
+            texts = []
+            for f in (out, err):
+                f.seek(0)
+                texts.append(f.read().decode("utf-8", errors="replace"))
+        return subprocess.CompletedProcess([*args], code, texts[0], texts[1])
+
+    def _fork(self, args: list[str], module: str, env: dict[str, str], cwd: str, fds: list[int]) -> Child | None:
+        """The command forked by the zygote, or None where it cannot be (a fresh start then)."""
+        request = json.dumps({"module": module, "args": args, "env": env, "cwd": cwd}).encode()
+        same_pools = all(env.get(k) == self._env.get(k) for k in IMPORT_TIME_ENV)
+        with self._lock:
+            if not self._alive or not same_pools or len(request) > MAX_MESSAGE:
+                return None
+            try:
+                socket.send_fds(self._sock, [request], fds)
+            except OSError:
+                return None
+            with self._replied:
+                self._replied.wait_for(lambda: self._pid_reply or not self._alive)
+                reply = self._pid_reply.pop(0) if self._pid_reply else {}
+        pid = reply.get("pid")
+        if not isinstance(pid, int):
+            return None
+        return self._children.setdefault(pid, Child(pid, [module, *args], None))
+
+    @staticmethod
+    def _exec(
+        args: list[str], module: str, env: dict[str, str], cwd: str, fds: list[int], read_end: int | None
+    ) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            stdin=subprocess.DEVNULL,
+            stdout=fds[0],
+            stderr=fds[1],
+            cwd=cwd,
+            env=env,
+            start_new_session=True,
+        )
+        if read_end is not None:
+            proc.stdout = open(read_end, encoding="utf-8", errors="replace")
+        return proc
+
+    def _read(self) -> None:
+        """The zygote's replies: a pid for each request, then each child's exit."""
+        while True:
+            try:
+                data = self._sock.recv(MAX_MESSAGE)
+            except OSError:
+                data = b""
+            if not data:
+                break
+            reply = json.loads(data)
+            if "exit" in reply:
+                child = self._children.setdefault(reply["exit"], Child(reply["exit"], [], None))
+                child._exited(int(reply["code"]))
+            else:
+                with self._replied:
+                    self._pid_reply.append(reply)
+                    self._replied.notify_all()
+        self._lost()
+
+    def _lost(self) -> None:
+        """The zygote is gone: later commands start fresh; the ones it forked are
+        reparented, and are seen to end by polling."""
+        with self._replied:
+            self._alive = False
+            self._replied.notify_all()
+        for child in list(self._children.values()):
+            if child.returncode is None:
+                threading.Thread(target=_poll_orphan, args=(child,), daemon=True).start()
+
+    def close(self) -> None:
+        """End the zygote now (mid-import, too); commands it forked run on."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        self._zygote.kill()
+        self._zygote.wait()
+
+
+def _poll_orphan(child: Child) -> None:
+    import psutil
+
+    while child.returncode is None:
+        try:
+            if psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        child._done.wait(0.2)
+    if child.returncode is None:
+        child._exited(-1)  # its status went to whoever reaped it
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL the command's group (its session), or the command alone if it has none yet."""
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, signal.SIGKILL)
+            return
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _pythonpath(env: dict[str, str]) -> str:
+    entries = [ROOT, *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    return os.pathsep.join(dict.fromkeys(entries))
+
+
+# ---- the zygote ----
+
+
+def _single_threaded() -> bool:
+    return len(os.listdir("/proc/self/task")) == 1
+
+
+def _serve(sock: socket.socket) -> dict[str, Any] | None:
+    """Fork one child per request until the caller closes; returns (in a child only)
+    the request the child is to run."""
+    children: set[int] = set()
+    while True:
+        ready, _, _ = select.select([sock], [], [], REAP_POLL_S)
+        _reap(sock, children)
+        if not ready:
+            continue
+        try:
+            data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 2)
+        except OSError:
+            return None
+        if not data:
+            return None
+        request = json.loads(data)
+        if len(fds) != 2 or not _single_threaded():
+            for fd in fds:
+                os.close(fd)
+            sock.send(json.dumps({"error": "cannot fork"}).encode())
+            continue
+        pid = os.fork()
+        if pid == 0:
+            sock.close()
+            _become(request, fds)
+            return request
+        for fd in fds:
+            os.close(fd)
+        children.add(pid)
+        sock.send(json.dumps({"pid": pid}).encode())
+
+
+def _reap(sock: socket.socket, children: set[int]) -> None:
+    for pid in list(children):
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            done, status = pid, 0
+        if done:
+            children.discard(pid)
+            try:
+                sock.send(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
+            except OSError:
+                pass
+
+
+def _become(request: dict[str, Any], fds: list[int]) -> None:
+    """In a fresh fork: the session, streams, environment and state of a new process."""
+    import random
+
+    os.setsid()
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    for target, fd in enumerate([devnull, *fds]):
+        os.dup2(fd, target)
+    for fd in {devnull, *fds} - {0, 1, 2}:
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    for entry in reversed(request["env"].get("PYTHONPATH", "").split(os.pathsep)):
+        if entry and entry not in sys.path:
+            sys.path.insert(0, entry)
+    random.seed()  # the fork copied the zygote's generator: each process draws its own
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    sys.argv = [request["module"], *request["args"]]
+
+
+def _main() -> None:
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    import gc
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    gc.freeze()  # what the imports made is never collected: a child's collections leave those pages shared
+    request = _serve(sock)
+    if request is None:
+        return  # the caller closed: the commands run on by themselves
+    os._exit(_run(request))
+
+
+def _run(request: dict[str, Any]) -> int:
+    """The command, then the exit a fresh interpreter makes (threads joined, atexit
+    handlers, streams flushed) less its teardown of every module: that would touch,
+    and so copy, each page the child shares with the zygote (about 1.5 s)."""
+    import atexit
+    import runpy
+    import traceback
+
+    code = 0
+    try:
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+    except KeyboardInterrupt:
+        code = 128 + signal.SIGINT
+    except BaseException:  # noqa: BLE001 - printed as the interpreter would
+        traceback.print_exc()
+        code = 1
+    threading._shutdown()  # type: ignore[attr-defined]  # as multiprocessing's children do
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    return code
+
+
+def _exit_code(code: object) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,101 @@
+"""fusionllm.launcher: commands forked from a warm zygote are processes of their own,
+and nothing is lost when the zygote cannot fork or dies."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from fusionllm.launcher import Child, Launcher
+from tests.conftest import BASE_ENV, ROOT, launcher, stray_commands
+from tests.swarmproc import SMALL, Proc, api, wait_for, wait_gone
+
+PROBE = "tests.launch_probe"
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "LAUNCHER_TEST_ONLY_IN_PARENT"}
+    return {**env, **BASE_ENV, **extra}
+
+
+def _probe(zygote: Launcher, *args: str, env: dict[str, str] | None = None, cwd: Path = ROOT) -> tuple[object, dict]:
+    proc = zygote.spawn([*args], module=PROBE, env=env or _env(PROBE="yes"), cwd=cwd, text_stdout=True)
+    assert proc.stdout is not None
+    return proc, json.loads(proc.stdout.readline())
+
+
+@pytest.fixture
+def zygote() -> Iterator[Launcher]:
+    z = Launcher({**os.environ, **BASE_ENV})
+    yield z
+    z.close()
+
+
+def test_a_forked_command_is_a_process_of_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LAUNCHER_TEST_ONLY_IN_PARENT", "1")  # in the caller's environment, not the request's
+    first, me = _probe(launcher(), "3", cwd=tmp_path)
+    second, other = _probe(launcher(), "0")
+    assert isinstance(first, Child) and isinstance(second, Child)
+    assert me["pid"] == first.pid and me["sid"] == first.pid  # its own session
+    assert me["cwd"] == str(tmp_path) and me["argv"] == ["3"] and me["probe"] == "yes" and me["leaked"] is None
+    assert me["stdin"] == ""  # /dev/null
+    assert me["random"] != other["random"]  # each draws its own numbers, not the zygote's
+    assert first.wait(30) == 3 and second.wait(30) == 0
+
+
+def test_run_captures_both_streams_and_the_exit_code() -> None:
+    r = launcher().run(["train", "--steps", "1"], env=_env(), cwd=ROOT, timeout=60)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "--reference --stages" in r.stderr
+
+
+def test_a_command_past_its_timeout_is_killed() -> None:
+    start = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        launcher().run(["--help"], env=_env(), cwd=ROOT, timeout=0.0)
+    assert time.monotonic() - start < 30
+
+
+def test_other_thread_settings_start_a_fresh_interpreter() -> None:
+    proc, me = _probe(launcher(), "0", env=_env(PROBE="yes", OMP_NUM_THREADS="2"))
+    assert isinstance(proc, subprocess.Popen) and me["probe"] == "yes" and me["sid"] == proc.pid
+    assert proc.wait(30) == 0
+
+
+def test_a_dead_zygote_leaves_its_commands_waitable_and_later_ones_start_fresh(zygote: Launcher) -> None:
+    sleeper, _ = _probe(zygote, "0", "600")
+    assert isinstance(sleeper, Child)
+    os.kill(zygote._zygote.pid, signal.SIGKILL)
+    zygote._zygote.wait(10)
+    later, me = _probe(zygote, "5")
+    assert isinstance(later, subprocess.Popen) and later.wait(30) == 5
+    sleeper.kill()
+    assert sleeper.wait(30) == -1  # reparented: its status went to whoever adopted it
+    assert not psutil.pid_exists(sleeper.pid) or psutil.Process(sleeper.pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_kill9_of_a_demo_leaves_no_process(tmp_path: Path) -> None:
+    """The demo's zygote and the peers it forked are the demo's descendants: its reaper ends them all."""
+    demo = Proc("demo", "--peers", "2", "--steps", "100000", *SMALL, "--run-dir", str(tmp_path / "run"))
+    try:
+        url = demo.wait_line(r"^status page: (\S+)").group(1)
+        wait_for(url, lambda s: s["training"]["step"] >= 2)
+        tree = psutil.Process(demo.popen.pid).children(recursive=True)
+        names = [" ".join(p.cmdline()) for p in tree]
+        assert sum(p.name() == "p2pd" for p in tree) >= 3, names  # the coordinator's and each peer's, all below it
+        demo.note_children()
+        os.kill(demo.popen.pid, signal.SIGKILL)
+        assert not wait_gone(demo.pids, 30), [n for p, n in zip(tree, names, strict=True) if p.is_running()]
+        assert not stray_commands()
+        with pytest.raises(OSError):
+            api(url)
+    finally:
+        demo.kill_all()
