@@ -44,7 +44,6 @@ import asyncio
 import json
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -64,7 +63,8 @@ from protocol.net.transport import _LANE_HEAD, LANE_PROTOCOL, MAX_WAITING_PARTS,
 from protocol.trust.spot_rate import DEFAULT_SPOT_CHECK  # noqa: E402
 from protocol.trust.spotcheck import BACKWARD_SHARE, MIN_CLEAN_STEPS, survival  # noqa: E402
 from protocol.wire.encoding import write_frame  # noqa: E402
-from tests.swarmproc import SMALL, Swarm  # noqa: E402
+from tests.conftest import demo_output  # noqa: E402
+from tests.swarmproc import SMALL, Swarm, join_together  # noqa: E402
 
 CHEAT_FRACTION = 0.1
 
@@ -130,11 +130,7 @@ def _demo(flags: list[str], steps: int) -> tuple[float, float, float, float | No
     """(median step ms, tokens/s over the whole run, the peers' compute on spot checks
     over their compute on training, what the checks cost its steps on average against the
     run's steps without any) of a demo swarm with ``flags``."""
-    argv = [sys.executable, "-m", "fusionllm", "demo", "--steps", str(steps), *SMALL, *flags]
-    done = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=600)
-    out = done.stdout
-    if done.returncode != 0:
-        raise SystemExit(f"the demo {' '.join(flags)} exited {done.returncode}:\n{out[-3000:]}\n{done.stderr[-3000:]}")
+    out = demo_output("--steps", str(steps), *SMALL, *flags)
     median = re.search(r"measured ([\d.]+) ms \(median\)", out)  # the estimator's line: the measured step
     rate = re.search(r"([\d,]+) tokens/s", out)
     share = re.search(r"([\d.]+)% of the peers' training compute", out)
@@ -183,8 +179,7 @@ def cheater_caught(short: bool) -> tuple[int, float, float]:
         swarm = Swarm(Path(tmp), args, peers=0)
         try:
             cheater = swarm.add_hostile("noisy", "x.key", {"FUSIONLLM_CHEAT_FRACTION": str(CHEAT_FRACTION)})
-            for i in range(2):
-                swarm.add_peer(i)
+            join_together(swarm, [[], []])
             swarm.coord.wait(600)
             out = swarm.coord.output
         finally:

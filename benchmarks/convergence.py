@@ -60,6 +60,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import re
 import statistics
 import subprocess
@@ -78,6 +79,9 @@ from protocol.model.graph import Cut
 from protocol.model.job import JobSpec
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from tests.conftest import BASE_ENV, launcher  # noqa: E402
+
 STEPS = 300
 SEEDS = 2  # five 300-step swarms per seed: about 7 minutes a seed on 2 cores
 SHORT_STEPS = 6
@@ -119,11 +123,11 @@ def _demo(out: Path, job: JobSpec, flags: tuple[str, ...]) -> Run:
     """One demo run of ``job``: its validation loss, the slow link's traffic, its cut
     and its training losses."""
     ckpt, run_dir = out / "model.safetensors", out / "run"
-    cmd = [sys.executable, "-c", _LAUNCH, "demo", "--peers", "3", "--steps", str(job.steps)]
+    cmd = [LAUNCH_FLAG, "demo", "--peers", "3", "--steps", str(job.steps)]
     cmd += ["--seed", str(job.seed), "--spot-check", "0", "--run-dir", str(run_dir), "--save", str(ckpt)]
     if job.model_args:
         cmd += ["--model-args", job.model_args]
-    proc = subprocess.run([*cmd, *flags], capture_output=True, text=True, cwd=ROOT, timeout=1200)
+    proc = launcher().run([*cmd, *flags], module="benchmarks.convergence", env=_env(), cwd=ROOT, timeout=1200)
     if proc.returncode != 0:
         raise SystemExit(f"demo {' '.join(flags)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     m = re.search(r"boundary 1 \(.*?\): (\S+), ([\d.]+) MB on the wire .*? ratio ([\d.]+)x", proc.stdout)
@@ -136,8 +140,12 @@ def _demo(out: Path, job: JobSpec, flags: tuple[str, ...]) -> Run:
     return Run(round(loss, 4), m.group(1), float(m.group(2)), float(m.group(3)), json.loads(cut.group(1)), losses)
 
 
-#: how ``_demo`` starts ``fusionllm``: through :func:`launch`, from the repository root
-_LAUNCH = "import sys; from benchmarks.convergence import launch; launch(sys.argv[1:])"
+#: how ``_demo`` starts ``fusionllm``: this module's :func:`launch`, forked from a warm zygote
+LAUNCH_FLAG = "--as-fusionllm"
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, **BASE_ENV}
 
 
 def block_cut(dag: OpDag, stages: int) -> Cut | None:
@@ -311,4 +319,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == [LAUNCH_FLAG]:
+        launch(sys.argv[2:])
     main()

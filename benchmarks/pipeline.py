@@ -18,7 +18,6 @@ import asyncio
 import itertools
 import json
 import re
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -26,15 +25,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from p2p import transport_pair  # noqa: E402
 
 from fusionllm.local import train_reference, train_staged  # noqa: E402
 from protocol.model.job import JobSpec  # noqa: E402
 from protocol.wire.messages import Activations  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import demo_output  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -57,8 +56,7 @@ CODE = ["--stages-as", "code"]
 
 def swarm_run(sizes: Sizes, flags: list[str]) -> tuple[float, float]:
     """(tokens/s, median step ms) of a demo swarm."""
-    argv = [sys.executable, "-m", "fusionllm", "demo", "--peers", str(sizes.peers), "--steps", str(sizes.steps)]
-    out = subprocess.run(argv + flags, capture_output=True, text=True, cwd=ROOT, timeout=600, check=True).stdout
+    out = demo_output("--peers", str(sizes.peers), "--steps", str(sizes.steps), *flags)
     tokens = re.search(r"([\d,]+) tokens/s", out)
     median = re.search(r"measured ([\d.]+) ms \(median\)", out)
     assert tokens and median, out

@@ -33,7 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.swarmproc import SMALL, Swarm, api, wait_for  # noqa: E402
+from tests.swarmproc import SMALL, Swarm, api, join_together, wait_for  # noqa: E402
 
 #: steps between two rebalance checks (the short mode's: ``SHORT_EVERY``)
 EVERY = [20]
@@ -69,9 +69,8 @@ def _ops(state: dict[str, Any], peer: str) -> int:
 def _slowed_run(tmp: Path, steps: int) -> dict[str, Any]:
     swarm = Swarm(tmp, _args(tmp, steps), peers=0)
     try:
-        files = {}
-        for i in range(4):
-            files[swarm.add_peer(i, "--throttle-file", str(tmp / f"t{i}"))] = tmp / f"t{i}"
+        ids = join_together(swarm, [["--throttle-file", str(tmp / f"t{i}")] for i in range(4)])
+        files = {pid: tmp / f"t{i}" for i, pid in enumerate(ids)}
         # settled: the first checks may correct the advertised speeds, and undo that move
         state = wait_for(swarm.url, lambda s: s["training"]["step"] >= _settled() and s["phase"] == "training", 300)
         before = _rate(swarm.url)
@@ -121,8 +120,7 @@ def _ideal(tmp: Path, steps: int, slow_index: int) -> float:
     """A fresh run whose peer ``slow_index`` is slow from its start (and says so)."""
     swarm = Swarm(tmp, _args(tmp, steps), peers=0)
     try:
-        for i in range(4):
-            swarm.add_peer(i, *(["--throttle", "0.25"] if i == slow_index else []))
+        join_together(swarm, [["--throttle", "0.25"] if i == slow_index else [] for i in range(4)])
         wait_for(swarm.url, lambda s: s["training"]["step"] >= _settled() + 25, 600)
         rate = _rate(swarm.url)
         assert swarm.coord.wait(600) == 0, swarm.coord.output[-3000:]

@@ -160,25 +160,29 @@ class Launcher:
         self,
         args: list[str],
         *,
+        module: str = "fusionllm",
         env: dict[str, str] | None = None,
         cwd: str | os.PathLike[str] | None = None,
         timeout: float | None = None,
     ) -> subprocess.CompletedProcess[str]:
         """``subprocess.run(..., capture_output=True, text=True)`` for a command: its
-        exit code and both streams; killed (and ``TimeoutExpired`` raised) after ``timeout``."""
+        exit code and both streams. After ``timeout`` it and every process below it are
+        killed, and ``TimeoutExpired`` carries what it printed."""
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-            child = self.spawn(args, env=env, cwd=cwd, stdout=out.fileno(), stderr=err.fileno())
+            child = self.spawn(args, module=module, env=env, cwd=cwd, stdout=out.fileno(), stderr=err.fileno())
             try:
-                code = child.wait(timeout)
+                code: int | None = child.wait(timeout)
             except subprocess.TimeoutExpired:
-                _kill_group(child.pid)
+                _kill_tree(child.pid)
                 child.wait()
-                raise
+                code = None
             texts = []
             for f in (out, err):
                 f.seek(0)
                 texts.append(f.read().decode("utf-8", errors="replace"))
-        return subprocess.CompletedProcess([*args], code, texts[0], texts[1])
+        if code is None:
+            raise subprocess.TimeoutExpired([module, *args], timeout or 0.0, output=texts[0], stderr=texts[1])
+        return subprocess.CompletedProcess([module, *args], code, texts[0], texts[1])
 
     def _fork(self, args: list[str], module: str, env: dict[str, str], cwd: str, fds: list[int]) -> Child | None:
         """The command forked by the zygote, or None where it cannot be (a fresh start then)."""
@@ -270,13 +274,24 @@ def _poll_orphan(child: Child) -> None:
         child._exited(-1)  # its status went to whoever reaped it
 
 
-def _kill_group(pid: int) -> None:
-    """SIGKILL the command's group (its session), or the command alone if it has none yet."""
-    for kill in (os.killpg, os.kill):
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a command and every process below it (some run sessions of their own)."""
+    import psutil
+
+    try:
+        below = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        below = []
+    for kill in (os.killpg, os.kill):  # its session, or itself alone if it has none yet
         try:
             kill(pid, signal.SIGKILL)
-            return
+            break
         except (ProcessLookupError, PermissionError):
+            pass
+    for proc in below:
+        try:
+            proc.kill()
+        except psutil.Error:
             pass
 
 

@@ -34,6 +34,16 @@ def cli():
     return run_cli
 
 
+def demo_output(*args: str, timeout: float = 600) -> str:
+    """What ``fusionllm demo *args`` printed; a failed demo ends the caller (a benchmark)
+    with its exit code and both streams' tails."""
+    done = run_cli("demo", *args, timeout=timeout)
+    if done.returncode != 0:
+        tails = f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        raise SystemExit(f"the demo {' '.join(args)} exited {done.returncode}:\n{tails}")
+    return done.stdout
+
+
 def stray_commands() -> list[str]:
     """The command lines of ``fusionllm`` processes running outside this test
     process's own tree: a ``join`` started fresh, or anything a zygote forked (those

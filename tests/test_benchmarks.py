@@ -1,6 +1,6 @@
 """Every benchmark runs end to end in its short mode and prints one sane JSON object.
 
-Each script runs in a fresh interpreter with ``--short``; its one JSON line must
+Each script runs as its own process with ``--short``; its one JSON line must
 have the keys its full mode prints (plus ``"short": true``), every number in it
 finite and non-negative, and the figures that the script's claims rest on
 (rates, times, ratios) in plausible ranges. The values themselves are machine
@@ -9,23 +9,17 @@ noise, never compared with fixed results. A new benchmark is one more line in
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import signal
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 from coordinator.scheduler import SCHEDULERS
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import BASE_ENV, ROOT, launcher
 
 #: (script in benchmarks/, the top-level keys of its JSON object besides "short"); a table
 #: wrapped by hand, one script to a row, which the formatter would spread a key to a line (fmt: skip)
@@ -213,28 +207,18 @@ CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
 
 
 def run_short(script: str) -> dict[str, Any]:
-    """Run ``benchmarks/<script> --short``; its one JSON object. Past ``TIMEOUT_S`` it and
-    every process it started are killed, and the failure shows what it printed on
-    stderr (the benchmarks say there which part they are in)."""
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "benchmarks" / script), "--short"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        start_new_session=True,
-    )
+    """Run ``benchmarks/<script> --short`` (as ``python -m benchmarks.<name>``, forked
+    from the tests' zygote); its one JSON object. Past ``TIMEOUT_S`` it and every process
+    it started are killed, and the failure shows what it printed on stderr (the
+    benchmarks say there which part they are in)."""
+    env = {**os.environ, **BASE_ENV}
+    module = f"benchmarks.{script.removesuffix('.py')}"
     try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        # the swarms it started run in sessions of their own (and their watchdogs watch them, not it)
-        for child in psutil.Process(proc.pid).children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                child.kill()
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        raise AssertionError(f"{script} --short ran over {TIMEOUT_S} s:\n{stdout[-2000:]}\n{stderr[-3000:]}") from None
+        proc = launcher().run(["--short"], module=module, env=env, cwd=ROOT, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired as exc:
+        out, err = exc.output or "", exc.stderr or ""
+        raise AssertionError(f"{script} --short ran over {TIMEOUT_S} s:\n{out[-2000:]}\n{err[-3000:]}") from None
+    stdout, stderr = proc.stdout, proc.stderr
     assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{stdout[-2000:]}\n{stderr[-3000:]}"
     # pipeline.py's TCP baseline once left its server's reader to be cancelled: a traceback on every run
     assert "Traceback" not in stderr, f"{script} printed a traceback:\n{stderr[-3000:]}"
