@@ -34,6 +34,8 @@ PRELOAD = ("torch", "torch._dynamo", "torch.optim", "hivemind", "fusionllm.swarm
 #: read by the thread pools the preloaded libraries set up at import: a request that
 #: asks for other values than the zygote imported with starts fresh
 IMPORT_TIME_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+IMPORT_WAIT_S = 120.0  # the longest the first request waits for the zygote's imports, then starts fresh
+FORK_WAIT_S = 10.0  # the longest a request waits for its fork once the zygote is ready
 REAP_POLL_S = 0.05  # how often the zygote collects its exited children
 MAX_MESSAGE = 1 << 20  # one request (argv, environment, cwd) or reply, in bytes
 ROOT = str(Path(__file__).resolve().parent.parent)
@@ -95,10 +97,14 @@ Started = Child | subprocess.Popen  # what spawn returns: forked when it could b
 class Launcher:
     """One zygote, started now (its imports overlap with the caller's work), and the
     commands forked from it. ``env`` is the zygote's environment (give it
-    ``OMP_NUM_THREADS=1``: more threads at import, and it cannot fork). ``close`` ends
-    the zygote, not the commands."""
+    ``OMP_NUM_THREADS=1``: more threads at import, and it cannot fork). A zygote not
+    ready within ``IMPORT_WAIT_S``, or that has not forked a command within
+    ``fork_wait_s`` once ready, is killed, and that command and every later one start
+    fresh. ``close`` ends the zygote, not the commands."""
 
-    def __init__(self, env: dict[str, str] | None = None) -> None:
+    def __init__(self, env: dict[str, str] | None = None, fork_wait_s: float = FORK_WAIT_S) -> None:
+        self._fork_wait_s = fork_wait_s
+        self._ready = threading.Event()  # the zygote has done its imports
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._env = dict(os.environ if env is None else env)
         zygote_env = {**self._env, "PYTHONPATH": _pythonpath(self._env)}
@@ -189,6 +195,8 @@ class Launcher:
         request = json.dumps({"module": module, "args": args, "env": env, "cwd": cwd}).encode()
         same_pools = all(env.get(k) == self._env.get(k) for k in IMPORT_TIME_ENV)
         with self._lock:
+            if not self._ready.wait(IMPORT_WAIT_S):
+                self._give_up()
             if not self._alive or not same_pools or len(request) > MAX_MESSAGE:
                 return None
             try:
@@ -196,12 +204,19 @@ class Launcher:
             except OSError:
                 return None
             with self._replied:
-                self._replied.wait_for(lambda: self._pid_reply or not self._alive)
+                if not self._replied.wait_for(lambda: self._pid_reply or not self._alive, self._fork_wait_s):
+                    self._give_up()
                 reply = self._pid_reply.pop(0) if self._pid_reply else {}
         pid = reply.get("pid")
         if not isinstance(pid, int):
             return None
         return self._children.setdefault(pid, Child(pid, [module, *args], None))
+
+    def _give_up(self) -> None:
+        """A stuck zygote (stopped, swapping) is ended: a late reply would answer the next request."""
+        with self._replied:
+            self._alive = False
+        self._zygote.kill()
 
     @staticmethod
     def _exec(
@@ -230,7 +245,9 @@ class Launcher:
             if not data:
                 break
             reply = json.loads(data)
-            if "exit" in reply:
+            if "ready" in reply:
+                self._ready.set()
+            elif "exit" in reply:
                 child = self._children.setdefault(reply["exit"], Child(reply["exit"], [], None))
                 child._exited(int(reply["code"]))
             else:
@@ -245,6 +262,7 @@ class Launcher:
         with self._replied:
             self._alive = False
             self._replied.notify_all()
+        self._ready.set()  # nothing to wait for
         for child in list(self._children.values()):
             if child.returncode is None:
                 threading.Thread(target=_poll_orphan, args=(child,), daemon=True).start()
@@ -383,6 +401,7 @@ def _main() -> None:
     for name in PRELOAD:
         importlib.import_module(name)
     gc.freeze()  # what the imports made is never collected: a child's collections leave those pages shared
+    sock.send(json.dumps({"ready": True}).encode())
     request = _serve(sock)
     if request is None:
         return  # the caller closed: the commands run on by themselves

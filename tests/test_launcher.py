@@ -82,6 +82,21 @@ def test_a_dead_zygote_leaves_its_commands_waitable_and_later_ones_start_fresh(z
     assert not psutil.pid_exists(sleeper.pid) or psutil.Process(sleeper.pid).status() == psutil.STATUS_ZOMBIE
 
 
+def test_a_stuck_zygote_is_given_up_and_the_command_starts_fresh() -> None:
+    stuck = Launcher({**os.environ, **BASE_ENV}, fork_wait_s=1.0)
+    try:
+        first, _ = _probe(stuck, "0")  # the zygote is ready: it forked once
+        assert isinstance(first, Child) and first.wait(30) == 0
+        os.kill(stuck._zygote.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        proc, me = _probe(stuck, "4")
+        assert isinstance(proc, subprocess.Popen) and proc.wait(30) == 4 and me["probe"] == "yes"
+        assert time.monotonic() - start < 20
+        assert stuck._zygote.wait(10) == -signal.SIGKILL
+    finally:
+        stuck.close()
+
+
 def test_kill9_of_a_demo_leaves_no_process(tmp_path: Path) -> None:
     """The demo's zygote and the peers it forked are the demo's descendants: its reaper ends them all."""
     demo = Proc("demo", "--peers", "2", "--steps", "100000", *SMALL, "--run-dir", str(tmp_path / "run"))
