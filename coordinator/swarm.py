@@ -237,7 +237,9 @@ class Coordinator:
         self._tasks.append(
             asyncio.create_task(every(ADVERT_POLL_S, self._poll_adverts, what="advert poll", clock=self.clock))
         )
-        driver = Driver.open(self, model, self.run_dir, on_step, on_event, self.clock)
+        # tracing and exporting take seconds of CPU: in a thread, so that the loop meanwhile
+        # answers the joining peers' hellos and dials them back
+        driver = await asyncio.to_thread(Driver.open, self, model, self.run_dir, on_step, on_event, self.clock)
         self.roster.driver = driver
         start = self.clock.now()
         try:

@@ -88,12 +88,28 @@ def run_async(coro: Coroutine[Any, Any, int]) -> int:
     _command_pid = os.getpid()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _interrupted)
+    code = EXIT_INTERRUPTED
     try:
-        import uvloop
+        try:
+            import uvloop
 
-        return uvloop.run(_bounded(coro))
-    except ImportError:  # no uvloop on this platform
-        return asyncio.run(_bounded(coro))
+            code = uvloop.run(_bounded(coro))
+        except ImportError:  # no uvloop on this platform
+            code = asyncio.run(_bounded(coro))
+        return code
+    finally:
+        _ended[0] = code
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, _after_the_end)
+
+
+_ended = [EXIT_INTERRUPTED]  # the finished command's exit code (for ``_after_the_end``)
+
+
+def _after_the_end(signum: int, frame: Any) -> None:
+    """A signal once the command is over (a demo stops its peers as their own exit runs
+    the interpreter's exit hooks): end now with the command's code, no traceback."""
+    os._exit(_ended[0])
 
 
 def _check_cost(overhead: float | None) -> str:
@@ -422,8 +438,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     peer_env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launcher = Launcher(peer_env)  # imports torch and hivemind for the peers while the coordinator sets up
 
+    started: list[asyncio.Future[None]] = []  # the thread that starts the peers (awaited by the loop's end)
+
     async def spawn(coord: Any) -> None:
         code = foreign_code(coord.config.job.model)
+        cmds: list[list[str]] = []
         for i in range(args.peers):
             cmd = [
                 "join",
@@ -439,6 +458,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 "--initial-peers",
                 *coord.visible_maddrs,
             ]
+            cmds.append(cmd)
+        # on a thread: the zygote may still be importing while the coordinator traces the model
+        started.append(asyncio.ensure_future(asyncio.to_thread(start_peers, cmds)))
+
+    def start_peers(cmds: list[list[str]]) -> None:
+        for i, cmd in enumerate(cmds):
             with open(log_dir / f"peer{i}.log", "wb") as log:
                 procs.append(launcher.spawn(cmd, env=peer_env, stdout=log.fileno()))
         print(f"started {args.peers} peer processes (logs in {log_dir})", flush=True)

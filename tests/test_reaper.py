@@ -324,6 +324,33 @@ def test_a_command_whose_shutdown_hangs_ends_anyway(hanging: dict[str, subproces
         stacks.unlink()
 
 
+SIGNALLED_AT_EXIT = """
+import atexit, os, signal, sys, time
+from fusionllm.swarm_cmds import run_async
+
+def stopped_while_exiting() -> None:  # what a demo's SIGTERM does to a peer whose run just ended
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+
+async def command() -> int:
+    atexit.register(stopped_while_exiting)
+    return 4
+
+sys.exit(run_async(command()))
+"""
+
+
+def test_a_signal_after_the_command_ended_is_no_traceback() -> None:
+    """A peer whose run has ended got the demo's SIGTERM while running its exit hooks: it
+    printed a KeyboardInterrupt traceback into its log. Once the command is over a signal
+    ends the process at once, with the command's own code and nothing printed."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-c", SIGNALLED_AT_EXIT], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert proc.returncode == 4 and proc.stderr.strip() == "", proc.stderr
+
+
 UNOBSERVED = """
 import asyncio, gc, sys
 from fusionllm.swarm_cmds import run_async
