@@ -5,7 +5,6 @@ the step and send ``Commit``, and only then do peers apply the optimizer update.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 from collections.abc import Callable, Iterator
@@ -70,9 +69,11 @@ class StepPipeline:
         self._done_at: dict[str, float] = {}  # when each peer's last StepDone came (clock seconds)
 
     def _batch(self, step: int) -> tuple[torch.Tensor, ...]:
-        """Batch ``step`` of the deterministic data stream (replayed after a rollback)."""
+        """Batch ``step`` of the deterministic data stream (after a resume or a rollback, the
+        stream starts again at ``step``: at once where the data can start anywhere, as token
+        shards can; replayed from the first batch otherwise)."""
         if self._data is None or self._data[0] != step:
-            self._data = (step, itertools.islice(self.job.batches(), step, None))
+            self._data = (step, self.job.batches(start=step))
         _, it = self._data
         self._data = (step + 1, it)
         return next(it)

@@ -17,7 +17,8 @@ from coordinator.plan_options import (
     WORKLOADS,
     defaults_text,
 )
-from fusionllm.usage import EXIT_INTERRUPTED, EXIT_USAGE, UsageError
+from fusionllm.data_cli import add_data_parser
+from fusionllm.usage import EXIT_INTERRUPTED, EXIT_USAGE, EXPORT_FORMATS, UsageError
 from protocol.model.options import PRECISIONS, SCHEDULES, STAGE_FORMS, RecipeError, parse_betas
 from protocol.trust.admission import CERT_TTL_S, MAX_CERT_TTL_S, MIN_CERT_TTL_S, RENEWALS_PER_TTL
 from protocol.trust.spot_rate import DEFAULT_SPOT_CHECK
@@ -28,12 +29,14 @@ COMMANDS = {
     **dict.fromkeys(("demo", "coordinator", "join", "token", "ban"), "fusionllm.swarm_cmds"),
     **dict.fromkeys(("plan", "sim"), "fusionllm.plan_cmds"),
     **dict.fromkeys(("train", "inspect", "compare", "status"), "fusionllm.commands"),
+    "export": "fusionllm.export_cmds",
+    "data": "fusionllm.data_cmds",
 }
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
-        print(f"fusionllm: error: {message} (see fusionllm {self.prog.split()[-1]} --help)", file=sys.stderr)
+        print(f"fusionllm: error: {message} (see {self.prog} --help)", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
 
 
@@ -374,6 +377,21 @@ def _schedulers(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="write a run's weights as another library's model (GPT-2 for Hugging Face)")
+    p.add_argument("run", metavar="RUN.safetensors", help="the run's weights, as --save writes them")
+    p.add_argument("dir", metavar="DIR", help="the folder to write (absent or empty, unless --force)")
+    p.add_argument(
+        "--to",
+        choices=EXPORT_FORMATS,
+        required=True,
+        help="gpt2-hf: config.json and model.safetensors that transformers loads as GPT2LMHeadModel",
+    )
+    p.add_argument("--model", default="gpt2", help="the run's --model (default: gpt2)")
+    p.add_argument("--model-args", default="", help="the run's --model-args, k=v,k=v")
+    p.add_argument("--force", action="store_true", help="write into a folder that is not empty")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fusionllm", description="Decentralized training of LLMs on volunteers' GPUs.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
@@ -560,6 +578,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("a")
     p.add_argument("b")
     p.add_argument("--tol", type=float, default=1e-5)
+    _add_export(sub)
+    add_data_parser(sub)
     return parser
 
 

@@ -10,6 +10,8 @@ from typing import Any
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # Ctrl-C or SIGTERM, as shells report a SIGINT
+#: what ``fusionllm export --to`` writes: GPT-2's Hugging Face layout (``GPT2LMHeadModel``)
+EXPORT_FORMATS = ("gpt2-hf",)
 
 
 class UsageError(Exception):
@@ -22,6 +24,7 @@ def job_from_args(args: argparse.Namespace) -> Any:
     data = args.data
     if data is None:
         data = "branchy" if args.model == "branchy" else "stdlib"
+    data = tokens_data(data)
     if args.save is not None and not args.save.endswith(".safetensors"):
         raise UsageError(f"--save {args.save}: the checkpoint file must end in .safetensors")
     if args.init is not None and not Path(args.init).is_file():
@@ -49,6 +52,20 @@ def job_from_args(args: argparse.Namespace) -> Any:
     )
     job.recipe()  # a recipe that cannot train is refused before anything starts
     return job
+
+
+def tokens_data(data: str) -> str:
+    """``--data tokens:DIR`` with DIR made absolute (the run's record and a resume find it
+    from anywhere), refused in one line where DIR holds no shards; other specs as given."""
+    from protocol.model.options import TOKENS_PREFIX
+    from zoo.shards import META
+
+    if not data.startswith(TOKENS_PREFIX):
+        return data
+    directory = Path(data.removeprefix(TOKENS_PREFIX)).expanduser()
+    if not (directory / META).is_file():
+        raise UsageError(f"--data {data}: no token shards there (no {META}); make them with 'fusionllm data prepare'")
+    return TOKENS_PREFIX + str(directory.resolve())
 
 
 def parse_cut(text: str) -> Any:

@@ -52,6 +52,9 @@ BENCHMARKS = [
                 "swarm_tokens_per_s_nat"}),
     ("rebalance.py", {"tokens_per_s_before", "tokens_per_s_slowed", "tokens_per_s_after", "ideal_after",
                       "recovery_vs_ideal", "replan_s", "sim_1000_peers"}),
+    ("data.py", {"train_tokenizer_mb_per_s", "prepare_mb_per_s", "prepare_bytes_mb_per_s", "corpus_mb",
+                 "loader_tokens_per_s", "rss_corpus_gb", "rss_mb_start", "rss_mb_peak", "rss_growth_mb",
+                 "loader_batches", "swarm_tokens_per_s", "loader_vs_swarm"}),
 ]  # fmt: skip
 
 #: a benchmark run that takes longer than this is a regression of its short mode (or a hang)
@@ -193,7 +196,17 @@ def _nat(out: dict[str, Any]) -> None:
     assert 0.2 < out["swarm_nat_vs_direct_tokens"] < 5, out
 
 
+def _data(out: dict[str, Any]) -> None:
+    _positive(out, "train_tokenizer_mb_per_s", "prepare_mb_per_s", "prepare_bytes_mb_per_s", "loader_tokens_per_s")
+    _positive(out, "swarm_tokens_per_s", "rss_corpus_gb", "rss_mb_start")
+    # the loader outruns the swarm it feeds (the goal, 100x, is the full run's; a loaded machine slows both)
+    assert out["loader_vs_swarm"] > 10, out
+    # one batch's windows are mapped at a time: memory stays flat whatever the shard's size
+    assert out["rss_mb_peak"] >= out["rss_mb_start"] and out["rss_growth_mb"] < 32, out
+
+
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "data.py": _data,
     "nat.py": _nat,
     "adversary.py": _adversary,
     "rebalance.py": _rebalance,

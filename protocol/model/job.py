@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import inspect
 import itertools
 import sys
 import traceback
@@ -17,11 +18,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from protocol.model.options import RecipeError
+from protocol.model.options import TOKENS_PREFIX, RecipeError
 from protocol.model.recipe import Recipe, RecipeFields, recipe_of
 
 BUILTIN_MODELS = {"gpt": "zoo.gpt:gpt", "gpt2": "zoo.gpt:gpt2", "branchy": "zoo.branchy:branchy"}
 BUILTIN_DATA = {"stdlib": "zoo.text:stdlib_text", "branchy": "zoo.branchy:branchy_data"}
+#: the loader of ``--data tokens:DIR`` (``options.TOKENS_PREFIX``) and the shards' vocabulary
+TOKENS_DATA = "zoo.tokens:token_batches"
+TOKENS_VOCAB = "zoo.tokens:vocab_size"
 
 
 class SpecError(ValueError):
@@ -152,6 +156,7 @@ class JobSpec(RecipeFields):
         """The model, run once on the first micro-batch: a model that fails on its data,
         or returns anything but a scalar loss, is refused in one line."""
         model = self.build_model()
+        self.check_vocab(model)
         try:
             with torch.no_grad():
                 loss = model(*self.first_micro_batch())
@@ -167,17 +172,42 @@ class JobSpec(RecipeFields):
             raise SpecError(f"model '{self.model}' must return its loss (a scalar tensor), got {type(loss).__name__}")
         return model
 
-    def batches(self, split: str | None = None) -> Iterator[tuple[torch.Tensor, ...]]:
-        """The run's batches in order (each a tuple of tensors)."""
-        factory = resolve(self.data, BUILTIN_DATA)
+    def check_vocab(self, model: nn.Module) -> None:
+        """Token shards name their tokenizer's vocabulary: the model's input embedding
+        must have exactly that many rows (a model without one is not checked)."""
+        if not self.data.startswith(TOKENS_PREFIX):
+            return
+        want = resolve(TOKENS_VOCAB, {})(self.data.removeprefix(TOKENS_PREFIX))
+        embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+        if embedding is not None and embedding.num_embeddings != want:
+            raise SpecError(
+                f"model '{self.model}' has a vocabulary of {embedding.num_embeddings} tokens, but data '{self.data}' "
+                f"was made by a tokenizer of {want}: pass --model-args vocab_size={want}"
+            )
+
+    def _data_factory(self) -> tuple[Callable[..., Any], dict[str, Any]]:
+        """The data factory and its keyword arguments (``tokens:DIR`` passes ``path``)."""
         kwargs = parse_kwargs(self.data_args)
+        if self.data.startswith(TOKENS_PREFIX):
+            return resolve(TOKENS_DATA, {}), {**kwargs, "path": self.data.removeprefix(TOKENS_PREFIX)}
+        return resolve(self.data, BUILTIN_DATA), kwargs
+
+    def batches(self, split: str | None = None, start: int = 0) -> Iterator[tuple[torch.Tensor, ...]]:
+        """The run's batches in order (each a tuple of tensors), from batch ``start``: a
+        factory that takes ``start`` begins there, any other is read past the first ones."""
+        factory, kwargs = self._data_factory()
         if split is not None:
             kwargs["split"] = split
+        skip = start
+        if start and _takes_start(factory):
+            kwargs["start"], skip = start, 0
         try:
             it = iter(factory(self.seed, **kwargs))
+        except SpecError:
+            raise
         except Exception as exc:
             raise SpecError(f"data '{self.data}' failed: {type(exc).__name__}: {exc}") from None
-        for batch in it:
+        for batch in itertools.islice(it, skip, None):
             if isinstance(batch, torch.Tensor):
                 batch = (batch,)
             if not isinstance(batch, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in batch):
@@ -200,6 +230,14 @@ class JobSpec(RecipeFields):
 
     def first_micro_batch(self) -> tuple[torch.Tensor, ...]:
         return split_batch(next(iter(self.batches())), self.micro_batches)[0]
+
+
+def _takes_start(factory: Callable[..., Any]) -> bool:
+    """Whether a data factory takes ``start`` (the first batch to yield)."""
+    try:
+        return "start" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 class ModelError(RuntimeError):

@@ -10,6 +10,8 @@ SCHEDULES = ("constant", "linear", "cosine")
 PRECISIONS = ("fp32", "bf16", "fp16")
 #: how a coordinator sends stages: as programs (``program``), or as the job's model code to rebuild
 STAGE_FORMS = ("program", "code")
+#: ``--data tokens:DIR``: the token shards ``fusionllm data prepare`` wrote to DIR
+TOKENS_PREFIX = "tokens:"
 
 
 class RecipeError(ValueError):

@@ -1,0 +1,233 @@
+"""Your own corpus: ``fusionllm data prepare`` writes token shards, ``--data tokens:DIR``
+trains on them (seeded windows, any step at once, the validation split), and every
+bad input is one line with exit code 2."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from fusionllm.local import compare_checkpoints
+from protocol.model.job import JobSpec, SpecError
+from tests.conftest import run_cli
+from zoo import tokens
+from zoo.shards import ShardMeta
+
+#: the model of the training runs: tiny, with the trained tokenizer's vocabulary added per test
+TINY = "n_layer=2,n_embd=32,n_head=2,block_size=32"
+DATA_ARGS = "batch_size=8,ctx=32"
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
+
+
+def _write_corpus(root: Path) -> dict[str, str]:
+    """Twenty text files and a .jsonl of ten documents; each document names itself
+    (``doc-N``) once, so where it went can be told. Its texts by marker."""
+    root.mkdir(parents=True, exist_ok=True)
+    texts = {}
+    for i in range(30):
+        words = " ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(60 + 5 * i))
+        texts[f"doc-{i:02d}"] = f"doc-{i:02d} says: {words}.\n"
+    for i in range(20):
+        (root / f"part{i:02d}.txt").write_text(texts[f"doc-{i:02d}"])
+    with (root / "more.jsonl").open("w") as f:
+        for i in range(20, 30):
+            f.write(json.dumps({"text": texts[f"doc-{i:02d}"]}) + "\n\n")  # blank lines are no documents
+    return texts
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, str]]:
+    root = tmp_path_factory.mktemp("corpus")
+    return root, _write_corpus(root / "text")
+
+
+@pytest.fixture(scope="module")
+def bpe(corpus: tuple[Path, dict[str, str]]) -> Path:
+    """Shards of the corpus with a byte-level BPE trained on it."""
+    root, _ = corpus
+    out = root / "bpe"
+    flags = ["--train-tokenizer", "300", "--val-fraction", "0.1"]
+    r = run_cli("data", "prepare", str(root / "text"), "-o", str(out), *flags)
+    assert r.returncode == 0, r.stderr
+    assert f"--data tokens:{out}" in r.stdout
+    return out
+
+
+def _ids(directory: Path, split: str) -> np.ndarray:
+    meta = ShardMeta.read(directory)
+    return np.fromfile(directory / meta.splits[split].file, dtype=meta.dtype)
+
+
+def test_prepare_trains_a_tokenizer_and_writes_shards(bpe: Path, corpus: tuple[Path, dict[str, str]]) -> None:
+    import tokenizers
+
+    _, texts = corpus
+    meta = ShardMeta.read(bpe)
+    assert 256 < meta.vocab_size <= 300 and meta.dtype == "uint16" and meta.eot == 0
+    assert meta.tokenizer["kind"] == "tokenizers" and (bpe / meta.tokenizer["file"]).is_file()
+    assert {s: v.documents for s, v in meta.splits.items()} == {"train": 27, "val": 3}
+    tok = tokenizers.Tokenizer.from_file(str(bpe / "tokenizer.json"))
+    assert tok.get_vocab_size() == meta.vocab_size
+    for split, info in meta.splits.items():
+        ids = _ids(bpe, split)
+        assert ids.size == info.tokens and (bpe / info.file).stat().st_size == 2 * info.tokens
+        assert int((ids == meta.eot).sum()) == info.documents  # one separator after each document
+        assert int(ids.max()) < meta.vocab_size
+        # the ids decode back to the documents, whole and in order
+        docs = [tok.decode(d.tolist()) for d in np.split(ids, np.flatnonzero(ids == meta.eot) + 1) if d.size > 1]
+        assert all(d.rstrip("\x00") in texts.values() for d in docs), docs[:1]
+
+
+def test_a_given_tokenizer_json_makes_the_same_shards(tmp_path: Path, bpe: Path, corpus: tuple[Path, Any]) -> None:
+    """The copy in DIR is the tokenizer: preparing again with it gives the same ids."""
+    out = tmp_path / "again"
+    r = run_cli("data", "prepare", str(corpus[0] / "text"), "-o", str(out), "--tokenizer", str(bpe / "tokenizer.json"),
+                "--val-fraction", "0.1")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert all((out / f).read_bytes() == (bpe / f).read_bytes() for f in ("train.bin", "val.bin"))
+    assert ShardMeta.read(out).tokenizer["name"] == "tokenizer.json"
+
+
+def test_validation_holds_out_whole_documents(tmp_path: Path, corpus: tuple[Path, dict[str, str]]) -> None:
+    root, texts = corpus
+    out = tmp_path / "bytes"
+    r = run_cli("data", "prepare", str(root / "text"), "-o", str(out), "--val-fraction", "0.2")
+    assert r.returncode == 0, r.stderr
+    meta = ShardMeta.read(out)
+    assert meta.vocab_size == 256 and meta.dtype == "uint8" and meta.eot is None
+    train, val = (_ids(out, s).tobytes().decode() for s in ("train", "val"))
+    held = {m for m in texts if m in val}
+    assert len(held) == 6 and all(texts[m] in val and m not in train for m in held)
+    assert all(texts[m] in train for m in set(texts) - held)
+    assert len(train) + len(val) == sum(len(t) for t in texts.values())  # bytes: the text itself
+    assert meta.source_bytes >= len(train) + len(val)
+
+
+def test_loader_is_seeded_and_starts_at_any_step(bpe: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    stream = list(itertools.islice(tokens.token_batches(0, 4, 16, path=str(bpe)), 6))
+    again = list(itertools.islice(tokens.token_batches(0, 4, 16, path=str(bpe)), 6))
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(stream, again))
+    idx, targets = stream[0]
+    assert idx.shape == (4, 16) and idx.dtype == torch.int64 and torch.equal(idx[:, 1:], targets[:, :-1])
+    other = next(tokens.token_batches(1, 4, 16, path=str(bpe)))
+    assert not torch.equal(other[0], idx)
+    # step N at once: batch 4 of a stream started at 4 is the one the whole stream yields there
+    reads: list[int] = []
+    real = tokens.Shard.windows
+    monkeypatch.setattr(tokens.Shard, "windows", lambda self, s, n: reads.append(1) or real(self, s, n))
+    jumped = next(tokens.token_batches(0, 4, 16, path=str(bpe), start=4))
+    assert torch.equal(jumped[0], stream[4][0]) and len(reads) == 1
+    job = JobSpec(data=f"tokens:{bpe}", data_args="batch_size=4,ctx=16")
+    far = next(job.batches(start=1_000_000))
+    assert torch.equal(far[0], next(tokens.token_batches(0, 4, 16, path=str(bpe), start=1_000_000))[0])
+    assert len(reads) == 3  # one read each: no million batches replayed
+    # the validation split reads val.bin: its windows are runs of it
+    val_ids = _ids(bpe, "val").astype(np.int64)
+    row = next(job.batches("val"))[0][0].numpy()
+    assert any(np.array_equal(val_ids[s : s + row.size], row) for s in range(val_ids.size - row.size + 1))
+
+
+def test_stdlib_data_reaches_step_n_as_before() -> None:
+    """A factory without ``start`` is read past the first batches, as the coordinator always did."""
+    job = JobSpec(data="branchy")
+    jumped = next(job.batches(start=3))
+    replayed = next(itertools.islice(job.batches(), 3, None))
+    assert all(torch.equal(a, b) for a, b in zip(jumped, replayed))
+
+
+def test_a_model_of_another_vocabulary_is_refused(bpe: Path) -> None:
+    vocab = ShardMeta.read(bpe).vocab_size
+    job = JobSpec(data=f"tokens:{bpe}", model_args=TINY, data_args=DATA_ARGS)
+    with pytest.raises(SpecError, match=f"pass --model-args vocab_size={vocab}"):
+        job.checked_model()
+    JobSpec(data=f"tokens:{bpe}", model_args=f"{TINY},vocab_size={vocab}", data_args=DATA_ARGS).checked_model()
+
+
+def _one_line_exit_2(args: list[str], needle: str) -> None:
+    r = run_cli(*args)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "Traceback" not in r.stderr and needle in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["MISSING"], "no such file or folder"),
+        (["EMPTY"], "the corpus is empty"),
+        (["ONE", "--val-fraction", "0.5"], "leaves none for training"),
+        (["TEXT", "--val-fraction", "1.5"], "is not a fraction in [0, 1)"),
+        (["TEXT", "--val-fraction", "x"], "'x' is not a number"),
+        (["TEXT", "--tokenizer", "nosuch"], "not bytes, gpt2 or a tokenizer.json"),
+        (["TEXT", "--tokenizer", "gpt2"], "GPT-2's BPE files are not in tiktoken's cache"),
+        (["TEXT", "--train-tokenizer", "100"], "the vocabulary must be 257 to"),
+        (["TEXT", "--train-tokenizer", "300", "--tokenizer", "gpt2"], "not both"),
+        (["BADJSON"], "bad.jsonl:2: not JSON"),
+    ],
+    ids=["missing", "empty", "nothing-to-train", "fraction-high", "fraction-text", "unknown-tokenizer",
+         "tiktoken-missing", "tiny-vocab", "both", "bad-jsonl"],
+)  # fmt: skip
+def test_bad_inputs_are_one_line_exit_2(
+    tmp_path: Path, corpus: tuple[Path, dict[str, str]], monkeypatch: pytest.MonkeyPatch, extra: list[str], needle: str
+) -> None:
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "nothing.txt").write_text("")
+    (tmp_path / "one.txt").write_text("a single document\n")
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{not json\n')
+    (tmp_path / "cache").mkdir()
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "cache"))  # empty: GPT-2's files are not here
+    where = {"MISSING": tmp_path / "missing.txt", "EMPTY": tmp_path / "empty", "ONE": tmp_path / "one.txt",
+             "TEXT": corpus[0] / "text", "BADJSON": tmp_path / "bad.jsonl"}  # fmt: skip
+    args = [str(where.get(a, a)) for a in extra]
+    _one_line_exit_2(["data", "prepare", *args, "-o", str(tmp_path / "out")], needle)
+
+
+def test_training_on_bad_shards_is_one_line_exit_2(tmp_path: Path, bpe: Path) -> None:
+    flags = ["train", "--reference", "--steps", "1", "--data-args", DATA_ARGS]
+    _one_line_exit_2([*flags, "--model-args", TINY, "--data", f"tokens:{bpe}"], "vocab_size=")
+    _one_line_exit_2([*flags, "--data", f"tokens:{tmp_path}"], "no token shards there")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in bpe.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes()[: 100 if f.name == "train.bin" else None])
+    vocab = ShardMeta.read(bpe).vocab_size
+    fitting = ["--model-args", f"{TINY},vocab_size={vocab}"]
+    _one_line_exit_2([*flags, *fitting, "--data", f"tokens:{broken}"], "as meta says")
+
+
+def _val_losses(out: str) -> list[tuple[int, float]]:
+    return [(int(s), float(v)) for s, v in re.findall(r"^validation loss after step (\d+): ([\d.]+)$", out, re.M)]
+
+
+def test_three_peers_on_the_shards_equal_the_reference(tmp_path: Path, bpe: Path) -> None:
+    vocab = ShardMeta.read(bpe).vocab_size
+    common = ["--steps", "4", "--seed", "0", "--model-args", f"{TINY},vocab_size={vocab}", "--data-args", DATA_ARGS]
+    common += ["--data", f"tokens:{bpe}", "--eval-every", "2"]
+    ref = tmp_path / "ref.safetensors"
+    r = run_cli("train", "--reference", *common, "--threads", "1", "--save", str(ref))
+    assert r.returncode == 0, r.stderr
+    want = _val_losses(r.stdout)
+    assert [s for s, _ in want] == [2, 4]
+    swarm = tmp_path / "swarm.safetensors"
+    s = run_cli("demo", "--peers", "3", *common, "--save", str(swarm), timeout=240)
+    assert s.returncode == 0, s.stdout + s.stderr
+    assert compare_checkpoints(swarm, ref) <= 1e-5
+    got = _val_losses(s.stdout)
+    assert [n for n, _ in got] == [2, 4]
+    assert [v for _, v in got] == pytest.approx([v for _, v in want], rel=1e-5)
+
+
+def test_volunteers_never_read_the_data() -> None:
+    """Only the coordinator reads batches: peers get micro-batches in messages, so the
+    shards stay on the coordinator's machine (nothing under peer/ asks a job for data)."""
+    root = Path(__file__).resolve().parent.parent / "peer"
+    readers = ("batches(", "first_micro_batch", "eval_micro_batches", "zoo.tokens", "zoo.text", "_data_factory")
+    found = [f"{p.name}: {r}" for p in sorted(root.rglob("*.py")) for r in readers if r in p.read_text()]
+    assert found == []
