@@ -3,7 +3,7 @@
 A process that trains imports torch, torch._dynamo (AdamW's first step does) and
 hivemind: about 4.5 CPU-seconds, more than a small swarm's peers spend on anything
 else before their first step. :class:`Launcher` starts one warm process (the
-*zygote*, ``python -m fusionllm.launcher``) that imports all of that once, then
+*zygote*, ``python -m fusionllm.zygote``) that imports all of that once, then
 forks each command from there: a forked child is a separate process with its own
 session, environment, working directory and standard streams, which runs the
 command's module as ``python -m`` would, and exits as a fresh interpreter does.
@@ -13,15 +13,22 @@ and a lock such a thread held would stay locked); if it ever runs more, or dies,
 :meth:`Launcher.spawn` starts the command as a fresh interpreter instead. The
 zygote is the caller's child and the commands its children, so a caller's reaper
 (:mod:`fusionllm.reaper`) sees them all; it exits once the caller closes or dies.
+
+A command forked from a zygote may start commands of its own (a demo its peers, a
+benchmark its swarms): its :class:`Launcher` asks the same zygote, over a connection
+of its own that the fork left open (named in ``ZYGOTE_ENV``), instead of starting
+another zygote and paying for the imports again. The commands it starts so are the
+zygote's children, not its own: when that connection closes (the command ended or was
+killed, kill -9 included), the zygote kills those still running.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -38,6 +45,9 @@ IMPORT_WAIT_S = 120.0  # the longest the first request waits for the zygote's im
 FORK_WAIT_S = 10.0  # the longest a request waits for its fork once the zygote is ready
 REAP_POLL_S = 0.05  # how often the zygote collects its exited children
 MAX_MESSAGE = 1 << 20  # one request (argv, environment, cwd) or reply, in bytes
+#: in a forked command's environment: {"pid": the zygote, "fd": the command's own
+#: connection to it, "pools": the zygote's IMPORT_TIME_ENV values}
+ZYGOTE_ENV = "FUSIONLLM_ZYGOTE"
 ROOT = str(Path(__file__).resolve().parent.parent)
 
 
@@ -105,19 +115,16 @@ class Launcher:
     def __init__(self, env: dict[str, str] | None = None, fork_wait_s: float = FORK_WAIT_S) -> None:
         self._fork_wait_s = fork_wait_s
         self._ready = threading.Event()  # the zygote has done its imports
-        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._env = dict(os.environ if env is None else env)
-        zygote_env = {**self._env, "PYTHONPATH": _pythonpath(self._env)}
-        self._zygote = subprocess.Popen(
-            [sys.executable, "-m", "fusionllm.launcher", str(theirs.fileno())],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            pass_fds=(theirs.fileno(),),
-            start_new_session=True,  # a Ctrl-C to the caller's group is the caller's to handle
-            env=zygote_env,
-        )
-        theirs.close()
+        self._zygote: subprocess.Popen[bytes] | None = None  # None: the zygote this process was forked from
+        shared = _inherited(self._env)
+        if shared is not None:
+            self._sock = shared
+            self._ready.set()
+        else:
+            self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            self._zygote = _start_zygote(self._env, theirs)
+            theirs.close()
         self._lock = threading.Lock()  # one request, one pid reply at a time
         self._pid_reply: list[dict[str, Any]] = []
         self._replied = threading.Condition()
@@ -213,10 +220,17 @@ class Launcher:
         return self._children.setdefault(pid, Child(pid, [module, *args], None))
 
     def _give_up(self) -> None:
-        """A stuck zygote (stopped, swapping) is ended: a late reply would answer the next request."""
+        """A stuck zygote (stopped, swapping) is ended (one this process was forked from is
+        left, and asked no more): a late reply would answer the next request."""
         with self._replied:
             self._alive = False
-        self._zygote.kill()
+        if self._zygote is not None:
+            self._zygote.kill()
+
+    @property
+    def zygote_pid(self) -> int | None:
+        """The zygote this launcher started (None: it asks the one its process was forked from)."""
+        return None if self._zygote is None else self._zygote.pid
 
     @staticmethod
     def _exec(
@@ -268,14 +282,61 @@ class Launcher:
                 threading.Thread(target=_poll_orphan, args=(child,), daemon=True).start()
 
     def close(self) -> None:
-        """End the zygote now (mid-import, too); commands it forked run on."""
+        """End the zygote now (mid-import, too); commands it forked run on. A zygote this
+        process was forked from runs on, and kills the commands it forked for us."""
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self._sock.close()
-        self._zygote.kill()
-        self._zygote.wait()
+        if self._zygote is not None:
+            self._zygote.kill()
+            self._zygote.wait()
+
+
+def _start_zygote(env: dict[str, str], theirs: socket.socket) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "fusionllm.zygote", str(theirs.fileno())],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        pass_fds=(theirs.fileno(),),
+        start_new_session=True,  # a Ctrl-C to the caller's group is the caller's to handle
+        env={**env, "PYTHONPATH": _pythonpath(env)},
+    )
+
+
+def pool_settings(env: dict[str, str] | os._Environ[str]) -> dict[str, str | None]:
+    """``env``'s thread settings (``IMPORT_TIME_ENV``): a zygote serves only requests with its own."""
+    return {k: env.get(k) for k in IMPORT_TIME_ENV}
+
+
+def _inherited(env: dict[str, str]) -> socket.socket | None:
+    """This process's own connection to the zygote it was forked from, if it has one that
+    imported with ``env``'s thread settings (the variable alone proves nothing: a process
+    started some other way may carry it, and the descriptor be closed or another file)."""
+    try:
+        named = json.loads(os.environ.get(ZYGOTE_ENV, "null"))
+        pid, fd, pools = int(named["pid"]), int(named["fd"]), named["pools"]
+    except (ValueError, TypeError, KeyError):
+        return None
+    if pools != pool_settings(env):
+        return None
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        same = sock.type == socket.SOCK_SEQPACKET and struct.unpack("3i", creds)[0] == pid
+    except OSError:
+        same = False
+    if not same:
+        sock.close()
+        return None
+    os.close(fd)  # the duplicate is ours: a second Launcher here starts its own zygote
+    os.environ.pop(ZYGOTE_ENV, None)
+    return sock
 
 
 def _poll_orphan(child: Child) -> None:
@@ -316,134 +377,3 @@ def _kill_tree(pid: int) -> None:
 def _pythonpath(env: dict[str, str]) -> str:
     entries = [ROOT, *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
     return os.pathsep.join(dict.fromkeys(entries))
-
-
-# ---- the zygote ----
-
-
-def _single_threaded() -> bool:
-    return len(os.listdir("/proc/self/task")) == 1
-
-
-def _serve(sock: socket.socket) -> dict[str, Any] | None:
-    """Fork one child per request until the caller closes; returns (in a child only)
-    the request the child is to run."""
-    children: set[int] = set()
-    while True:
-        ready, _, _ = select.select([sock], [], [], REAP_POLL_S)
-        _reap(sock, children)
-        if not ready:
-            continue
-        try:
-            data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 2)
-        except OSError:
-            return None
-        if not data:
-            return None
-        request = json.loads(data)
-        if len(fds) != 2 or not _single_threaded():
-            for fd in fds:
-                os.close(fd)
-            sock.send(json.dumps({"error": "cannot fork"}).encode())
-            continue
-        pid = os.fork()
-        if pid == 0:
-            sock.close()
-            _become(request, fds)
-            return request
-        for fd in fds:
-            os.close(fd)
-        children.add(pid)
-        sock.send(json.dumps({"pid": pid}).encode())
-
-
-def _reap(sock: socket.socket, children: set[int]) -> None:
-    for pid in list(children):
-        try:
-            done, status = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            done, status = pid, 0
-        if done:
-            children.discard(pid)
-            try:
-                sock.send(json.dumps({"exit": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
-            except OSError:
-                pass
-
-
-def _become(request: dict[str, Any], fds: list[int]) -> None:
-    """In a fresh fork: the session, streams, environment and state of a new process."""
-    import random
-
-    os.setsid()
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    for target, fd in enumerate([devnull, *fds]):
-        os.dup2(fd, target)
-    for fd in {devnull, *fds} - {0, 1, 2}:
-        os.close(fd)
-    os.environ.clear()
-    os.environ.update(request["env"])
-    os.chdir(request["cwd"])
-    for entry in reversed(request["env"].get("PYTHONPATH", "").split(os.pathsep)):
-        if entry and entry not in sys.path:
-            sys.path.insert(0, entry)
-    random.seed()  # the fork copied the zygote's generator: each process draws its own
-    if "numpy" in sys.modules:
-        sys.modules["numpy"].random.seed()
-    sys.argv = [request["module"], *request["args"]]
-
-
-def _main() -> None:
-    sock = socket.socket(fileno=int(sys.argv[1]))
-    import gc
-    import importlib
-
-    for name in PRELOAD:
-        importlib.import_module(name)
-    gc.freeze()  # what the imports made is never collected: a child's collections leave those pages shared
-    sock.send(json.dumps({"ready": True}).encode())
-    request = _serve(sock)
-    if request is None:
-        return  # the caller closed: the commands run on by themselves
-    os._exit(_run(request))
-
-
-def _run(request: dict[str, Any]) -> int:
-    """The command, then the exit a fresh interpreter makes (threads joined, atexit
-    handlers, streams flushed) less its teardown of every module: that would touch,
-    and so copy, each page the child shares with the zygote (about 1.5 s)."""
-    import atexit
-    import runpy
-    import traceback
-
-    code = 0
-    try:
-        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
-    except SystemExit as exc:
-        code = _exit_code(exc.code)
-    except KeyboardInterrupt:
-        code = 128 + signal.SIGINT
-    except BaseException:  # noqa: BLE001 - printed as the interpreter would
-        traceback.print_exc()
-        code = 1
-    threading._shutdown()  # type: ignore[attr-defined]  # as multiprocessing's children do
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    return code
-
-
-def _exit_code(code: object) -> int:
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    print(code, file=sys.stderr)
-    return 1
-
-
-if __name__ == "__main__":
-    _main()

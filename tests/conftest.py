@@ -47,14 +47,14 @@ def demo_output(*args: str, timeout: float = 600) -> str:
 def stray_commands() -> list[str]:
     """The command lines of ``fusionllm`` processes running outside this test
     process's own tree: a ``join`` started fresh, or anything a zygote forked (those
-    read ``python -m fusionllm.launcher``)."""
+    read ``python -m fusionllm.zygote``)."""
     import psutil
 
     mine = {p.pid for p in psutil.Process().children(recursive=True)}
     out = []
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = p.info["cmdline"] or []
-        ours = "fusionllm.launcher" in cmd or ("join" in cmd and "fusionllm" in " ".join(cmd))
+        ours = "fusionllm.zygote" in cmd or ("join" in cmd and "fusionllm" in " ".join(cmd))
         if ours and p.info["pid"] not in mine:
             out.append(" ".join(cmd))
     return out

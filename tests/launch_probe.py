@@ -1,5 +1,8 @@
 """What a launched process sees of itself, as one JSON line; ``python -m
-tests.launch_probe CODE [SLEEP_S]`` then exits with CODE."""
+tests.launch_probe CODE [SLEEP_S]`` then exits with CODE. ``python -m
+tests.launch_probe nest SLEEP_S`` starts a probe of its own (``7 SLEEP_S``) through a
+Launcher, prints which zygote that used and the inner probe's line, then waits for it
+and prints its exit code."""
 
 import json
 import os
@@ -7,7 +10,22 @@ import random
 import sys
 import time
 
-if __name__ == "__main__":
+
+def nest(sleep_s: str) -> None:
+    from fusionllm.launcher import Launcher
+
+    env = {**os.environ, "PROBE": "inner"}
+    launcher = Launcher(env)
+    inner = launcher.spawn(["7", sleep_s], module="tests.launch_probe", env=env, text_stdout=True)
+    line = json.loads(inner.stdout.readline())
+    print(json.dumps({"own_zygote": launcher.zygote_pid, "inner": line, "ppid": os.getppid()}), flush=True)
+    print(json.dumps({"inner_code": inner.wait()}), flush=True)
+    launcher.close()
+
+
+if __name__ == "__main__" and sys.argv[1] == "nest":
+    nest(sys.argv[2])
+elif __name__ == "__main__":
     me = {
         "pid": os.getpid(),
         "sid": os.getsid(0),

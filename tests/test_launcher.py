@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -14,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fusionllm.launcher import Child, Launcher
+from fusionllm.launcher import ZYGOTE_ENV, Child, Launcher, _inherited, pool_settings
 from tests.conftest import BASE_ENV, ROOT, launcher, stray_commands
 from tests.swarmproc import SMALL, Proc, api, wait_for, wait_gone
 
@@ -73,7 +74,7 @@ def test_other_thread_settings_start_a_fresh_interpreter() -> None:
 def test_a_dead_zygote_leaves_its_commands_waitable_and_later_ones_start_fresh(zygote: Launcher) -> None:
     sleeper, _ = _probe(zygote, "0", "600")
     assert isinstance(sleeper, Child)
-    os.kill(zygote._zygote.pid, signal.SIGKILL)
+    os.kill(zygote.zygote_pid, signal.SIGKILL)
     zygote._zygote.wait(10)
     later, me = _probe(zygote, "5")
     assert isinstance(later, subprocess.Popen) and later.wait(30) == 5
@@ -98,8 +99,9 @@ def test_a_stuck_zygote_is_given_up_and_the_command_starts_fresh() -> None:
 
 
 def test_kill9_of_a_demo_leaves_no_process(tmp_path: Path) -> None:
-    """The demo's zygote and the peers it forked are the demo's descendants: its reaper ends them all."""
-    demo = Proc("demo", "--peers", "2", "--steps", "100000", *SMALL, "--run-dir", str(tmp_path / "run"))
+    """A demo started afresh: its zygote and the peers it forked are its descendants, and
+    its reaper ends them all."""
+    demo = Proc("demo", *_KILLED_DEMO, str(tmp_path / "run"), prefix=["env"])  # not forked: a zygote of its own
     try:
         url = demo.wait_line(r"^status page: (\S+)").group(1)
         wait_for(url, lambda s: s["training"]["step"] >= 2)
@@ -114,3 +116,72 @@ def test_kill9_of_a_demo_leaves_no_process(tmp_path: Path) -> None:
             api(url)
     finally:
         demo.kill_all()
+
+
+_KILLED_DEMO = ["--peers", "2", "--steps", "100000", *SMALL, "--run-dir"]
+
+
+def test_kill9_of_a_forked_demo_leaves_no_process(tmp_path: Path) -> None:
+    """A demo forked from a zygote has its peers forked by the same zygote (no zygote of
+    its own): they are the zygote's children, and die when the demo's connection to it
+    closes, kill -9 of the demo included."""
+    zygote = psutil.Process(launcher().zygote_pid)
+    before = {p.pid for p in zygote.children()}
+    demo = Proc("demo", *_KILLED_DEMO, str(tmp_path / "run"))
+    try:
+        url = demo.wait_line(r"^status page: (\S+)").group(1)
+        wait_for(url, lambda s: s["training"]["step"] >= 2)
+        forked = [p for p in zygote.children() if p.pid not in before]
+        assert demo.popen.pid in {p.pid for p in forked} and len(forked) == 3, forked  # the demo and its 2 peers
+        tree = [*forked, *(c for p in forked for c in p.children(recursive=True))]
+        names = [" ".join(p.cmdline()) for p in tree]
+        assert sum(p.name() == "p2pd" for p in tree) >= 3, names
+        demo.note_children()
+        os.kill(demo.popen.pid, signal.SIGKILL)
+        assert not wait_gone({p.pid for p in tree}, 30), [n for p, n in zip(tree, names, strict=True) if p.is_running()]
+        assert not stray_commands()
+        with pytest.raises(OSError):
+            api(url)
+    finally:
+        demo.kill_all()
+
+
+def test_a_forked_command_starts_its_own_commands_through_the_same_zygote() -> None:
+    """A command's Launcher asks the zygote it was forked from (no second zygote, no
+    second round of imports); what it starts is that zygote's child, and it sees the exit."""
+    outer = launcher().spawn(["nest", "0"], module=PROBE, env=_env(), cwd=ROOT, text_stdout=True)
+    assert outer.stdout is not None
+    seen = json.loads(outer.stdout.readline())
+    assert seen["own_zygote"] is None and seen["ppid"] == launcher().zygote_pid, seen
+    assert seen["inner"]["probe"] == "inner" and psutil.Process(seen["inner"]["pid"]).ppid() in (
+        launcher().zygote_pid,
+        1,
+    )
+    assert json.loads(outer.stdout.readline()) == {"inner_code": 7}
+    assert outer.wait(30) == 0
+
+
+def test_kill9_of_a_forked_command_kills_what_it_started_through_the_zygote() -> None:
+    outer = launcher().spawn(["nest", "600"], module=PROBE, env=_env(), cwd=ROOT, text_stdout=True)
+    assert outer.stdout is not None
+    inner = json.loads(outer.stdout.readline())["inner"]["pid"]
+    assert psutil.Process(inner).ppid() == launcher().zygote_pid
+    outer.kill()
+    assert not wait_gone({outer.pid, inner}, 10)
+
+
+def test_a_stale_zygote_variable_is_not_trusted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The variable a forked command inherits proves nothing on its own: a process started
+    some other way may carry it with a descriptor that is closed, or another file, or
+    another process's socket."""
+    other, mine = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # created here, not by a zygote
+    with open(tmp_path / "f", "w") as f:
+        for fd, pid in [(999, os.getpid()), (f.fileno(), os.getpid()), (mine.fileno(), os.getpid() + 1)]:
+            named = {"pid": pid, "fd": fd, "pools": pool_settings(_env())}
+            monkeypatch.setenv(ZYGOTE_ENV, json.dumps(named))
+            assert _inherited(_env()) is None, named
+        named = {"pid": os.getpid(), "fd": mine.fileno(), "pools": pool_settings(_env(OMP_NUM_THREADS="4"))}
+        monkeypatch.setenv(ZYGOTE_ENV, json.dumps(named))
+        assert _inherited(_env()) is None  # it imported with other thread settings
+    other.close()
+    mine.close()
