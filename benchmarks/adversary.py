@@ -172,7 +172,7 @@ def cheater_caught(short: bool) -> tuple[int, float, float]:
     survival chance over 20 steps by the formula; that of a cheat only in gradients,
     which only the backward checks see) in a swarm of one stage on two honest
     replicas and the cheat, at the default spot-check rate."""
-    steps, mbs = (25, 32) if short else (60, 64)
+    steps, mbs = (15, 32) if short else (60, 64)
     batches = ["--micro-batches", str(mbs), "--data-args", f"batch_size={mbs}"]
     args = ["--steps", str(steps), "--seed", "0", *SMALL, *batches, "--min-peers", "3", "--stages", "1"]
     with tempfile.TemporaryDirectory() as tmp:

@@ -96,7 +96,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--short", action="store_true", help="a shorter run (the test suite's)")
     args = parser.parse_args()
-    steps, rounds = (60, 1) if args.short else (400, 3)
+    steps, rounds = (40, 1) if args.short else (400, 3)
     MODEL[:] = SMALL if args.short else []
     with tempfile.TemporaryDirectory(prefix="fusionllm-elastic-") as d:
         tmp = Path(d)

@@ -17,7 +17,8 @@ one JSON object.
 
 ``--short`` runs the same paths smaller, for the test suite: the demo's GPT at 2
 layers of width 64, a check every 10 steps instead of 20 (the plan settles after 40),
-200 steps; the simulation with 1 seed, 3 churn events and a 4-layer model."""
+200 steps; the simulation with 1 seed, 3 churn events and a 2-layer model on 200
+volunteers instead of 1,000 (``sim_1000_peers.peers`` says how many)."""
 
 from __future__ import annotations
 
@@ -39,8 +40,10 @@ from tests.swarmproc import SMALL, Swarm, api, join_together, wait_for  # noqa: 
 EVERY = [20]
 SHORT_EVERY = 10
 SIM_MODEL = "n_layer=24,n_embd=1024,n_head=16"
-#: the short mode's: 4 layers, so each of its plans of 1,000 peers takes a second, not five
-SHORT_SIM_MODEL = "n_layer=4,n_embd=1024,n_head=16"
+#: the short mode's: 2 layers on 200 volunteers in 10 regions (the same generator as
+#: internet-1k's), so that its plans take a fraction of a second, not five
+SHORT_SIM_MODEL = "n_layer=2,n_embd=1024,n_head=16"
+SHORT_SIM_PEERS, SHORT_SIM_REGIONS = 200, 10
 SIM_ITERATIONS = 20_000
 SIM_CHURN = 40
 MODEL: list[str] = []
@@ -129,18 +132,22 @@ def _ideal(tmp: Path, steps: int, slow_index: int) -> float:
     return rate
 
 
-def _sim(seeds: int, events: int, model: str = SIM_MODEL) -> dict[str, Any]:
-    """Mean goodput of each policy over ``seeds`` churn seeds (see the module's text)."""
+def _sim(seeds: int, events: int, model: str = SIM_MODEL, peers: int = 1000) -> dict[str, Any]:
+    """Mean goodput of each policy over ``seeds`` churn seeds (see the module's text) on
+    ``internet-1k`` (or, ``peers`` fewer, the same generator's smaller internet)."""
     from coordinator.plan_options import POLICIES
     from fusionllm.cli import build_parser
     from fusionllm.plan_cmds import _costs, _options, _topology, churn_events
     from sim.engine import simulate
+    from sim.presets import internet
+    from sim.topology import parse
 
     model_flags = ["--model", "zoo.gpt:gpt2", "--model-args", model]
     scale = ["--iterations", str(SIM_ITERATIONS), "--churn", str(events)]
     argv = ["sim", "--topology", "internet-1k", *model_flags, *scale]
     args = build_parser().parse_args(argv)
-    costs, topo, options = _costs(args), _topology(args.topology), _options(args)
+    costs, options = _costs(args), _options(args)
+    topo = _topology(args.topology) if peers == 1000 else parse(internet(peers, SHORT_SIM_REGIONS, 1), "internet")
     goodput: dict[str, list[float]] = {p: [] for p in POLICIES}
     for seed in range(seeds):
         churn, held = churn_events(topo, SIM_ITERATIONS, events, seed)
@@ -153,6 +160,7 @@ def _sim(seeds: int, events: int, model: str = SIM_MODEL) -> dict[str, Any]:
         "goodput_no_rebalance": mean["none"],
         "goodput_restart_only": mean["restart"],
         "seeds": seeds,
+        "peers": len(topo.peers),
         "churn_events": events,
         "per_seed": {p: [round(x, 3) for x in v] for p, v in goodput.items()},
     }
@@ -175,7 +183,7 @@ def main() -> None:
         "ideal_after": round(ideal),
         "recovery_vs_ideal": round(run["after"] / ideal, 3),
         "replan_s": None if run["replan_s"] is None else round(run["replan_s"], 2),  # None: never rebalanced
-        "sim_1000_peers": _sim(1, 3, SHORT_SIM_MODEL) if args.short else _sim(4, SIM_CHURN),
+        "sim_1000_peers": _sim(1, 3, SHORT_SIM_MODEL, SHORT_SIM_PEERS) if args.short else _sim(4, SIM_CHURN),
     }
     if args.short:
         out["short"] = True

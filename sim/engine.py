@@ -167,6 +167,7 @@ class _Swarm:
         self.current = self.replan()
         self.home = _next_door(topology, self.current.groups[0][0])
         self.learned: set[str] = set()  # peers measured slower in the last iteration
+        self._slowed: set[str] = set()  # peers whose speed changed since the last measure
         self._probed: Plan | None = None
         self._last: tuple[Plan, tuple[tuple[str, float], ...], float] | None = None
 
@@ -194,11 +195,13 @@ class _Swarm:
             elif ev.kind == "slow" and ev.peer in self.true:
                 p = self.true[ev.peer]
                 self.true[ev.peer] = replace(p, flops=p.flops * ev.factor)
+                self._slowed.add(ev.peer)
         return change
 
     def measure(self) -> None:
         """What the stages measured: the view learns slowed-down peers after one iteration."""
-        self.learned = {pid for pid, p in self.true.items() if self.view[pid].flops != p.flops}
+        slowed, self._slowed = self._slowed, set()  # only these can differ from the view
+        self.learned = {pid for pid in slowed if pid in self.true and self.view[pid].flops != self.true[pid].flops}
         self.view.update({pid: self.true[pid] for pid in self.learned})
 
     def probe(self, p: Plan) -> None:
