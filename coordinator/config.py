@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protocol.model.job import JobSpec
+from protocol.net.hostaddrs import LOOPBACK_MADDRS
 from protocol.trust.admission import CERT_TTL_S
 from protocol.trust.spot_rate import DEFAULT_SPOT_CHECK
 
@@ -22,7 +23,8 @@ DEFAULT_REBALANCE_EVERY = 0
 class CoordinatorConfig:
     job: JobSpec
     run_id: str = "fusionllm"
-    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    host_maddrs: list[str] = field(default_factory=lambda: list(LOOPBACK_MADDRS))  # the CLI: every interface
+    announce_maddrs: list[str] = field(default_factory=list)  # what the join line names instead of host_maddrs
     initial_peers: list[str] = field(default_factory=list)
     min_peers: int = 1
     num_stages: int | None = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from coordinator.checkpoint import RunDir
 from coordinator.checkpointing import Checkpoints
@@ -16,13 +17,18 @@ from coordinator.links import boundary_specs
 from coordinator.messaging import Mailbox
 from coordinator.outcome import SwarmError
 from coordinator.planning import Planner
-from coordinator.runstate import RunState
+from coordinator.runstate import EXCLUDED, RunState
 from coordinator.scaling import LossScales
 from coordinator.stages import Stages
 from protocol.net.clock import Clock
 from protocol.wire.messages import Assign, Finish, LinkPlan, Ready, Release, StageProgram, StageState, Standby
 
 logger = logging.getLogger(__name__)
+
+#: the end of the run: the longest a send of its notice to one peer may take (one that
+#: takes longer is skipped), and how many are under way at once
+END_NOTICE_S = 3.0
+END_NOTICE_AT_ONCE = 64
 
 
 class Dispatcher:
@@ -37,6 +43,7 @@ class Dispatcher:
         mailbox: Mailbox,
         run_dir: RunDir,
         clock: Clock,
+        say: Callable[[str], None],
     ) -> None:
         self.host = host
         self.cfg = host.config
@@ -48,6 +55,7 @@ class Dispatcher:
         self.mailbox = mailbox
         self.run_dir = run_dir
         self.clock = clock
+        self.say = say
 
     async def dispatch(self) -> None:
         """Set the current plan epoch up; ``st.dispatched`` once every peer is ready."""
@@ -160,16 +168,24 @@ class Dispatcher:
             await self.mailbox.send(p, LinkPlan(cfg.run_id, [c.to_json() for c in st.codecs], st.epoch))
 
     async def release(self) -> None:
-        """Tell every admitted peer the run is over: the plan's, the standby peers with
-        an advert, and those whose advert the DHT did not return just now (a peer never
-        told would wait for a coordinator that is gone)."""
+        """Tell every peer admitted during the run that it is over: the plan's, the standby
+        peers, those dropped (a stalled one may be back, or wake up any moment), and
+        those whose advert the DHT did not return just now; a peer never told would wait
+        out its --coordinator-grace for a coordinator that is gone. Peers excluded for
+        what they sent are not told. Each send is bounded (``END_NOTICE_S``, at most
+        ``END_NOTICE_AT_ONCE`` at a time): a dead or stopped peer is skipped, and cannot
+        hold the coordinator's exit."""
         st, mailbox = self.st, self.mailbox
         try:
             await self.planner.refresh_adverts()  # standby peers that came (back) since
         except Exception as exc:  # the DHT may hiccup: the admitted peers are told anyway
             logger.info("the last advert refresh failed: %s", exc)
-        told = (st.planned | set(self.planner.standby()) | set(self.host.gate.keys)) - set(st.lost)
+        excluded = {p for p, why in st.lost.items() if why.startswith(EXCLUDED)} | self.host.banned
+        admitted = st.planned | set(self.planner.standby()) | set(self.host.gate.keys) | set(st.lost)
+        told = admitted - excluded - {mailbox.transport.peer_id}
+        self.say(f"the run is over; telling {len(told)} peers")
         finish = Finish(self.cfg.run_id, False, st.epoch)
-        me = mailbox.transport.peer_id
-        await asyncio.gather(*(mailbox.send_quietly(p, finish) for p in told if p != me))
-        await asyncio.gather(*(mailbox.send_quietly(p, Release(self.cfg.run_id)) for p in st.planned))
+        missed = await mailbox.tell(told, finish, END_NOTICE_S, END_NOTICE_AT_ONCE)
+        if missed:
+            self.say(f"{len(missed)} of {len(told)} peers could not be told within {END_NOTICE_S:g} s")
+        await mailbox.tell(st.planned - missed, Release(self.cfg.run_id), END_NOTICE_S, END_NOTICE_AT_ONCE)

@@ -57,10 +57,12 @@ def addresses(cfg: CoordinatorConfig, run_dir: RunDir) -> tuple[list[str], list[
     (where free, so printed join commands stay valid) and the recorded peers."""
     if not cfg.resume:
         return cfg.host_maddrs, cfg.initial_peers
-    ports = run_dir.get_meta("ports", [])
+    ports = run_dir.get_meta("ports", {})
+    if isinstance(ports, list):  # as an older version recorded them: one port, or one each of several
+        ports = {"ip4": ports[0], "ip6": ports[0]} if len(ports) == 1 else {}
     host = list(cfg.host_maddrs)
-    if len(ports) == 1:
-        reused = [m.replace("/tcp/0", f"/tcp/{ports[0]}") for m in host]
+    reused = [_on_port(m, ports.get(m.split("/")[1] if "/" in m else "")) for m in host]
+    if reused != host:
         try:
             check_listen_ports(reused)
             host = reused
@@ -83,11 +85,29 @@ async def start_dht(cfg: CoordinatorConfig, run_dir: RunDir, identity: Identity,
         lambda: hivemind.DHT(
             initial_peers=initial_peers,
             host_maddrs=host_maddrs,
+            announce_maddrs=cfg.announce_maddrs or None,
             identity_path=str(identity_path),
             record_validators=validators,
             start=True,
         ),
     )
+
+
+def _on_port(maddr: str, port: int | None) -> str:
+    """``maddr`` at ``port`` instead of any free one (``/tcp/0``)."""
+    if not port or "/tcp/0/" not in maddr + "/":
+        return maddr
+    return (maddr + "/").replace("/tcp/0/", f"/tcp/{port}/", 1)[:-1]
+
+
+def family_ports(maddrs: list[str]) -> dict[str, int]:
+    """The TCP port per address family (``ip4``, ``ip6``) among listening multiaddrs."""
+    out: dict[str, int] = {}
+    for m in maddrs:
+        parts = m.split("/")
+        if len(parts) > 4 and parts[1] in ("ip4", "ip6") and parts[3] == "tcp" and parts[4].isdecimal():
+            out.setdefault(parts[1], int(parts[4]))
+    return out
 
 
 def tcp_ports(maddrs: list[str]) -> list[int]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Collection, Coroutine
 from typing import Any, TypeVar
 
 from coordinator import replan
@@ -97,6 +97,23 @@ class Mailbox:
             await self.send(peer, msg)
         except PeerLost as exc:
             logger.info("%s", exc)
+
+    async def tell(self, peers: Collection[str], msg: Message, within: float, at_once: int) -> set[str]:
+        """Send ``msg`` to each of ``peers``, ``at_once`` sends at a time, each given
+        ``within`` seconds; the peers it did not reach (gone, stopped or too slow: skipped)."""
+        slots = asyncio.Semaphore(at_once)
+        missed: set[str] = set()
+
+        async def one(peer: str) -> None:
+            async with slots:
+                try:
+                    await asyncio.wait_for(self.transport.send(peer, msg), within)
+                except (PeerUnreachable, ConnectionError, asyncio.TimeoutError) as exc:
+                    logger.info("could not tell %s the %s: %s", peer, msg.KIND, exc or "timed out")
+                    missed.add(peer)
+
+        await asyncio.gather(*(one(p) for p in peers))
+        return missed
 
     def background(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run ``coro`` on the side; its failure is logged, never lost."""

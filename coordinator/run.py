@@ -86,7 +86,7 @@ class Driver:
         every = self.cfg.checkpoint_every
         checkpoints = Checkpoints(st, stages, run_dir, host.board, every, clock, auditor.note_unaudited, say)
         rebalancer = Rebalancer(host, st, stages.dag, job, planner, checkpoints, mailbox, auditor, say)
-        self.dispatcher = Dispatcher(host, st, stages, planner, checkpoints, scales, mailbox, run_dir, clock)
+        self.dispatcher = Dispatcher(host, st, stages, planner, checkpoints, scales, mailbox, run_dir, clock, say)
         self.pipeline = StepPipeline(
             host, st, stages, mailbox, auditor, checkpoints, rebalancer, scales, run_dir, clock, on_step, say
         )

@@ -23,7 +23,7 @@ from coordinator.assign import Assignment
 from coordinator.beacon import Beacon
 from coordinator.checkpoint import RunDir
 from coordinator.config import CoordinatorConfig
-from coordinator.hosting import open_run_dir, start_dht, tcp_ports
+from coordinator.hosting import family_ports, open_run_dir, start_dht, tcp_ports
 from coordinator.intake import Intake
 from coordinator.links import live_codecs
 from coordinator.outcome import RunSummary, StepReport, SwarmError
@@ -35,6 +35,7 @@ from coordinator.status import StatusBoard
 from coordinator.summary import summarize, traffic
 from coordinator.web import StatusServer
 from protocol.net.clock import SYSTEM_CLOCK, Clock
+from protocol.net.hostaddrs import JoinAddrs, interface_ips, join_addrs
 from protocol.net.tasks import cancel_all, every, wait_until
 from protocol.net.transport import PeerUnreachable, Transport
 from protocol.trust.identity import Identity, IdentityError, key_hex
@@ -70,6 +71,7 @@ class Coordinator:
         self.beacon = Beacon(config.run_id, config.record_ttl, self.endpoint, clock)
         self.status: StatusServer | None = None
         self.run_dir: RunDir | None = None
+        self.join_addrs = JoinAddrs([], [], True)  # what the join line names (``start()`` finds them)
         self._tasks: list[asyncio.Task[Any]] = []
 
     # ------------------------------------------------------------ what the driver reads
@@ -173,8 +175,10 @@ class Coordinator:
         self.admission.start()
         self.gate.on_admit.append(self.reach.admitted)
         await self.endpoint.transport.start()
-        self.run_dir.set_meta("ports", tcp_ports(self.visible_maddrs))
-        self.run_dir.set_meta("join", {"key": identity.public_hex, "maddrs": self.visible_maddrs})
+        visible = [str(m) for m in self.endpoint.dht.get_visible_maddrs(latest=True)]
+        self.join_addrs = join_addrs(visible, interface_ips(), announced=bool(cfg.announce_maddrs))
+        self.run_dir.set_meta("ports", family_ports(visible))
+        self.run_dir.set_meta("join", {"key": identity.public_hex, "maddrs": self.join_addrs.maddrs})
         await self.beacon.start()
 
     async def _start_status(self) -> None:
@@ -198,15 +202,22 @@ class Coordinator:
     def visible_maddrs(self) -> list[str]:
         return self.endpoint.visible_maddrs()
 
+    def listen_ports(self) -> list[int]:
+        """The TCP ports other machines must reach: the configured ones, or (any free
+        one asked) those the join line names ([] when it names announced ones)."""
+        fixed = [p for p in tcp_ports(self.config.host_maddrs) if p]
+        return fixed if fixed or self.config.announce_maddrs else tcp_ports(self.join_addrs.maddrs)
+
     def join_command(self) -> str:
-        """What a volunteer pastes: where to join and the coordinator's key, or, in a
-        private swarm, one token holding both and the swarm's secret."""
+        """What a volunteer pastes: where to join (addresses another machine can dial,
+        ``join_addrs``) and the coordinator's key, or, in a private swarm, one token
+        holding both and the swarm's secret."""
         assert self.identity is not None
         if self.private:
-            return f"fusionllm join --token {self.admission.token(self.visible_maddrs)}"
+            return f"fusionllm join --token {self.admission.token(self.join_addrs.maddrs)}"
         run = "" if self.config.run_id == "fusionllm" else f" --run {self.config.run_id}"
         pin = f" --coordinator-key {self.identity.public_hex}"
-        return "fusionllm join --initial-peers " + " ".join(self.visible_maddrs) + run + pin
+        return "fusionllm join --initial-peers " + " ".join(self.join_addrs.maddrs) + run + pin
 
     async def aclose(self) -> None:
         # ended before the transport they use (one stuck past the wait is left to the loop)

@@ -17,9 +17,11 @@ from coordinator.plan_options import (
     WORKLOADS,
     defaults_text,
 )
+from fusionllm.addresses import add_listen_flags
 from fusionllm.data_cli import add_data_parser
 from fusionllm.usage import EXIT_INTERRUPTED, EXIT_USAGE, EXPORT_FORMATS, UsageError
 from protocol.model.options import PRECISIONS, SCHEDULES, STAGE_FORMS, RecipeError, parse_betas
+from protocol.net.hostaddrs import COORDINATOR_PORT, PEER_PORT
 from protocol.trust.admission import CERT_TTL_S, MAX_CERT_TTL_S, MIN_CERT_TTL_S, RENEWALS_PER_TTL
 from protocol.trust.spot_rate import DEFAULT_SPOT_CHECK
 
@@ -406,7 +408,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("coordinator", help="host a swarm run: DHT, stage assignment, training driver")
     _add_job_flags(p, steps=100)
     _add_swarm_flags(p)
-    p.add_argument("--host-maddrs", nargs="+", default=["/ip4/127.0.0.1/tcp/0"], metavar="MADDR")
+    add_listen_flags(
+        p,
+        _port,
+        f"TCP port to listen on, every interface, IPv4 and IPv6: other machines must reach it "
+        f"(default: {COORDINATOR_PORT}; 0: any free port)",
+    )
     p.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR", help="join an existing DHT")
     p.add_argument("--min-peers", type=_positive, default=2, help="peers to wait for before training")
     p.add_argument(
@@ -442,14 +449,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("join", help="lend this machine to a swarm")
     p.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR")
     p.add_argument("--token", default=None, help="a private swarm's join token, as its coordinator prints it")
-    p.add_argument("--host-maddrs", nargs="+", default=["/ip4/127.0.0.1/tcp/0"], metavar="MADDR")
-    p.add_argument(
-        "--announce-maddrs",
-        nargs="+",
-        default=[],
-        metavar="MADDR",
-        help="where others should dial this peer (e.g. your router's public address and a port it "
-        "forwards here); behind a NAT without one, the peer dials out instead",
+    add_listen_flags(
+        p,
+        _port,
+        f"TCP port to listen on, every interface, IPv4 and IPv6 (default: {PEER_PORT}, any free port, as "
+        "several peers may run on one machine; fix one to forward it on your router)",
     )
     p.add_argument("--run", default="fusionllm", help="the run to join")
     p.add_argument(

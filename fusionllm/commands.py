@@ -14,12 +14,12 @@ import torch
 from tqdm import tqdm
 
 from coordinator.opdag import OpDag, balanced_cut, build_opdag
-from coordinator.weights import read_init
+from coordinator.weights import InitError, read_init, read_state
 from fusionllm.local import (
     TrainResult,
     check_stages,
-    compare_checkpoints,
     save_state,
+    state_error,
     train_reference,
     train_staged,
 )
@@ -149,12 +149,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    for path in (args.a, args.b):
-        try:
-            open(path, "rb").close()
-        except OSError as exc:
-            raise UsageError(f"cannot read {path}: {exc.strerror}") from None
-    err = compare_checkpoints(args.a, args.b)
+    if not (math.isfinite(args.tol) and args.tol >= 0):
+        raise UsageError(f"--tol {args.tol:g}: give a finite tolerance of at least 0")
+    try:
+        states = [read_state(path, path) for path in (args.a, args.b)]
+    except InitError as exc:  # missing, unreadable, not safetensors: one line naming the file
+        raise UsageError(str(exc)) from None
+    err = state_error(*states)
     ok = err <= args.tol
     print(f"largest relative error {err:.3g}: " + ("equal within" if ok else "differ beyond") + f" {args.tol:g}")
     return 0 if ok else 1

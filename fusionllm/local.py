@@ -215,8 +215,12 @@ def save_state(model: nn.Module, path: str | Path) -> None:
 
 def compare_checkpoints(a: str | Path, b: str | Path) -> float:
     """Largest relative error between two checkpoints' tensors (inf if keys differ)."""
-    sa, sb = load_file(str(a)), load_file(str(b))
-    if sa.keys() != sb.keys():
+    return state_error(load_file(str(a)), load_file(str(b)))
+
+
+def state_error(sa: dict[str, torch.Tensor], sb: dict[str, torch.Tensor]) -> float:
+    """Largest relative error between two states' tensors (inf if names or shapes differ)."""
+    if sa.keys() != sb.keys() or any(sa[k].shape != sb[k].shape for k in sa):
         return math.inf
     return max((relative_error(sa[k].float(), sb[k].float()) for k in sa), default=0.0)
 

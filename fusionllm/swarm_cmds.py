@@ -15,29 +15,19 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-from multiaddr import Multiaddr
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from fusionllm.addresses import check_maddrs, listen_options, reach_lines, status_lines
 from fusionllm.launcher import Launcher, Started
 from fusionllm.reaper import exit_within, start_reaper, watch_exit
 from fusionllm.usage import EXIT_INTERRUPTED, UsageError, job_from_args
 from protocol.model.job import foreign_code
-from protocol.net.ports import PortTaken, check_listen_ports
+from protocol.net.hostaddrs import COORDINATOR_PORT, LOOPBACK_MADDRS, PEER_PORT
 from protocol.trust.admission import CERT_TTL_S
 from protocol.trust.text import clean
 
 logger = logging.getLogger(__name__)
-
-
-def check_maddrs(values: list[str], flag: str) -> list[str]:
-    """Each address must parse as a libp2p multiaddr (py-multiaddr)."""
-    for v in values:
-        try:
-            Multiaddr(v)
-        except Exception as exc:
-            raise UsageError(f"{flag} '{v}' is not a valid multiaddr: {exc}") from None
-    return values
 
 
 _command_pid = 0  # the process that installed ``_interrupted`` (forked children inherit it)
@@ -184,6 +174,7 @@ async def _coordinate(args: argparse.Namespace, on_ready: Any = None) -> int:
         job=job,
         run_id=args.run,
         host_maddrs=args.host_maddrs,
+        announce_maddrs=args.announce,
         initial_peers=args.initial_peers,
         min_peers=args.min_peers,
         num_stages=args.stages,
@@ -215,6 +206,7 @@ async def _coordinate(args: argparse.Namespace, on_ready: Any = None) -> int:
     bar: tqdm | None = None
     try:
         print(f"coordinator is up; volunteers join with:\n  {coord.join_command()}", flush=True)
+        _print_reach(coord)
         code = foreign_code(cfg.job.model)
         if code:
             print(
@@ -223,7 +215,7 @@ async def _coordinate(args: argparse.Namespace, on_ready: Any = None) -> int:
                 flush=True,
             )
         if coord.status is not None:
-            print(f"status page: {coord.status.url}", flush=True)
+            print("\n".join(status_lines(coord.status.url, coord.join_addrs)), flush=True)
         if coord.run_dir is not None:
             print(f"run directory: {coord.run_dir.path} (after a crash: --resume {coord.run_dir.path})", flush=True)
         if on_ready is not None:
@@ -273,13 +265,16 @@ async def _coordinate(args: argparse.Namespace, on_ready: Any = None) -> int:
         await coord.aclose()
 
 
+def _print_reach(coord: Any) -> None:
+    """The port other machines must reach, or that the join line works here only."""
+    cfg = coord.config
+    for line in reach_lines(coord.join_addrs, coord.listen_ports(), bool(cfg.announce_maddrs), cfg.host_maddrs):
+        print(line, flush=True)
+
+
 def cmd_coordinator(args: argparse.Namespace) -> int:
     check_maddrs(args.initial_peers, "--initial-peers")
-    check_maddrs(args.host_maddrs, "--host-maddrs")
-    try:
-        check_listen_ports(args.host_maddrs)
-    except PortTaken as exc:
-        raise UsageError(str(exc)) from None
+    args.host_maddrs, args.announce = listen_options(args, COORDINATOR_PORT)
     return run_async(_coordinate(args))
 
 
@@ -292,7 +287,7 @@ async def _join(args: argparse.Namespace) -> int:
             initial_peers=args.initial_peers,
             run_id=args.run,
             host_maddrs=args.host_maddrs,
-            announce_maddrs=args.announce_maddrs,
+            announce_maddrs=args.announce,
             device=args.device,
             join_timeout=args.join_timeout,
             identity=os.path.expanduser(args.identity),
@@ -329,10 +324,14 @@ async def _join(args: argparse.Namespace) -> int:
 
 
 def cmd_join(args: argparse.Namespace) -> int:
+    from peer.bench import device_problem
+
+    problem = device_problem(args.device) if args.device else None
+    if problem:
+        raise UsageError(problem)
     _apply_token(args)
     check_maddrs(args.initial_peers, "--initial-peers")
-    check_maddrs(args.host_maddrs, "--host-maddrs")
-    check_maddrs(args.announce_maddrs, "--announce-maddrs")
+    args.host_maddrs, args.announce = listen_options(args, PEER_PORT)
     if args.threads:
         import torch
 
@@ -422,8 +421,8 @@ def _kill_groups(procs: list[Started], grace: float = 5.0) -> None:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """The coordinator runs in this process; each peer is a separate process."""
-    args.initial_peers = []
-    args.host_maddrs = ["/ip4/127.0.0.1/tcp/0"]
+    args.initial_peers, args.announce = [], []
+    args.host_maddrs = list(LOOPBACK_MADDRS)
     args.min_peers = args.peers
     stages = args.stages or args.peers
     if args.link_mbps and len(args.link_mbps) != stages - 1:
@@ -455,6 +454,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 "--coordinator-key",
                 coord.identity.public_hex,
                 *(["--allow-code", code] if code else []),  # the demo runs the user's own model
+                *["--host-maddrs", *LOOPBACK_MADDRS],
                 "--initial-peers",
                 *coord.visible_maddrs,
             ]

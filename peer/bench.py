@@ -14,6 +14,24 @@ def pick_device(requested: str | None = None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def device_problem(requested: str) -> str | None:
+    """Why ``--device requested`` cannot train here (one line), or None: a peer lends a
+    CPU, a CUDA GPU this machine has, or Apple's MPS."""
+    try:
+        device = torch.device(requested)
+    except (RuntimeError, ValueError):
+        return f"--device {requested!r}: not a device; use cpu, cuda, cuda:N or mps"
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return f"--device {requested}: this machine has no CUDA GPU that torch can use"
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        return f"--device {requested}: this machine has {torch.cuda.device_count()} CUDA GPUs (cuda:0 ...)"
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        return f"--device {requested}: MPS is not available here"
+    if device.type not in ("cpu", "cuda", "mps"):
+        return f"--device {requested}: a peer trains on cpu, cuda or mps"
+    return None
+
+
 def measure_flops(
     device: torch.device, dtype: torch.dtype = torch.float32, seconds: float = 0.3, throttle: float = 1.0
 ) -> float:

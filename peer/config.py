@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from protocol.net.hostaddrs import LOOPBACK_MADDRS
+
 
 class JoinError(RuntimeError):
     """The peer could not join the swarm; ``str()`` says why in one line."""
@@ -13,7 +15,7 @@ class JoinError(RuntimeError):
 class PeerConfig:
     initial_peers: list[str]
     run_id: str = "fusionllm"
-    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    host_maddrs: list[str] = field(default_factory=lambda: list(LOOPBACK_MADDRS))  # the CLI: every interface
     announce_maddrs: list[str] = field(default_factory=list)  # where others should dial it (a forwarded port)
     device: str | None = None
     advert_ttl: float = 6.0

@@ -32,7 +32,8 @@ from peer.throttle import Throttle
 from protocol.model.job import ModelError
 from protocol.model.program import DEFAULT_NAMESPACES
 from protocol.net.clock import SYSTEM_CLOCK, Clock
-from protocol.net.tasks import cancel_and_wait
+from protocol.net.reach import why_unreachable
+from protocol.net.tasks import cancel_and_wait, unless_set
 from protocol.net.transport import Inbound, PeerUnreachable, Transport
 from protocol.trust.identity import Identity, IdentityError, key_hex
 from protocol.wire.gate import Gate
@@ -98,6 +99,8 @@ class PeerNode:
         self.mailbox = Mailbox()
         self.audits: asyncio.Queue[Inbound] = asyncio.Queue()  # the coordinator's spot checks (peer.spotcheck)
         self.control: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        #: the coordinator said the run ended (Finish or Abort): a reattach under way stops waiting
+        self.ended = asyncio.Event()
         self.epoch = -1
         self.step = 0
         self.held: HeldStage | None = None
@@ -171,11 +174,13 @@ class PeerNode:
         try:
             return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, join), cfg.join_timeout)
         except asyncio.TimeoutError:
-            raise JoinError(
-                f"could not join the DHT through {', '.join(cfg.initial_peers)} within {cfg.join_timeout:.0f} s"
-            ) from None
+            why = await why_unreachable(cfg.initial_peers)
+            raise JoinError(f"could not join the DHT within {cfg.join_timeout:.0f} s: {why}") from None
         except Exception as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            if "bootstrap" in first:  # the p2p daemon's "failed to connect to bootstrap peers", hivemind's own
+                why = await why_unreachable(cfg.initial_peers)
+                raise JoinError(f"could not reach any initial peer: {why}") from None
             raise JoinError(f"could not join the DHT through {', '.join(cfg.initial_peers)}: {first}") from None
 
     @property
@@ -211,6 +216,8 @@ class PeerNode:
             self._enter_epoch(msg.epoch, msg if isinstance(msg, Assign) else None)
             self.control.put_nowait((msg.KIND, inbound))
         elif isinstance(msg, (Abort, Evict, Finish)):
+            if not isinstance(msg, Evict):
+                self.ended.set()
             self.control.put_nowait((msg.KIND, inbound))
         elif isinstance(msg, Certificate):
             assert self.transport is not None and self.link is not None
@@ -421,13 +428,17 @@ class PeerNode:
 
     async def _reattach(self, reason: str) -> int | None:
         """Wait up to the grace period for the coordinator to come back (its record
-        signed by the pinned key, answering a hello); then wait for a stage again."""
+        signed by the pinned key, answering a hello); then wait for a stage again. The
+        run's end notice (``finish``, ``abort``) stops the wait at once."""
         assert self.checks is not None and self.link is not None and self.transport is not None
         grace = self.config.coordinator_grace
         self.say(f"lost the coordinator ({reason}); waiting up to {grace:.0f} s for it to come back")
         self.held = self.checks.assign = None
         self.credentials.forget()
-        if not await self.link.reattach(grace, self._rejoined):
+        back = await unless_set(self.link.reattach(grace, self._rejoined), self.ended, STOP_EPOCH_S)
+        if back is None:  # the run ended meanwhile: its notice is next in the control queue
+            return None
+        if not back:
             self.say(f"the coordinator did not come back within {grace:.0f} s; leaving")
             return 1
         self.say("the coordinator is back; waiting for a stage")

@@ -170,7 +170,9 @@ class Swarm:
         self.tmp = tmp
         self.env = env  # the coordinator's environment, over the test's
         tmp.mkdir(parents=True, exist_ok=True)
-        self.coord_args = ["coordinator", *coordinator_args, "--identity", str(tmp / "c.key"), "--status-port", "0"]
+        # any free port: tests run side by side and one after another (the default, 31337, is one per machine)
+        coord_args = ["coordinator", *coordinator_args, "--identity", str(tmp / "c.key"), "--status-port", "0"]
+        self.coord_args = [*coord_args, *([] if "--host-maddrs" in coordinator_args else ["--port", "0"])]
         self.procs: list[Proc] = []
         self.coord = self.start_coordinator()
         self.join_args = self.coord.wait_line(r"^\s+fusionllm join (.*)$").group(1).split()

@@ -76,6 +76,15 @@ def test_inspect_json_and_text(cli) -> None:
         (["demo", "--link-mbps", "10,fast"], "is not a comma-separated list of Mbit/s"),
         (["demo", "--link-mbps", "10,-1"], "rates must be finite and at least 0"),
         (["demo", "--peers", "3", "--link-mbps", "10"], "--link-mbps gives 1 rates for 2 stage boundaries"),
+        # issue 30's list: tracebacks and silent accepts before
+        (["compare", "README.md", "README.md"], "README.md: not a readable safetensors file"),
+        (["compare", "no/such.safetensors", "README.md"], "no/such.safetensors: no such file"),
+        (["compare", "README.md", "README.md", "--tol", "nan"], "--tol nan: give a finite tolerance"),
+        (["compare", "README.md", "README.md", "--tol", "-1"], "--tol -1: give a finite tolerance"),
+        (["join", "--initial-peers", "/ip4/1.2.3.4/tcp/1", "--device", "bogus"], "--device 'bogus': not a device"),
+        (["join", "--initial-peers", "/ip4/1.2.3.4/tcp/1", "--device", "meta"], "a peer trains on cpu, cuda or mps"),
+        (["train", "--reference", "--model-args", "n_layer=-1"], "n_layer must be a whole number of at least 1"),
+        (["train", "--reference", "--model-args", "n_head=3"], "n_embd 128 is not a multiple of n_head 3"),
     ],
 )
 def test_usage_errors_are_one_line_exit_2(cli, args: list[str], needle: str) -> None:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -36,11 +37,22 @@ from coordinator.status import StatusBoard
 from protocol.model.graph import Cut
 from protocol.model.job import JobSpec
 from protocol.net.clock import FakeClock
-from protocol.net.transport import Inbound
+from protocol.net.transport import Inbound, PeerUnreachable
 from protocol.trust.spotcheck import alike, fingerprint, seed_of
 from protocol.wire.encoding import Frame
 from protocol.wire.gate import Gate
-from protocol.wire.messages import Advert, Beat, Hello, Message, PeerFailure, Recheck, State, StepDone, Verdict
+from protocol.wire.messages import (
+    Advert,
+    Beat,
+    Finish,
+    Hello,
+    Message,
+    PeerFailure,
+    Recheck,
+    State,
+    StepDone,
+    Verdict,
+)
 
 JOB = JobSpec(model_args="n_layer=2,n_embd=64,n_head=4", steps=50)
 
@@ -515,17 +527,51 @@ def test_a_move_is_not_a_level_change_of_the_peers(tmp_path: Path) -> None:
 def test_the_end_of_the_run_reaches_peers_the_dht_did_not_return(tmp_path: Path) -> None:
     """Every admitted peer is told the run is finished, also a standby peer whose advert
     the last DHT read missed (CI once saw such a peer wait two minutes for a gone
-    coordinator), and a failing DHT read does not stop the others being told."""
-    driver = _driver(tmp_path, [["p0"], ["p1"]])
+    coordinator) and a peer dropped for stalling, not back yet (issue 30: it woke up
+    to wait out its grace period); a failing DHT read does not stop the others being
+    told, and a peer excluded for what it sent is not."""
+    told: list[str] = []
+    driver = _driver(tmp_path, [["p0"], ["p1"]], on_event=told.append)
     host = _host(driver)
     host.dht_down = True
-    host.gate.keys = {p: None for p in ("p0", "p1", "standby", "lost")}  # type: ignore[misc]
-    driver.st.lost = {"lost": "excluded"}
+    host.gate.keys = {p: None for p in ("p0", "p1", "standby", "stalled", "bad")}  # type: ignore[misc]
+    driver.st.lost = {"stalled": "stalled: silent for 9 s (limit 8 s)", "bad": f"{EXCLUDED}sent NaN"}
     asyncio.run(driver.dispatcher.release())
     sent = [(p, type(msg).__name__) for p, msg, _ in host.transport.sent]
     finished = {p for p, kind in sent if kind == "Finish"}
-    assert finished == {"p0", "p1", "standby"}
+    assert finished == {"p0", "p1", "standby", "stalled"}
     assert {p for p, kind in sent if kind == "Release"} == {"p0", "p1"}
+    assert told == ["the run is over; telling 4 peers"]
+
+
+def test_a_peer_that_does_not_take_the_end_notice_is_skipped_without_holding_the_others(tmp_path: Path) -> None:
+    """The end notice goes out in parallel, each send bounded: a stopped peer (its send
+    hangs) and a gone one (its send fails) are skipped, and said; the rest are told."""
+
+    class Stuck(FakeTransport):
+        async def send(self, peer: str, msg: Message, values: list[Any] | None = None) -> int:
+            if peer == "stopped":
+                await asyncio.sleep(3600)
+            if peer == "gone":
+                raise PeerUnreachable("no route", peer)
+            return await super().send(peer, msg, values)
+
+    told: list[str] = []
+    driver = _driver(tmp_path, [["p0"], ["p1"]], on_event=told.append)
+    host = _host(driver)
+    host.transport = Stuck()
+    host.gate.keys = {p: None for p in ("p0", "p1", "stopped", "gone")}  # type: ignore[misc]
+
+    async def timed() -> float:
+        start = asyncio.get_running_loop().time()
+        with patch("coordinator.dispatch.END_NOTICE_S", 0.2):
+            await driver.dispatcher.release()
+        return asyncio.get_running_loop().time() - start
+
+    seconds = asyncio.run(timed())
+    assert {p for p, msg, _ in host.transport.sent if isinstance(msg, Finish)} == {"p0", "p1"}
+    assert seconds < 1.0, "the stopped peer's send is given up on, not waited for in turn"
+    assert told[-1] == "2 of 4 peers could not be told within 0.2 s"
 
 
 def test_an_arbiter_is_told_the_stage_even_when_it_holds_no_weights(tmp_path: Path) -> None:

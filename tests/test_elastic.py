@@ -14,7 +14,7 @@ import pytest
 
 from fusionllm.local import compare_checkpoints
 from tests.conftest import run_cli
-from tests.swarmproc import SMALL, Swarm, wait_for, wait_gone
+from tests.swarmproc import SMALL, Swarm, api, join_together, wait_for, wait_gone
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -186,3 +186,41 @@ def test_peer_waits_out_a_lost_coordinator_then_leaves(tmp_path: Path) -> None:
         assert not wait_gone(swarm.all_pids()), "processes left behind"
     finally:
         swarm.close()
+
+
+def test_every_peer_is_told_the_run_ended(tmp_path: Path) -> None:
+    """Issue 30: a peer dropped for stalling (SIGSTOP) that wakes and returns as
+    standby, the standby that took its stage, and a standby never planned are each
+    told the run ended: each prints it and exits 0, its descendants too, within 10 s
+    of the coordinator's end notice (not after its 120 s --coordinator-grace)."""
+    steps = 150
+    args = ["--steps", str(steps), "--seed", "0", *SMALL, "--run-dir", str(tmp_path / "run"), "--min-peers", "3"]
+    args += ["--stages", "1", "--standby", "2", "--stall-timeout", "3", "--checkpoint-every", "10", "--spot-check", "0"]
+    swarm = Swarm(tmp_path, [*args, "--step-timeout", "60"], peers=0)
+    try:
+        join_together(swarm, [[], [], []])
+        st = _at_step(swarm, 5)
+        (victim,) = swarm.serving(st)
+        proc = swarm.peers[victim]
+        proc.signal(signal.SIGSTOP)
+        try:
+            swarm.coord.wait_line(rf"peer {victim} \(stage 0, replica 0\) failed: stalled", 30)
+        finally:
+            proc.signal(signal.SIGCONT)
+        swarm.coord.wait_line(rf"peer {victim} is back; it waits as standby", 30)
+        assert api(swarm.url)["training"]["step"] < steps, "the run must still be going when the peer is back"
+        swarm.note_children()
+        swarm.coord.wait_line(r"the run is over; telling 3 peers", 120)
+        told = swarm.coord.last_time
+        assert swarm.coord.wait(30) == 0, swarm.coord.output[-3000:]
+        left = wait_gone(swarm.all_pids(), max(0.1, told + 10 - time.monotonic()))
+        assert not left, f"processes still up 10 s after the end notice: {sorted(left)}"
+    finally:
+        swarm.close()
+    for pid, p in swarm.peers.items():
+        assert p.popen.returncode == 0, f"{pid}: {p.output[-3000:]}"
+        assert any("the run is finished" in line for line in p.lines), p.output[-3000:]
+        assert "Traceback" not in p.output, p.output[-3000:]
+    assert "joining again as a standby peer" in swarm.peers[victim].output
+    assert any("serving stage" not in p.output for p in swarm.peers.values()), "one standby is never planned"
+    assert "Traceback" not in swarm.coord.output

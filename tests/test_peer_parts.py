@@ -10,13 +10,17 @@ from typing import Any
 import pytest
 
 from peer.admission import CERT_WAIT_S, Credentials
+from peer.checks import PlanChecks
 from peer.config import JoinError, PeerConfig
 from peer.link import BEAT_S, LOST_AFTER_S, CoordinatorLink
+from peer.node import PeerNode
 from protocol.net.clock import FakeClock
+from protocol.net.transport import Inbound
 from protocol.trust.admission import CERT_TTL_S, issue_certificate
 from protocol.trust.identity import Identity
+from protocol.wire.encoding import Frame
 from protocol.wire.gate import Gate
-from protocol.wire.messages import Beat, Certificate, CoordinatorRecord
+from protocol.wire.messages import Beat, Certificate, CoordinatorRecord, Finish
 
 RUN = "r"
 
@@ -104,6 +108,9 @@ class _Unreachable:
         self.sent.append(msg)
         return 0
 
+    async def aclose(self) -> None:
+        pass
+
 
 def _link(clock: FakeClock, tp: _Unreachable) -> CoordinatorLink:
     cfg = PeerConfig([], RUN)
@@ -133,3 +140,32 @@ def test_the_coordinator_counts_as_lost_after_it_is_unreachable_for_a_while_and_
     lost, paused, sent = asyncio.run(main())
     assert [t for t, _ in lost] == [1.0 + LOST_AFTER_S] and "cannot be reached for 3 s" in lost[0][1]
     assert paused == 0 and sent == 3
+
+
+def test_the_end_of_the_run_stops_a_reattach_at_once() -> None:
+    """Issue 30: a peer waiting for a lost coordinator to come back (after a stall,
+    say) that is told the run ended leaves at once with the run's normal exit, not
+    after its --coordinator-grace."""
+
+    async def main() -> tuple[int | None, list[str]]:
+        clock, tp = FakeClock(), _Unreachable()
+        node = PeerNode(PeerConfig([], RUN, coordinator_grace=120.0), clock=clock)
+        told: list[str] = []
+        node.on_event = told.append
+        node.transport, node.link, node.checks = tp, _link(clock, tp), PlanChecks("coord")  # type: ignore[assignment]
+
+        async def no_record() -> dict[str, CoordinatorRecord]:
+            return {}
+
+        node.link.records, node.link.key = no_record, Identity.generate().public_key  # type: ignore[method-assign]
+        node._lost("its connection dropped")
+        serving = asyncio.create_task(node.serve())
+        await clock.advance(30.0)
+        assert not serving.done() and any("waiting up to 120 s" in t for t in told)
+        node._route(Inbound("coord", Finish(RUN, False, 0), Frame({"values": []}, memoryview(b""))))
+        code = await asyncio.wait_for(serving, 5)  # on the real clock: the fake one stands still
+        await node.aclose()
+        return code, told
+
+    code, told = asyncio.run(main())
+    assert code == 0 and told[-1] == "the run is finished"

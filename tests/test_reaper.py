@@ -100,6 +100,8 @@ def _readline_until(proc: subprocess.Popen[str], prefix: str, timeout: float = 6
 def _coordinator(tmp_path: Path) -> subprocess.Popen[str]:
     return _spawn(
         "coordinator",
+        "--port",
+        "0",
         "--min-peers",
         "5",
         "--steps",

@@ -6,7 +6,7 @@ import asyncio
 import logging
 
 from protocol.net.clock import FakeClock
-from protocol.net.tasks import every, wait_until
+from protocol.net.tasks import every, unless_set, wait_until
 
 
 def test_every_ticks_once_a_period_survives_a_failing_tick_and_stops_when_told() -> None:
@@ -79,3 +79,23 @@ def test_every_says_a_failing_tick_at_the_level_asked(caplog) -> None:
         asyncio.run(main())
     said = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "protocol.net.tasks"]
     assert said == [(logging.WARNING, "advert refresh failed: the DHT hiccuped")]
+
+
+def test_unless_set_gives_the_wait_its_answer_or_cancels_it_once_the_event_is_set() -> None:
+    async def main() -> tuple[object, object, bool]:
+        clock, event = FakeClock(), asyncio.Event()
+
+        async def answer(after: float) -> str:
+            await clock.sleep(after)
+            return "answered"
+
+        first = asyncio.create_task(unless_set(answer(1.0), event, 1.0))
+        await clock.advance(2.0)
+        long = asyncio.ensure_future(answer(100.0))
+        second = asyncio.create_task(unless_set(long, event, 1.0))
+        await clock.advance(5.0)
+        assert not second.done()
+        event.set()
+        return await first, await second, long.cancelled()
+
+    assert asyncio.run(main()) == ("answered", None, True)

@@ -55,6 +55,11 @@ class GPT(nn.Module):
         gelu: str = "none",
     ) -> None:
         super().__init__()
+        _check_shape(n_layer=n_layer, n_embd=n_embd, n_head=n_head, block_size=block_size, vocab_size=vocab_size)
+        if n_embd % n_head:
+            raise ValueError(f"n_embd {n_embd} is not a multiple of n_head {n_head}")
+        if gelu not in ("none", "tanh"):
+            raise ValueError(f"gelu {gelu!r}: choose none or tanh")
         self.n_layer, self.n_head = n_layer, n_head
         self.wte = nn.Embedding(vocab_size, n_embd)
         self.wpe = nn.Embedding(block_size, n_embd)
@@ -77,6 +82,13 @@ class GPT(nn.Module):
             x = block(x)
         logits = self.lm_head(self.ln_f(x))
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _check_shape(**sizes: object) -> None:
+    """Each size a whole number of at least 1 (``--model-args n_layer=-1`` built an empty model)."""
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a whole number of at least 1, not {value!r}")
 
 
 def gpt(**kwargs: object) -> GPT:

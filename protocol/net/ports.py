@@ -38,6 +38,6 @@ def check_listen_ports(maddrs: list[str]) -> None:
             if exc.errno == errno.EADDRINUSE:
                 raise PortTaken(
                     f"port {port} on {host} is taken (another coordinator, or a p2p daemon left by one that "
-                    f"was killed?); choose another --host-maddrs or stop that process"
+                    f"was killed?); choose another --port, or stop that process"
                 ) from None
             logger.debug("could not test %s (%s); the p2p daemon will tell", text, exc)

@@ -6,7 +6,10 @@ at each port the peer listens on. It never dials an address a peer merely claims
 the coordinator cannot be made to open connections to third parties. A peer behind
 a NAT (a home router, a campus firewall) is not reachable there unless its user
 forwarded the port; it then *dials out* to the peers it works with, and they use
-those connections in both directions (``Assign.nat`` names such peers)."""
+those connections in both directions (``Assign.nat`` names such peers).
+
+A joining peer that reaches none of its initial peers says why from a plain TCP
+connection to each (``why_unreachable``): refused, no answer, or open."""
 
 from __future__ import annotations
 
@@ -21,8 +24,7 @@ MAX_DIAL_BACK_PORTS = 4
 
 #: what a peer may do when it is not reachable (printed by ``fusionllm join``)
 HOW_TO_BE_REACHABLE = (
-    "forward TCP port {port} on your router to this machine and join with "
-    "--announce-maddrs /ip4/<your public IP>/tcp/{port} (or --host-maddrs /ip4/0.0.0.0/tcp/{port} to pick it)"
+    "forward TCP port {port} on your router to this machine and join with --port {port} --announce <your public IP>"
 )
 
 
@@ -72,6 +74,44 @@ async def dial_back(ip: str | None, ports: list[int], timeout: float = DIAL_BACK
         writer.close()
         return Reach(True, f"dialled back at {_host(ip)}:{port}")
     return Reach(False, "could not dial back " + ", ".join(tried))
+
+
+async def why_unreachable(maddrs: list[str], timeout: float = DIAL_BACK_TIMEOUT_S) -> str:
+    """Why no DHT node answered at ``maddrs`` (a joining peer's initial peers), from a
+    TCP connection tried to each at once: one line, what each did and the likely cause."""
+    targets = list(dict.fromkeys(t for t in map(_host_port, maddrs) if t is not None))
+    if not targets:
+        return "none of them is an address with a TCP port (/ip4|ip6|dns/HOST/tcp/PORT)"
+    got = await asyncio.gather(*(_tcp_probe(host, port, timeout) for host, port in targets))
+    tried = ", ".join(f"{_host(h)}:{p} ({why})" for (h, p), why in zip(targets, got))
+    ports = ", ".join(sorted({str(p) for _, p in targets}))
+    if "open" in got:
+        cause = "something listens there but no DHT node with that peer id answered: a wrong port or peer id"
+    elif all(why == "refused" for why in got):
+        cause = "nothing listens there: the coordinator is no longer running, or the port is wrong"
+    else:
+        cause = (
+            f"a firewall on the coordinator's machine or on the way drops TCP port {ports}, or the address is "
+            "wrong (a private address dialled from outside its network?)"
+        )
+    return f"{tried}: {cause}"
+
+
+async def _tcp_probe(host: str, port: int, timeout: float) -> str:
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    except ConnectionRefusedError:
+        return "refused"
+    except (OSError, asyncio.TimeoutError) as exc:
+        return _why(exc)
+    writer.close()
+    return "open"
+
+
+def _host_port(maddr: str) -> tuple[str, int] | None:
+    parts = maddr.split("/")
+    ok = len(parts) >= 5 and parts[1] in ("ip4", "ip6", "dns", "dns4", "dns6") and parts[3] == "tcp"
+    return (parts[2], int(parts[4])) if ok and _digits(parts[4]) and 0 < int(parts[4]) < 65536 else None
 
 
 def _digits(text: str) -> bool:

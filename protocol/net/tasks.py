@@ -29,6 +29,23 @@ def honour_cancel() -> None:
         raise asyncio.CancelledError
 
 
+async def unless_set(wait: Awaitable[T], event: asyncio.Event, timeout: float) -> T | None:
+    """``wait``'s result, or None if ``event`` is set first: ``wait`` is then cancelled,
+    and waited for up to ``timeout`` s to end."""
+    task, woken = asyncio.ensure_future(wait), asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({task, woken}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        woken.cancel()
+    if task.done():
+        return task.result()
+    await cancel_and_wait(task, timeout)
+    return None
+
+
 def log_failure(task: asyncio.Future[Any]) -> None:
     """A done-callback: a background task's failure is logged, never left unretrieved."""
     if not task.cancelled() and task.exception() is not None:
