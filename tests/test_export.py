@@ -159,7 +159,11 @@ BAD: list[tuple[str, list[str], str]] = [
         "--model gpt --model-args " + ARGS + " has no query/key/value bias",
     ),
     ("not a GPT", ["RUN", "--to", "gpt2-hf", "DIR", "--model", "branchy"], "not the built-in GPT"),
-    ("heads", ["RUN", "--to", "gpt2-hf", "DIR", "--model-args", "n_embd=30,n_head=4"], "not a multiple of n_head=4"),
+    (
+        "heads",
+        ["RUN", "--to", "gpt2-hf", "DIR", "--model-args", "n_embd=30,n_head=4"],
+        "n_embd 30 is not a multiple of n_head 4",
+    ),
     (
         "untied file",
         ["RUN", "--to", "gpt2-hf", "DIR", "--model-args", ARGS + ",tie_weights=true"],

@@ -74,7 +74,10 @@ def test_workload_refusals_are_one_line() -> None:
         meta_model("llama-7b", shape={"n_layers": 2})
     with pytest.raises(WorkloadError, match="precision 'fp8'"):
         meta_model("gpt2", "fp8")
-    with pytest.raises(WorkloadError, match="gpt2 with {'n_layer': 1, 'n_head': 7} fails: RuntimeError"):
+    with pytest.raises(
+        WorkloadError,
+        match="gpt2 cannot take {'n_layer': 1, 'n_head': 7}: ValueError: n_embd 768 is not a multiple of n_head 7",
+    ):
         workload_dag("gpt2", 1, 16, shape={"n_layer": 1, "n_head": 7})
     assert meta_batch("gpt2", 1, 2048, {"block_size": 2048})[0].shape == (1, 2048), "a changed context counts"
 
