@@ -24,6 +24,7 @@ from protocol.model.options import PRECISIONS, SCHEDULES, STAGE_FORMS, RecipeErr
 from protocol.net.hostaddrs import COORDINATOR_PORT, PEER_PORT
 from protocol.trust.admission import CERT_TTL_S, MAX_CERT_TTL_S, MIN_CERT_TTL_S, RENEWALS_PER_TTL
 from protocol.trust.spot_rate import DEFAULT_SPOT_CHECK
+from sim.presets import PRESETS
 
 #: the module that holds each command's ``cmd_<name>``: imported only once the arguments
 #: parsed, as the commands import torch (seconds) and a usage error or --help needs none
@@ -523,7 +524,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=helptext, conflict_handler="resolve", epilog=_WORKLOADS_EPILOG)
         _add_job_flags(p, steps=1)
         _add_batch_flags(p)
-        p.add_argument("--topology", required=True, help="topology JSON file or preset (testbed1..3, internet-1k/10k)")
+        p.add_argument("--topology", required=True, help=f"topology JSON file or preset ({', '.join(PRESETS)})")
         p.add_argument("--stages", type=_positive, default=None, help="force the number of stages")
         p.add_argument("--max-stages", type=_positive, default=32)
         p.add_argument(

@@ -383,10 +383,13 @@ def cmd_token(args: argparse.Namespace) -> int:
 def cmd_ban(args: argparse.Namespace) -> int:
     """Ban peers from the run in a run directory (the coordinator drops them at once)."""
     from coordinator.admission import SECRET_FILE, ban
+    from coordinator.checkpoint import DB_NAME
 
     path = Path(args.run_dir).expanduser()
     if not path.is_dir():
         raise UsageError(f"--run-dir {path}: no such directory")
+    if not (path / DB_NAME).is_file():  # a ban list elsewhere bans no one, silently
+        raise UsageError(f"--run-dir {path}: not a run directory (no {DB_NAME}); give the one the coordinator printed")
     ban(path, args.peers)
     print(f"banned {', '.join(args.peers)} from the run in {path}")
     if (path / SECRET_FILE).is_file():

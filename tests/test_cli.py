@@ -85,6 +85,7 @@ def test_inspect_json_and_text(cli) -> None:
         (["join", "--initial-peers", "/ip4/1.2.3.4/tcp/1", "--device", "meta"], "a peer trains on cpu, cuda or mps"),
         (["train", "--reference", "--model-args", "n_layer=-1"], "n_layer must be a whole number of at least 1"),
         (["train", "--reference", "--model-args", "n_head=3"], "n_embd 128 is not a multiple of n_head 3"),
+        (["ban", "12D3KooWAbc", "--run-dir", "docs"], "--run-dir docs: not a run directory (no run.sqlite)"),
     ],
 )
 def test_usage_errors_are_one_line_exit_2(cli, args: list[str], needle: str) -> None:
@@ -159,3 +160,11 @@ def test_every_command_has_its_handler() -> None:
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     assert set(COMMANDS) == set(sub.choices)
     assert all(callable(getattr(importlib.import_module(m), f"cmd_{c}", None)) for c, m in COMMANDS.items())
+
+
+def test_plan_and_sim_name_every_preset_in_their_help(cli) -> None:
+    from sim.presets import PRESETS
+
+    for command in ("plan", "sim"):
+        r = cli(command, "--help")
+        assert r.returncode == 0 and all(name in " ".join(r.stdout.split()) for name in PRESETS), r.stdout
