@@ -323,8 +323,13 @@ def _inherited(env: dict[str, str]) -> socket.socket | None:
     if pools != pool_settings(env):
         return None
     try:
-        sock = socket.socket(fileno=os.dup(fd))
+        copy = os.dup(fd)
     except OSError:
+        return None
+    try:
+        sock = socket.socket(fileno=copy)
+    except OSError:  # not a socket
+        os.close(copy)
         return None
     try:
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))

@@ -176,10 +176,12 @@ def test_a_stale_zygote_variable_is_not_trusted(tmp_path: Path, monkeypatch: pyt
     another process's socket."""
     other, mine = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # created here, not by a zygote
     with open(tmp_path / "f", "w") as f:
+        open_fds = len(os.listdir("/proc/self/fd"))
         for fd, pid in [(999, os.getpid()), (f.fileno(), os.getpid()), (mine.fileno(), os.getpid() + 1)]:
             named = {"pid": pid, "fd": fd, "pools": pool_settings(_env())}
             monkeypatch.setenv(ZYGOTE_ENV, json.dumps(named))
             assert _inherited(_env()) is None, named
+        assert len(os.listdir("/proc/self/fd")) == open_fds, "a refused descriptor's copy is closed"
         named = {"pid": os.getpid(), "fd": mine.fileno(), "pools": pool_settings(_env(OMP_NUM_THREADS="4"))}
         monkeypatch.setenv(ZYGOTE_ENV, json.dumps(named))
         assert _inherited(_env()) is None  # it imported with other thread settings
