@@ -19,7 +19,7 @@ from coordinator.plan_options import (
 )
 from fusionllm.addresses import add_listen_flags
 from fusionllm.data_cli import add_data_parser
-from fusionllm.usage import EXIT_INTERRUPTED, EXIT_USAGE, EXPORT_FORMATS, UsageError
+from fusionllm.usage import EXIT_INTERRUPTED, EXIT_USAGE, EXPORT_FORMATS, UsageError, positive_int
 from protocol.model.options import PRECISIONS, SCHEDULES, STAGE_FORMS, RecipeError, parse_betas
 from protocol.net.hostaddrs import COORDINATOR_PORT, PEER_PORT
 from protocol.trust.admission import CERT_TTL_S, MAX_CERT_TTL_S, MIN_CERT_TTL_S, RENEWALS_PER_TTL
@@ -43,14 +43,7 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_USAGE)
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
+_positive = positive_int
 
 
 def _cert_ttl(text: str) -> int:

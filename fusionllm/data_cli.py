@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from fusionllm.usage import positive_int
+
 #: the validation share ``data prepare`` holds out by default
 DEFAULT_VAL_FRACTION = 0.05
 
@@ -20,13 +22,7 @@ def _val_fraction(text: str) -> float:
 
 
 def _vocab(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number of tokens") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
+    return positive_int(text, "a whole number of tokens")
 
 
 def add_data_parser(sub: argparse._SubParsersAction) -> None:

@@ -75,3 +75,14 @@ def parse_cut(text: str) -> Any:
         return Cut(tuple(int(x) for x in text.split(",") if x.strip()))
     except ValueError:
         raise UsageError(f"--cut '{text}' is not a comma-separated list of op indices") from None
+
+
+def positive_int(text: str, what: str = "an integer") -> int:
+    """An argparse type: ``text`` as an integer of at least 1 (``what`` names it)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not {what}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
