@@ -253,7 +253,10 @@ class Transport:
             try:
                 writer.writelines(buffers)
                 await writer.drain()
-            except (ConnectionError, OSError) as exc:
+            except (ConnectionError, OSError, RuntimeError) as exc:
+                # uvloop raises RuntimeError ("the handler is closed") for a stream the daemon closed
+                if isinstance(exc, RuntimeError) and not writer.transport.is_closing():
+                    raise
                 self._streams.pop(key, None)
                 raise PeerUnreachable(f"stream to peer {peer_id} broke: {exc}", peer_id) from None
             except asyncio.CancelledError:  # a frame cut in half: the stream cannot carry another
