@@ -21,10 +21,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from prometheus_client.exposition import generate_latest
 
-from coordinator.status import CLAIM_SLACK, MAX_REJECTED_EVENTS, StatusBoard
+from coordinator.status import CLAIM_SLACK, MAX_REJECTED_EVENTS, StatusBoard, finite_json
 from coordinator.web import StatusServer
+from coordinator.webserve import metrics_text
 from fusionllm.commands import render_status
 from tests.conftest import ROOT, run_cli
 
@@ -213,7 +213,7 @@ def test_metrics_show_recovery() -> None:
     board.rollback(4, "b lost")
     board.checkpoint(4, "/runs/r/ckpt-4", 0.5, 1000)
     board.evaluated(4, 4.5)
-    text = generate_latest(StatusServer(board).registry).decode()
+    text = metrics_text(finite_json(board.state())).decode()
     values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line[:1] != "#"}
     assert values["fusionllm_epoch"] == 1 and values["fusionllm_checkpoint_step"] == 4
     assert values["fusionllm_validation_loss"] == 4.5 and board.state()["training"]["val_losses"] == [[4, 4.5]]
