@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from coordinator.auditing import Auditor
+from coordinator.breakdown import BOARD_EVERY, breakdown_table
 from coordinator.checkpoint import RunDir
 from coordinator.checkpointing import Checkpoints
 from coordinator.host import Host
@@ -139,6 +140,8 @@ class StepPipeline:
         st.tokens += tokens
         st.tokens_per_step = tokens
         self.host.board.step_done(step, loss, seconds, tokens, self.host.traffic(st))
+        if st.step % BOARD_EVERY == 0 or st.step == self.job.steps:
+            self.host.board.set_breakdown(breakdown_table(st, self.job.micro_batches))
         if self.on_step:
             self.on_step(StepReport(step, loss, seconds, tokens))
 
@@ -187,6 +190,10 @@ class StepPipeline:
         st.audit_compute_s += reported_seconds(msg.audit_s, now - self._done_at.get(sender, began))
         self._done_at[sender] = now
         self.rebalancer.measure(sender, msg)
+        assert st.plan is not None
+        stage = next((s for s, group in enumerate(st.plan.stages) if sender in group), None)
+        if stage is not None:
+            st.breakdown.record(stage, msg)
         st.link_bytes[sender] = msg.bytes_sent
         st.raw_bytes[sender] = msg.raw_sent
 

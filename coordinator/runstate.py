@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.assign import Assignment
+from coordinator.breakdown import StepBreakdown
 from protocol.wire.codecs import Codec
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class RunState:
     audit_compute_s: float = 0.0  # the peers' compute on spot checks (as they report it)
     train_compute_s: float = 0.0  # the peers' compute on training steps (as they report it)
     rebalances: list[dict[str, Any]] = field(default_factory=list)
+    breakdown: StepBreakdown = field(default_factory=StepBreakdown)  # where the peers' step time goes, per stage
 
     @property
     def planned(self) -> set[str]:

@@ -43,6 +43,11 @@ none changed meaning):
   ``wire_bytes`` and ``raw_bytes`` (both directions, so far), ``ratio`` and
   ``path`` (``direct``; ``dial-out`` when peers on one side are behind NATs;
   ``forwarded`` when both are, through the coordinator).
+- ``breakdown``: per stage, where its peers' step time goes: ``stage``,
+  ``measured_ms`` (mean ms of each part of ``protocol.wire.step_parts.STEP_PARTS``
+  and ``step``, over the peers' recent steps) and ``predicted_ms`` (the
+  estimator's ``compute``, ``wire`` and ``step`` where it has them); refreshed
+  every few steps. *(revision 3)*
 - ``rejected``: counts of rejected messages by reason code.
 - ``events``: ``{"t", "kind", "text"}``, oldest first: the last 50 ``rejected``,
   the last 20 ``checkpoint``, the last 20 ``check`` (a rebalance check's outcome,
@@ -104,6 +109,7 @@ class StatusBoard:
         self.last_checkpoint: dict[str, Any] | None = None
         self._seq = itertools.count()  # orders events across the two histories
         self.connections: dict[str, str] = {}  # peer id -> how it is reached, once dialled back
+        self.breakdown: list[dict[str, Any]] = []  # per stage: where its step time goes (coordinator.breakdown)
         self._histories: dict[str, collections.deque[tuple[int, dict[str, Any]]]] = {
             kind: collections.deque(maxlen=n) for kind, n in {"": MAX_EVENTS, **ROUTINE_EVENTS}.items()
         }
@@ -229,6 +235,10 @@ class StatusBoard:
         self._chart(step, loss)
         for link, (wire, raw) in zip(self.links, traffic, strict=False):
             link.update(wire_bytes=wire, raw_bytes=raw, ratio=round(raw / max(wire, 1), 2))
+
+    def set_breakdown(self, rows: list[dict[str, Any]]) -> None:
+        """Where each stage's step time goes (``coordinator.breakdown.StepBreakdown.table``)."""
+        self.breakdown = rows
 
     def evaluated(self, steps_done: int, loss: float) -> None:
         """A validation loss of the model after ``steps_done`` steps."""
@@ -373,6 +383,7 @@ class StatusBoard:
             },
             "checkpoint": dict(self.last_checkpoint) if self.last_checkpoint else None,
             "links": [dict(link) for link in self.links],
+            "breakdown": [dict(row) for row in self.breakdown],
             "rejected": dict(self.rejected),
             "events": self.events,
         }

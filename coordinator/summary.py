@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from coordinator.assign import Assignment
+from coordinator.breakdown import breakdown_table
 from coordinator.outcome import LinkReport, RunSummary
 from coordinator.runstate import RunState
 from protocol.trust.spotcheck import step_overhead
@@ -38,7 +39,7 @@ def summarize(
         links,
         final,
         reports,
-        estimate(st.plan, st.compute, st.step_seconds, micro_batches),
+        _with_breakdown(estimate(st.plan, st.compute, st.step_seconds, micro_batches), st, micro_batches),
         epochs=st.epoch + 1,
         failures=len(st.lost),
         steps_redone=st.redone,
@@ -53,6 +54,13 @@ def summarize(
         connections={p: connections.get(p, "direct") for p in st.planned},
         forwarded_bytes=forwarded_bytes,
     )
+
+
+def _with_breakdown(est: dict[str, Any], st: RunState, micro_batches: int) -> dict[str, Any]:
+    """The estimate with the peers' step breakdown per stage (``coordinator.breakdown``) beside it."""
+    if not est:
+        return est
+    return {**est, "breakdown": breakdown_table(st, micro_batches), "mean_step_s": statistics.fmean(st.step_seconds)}
 
 
 def traffic(plan: Assignment, wire: dict[str, dict[str, int]], raw: dict[str, dict[str, int]]) -> list[tuple[int, int]]:

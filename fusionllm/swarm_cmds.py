@@ -143,6 +143,12 @@ def _summary(summary: Any, save: str | None) -> str:
             f"{est['measured_step_s'] * 1e3:.1f} ms (median); per micro-batch, stage by stage, predicted/measured: "
             + ", ".join(f"{s['predicted_ms']:.2f}/{s['measured_ms']:.2f} ms" for s in est["stages"])
         )
+        if est.get("breakdown"):
+            from coordinator.breakdown import breakdown_lines
+
+            mean = est["mean_step_s"] * 1e3
+            lines.append(f"where the step time goes, stage by stage (mean ms per step; the coordinator's: {mean:.1f}):")
+            lines += breakdown_lines(est["breakdown"])
     if save:
         lines.append(f"saved {save}")
     return "\n".join(lines)

@@ -25,6 +25,7 @@ from peer.executor import StageExecutor
 from peer.mailbox import Mailbox
 from peer.spotcheck import SpotChecks, as_evidence
 from peer.stage import ForeignCode, HeldStage, RunRefused, StageBuilder
+from peer.timing import StepTimes
 from protocol.model import schedule as schedules
 from protocol.model.graph import Cut
 from protocol.model.job import JobSpec, SpecError, foreign_code
@@ -47,6 +48,7 @@ from protocol.wire.messages import (
     StepDone,
 )
 from protocol.wire.reject import Reject
+from protocol.wire.step_parts import BREAKDOWN_V
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +130,7 @@ class EpochRunner:
         self.uploads: list[asyncio.Task[int]] = []  # checkpoint states on their way
         self.mb_grads: dict[int, dict[str, torch.Tensor]] = {}  # replicated stages: own gradients per micro-batch
         self.busy_s = 0.0  # compute and throttle pauses (not waits for messages) since the step began
+        self.times = StepTimes()  # where the step's time goes, reported with StepDone
         self.builder = StageBuilder(self.job, a, env.device, env.namespaces, env.config.allow_code, env.memory_bytes)
         self.spot = SpotChecks(env.transport, env.coordinator, env.compute, self.builder)
 
@@ -273,6 +276,7 @@ class EpochRunner:
         sends: list[asyncio.Task[int]] = []
         losses: dict[str, float] = {}
         self.busy_s = 0.0
+        self.times.start()
         for kind, i in order:
             if kind == "F":
                 sent = await self._forward(held.ex, step, self.my_mbs[i], losses)
@@ -282,49 +286,62 @@ class EpochRunner:
                 sends.append(sent)
         if len(a.stages[self.s]) > 1:
             await self._average_replicas(held.ex, step)
-        norms = await self._compute(held.ex.grad_norms) if self.recipe.needs_norm else {}
+        norms = await self._compute("optimizer", held.ex.grad_norms) if self.recipe.needs_norm else {}
+        t0 = self.times.clock()
         for t in sends:
             await t
+        self.times.since("wire", t0)
         held.pending = step
         sent, raw = dict(tp.bytes_sent), dict(tp.raw_sent)
         audit_s = self.spot.spent()
-        done = StepDone(a.run_id, step, self.s, self.r, losses, self.busy_s, sent, raw, a.epoch, norms, audit_s)
+        parts = self.times.report()
+        done = StepDone(
+            a.run_id, step, self.s, self.r, losses, self.busy_s, sent, raw, a.epoch, norms, audit_s, parts, BREAKDOWN_V
+        )
         await tp.send(self.env.coordinator, done)
+        t0 = self.times.clock()
         commit: Commit = (await self.mailbox.get(("commit", step), self.timeout)).message
+        t0 = self.times.since("commit", t0)
         await self.spot.hold(step, held.ex, commit.audit)  # its snapshot queued before the update
-        await self._compute(held.ex.step, Update(commit.factor, commit.skip, LossScale(commit.loss_scale)))
+        self.times.since("spot_checks", t0)
+        await self._compute("optimizer", held.ex.step, Update(commit.factor, commit.skip, LossScale(commit.loss_scale)))
         held.pending = None
+        t0 = self.times.clock()
         if commit.evaluate:
             await self._evaluate(held.ex, step, commit.evaluate)
+        t0 = self.times.since("eval", t0)
         if self.r == 0 and (commit.checkpoint or step + 1 == self.job.steps):
             await self._upload(held, step + 1)
+        self.times.since("checkpoint", t0)
 
     async def _forward(self, ex: StageExecutor, step: int, mb: int, losses: dict[str, float]) -> Any:
-        a, tp = self.a, self.env.transport
-        inb = self.spot.keep("act", mb, await self.mailbox.get(("act", step, mb), self.timeout))
-        out = await self._compute(ex.forward, mb, self._checked(inb, "activations"))
+        a = self.a
+        inb = self.spot.keep("act", mb, await self._await(("act", step, mb)))
+        out = await self._compute("forward", ex.forward, mb, self._checked(inb, "activations"))
         if self.s == self.k - 1:
             losses[str(mb)] = float(out)
             return None
         dest = a.stages[self.s + 1][mb % len(a.stages[self.s + 1])]
         msg = Activations(a.run_id, step, mb, self.s + 1, a.epoch)
-        return asyncio.create_task(tp.send(dest, msg, list(out), Link(self.codecs[self.s].forward)))
+        return self._send_soon(dest, msg, list(out), Link(self.codecs[self.s].forward))
 
     async def _backward(self, ex: StageExecutor, step: int, mb: int) -> Any:
-        a, tp = self.a, self.env.transport
+        a = self.a
         grad_out = None
         if self.s < self.k - 1:
-            inb = self.spot.keep("grad", mb, await self.mailbox.get(("grad", step, mb), self.timeout))
+            inb = self.spot.keep("grad", mb, await self._await(("grad", step, mb)))
+            t0 = self.times.clock()
             grad_out = _finite(inb, "gradients", self.env.device, self.recipe.scales_loss)
+            self.times.since("encode", t0)
         replicated = len(a.stages[self.s]) > 1
-        grads, own = await self._compute(_backward, ex, mb, grad_out, self.job.micro_batches, replicated)
+        grads, own = await self._compute("backward", _backward, ex, mb, grad_out, self.job.micro_batches, replicated)
         if own is not None:
             self.mb_grads[mb] = own
             names = sorted(own)
             for other, pid in enumerate(a.stages[self.s]):
                 if other != self.r:
                     msg = ReplicaGrads(a.run_id, step, self.s, self.r, names, epoch=a.epoch, mb=mb)
-                    await tp.send(pid, msg, [own[n] for n in names])
+                    await self._send_soon(pid, msg, [own[n] for n in names])
         if self.s == 0:
             return None
         dest = a.stages[self.s - 1][mb % len(a.stages[self.s - 1])]
@@ -332,7 +349,7 @@ class EpochRunner:
         # when a step is redone in a later epoch)
         rounding = torch.Generator().manual_seed(hash((self.job.seed, self.s, self.r, step)) & (2**62 - 1))
         link = Link(self.codecs[self.s - 1].backward, self.feedback, dest, rounding)
-        return asyncio.create_task(tp.send(dest, Gradients(a.run_id, step, mb, self.s - 1, a.epoch), grads, link))
+        return self._send_soon(dest, Gradients(a.run_id, step, mb, self.s - 1, a.epoch), grads, link)
 
     async def _evaluate(self, ex: StageExecutor, step: int, count: int) -> None:
         """Run this replica's share of ``count`` validation micro-batches forward; the
@@ -342,7 +359,7 @@ class EpochRunner:
         losses: dict[str, float] = {}
         for mb in [m for m in range(count) if m % len(group) == self.r]:
             inb = await self.mailbox.get(("evalact", step, mb), self.timeout)
-            out = await self._compute(ex.evaluate, self._checked(inb, "validation activations"))
+            out = await self._compute("eval", ex.evaluate, self._checked(inb, "validation activations"))
             if self.s == self.k - 1:
                 losses[str(mb)] = float(out)
                 continue
@@ -353,14 +370,37 @@ class EpochRunner:
             await tp.send(self.env.coordinator, EvalDone(a.run_id, step, self.s, self.r, losses, a.epoch))
 
     def _checked(self, inbound: Inbound, what: str) -> list[Any]:
-        """A frame's values, checked for poison (see ``_finite``)."""
-        return _finite(inbound, what, self.env.device, overflow_ok=self.recipe.scales_loss)
+        """A frame's values, checked for poison (see ``_finite``); the time is ``encode``'s."""
+        t0 = self.times.clock()
+        try:
+            return _finite(inbound, what, self.env.device, overflow_ok=self.recipe.scales_loss)
+        finally:
+            self.times.since("encode", t0)
 
-    async def _compute(self, fn: Any, *args: Any) -> Any:
+    async def _await(self, key: tuple[Any, ...]) -> Inbound:
+        """A stage message from the mailbox; the wait is the neighbour's (bubble) until its
+        first byte arrives, then the wire's."""
+        t0 = self.times.clock()
+        inb: Inbound = await self.mailbox.get(key, self.timeout)
+        self.times.waited(t0, inb.wire_s)
+        return inb
+
+    def _send_soon(self, dest: str, msg: Any, values: list[Any], link: Link | None = None) -> asyncio.Task[int]:
+        """Encode and sign now (``encode``), and write in the background."""
+        t0 = self.times.clock()
+        out = self.env.transport.prepare(dest, msg, values, link)
+        self.times.since("encode", t0)
+        return asyncio.create_task(self.env.transport.transmit(out))
+
+    async def _compute(self, part: str, fn: Any, *args: Any) -> Any:
         """``fn`` on the compute thread, then the idle time the throttle asks for (on the
-        event loop: messages and heartbeats go on); both count as busy time."""
+        event loop: messages and heartbeats go on); both count as busy time, and as
+        ``part``'s; waiting for the thread while a spot check holds it is ``spot_checks``'."""
+        t0 = self.times.clock()
         out, seconds = await self.env.compute.throttled(fn, *args)
         self.busy_s += seconds
+        self.times.add(part, seconds)
+        self.times.add("spot_checks", self.times.clock() - t0 - seconds)
         return out
 
     async def _average_replicas(self, ex: StageExecutor, step: int) -> None:
@@ -373,7 +413,7 @@ class EpochRunner:
             if mb in self.mb_grads:
                 per_mb.append(self.mb_grads.pop(mb))
             else:
-                inb = self.spot.keep("rgrad", mb, await self.mailbox.get(("rgrad", step, mb), self.timeout))
+                inb = self.spot.keep("rgrad", mb, await self._await(("rgrad", step, mb)))
                 values = self._checked(inb, "replica gradients")
                 per_mb.append(dict(zip(inb.message.names, values, strict=True)))
         params = dict(ex.module.named_parameters())
@@ -381,7 +421,7 @@ class EpochRunner:
             for name, g in grads.items():
                 if name not in params or g.shape != params[name].shape:
                     raise RunRefused(f"a replica sent a gradient for '{name[:80]}' that this stage does not have")
-        await self.env.compute.run(_sum_in_order, ex, per_mb)
+        await self._compute("optimizer", _sum_in_order, ex, per_mb)
 
     async def _upload(self, held: HeldStage, step: int) -> None:
         """Send the stage's state after ``step`` steps to the coordinator in the

@@ -31,19 +31,13 @@ from protocol.net.budget import ByteBudget
 from protocol.net.forward import FWD_PROTOCOL, Forwarder
 from protocol.net.handlers import StreamLimits, ends_quietly
 from protocol.net.lanes import LaneParts
+from protocol.net.outgoing import Outgoing, seal_outgoing
 from protocol.net.pacing import Pacer
 from protocol.net.probe import BW_PROTOCOL, ProbeBudget
 from protocol.net.streams import discard, read_frame_head, read_payload
 from protocol.net.tasks import honour_cancel
 from protocol.trust.identity import Identity
-from protocol.wire.encoding import (
-    Frame,
-    Link,
-    WireError,
-    encode_values,
-    raw_bytes,
-    split_buffers,
-)
+from protocol.wire.encoding import Frame, Link, WireError
 from protocol.wire.envelope import Envelope, Sealer, inline_payload, lane_id
 from protocol.wire.gate import Gate
 from protocol.wire.messages import Message
@@ -110,6 +104,7 @@ class Inbound:
     frame: Frame
     envelope: Envelope | None = None
     head: bytes = b""  # the signed head as received: with the payload, evidence of what the sender sent
+    wire_s: float = 0.0  # seconds from its head's arrival to its delivery (payload and checks)
 
     def values(self) -> list[Any]:
         return self.frame.values()
@@ -271,33 +266,37 @@ class Transport:
         """Seal and send one message (with values, encoded by ``link``'s codec) to
         ``peer_id``; returns bytes written. Large payloads go over ``LANES``
         parallel streams, the signed head over the main one."""
-        descs: list[Any] = []
-        chunks: list[memoryview] = []
-        if values is not None:
-            descs, chunks = encode_values(values, link)
-        total = sum(len(c) for c in chunks)
-        codec = str(link.codec) if link is not None else "none"
+        return await self.transmit(self.prepare(peer_id, message, values, link))
+
+    def prepare(
+        self, peer_id: str, message: Message, values: list[Any] | None = None, link: Link | None = None
+    ) -> Outgoing:
+        """The first half of ``send``: encode, hash and sign (no I/O)."""
+
+        def lanes(total: int) -> tuple[int, int] | None:
+            if peer_id in self.forward_via or total <= LANE_THRESHOLD:
+                return None  # a forwarded frame carries its payload inline
+            return next(self._frame_ids), LANES
+
+        return seal_outgoing(self.sealer, peer_id, message, values, link, lanes)
+
+    async def transmit(self, out: Outgoing) -> int:
+        """The second half of ``send``: write a prepared frame; returns bytes written."""
+        peer_id, head, total = out.peer_id, out.head, out.payload_bytes
+        await self.pacer.wait(peer_id, len(head) + total)
         if peer_id in self.forward_via:  # both behind NATs: through a peer both reach, payload inline
-            head, _ = self.sealer.seal(message, descs, chunks, codec)
-            await self.pacer.wait(peer_id, len(head) + total)
-            n = await self.forwarder.send(self.forward_via[peer_id], peer_id, head, chunks)
-        elif total <= LANE_THRESHOLD:
-            head, _ = self.sealer.seal(message, descs, chunks, codec)
-            await self.pacer.wait(peer_id, len(head) + total)
-            n = await self._write(peer_id, peer_id, MSG_PROTOCOL, [head, *chunks])
+            n = await self.forwarder.send(self.forward_via[peer_id], peer_id, head, out.chunks)
+        elif out.lane_parts is None:
+            n = await self._write(peer_id, peer_id, MSG_PROTOCOL, [head, *out.chunks])
         else:
-            frame_id = next(self._frame_ids)
-            parts = split_buffers(chunks, LANES)
-            sizes = [sum(len(c) for c in part) for part in parts]
-            head, _ = self.sealer.seal(message, descs, chunks, codec, {"id": frame_id, "bytes": sizes})
-            await self.pacer.wait(peer_id, len(head) + total)
+            assert out.lane_sizes is not None
             writes = [self._write(peer_id, peer_id, MSG_PROTOCOL, [head])]
-            for lane, part in enumerate(parts):
-                lane_head = _LANE_HEAD.pack(frame_id, lane, sizes[lane])
+            for lane, part in enumerate(out.lane_parts):
+                lane_head = _LANE_HEAD.pack(out.frame_id, lane, out.lane_sizes[lane])
                 writes.append(self._write(f"{peer_id}/lane{lane}", peer_id, LANE_PROTOCOL, [lane_head, *part]))
             n = sum(await asyncio.gather(*writes))
         self.bytes_sent[peer_id] += n
-        self.raw_sent[peer_id] += n - total + raw_bytes(descs)
+        self.raw_sent[peer_id] += n - total + out.raw
         return n
 
     async def _handle_lane(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -354,6 +353,7 @@ class Transport:
                 raise Rejected(Reject.TRUNCATED, f"no frame head within {FIRST_HEAD_S:.0f} s") from None
         if head is None:
             return False
+        arrived = time.perf_counter()
         self._active(sender)
         if via is not None and self.gate.muted(sender):  # a muted origin's forwarded frames: dropped unread
             skip = inline_payload(head)
@@ -380,7 +380,7 @@ class Transport:
         if env.lanes is not None:  # joined on the side: later frames need not wait for it
             if via is not None:
                 raise Rejected(Reject.UNEXPECTED, "a forwarded frame whose payload is on lanes")
-            task = asyncio.create_task(self._laned_frame(sender, env, message, head))
+            task = asyncio.create_task(self._laned_frame(sender, env, message, head, arrived))
             self._laned.add(task)
             task.add_done_callback(self._laned.discard)
             return True
@@ -395,7 +395,8 @@ class Transport:
             blame = via if via is not None and exc.code is Reject.BAD_DIGEST else sender
             self.gate.reject(blame, exc)
             return not self.gate.muted(via or blame)
-        await self._deliver(Inbound(sender, message, Frame({"values": env.values}, payload), env, head))
+        wire_s = time.perf_counter() - arrived
+        await self._deliver(Inbound(sender, message, Frame({"values": env.values}, payload), env, head, wire_s))
         return True
 
     def _cut_off(self, sender: str) -> None:
@@ -418,7 +419,7 @@ class Transport:
     def _active(self, sender: str) -> None:
         self.last_activity[sender] = time.monotonic()
 
-    async def _laned_frame(self, sender: str, env: Envelope, message: Message, head: bytes) -> None:
+    async def _laned_frame(self, sender: str, env: Envelope, message: Message, head: bytes, arrived: float) -> None:
         """Wait for a frame's payload on the lane streams, check it, deliver it."""
         try:
             payload = await self._lane_parts.join(sender, env)
@@ -426,7 +427,8 @@ class Transport:
         except Rejected as exc:
             self.gate.reject(sender, exc)
             return
-        await self._deliver(Inbound(sender, message, Frame({"values": env.values}, payload), env, head))
+        wire_s = time.perf_counter() - arrived
+        await self._deliver(Inbound(sender, message, Frame({"values": env.values}, payload), env, head, wire_s))
 
     async def _deliver(self, inbound: Inbound) -> None:
         """Into the inbox, unless ``divert`` takes it."""

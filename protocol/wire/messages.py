@@ -214,6 +214,9 @@ class StepDone(Message, sender="peer"):
     epoch: int = 0
     grad_norms: dict[str, float] = field(default_factory=dict)  # parameter -> its unscaled gradient's 2-norm
     audit_s: float = 0.0  # compute seconds spent on spot checks (copies kept, re-executions) since its last StepDone
+    #: where its time went since its last StepDone (``protocol.wire.step_parts``; breakdown_v 0: none sent)
+    breakdown: dict[str, float] = field(default_factory=dict)
+    breakdown_v: int = 0
 
 
 @dataclass(frozen=True)
