@@ -30,6 +30,7 @@ from protocol.wire.envelope import (
     message_of,
     split_head,
 )
+from protocol.wire.hello_limits import HelloLimits
 from protocol.wire.messages import PROTOCOL_VERSION, Hello, Message
 from protocol.wire.reject import Reject, Rejected
 
@@ -80,6 +81,8 @@ MUTE_WINDOW_S = 10.0
 MUTE_S = 60.0
 #: per-sender tables hold at most this many senders (fresh identities: they start over)
 MAX_SENDERS = 10_000
+#: the detail of a hello dropped unchecked, over its sender's limit (``hello_limits``; logged there)
+HELLO_DROPPED = "a hello over its sender's limit, dropped unchecked"
 
 
 class Gate:
@@ -108,6 +111,8 @@ class Gate:
         self.admission: Callable[[str, dict[str, Any]], str] | None = None
         #: senders whose hello ``admission`` refused (their probes are refused at once)
         self.refused: set[str] = set()
+        #: hellos of unadmitted senders checked per sender and in all (the rest dropped unchecked)
+        self.hellos = HelloLimits(clock=clock)
         self.counts: collections.Counter[Reject] = collections.Counter()
         self.recent: collections.deque[tuple[float, str, str, str]] = collections.deque(maxlen=200)
         #: called with (sender, code, detail) on every rejection, e.g. by the status page; a
@@ -173,7 +178,9 @@ class Gate:
         start, logged, quiet = self._log_window.get(sender, (now, 0, 0))
         if now - start > LOG_WINDOW_S:
             start, logged = now, 0
-        if logged < LOG_BURST:
+        if exc.detail is HELLO_DROPPED:  # counted; the limiter logs once per sender per period
+            pass
+        elif logged < LOG_BURST:
             more = f" ({quiet} more from this sender were not logged)" if quiet else ""
             logger.warning("rejected a message from %s: %s%s", clean(sender)[:80], clean(exc)[:300], more)
             logged, quiet = logged + 1, 0
@@ -268,6 +275,8 @@ class Gate:
         if key is not None and not hello:
             self.check_admitted(sender, env.kind)
         if hello:
+            if not self.hellos.allow(sender):  # before any expensive work: no parse, no signature check
+                raise Rejected(Reject.NOT_ADMITTED, HELLO_DROPPED)
             try:
                 key = public_key(str(env.body.get("pubkey", "")))
             except IdentityError as exc:
@@ -289,11 +298,14 @@ class Gate:
         for listener in self.on_admit:
             listener(sender)
 
-    def check_payload(self, env: Envelope, payload: bytes | memoryview, sender: str) -> None:
-        """Check the payload against the signed digest, then record the sequence number."""
+    def check_payload(self, env: Envelope, payload: bytes | memoryview, sender: str, digest: str | None = None) -> None:
+        """Check the payload against the signed digest (``digest``: its BLAKE3 hex digest,
+        computed as it arrived; else hashed now), then record the sequence number."""
         if len(payload) != env.payload_bytes:
             raise Rejected(Reject.TRUNCATED, f"payload of {len(payload)} bytes, announced {env.payload_bytes}")
-        if blake3(payload, max_threads=hash_threads(len(payload))).hexdigest() != env.digest:
+        if digest is None:
+            digest = blake3(payload, max_threads=hash_threads(len(payload))).hexdigest()
+        if digest != env.digest:
             raise Rejected(Reject.BAD_DIGEST, "the payload does not match its signed digest")
         self._windows.setdefault(sender, _Window(self.window)).commit(env.seq)
 
