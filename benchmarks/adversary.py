@@ -35,6 +35,15 @@ Prints one JSON object:
   in 10% of its micro-batches, which only the backward checks (``BACKWARD_SHARE``
   of them) see.
 
+- ``status_flood_ratio``: steps/s of a 2-peer swarm while an outsider floods its
+  status page (2,500 requests/s offered, pipelined on raw sockets from the last CPU;
+  ``status_flood_requests_per_s`` answered) over the same run's clean windows around
+  it (goal >= 0.9). ``hello_flood_coordinator_cpu_per_1k``: the coordinator's
+  CPU-seconds (``/proc``), over its clean windows' rate, per 1,000 signed hellos an
+  outsider without the token sent a private swarm from the last CPU (goal <= 0.05);
+  ``hello_flood_rejections_counted``: those the gate read and refused (the rest were
+  refused unread once it was muted). Both from ``tests/helloflood.py``.
+
 ``--short`` runs each smaller, for the test suite."""
 
 from __future__ import annotations
@@ -210,6 +219,17 @@ def _part(name: str) -> None:
     print(f"adversary: {name} (at {time.monotonic() - START:.0f} s)", file=sys.stderr, flush=True)
 
 
+def page_and_hello_floods(short: bool) -> dict[str, float]:
+    """Issue 35: a status-page flood's cost in steps/s, and a hello flood's in coordinator CPU."""
+    from helloflood import hello_flood_cpu, status_flood_ratio
+
+    _part("a status-page flood")
+    out = status_flood_ratio(short)
+    _part("a hello flood on a private swarm")
+    out.update(hello_flood_cpu(short))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--short", action="store_true", help="smaller runs, for the test suite")
@@ -220,6 +240,7 @@ def main() -> None:
     burst, sustained = flood_ratios(short)
     out: dict[str, object] = {"flood_throughput_ratio": round(burst, 3)}
     out["flood_sustained_throughput_ratio"] = round(sustained, 3)
+    out.update(page_and_hello_floods(short))
     _part("allocation attacks and probes")
     out.update(asyncio.run(_attacks(short)))
     t0 = time.perf_counter()
