@@ -30,14 +30,15 @@ def add_listen_flags(p: argparse.ArgumentParser, port_type: Callable[[str], int]
         metavar="ADDR",
         help="where other machines should dial this one, instead of its interfaces' addresses: an IP or host "
         "name (at --port), HOST:PORT (e.g. your router's public address and a port it forwards here) or a "
-        "multiaddr; behind a NAT without one, a peer dials out instead",
+        "multiaddr; behind a NAT without one, a peer dials out instead (default: the interfaces' addresses)",
     )
     p.add_argument(
         "--host-maddrs",
         nargs="+",
         default=None,
         metavar="MADDR",
-        help="listen exactly on these multiaddrs instead of --port (e.g. /ip4/127.0.0.1/tcp/0: this machine only)",
+        help="listen exactly on these multiaddrs instead of --port (e.g. /ip4/127.0.0.1/tcp/0: this machine only; "
+        "default: every interface at --port)",
     )
 
 

@@ -149,8 +149,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    if not (math.isfinite(args.tol) and args.tol >= 0):
-        raise UsageError(f"--tol {args.tol:g}: give a finite tolerance of at least 0")
     try:
         states = [read_state(path, path) for path in (args.a, args.b)]
     except InitError as exc:  # missing, unreadable, not safetensors: one line naming the file

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,37 +104,75 @@ def _options(args: argparse.Namespace, batch: Batch | None = None) -> Any:
     )
 
 
-def _workload_json(batch: Batch, costs: Any) -> dict[str, Any]:
-    """The workload and batch, for ``--json`` (empty for a job's model)."""
-    if batch.workload is None:
-        return {}
+def _workload_json(batch: Batch, costs: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """The model and its batch, for ``--json``."""
     from coordinator.workloads import MASTER_DTYPE
 
-    return {
-        "workload": {
-            "model": batch.workload,
-            "model_args": batch.shape,
-            "parameters": sum(costs.param_bytes) // MASTER_DTYPE.itemsize,
-            "micro_batches": batch.micro_batches,
-            "batch_size": batch.batch_size,
-            "seq_len": batch.seq_len,
-            "tokens_per_iteration": batch.tokens,
-            "precision": batch.precision,
-        }
+    info: dict[str, Any] = {
+        "model": batch.workload or args.model,
+        "model_args": batch.shape if batch.workload else args.model_args,
+        "parameters": sum(costs.param_bytes) // MASTER_DTYPE.itemsize,
+        "ops": costs.num_ops,
+        "micro_batches": batch.micro_batches,
+        "precision": batch.precision,
     }
+    if batch.workload is None:
+        return {"workload": {**info, "data": args.data or "the model's", "data_args": args.data_args}}
+    more = {"batch_size": batch.batch_size, "seq_len": batch.seq_len, "tokens_per_iteration": batch.tokens}
+    return {"workload": {**info, **more}}
 
 
-def _workload_text(batch: Batch, costs: Any) -> str:
-    """One line on the workload and batch (empty for a job's model)."""
-    info = _workload_json(batch, costs).get("workload")
-    if info is None:
-        return ""
-    name = f"{batch.workload} ({batch.shape})" if batch.shape else batch.workload
+def _model_name(batch: Batch, args: argparse.Namespace) -> str:
+    """The model as the user named it, with its changed shape."""
+    name, shape = (batch.workload, batch.shape) if batch.workload else (args.model, args.model_args)
+    return f"{name} ({shape})" if shape else name
+
+
+def _workload_text(batch: Batch, costs: Any, args: argparse.Namespace) -> str:
+    """One line on the model, its workload and batch."""
+    info = _workload_json(batch, costs, args)["workload"]
+    name = _model_name(batch, args)
+    if batch.workload is None:
+        data = f"data {args.data}" if args.data else "the model's own data"
+        return (
+            f"{name}: {info['parameters'] / 1e6:.3g}M parameters, {costs.num_ops} ops; {data}"
+            f"{f' ({args.data_args})' if args.data_args else ''}; {batch.micro_batches} micro-batches of its "
+            f"batch; {batch.precision}\n"
+        )
     return (
         f"{name}: {info['parameters'] / 1e9:.3g}B parameters, {costs.num_ops} ops; "
         f"{batch.micro_batches} micro-batches x {batch.batch_size} x {batch.seq_len} tokens = "
         f"{batch.tokens:,} tokens per iteration; {batch.precision} activations, fp32 weights and Adam\n"
     )
+
+
+def left_out(costs: Any, p: Any, peers: list[Any], network: Any) -> dict[str, list[str]]:
+    """The peers ``p`` does not use, by why: the reason's words to their ids."""
+    from coordinator.estimator import stage_memory
+
+    used = {pid for g in p.groups for pid in g}
+    clusters = {network.cluster_of.get(q.id, q.cluster) for q in peers if q.id in used}
+    need = min((stage_memory(costs, lo, hi, 1) for lo, hi in p.ranges(costs.num_ops)), default=0)
+    out: dict[str, list[str]] = {}
+    for q in peers:
+        if q.id in used:
+            continue
+        if q.memory_bytes < need:
+            why = f"too little memory: the smallest stage needs {need / 1e9:.3g} GB"
+        elif network.cluster_of.get(q.id, q.cluster) not in clusters:
+            why = "in a cluster the plan does not use (its links to the planned peers would slow it)"
+        else:
+            why = "standby: the plan is no faster with them"
+        out.setdefault(why, []).append(q.id)
+    return out
+
+
+def _left_out_text(out: dict[str, list[str]], indent: str = "  ") -> list[str]:
+    lines = []
+    for why, ids in out.items():
+        names = ", ".join(ids[:5]) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
+        lines.append(f"{indent}left out {len(ids)} peer{'s' if len(ids) > 1 else ''} [{names}]: {why}")
+    return lines
 
 
 def _plan_text(p: Any, costs: Any) -> str:
@@ -167,10 +206,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         p = plan(args.scheduler, costs, topo.peers, topo.network, _options(args, batch))
     except ScheduleError as exc:
         raise UsageError(str(exc)) from None
+    out = left_out(costs, p, topo.peers, topo.network)
     if args.json:
-        print(json.dumps({"num_ops": costs.num_ops, **_workload_json(batch, costs), **p.to_json(costs.num_ops)}))
+        head = {"num_ops": costs.num_ops, "topology": topo.name, **_workload_json(batch, costs, args)}
+        print(json.dumps({**head, **p.to_json(costs.num_ops), "left_out": out}))
     else:
-        print(_workload_text(batch, costs) + _plan_text(p, costs))
+        used = len(topo.peers) - sum(len(ids) for ids in out.values())
+        where = f"on {topo.name}: {used} of its {len(topo.peers)} peers planned"
+        print("\n".join([_workload_text(batch, costs, args) + _plan_text(p, costs), where, *_left_out_text(out)]))
     return 0
 
 
@@ -193,34 +236,69 @@ def churn_events(topo: Any, iterations: int, events: int, seed: int) -> tuple[li
 
 
 def cmd_sim(args: argparse.Namespace) -> int:
-    from coordinator.plan_eval import ScheduleError
-    from sim.engine import simulate
+    from sim.plot import plot_iterations
 
-    if args.plot and not args.plot.endswith(".png"):
-        raise UsageError(f"--plot {args.plot}: the plot is a .png file")
     batch = batch_of(args)
     topo = _topology(args.topology)
     costs = _costs(args, batch)
-    options = _options(args, batch)
     churn, held = churn_events(topo, args.iterations, args.churn, args.seed)
-    results = {}
-    for name in args.schedulers:
-        start = time.perf_counter()
-        try:
-            r = simulate(costs, topo, name, options, args.iterations, churn, held_out=held, policy=args.policy)
-        except ScheduleError as exc:
-            raise UsageError(f"{name}: {exc}") from None
-        results[name] = (r, time.perf_counter() - start)
+    results = _simulate_all(args, topo, costs, _options(args, batch), churn, held)
     if args.json:
-        print(json.dumps(_sim_json(args, topo, results) | _workload_json(batch, costs)))
+        print(json.dumps(_sim_json(args, topo, costs, results, held) | _workload_json(batch, costs, args)))
     else:
-        print(_workload_text(batch, costs) + _sim_text(args, topo, costs, results))
+        print(_workload_text(batch, costs, args) + _sim_text(args, topo, costs, results, held))
     if args.plot:
-        _plot(args.plot, {n: r for n, (r, _) in results.items()}, topo.name)
+        title = (
+            f"{_model_name(batch, args)} on {topo.name} ({len(topo.peers)} peers), policy {args.policy}, "
+            f"{args.churn} churn events"
+        )
+        plot_iterations(args.plot, {n: r for n, (r, _) in results.items()}, title, churn)
     return 0
 
 
-def _sim_json(args: argparse.Namespace, topo: Any, results: dict[str, tuple[Any, float]]) -> dict[str, Any]:
+def _simulate_all(
+    args: argparse.Namespace, topo: Any, costs: Any, options: Any, churn: list[Any], held: set[str]
+) -> dict[str, tuple[Any, float]]:
+    """Each scheduler's simulation and its wall time; a progress bar on stderr unless --json."""
+    from tqdm import tqdm
+
+    from coordinator.plan_eval import ScheduleError
+    from sim.engine import simulate
+
+    results = {}
+    bar = tqdm(total=len(args.schedulers) * args.iterations, unit="it", disable=args.json, file=sys.stderr)
+    try:
+        for name in args.schedulers:
+            bar.set_description(f"{name}: planning")
+
+            def tick(_: int, name: str = name) -> None:
+                bar.set_description(name, refresh=False)
+                bar.update(1)
+
+            start = time.perf_counter()
+            try:
+                r = simulate(
+                    costs, topo, name, options, args.iterations, churn, held_out=held, policy=args.policy, progress=tick
+                )
+            except ScheduleError as exc:
+                raise UsageError(f"{name}: {exc}") from None
+            results[name] = (r, time.perf_counter() - start)
+    finally:
+        bar.close()
+    return results
+
+
+def _sim_left_out(costs: Any, r: Any, topo: Any, held: set[str]) -> dict[str, list[str]]:
+    """Who the scheduler's first plan left out, and why (the churn's joiners: held back)."""
+    if r.first_plan is None:
+        return {}
+    out = left_out(costs, r.first_plan, [q for q in topo.peers if q.id not in held], topo.network)
+    return ({"held back to join later (--churn)": sorted(held)} if held else {}) | out
+
+
+def _sim_json(
+    args: argparse.Namespace, topo: Any, costs: Any, results: dict[str, tuple[Any, float]], held: set[str]
+) -> dict[str, Any]:
     return {
         "topology": topo.name,
         "iterations": args.iterations,
@@ -234,13 +312,16 @@ def _sim_json(args: argparse.Namespace, topo: Any, results: dict[str, tuple[Any,
                 "redone": r.redone,
                 "goodput": r.goodput,
                 "wall_s": round(w, 3),
+                "left_out": _sim_left_out(costs, r, topo, held),
             }
             for n, (r, w) in results.items()
         },
     }
 
 
-def _sim_text(args: argparse.Namespace, topo: Any, costs: Any, results: dict[str, tuple[Any, float]]) -> str:
+def _sim_text(
+    args: argparse.Namespace, topo: Any, costs: Any, results: dict[str, tuple[Any, float]], held: set[str]
+) -> str:
     lines = [f"{topo.name}: {len(topo.peers)} peers, {costs.num_ops} ops, {args.iterations} iterations"]
     for n, (r, w) in results.items():
         lines.append(
@@ -248,23 +329,5 @@ def _sim_text(args: argparse.Namespace, topo: Any, costs: Any, results: dict[str
             f"{r.lower_bound_s:.4g} s, {len(r.replans)} re-plans, {r.redone} iterations redone, goodput "
             f"{r.goodput:.4g} iterations/s; simulated in {w:.1f} s)"
         )
+        lines.extend(_left_out_text(_sim_left_out(costs, r, topo, held), indent="    "))
     return "\n".join(lines)
-
-
-def _plot(path: str, results: dict[str, Any], title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, r in results.items():
-        ax.plot(range(len(r.iteration_s)), r.iteration_s, label=name)
-    ax.set_yscale("log")
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("simulated seconds per iteration")
-    ax.set_title(title)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

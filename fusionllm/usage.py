@@ -18,38 +18,46 @@ class UsageError(Exception):
     """A problem with what the user asked for; printed as one line, exit code 2."""
 
 
+#: optimizer steps a command trains for without --steps: the same for demo, coordinator and
+#: train, so that ``train --reference`` with a run's other flags reproduces that run
+DEFAULT_STEPS = 1200
+#: the job's fields a command may take from its flags (each flag's dest where it differs)
+_JOB_FIELDS = (
+    "model",
+    "model_args",
+    "data_args",
+    "seed",
+    "steps",
+    "micro_batches",
+    "lr",
+    "lr_schedule",
+    "warmup",
+    "min_lr",
+    "weight_decay",
+    "betas",
+    "clip_grad_norm",
+    "precision",
+    "eval_every",
+    "eval_batches",
+)
+_JOB_FLAGS = {name: name for name in _JOB_FIELDS} | {"decay_all": "weight_decay_all"}
+
+
 def job_from_args(args: argparse.Namespace) -> Any:
+    """The job the parsed flags describe; a flag the command does not take keeps the
+    job's default (``plan`` takes no recipe, ``inspect`` no steps)."""
     from protocol.model.job import JobSpec
 
     data = args.data
     if data is None:
         data = "branchy" if args.model == "branchy" else "stdlib"
-    data = tokens_data(data)
-    if args.save is not None and not args.save.endswith(".safetensors"):
-        raise UsageError(f"--save {args.save}: the checkpoint file must end in .safetensors")
-    if args.init is not None and not Path(args.init).is_file():
-        raise UsageError(f"--init {args.init}: no such file")
-    job = JobSpec(
-        model=args.model,
-        model_args=args.model_args,
-        data=data,
-        data_args=args.data_args,
-        seed=args.seed,
-        steps=args.steps,
-        micro_batches=args.micro_batches,
-        lr=args.lr,
-        lr_schedule=args.lr_schedule,
-        warmup=args.warmup,
-        min_lr=args.min_lr,
-        weight_decay=args.weight_decay,
-        betas=args.betas,
-        decay_all=args.weight_decay_all,
-        clip_grad_norm=args.clip_grad_norm,
-        precision=args.precision,
-        init=str(Path(args.init).resolve()) if args.init else "",
-        eval_every=args.eval_every,
-        eval_batches=args.eval_batches,
-    )
+    save, init = getattr(args, "save", None), getattr(args, "init", None)
+    if save is not None and not save.endswith(".safetensors"):
+        raise UsageError(f"--save {save}: the checkpoint file must end in .safetensors")
+    if init is not None and not Path(init).is_file():
+        raise UsageError(f"--init {init}: no such file")
+    given = {field: getattr(args, flag) for field, flag in _JOB_FLAGS.items() if hasattr(args, flag)}
+    job = JobSpec(**given, data=tokens_data(data), init=str(Path(init).resolve()) if init else "")
     job.recipe()  # a recipe that cannot train is refused before anything starts
     return job
 

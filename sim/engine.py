@@ -6,6 +6,7 @@ estimator and scheduler to re-plan. The clock is simulated; nothing sleeps."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from coordinator.estimator import STATE_PER_PARAM_BYTE, DagCosts, Plan, Replica, predict, tied_sync_s, wire_pair
@@ -38,6 +39,7 @@ class SimResult:
     lower_bound_s: float
     replans: list[tuple[int, str]] = field(default_factory=list)
     redone: int = 0  # iterations rolled back and done again
+    first_plan: Plan | None = None  # the plan it started with
 
     @property
     def mean_s(self) -> float:
@@ -260,15 +262,17 @@ def simulate(
     probes_per_peer: int = 3,
     held_out: set[str] | None = None,
     policy: str = "rebalance",
+    progress: Callable[[int], None] | None = None,
 ) -> SimResult:
     """Plan with ``scheduler`` on what peers measure (a few probes each, the rest
     inferred), run ``iterations`` on the true topology and answer churn by ``policy``.
     Checkpoints are taken when the live coordinator would take them (``replan.checkpoint_due``),
-    and their cost, moves and redone iterations are counted in the iteration times."""
+    and their cost, moves and redone iterations are counted in the iteration times;
+    ``progress`` is told each iteration done."""
     if policy not in POLICIES:
         raise ValueError(f"policy {policy!r}: choose from {', '.join(POLICIES)}")
     swarm = _Swarm(costs, topology, scheduler, options, held_out or set(), probes_per_peer)
-    result = SimResult(scheduler, [], swarm.current.iteration_s, swarm.current.lower_bound_s)
+    result = SimResult(scheduler, [], swarm.current.iteration_s, swarm.current.lower_bound_s, first_plan=swarm.current)
     events = sorted(churn or [], key=lambda c: c.iteration)
     since: list[float] = []  # iteration times since the last checkpoint (what a rollback redoes)
     last_optional = -JOIN_REPLAN_EVERY
@@ -294,6 +298,8 @@ def simulate(
             since.clear()
         swarm.measure()
         result.iteration_s.append(t + penalty)
+        if progress is not None:
+            progress(it)
     return result
 
 

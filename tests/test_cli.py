@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -79,13 +80,26 @@ def test_inspect_json_and_text(cli) -> None:
         # issue 30's list: tracebacks and silent accepts before
         (["compare", "README.md", "README.md"], "README.md: not a readable safetensors file"),
         (["compare", "no/such.safetensors", "README.md"], "no/such.safetensors: no such file"),
-        (["compare", "README.md", "README.md", "--tol", "nan"], "--tol nan: give a finite tolerance"),
-        (["compare", "README.md", "README.md", "--tol", "-1"], "--tol -1: give a finite tolerance"),
+        (["compare", "README.md", "README.md", "--tol", "nan"], "--tol: nan is not a finite tolerance"),
+        (["compare", "README.md", "README.md", "--tol", "-1"], "--tol: -1 is not a finite tolerance"),
         (["join", "--initial-peers", "/ip4/1.2.3.4/tcp/1", "--device", "bogus"], "--device 'bogus': not a device"),
         (["join", "--initial-peers", "/ip4/1.2.3.4/tcp/1", "--device", "meta"], "a peer trains on cpu, cuda or mps"),
         (["train", "--reference", "--model-args", "n_layer=-1"], "n_layer must be a whole number of at least 1"),
         (["train", "--reference", "--model-args", "n_head=3"], "n_embd 128 is not a multiple of n_head 3"),
         (["ban", "12D3KooWAbc", "--run-dir", "docs"], "--run-dir docs: not a run directory (no run.sqlite)"),
+        # flags a command does not use are refused, not ignored
+        (["plan", "--topology", "testbed1", "--lr", "0.1"], "unrecognized arguments: --lr 0.1"),
+        (["plan", "--topology", "testbed1", "--steps", "5"], "unrecognized arguments: --steps 5"),
+        (["sim", "--topology", "testbed1", "--save", "a.safetensors"], "unrecognized arguments: --save"),
+        (["sim", "--topology", "testbed1", "--init", "a.safetensors"], "unrecognized arguments: --init"),
+        (["sim", "--topology", "testbed1", "--eval-every", "5"], "unrecognized arguments: --eval-every 5"),
+        (["inspect", "--save", "a.safetensors"], "unrecognized arguments: --save"),
+        (["demo", "--run", "mine"], "unrecognized arguments: --run mine"),  # once taken as --run-dir
+        (["demo", "--peer", "3"], "unrecognized arguments: --peer 3"),
+        (["coordinator", "--peer-wait", "-1"], "-1.0 is not a positive number of seconds"),
+        # --plot is checked before simulating
+        (["sim", "--topology", "testbed1", "--plot", "no/such/dir/out.png"], "no folder no/such/dir"),
+        (["sim", "--topology", "testbed1", "--plot", "out.pdf"], "out.pdf: the plot is a .png file"),
     ],
 )
 def test_usage_errors_are_one_line_exit_2(cli, args: list[str], needle: str) -> None:
@@ -134,8 +148,11 @@ def test_parsing_imports_nothing_heavy() -> None:
         (["demo", "--steps", "0"], 2, "argument --steps: 0 must be at least 1"),
         (["demo", "--bogus"], 2, "unrecognized arguments: --bogus"),
         (["join", "--help"], 0, ""),
+        (["plan", "--topology", "testbed1", "--steps", "3"], 2, "unrecognized arguments: --steps 3"),
+        (["sim", "--topology", "testbed1", "--plot", "/no/such/out.png"], 2, "argument --plot: /no/such/out.png: no"),
+        (["sim", "-v", "--help"], 0, ""),
     ],
-    ids=["bad-value", "bad-flag", "help"],
+    ids=["bad-value", "bad-flag", "help", "plan-steps", "plot-folder", "verbose-help"],
 )
 def test_usage_errors_and_help_import_nothing_heavy(args: list[str], code: int, needle: str) -> None:
     import subprocess
@@ -168,3 +185,120 @@ def test_plan_and_sim_name_every_preset_in_their_help(cli) -> None:
     for command in ("plan", "sim"):
         r = cli(command, "--help")
         assert r.returncode == 0 and all(name in " ".join(r.stdout.split()) for name in PRESETS), r.stdout
+
+
+def _parsers() -> dict[str, argparse.ArgumentParser]:
+    """Every command's parser by its name ('data prepare' for the nested one)."""
+    from fusionllm.cli import build_parser
+
+    out, todo = {}, [("", build_parser())]
+    while todo:
+        name, p = todo.pop()
+        out[name] = p
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                todo.extend((f"{name} {n}".strip(), child) for n, child in a.choices.items())
+    return out
+
+
+def test_every_flag_has_a_description_and_shows_its_default() -> None:
+    missing, no_default = [], []
+    for name, p in _parsers().items():
+        formatter = p._get_formatter()
+        either = {a for g in p._mutually_exclusive_groups if g.required for a in g._group_actions}
+        for a in p._actions:
+            if isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            flag = f"{name} {a.option_strings[-1] if a.option_strings else a.dest}"
+            if not a.help:
+                missing.append(flag)
+            elif a.option_strings and a.nargs != 0 and not a.required and a not in either:
+                if "default" not in formatter._get_help_string(a) % {"default": a.default}:
+                    no_default.append(flag)
+    assert missing == [] and no_default == []
+    help_text = _parsers()["train"].format_help()
+    assert "optimizer steps (default: 1200)" in " ".join(help_text.split())
+
+
+def test_each_command_takes_only_the_flags_it_uses() -> None:
+    parsers = _parsers()
+    flags = {name: {s for a in p._actions for s in a.option_strings} for name, p in parsers.items()}
+    recipe = {"--steps", "--lr", "--save", "--init", "--eval-every", "--warmup", "--betas"}
+    assert flags["plan"] & recipe == set() and flags["sim"] & recipe == set()
+    assert flags["inspect"] & recipe == set() and {"--micro-batches", "--precision"} <= flags["inspect"]
+    assert recipe <= flags["train"] and recipe <= flags["demo"] and recipe <= flags["coordinator"]
+    assert "--run" not in flags["demo"], "the demo names its own run"
+
+
+def test_one_default_for_steps() -> None:
+    from fusionllm.cli import build_parser
+    from fusionllm.usage import DEFAULT_STEPS
+
+    parser = build_parser()
+    argvs = [["demo"], ["coordinator"], ["train", "--reference"]]
+    assert {parser.parse_args(argv).steps for argv in argvs} == {DEFAULT_STEPS}
+
+
+@pytest.mark.parametrize(
+    "argv, verbose",
+    [
+        (["-v", "plan", "--topology", "testbed1"], True),
+        (["plan", "--topology", "testbed1", "-v"], True),
+        (["plan", "-v", "--topology", "testbed1"], True),
+        (["data", "prepare", "x.txt", "-o", "out", "--verbose"], True),
+        (["plan", "--topology", "testbed1"], False),
+    ],
+)
+def test_verbose_anywhere_on_the_line(argv: list[str], verbose: bool) -> None:
+    from fusionllm.cli import build_parser
+
+    assert build_parser().parse_args(argv).verbose is verbose
+
+
+def test_sim_plot_names_model_and_topology_marks_churn_and_keeps_equal_lines_apart() -> None:
+    from sim.engine import Churn, SimResult
+    from sim.plot import draw
+
+    same = [1.0, 1.0, 2.0, 1.0]
+    results = {n: SimResult(n, list(same), 1.0, 0.5) for n in ("opfence", "bw-blind", "even")}
+    churn = [Churn(1, "leave", "a"), Churn(2, "join", "b"), Churn(2, "slow", "c", 0.5)]
+    fig = draw(results, "gpt2 (n_layer=2) on testbed1 (16 peers)", churn)
+    ax = fig.axes[0]
+    assert "gpt2" in ax.get_title() and "testbed1" in ax.get_title()
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    assert sorted(line.get_xdata()[0] for line in ax.get_lines() if line.get_label() not in results) == [1, 2, 2]
+    drawn = [lines[n] for n in results]
+    assert len({str(line.get_linestyle()) for line in drawn}) == 3 and len({line.get_marker() for line in drawn}) == 3
+    assert drawn[0].get_linewidth() > drawn[1].get_linewidth() > drawn[2].get_linewidth()
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["opfence", "bw-blind", "even", "churn: leave", "churn: join", "churn: slow"]
+
+
+def _small_topology(path: Path) -> Path:
+    """Two clusters of three peers behind a 50 Mbit/s link, and one peer too small for anything."""
+    peer = {"tflops": 20, "memory_gb": 24}
+    peers = [{"id": f"{c}{i}", "cluster": c, **peer} for c in "AB" for i in range(3)]
+    peers.append({"id": "tiny", "cluster": "A", "tflops": 20, "memory_gb": 0.000001})
+    fast, slow = {"mbps": 10000, "latency_ms": 0.1}, {"mbps": 50, "latency_ms": 40}
+    path.write_text(json.dumps({"peers": peers, "clusters": {"A": {"A": fast, "B": slow}, "B": {"B": fast}}}))
+    return path
+
+
+def test_plan_and_sim_name_the_model_and_the_peers_left_out(cli, tmp_path: Path) -> None:
+    topo = str(_small_topology(tmp_path / "t.json"))
+    model = ["--model", "gpt", "--model-args", "n_layer=2,n_embd=64,n_head=4"]
+    r = cli("plan", "--topology", topo, *model)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("gpt (n_layer=2,n_embd=64,n_head=4): ") and "the model's own data" in r.stdout
+    assert "left out 1 peer [tiny]: too little memory" in r.stdout, r.stdout
+    r = cli("plan", "--topology", topo, *model, "--json")
+    out = json.loads(r.stdout)
+    assert out["workload"]["model"] == "gpt" and out["topology"] == "t"
+    assert any(ids == ["tiny"] and why.startswith("too little memory") for why, ids in out["left_out"].items())
+    sim = ["sim", "--topology", topo, *model, "--schedulers", "opfence,even", "--iterations", "3"]
+    r = cli(*sim)
+    assert r.returncode == 0, r.stderr
+    assert "gpt (n_layer=2" in r.stdout and "left out 1 peer [tiny]" in r.stdout
+    assert "opfence" in r.stderr and "6/6" in r.stderr, "progress on stderr"
+    r = cli(*sim, "--json")
+    assert r.returncode == 0 and r.stderr == "" and json.loads(r.stdout)["workload"]["model"] == "gpt"
