@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from protocol.trust.identity import SIGNATURE_BYTES
 from protocol.wire.encoding import MAX_HEADER_BYTES, read_growing
@@ -67,13 +67,13 @@ async def _within(read: Awaitable[T], seconds: float) -> T:
 
 
 async def read_payload(
-    reader: asyncio.StreamReader, size: int, on_chunk: Callable[[], None] | None = None
+    reader: asyncio.StreamReader, size: int, on_chunk: Callable[[], None] | None = None, digest: Any = None
 ) -> memoryview:
     """A payload of ``size`` bytes (``Rejected``: the stream ended inside it, or it came
-    slower than ``MIN_PAYLOAD_RATE``)."""
+    slower than ``MIN_PAYLOAD_RATE``), hashed into ``digest`` as it arrives if given."""
     limit = payload_deadline(size)
     try:
-        payload = await _within(read_growing(reader, size, on_chunk), limit)
+        payload = await _within(read_growing(reader, size, on_chunk, digest), limit)
     except asyncio.TimeoutError:
         raise Rejected(
             Reject.TRUNCATED,

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from blake3 import blake3
 from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr as HivemindMultiaddr
 
@@ -385,9 +386,10 @@ class Transport:
             task.add_done_callback(self._laned.discard)
             return True
         try:
+            digest = blake3()  # verified while the payload arrives: one pass over its bytes
             async with self.budget.hold(sender, env.payload_bytes):
-                payload = await read_payload(reader, env.payload_bytes, lambda: self._active(sender))
-            self.gate.check_payload(env, payload, sender)
+                payload = await read_payload(reader, env.payload_bytes, lambda: self._active(sender), digest)
+            self.gate.check_payload(env, payload, sender, digest.hexdigest())
         except Rejected as exc:
             if exc.code is Reject.TRUNCATED:
                 raise

@@ -391,16 +391,20 @@ async def read_head(reader: asyncio.StreamReader, max_payload: int) -> dict[str,
 
 
 async def read_growing(
-    reader: asyncio.StreamReader, size: int, on_chunk: Callable[[], None] | None = None
+    reader: asyncio.StreamReader, size: int, on_chunk: Callable[[], None] | None = None, digest: Any = None
 ) -> memoryview | None:
     """Read ``size`` bytes into a buffer that grows as they arrive (a claimed size
-    allocates nothing by itself); None if the stream ends first."""
+    allocates nothing by itself); None if the stream ends first. ``digest`` (a hasher,
+    e.g. BLAKE3's) is updated with each chunk as it arrives: the payload is hashed
+    while the rest of it is still on its way, not in a second pass after the last byte."""
     payload = bytearray()
     while len(payload) < size:
         chunk = await reader.read(min(size - len(payload), READ_CHUNK))
         if not chunk:
             return None
         payload += chunk
+        if digest is not None:
+            digest.update(chunk)
         if on_chunk is not None:
             on_chunk()
     return memoryview(payload)
