@@ -11,7 +11,7 @@ from hivemind.utils import get_dht_time
 
 from coordinator.roster import Endpoint
 from protocol.net.clock import SYSTEM_CLOCK, Clock
-from protocol.net.records import publish_record
+from protocol.net.records import Publisher
 from protocol.net.tasks import cancel_all, every
 from protocol.wire.messages import CoordinatorRecord
 
@@ -24,6 +24,7 @@ class Beacon:
     def __init__(self, run_id: str, ttl: float, endpoint: Endpoint, clock: Clock = SYSTEM_CLOCK) -> None:
         self.run_id, self.ttl, self.endpoint, self.clock = run_id, ttl, endpoint, clock
         self._refresh: asyncio.Task[None] | None = None
+        self._publisher: Publisher | None = None  # made once the endpoint is up
 
     async def start(self) -> None:
         """Publish the record, then keep it fresh in the background."""
@@ -43,5 +44,6 @@ class Beacon:
         assert ep.dht is not None and ep.transport is not None and ep.identity is not None
         expires = get_dht_time() + self.ttl
         rec = CoordinatorRecord(ep.transport.peer_id, ep.visible_maddrs(), self.run_id, expires)
-        subkey = ep.identity.public_hex  # under its own key: another's claim of the run cannot hide it
-        await publish_record(ep.dht, ep.identity, self.run_id, "coordinator", subkey, rec.header(), expires)
+        if self._publisher is None:  # under its own key: another's claim of the run cannot hide it
+            self._publisher = Publisher(ep.dht, ep.identity, self.run_id, self.clock)
+        await self._publisher.publish("coordinator", rec.header(), expires)

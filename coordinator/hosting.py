@@ -73,13 +73,14 @@ def addresses(cfg: CoordinatorConfig, run_dir: RunDir) -> tuple[list[str], list[
 
 
 async def start_dht(cfg: CoordinatorConfig, run_dir: RunDir, identity: Identity, private: bool) -> hivemind.DHT:
-    """The coordinator's DHT node, with the same libp2p id after a restart; a private
-    swarm's keeps only records its coordinator stands behind."""
+    """The coordinator's DHT node, with the same libp2p id after a restart, keeping only
+    the run's records that its rule takes (``RunRecords``: signed by the identity they
+    name; in a private swarm, adverts certified by this coordinator)."""
     host_maddrs, initial_peers = addresses(cfg, run_dir)
     identity_path = run_dir.path / "p2p.key"
     if not identity_path.exists():
         P2P.generate_identity(str(identity_path))
-    validators = [RunRecords(cfg.run_id, identity.public_hex)] if private else []
+    validators = [RunRecords(cfg.run_id, identity.public_hex, private=private)]
     return await asyncio.get_running_loop().run_in_executor(
         None,
         lambda: hivemind.DHT(

@@ -53,8 +53,11 @@ class Credentials:
         return bool(self.secret)
 
     def validators(self) -> list[RunRecords]:
-        """A private swarm's DHT rule (the coordinator's key is pinned by the token)."""
-        return [RunRecords(self.run_id, self.pinned)] if self.secret and self.pinned else []
+        """The run's DHT rule on this peer's node (``protocol.trust.run_records``): the
+        coordinator's record signed by the pinned key (unpinned: any claim, each under
+        its signer's key), adverts by the peers they describe; in a private swarm (the
+        token pins the key) with the coordinator's certificate."""
+        return [RunRecords(self.run_id, self.pinned, private=bool(self.secret and self.pinned))]
 
     def proof(self, peer_id: str, key: str) -> str:
         """The hello's proof that this peer holds the swarm's secret ('' in a public swarm)."""

@@ -15,7 +15,7 @@ from hivemind.utils import get_dht_time
 from peer.admission import Credentials
 from protocol.net.clock import SYSTEM_CLOCK, Clock
 from protocol.net.reach import HOW_TO_BE_REACHABLE
-from protocol.net.records import publish_record
+from protocol.net.records import Publisher
 from protocol.net.tasks import every
 from protocol.trust.identity import Identity
 from protocol.trust.text import clean
@@ -45,14 +45,15 @@ class Adverts:
         self.say = say
         self.clock = clock
         self.advert: Advert | None = None
+        self._publisher = Publisher(dht, identity, run_id, clock)  # under this peer's key
 
     async def publish(self) -> None:
         """Store the advert, signed, with this peer's certificate (if any), for ``ttl`` s."""
         assert self.advert is not None
         expires = get_dht_time() + self.ttl
         cert = self.credentials.certificate or {}
-        ad = Advert(**{**self.advert.__dict__, "expires_at": expires, "cert": cert})
-        await publish_record(self.dht, self.identity, self.run_id, "adverts", ad.peer_id, ad.header(), expires)
+        ad = Advert(**{**self.advert.__dict__, "expires_at": expires, "cert": cert, "run_id": self.run_id})
+        await self._publisher.publish("adverts", ad.header(), expires)
 
     async def refresh(self) -> None:
         """Publish again every ``ttl / 3`` s, forever (cancel to stop)."""

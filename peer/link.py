@@ -34,6 +34,9 @@ WATCH_S = 1.0
 MADDRS_TIMEOUT_S = 5.0
 #: seconds between looks for the coordinator's record while joining
 FIND_EVERY_S = 0.5
+#: the most coordinator records of the run an unpinned peer reads at a look (one
+#: claim is trusted on first use; more are refused however many)
+MAX_CLAIMS = 16
 
 
 class CoordinatorLink:
@@ -145,7 +148,10 @@ class CoordinatorLink:
         Each coordinator stores its record under its own key, so an outsider's claim
         cannot hide the real one."""
         out = {}
-        for value in (await read_records(self.dht, self.config.run_id, "coordinator")).values():
+        pinned = self.config.coordinator_key
+        wanted = [pinned] if pinned else None  # unpinned: every claim, each under its signer's key
+        found = await read_records(self.dht, self.config.run_id, "coordinator", wanted=wanted, limit=MAX_CLAIMS)
+        for value in found.values():
             try:
                 signer = key_hex(check_record(value))
                 self._note_version(signer, value)

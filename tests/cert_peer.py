@@ -95,9 +95,9 @@ async def forger(token: str, key_file: str, members: int, go: Path | None) -> No
             maddrs = [str(m) for m in dht.get_visible_maddrs()]
             expires = get_dht_time() + 60
             claims = ("cpu", 1e12, 1 << 34, 1e4, 1e4, str(torch.__version__), PROTOCOL_VERSION, expires)
-            ad = Advert(tp.peer_id, maddrs, *claims)
+            ad = Advert(tp.peer_id, maddrs, *claims, run_id=t.run)
             record = sign_record(me, dataclasses.replace(ad, cert=cert).header())
-            await dht.store(dht_key(t.run, "adverts"), record, expires, subkey=tp.peer_id, return_future=True)
+            await dht.store(dht_key(t.run, "adverts"), record, expires, subkey=me.public_hex, return_future=True)
         tp.learn(cid, cmaddrs)
         try:
             await tp.send(cid, Hello(t.run, me.public_hex, proof="", maddrs=[]))

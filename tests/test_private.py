@@ -257,22 +257,27 @@ def _record(validator: RunRecords, what: str, value: dict[str, object], subkey: 
 
 
 def test_a_private_swarms_dht_keeps_only_records_its_coordinator_stands_behind() -> None:
+    """Each record under its signer's key; an advert with the coordinator's certificate
+    for that key and peer id (every public run's refusals: tests/test_public_records.py)."""
     coordinator, peer, outsider = Identity.generate(), Identity.generate(), Identity.generate()
-    validator = RunRecords("run", coordinator.public_hex)
+    validator = RunRecords("run", coordinator.public_hex, private=True)
     cert = issue_certificate(coordinator, "run", "peer-1", peer.public_hex, now=0.0)  # long expired: still stored
-    advert = {"kind": "advert", "peer_id": "peer-1"}
-    assert _record(validator, "adverts", sign_record(peer, {**advert, "cert": cert}), "peer-1")
+    advert = {"kind": "advert", "peer_id": "peer-1", "run_id": "run"}
+    assert _record(validator, "adverts", sign_record(peer, {**advert, "cert": cert}), peer.public_hex)
     forged = issue_certificate(outsider, "run", "peer-1", outsider.public_hex, now=0.0)
+    mine, theirs = peer.public_hex, outsider.public_hex
     refused = [
-        ("adverts", sign_record(outsider, advert), "peer-1"),  # no certificate
-        ("adverts", sign_record(outsider, {**advert, "cert": forged}), "peer-1"),  # not the coordinator's
-        ("adverts", sign_record(outsider, {**advert, "cert": cert}), "peer-1"),  # someone else's certificate
-        ("adverts", sign_record(peer, {**advert, "cert": cert}), "peer-2"),  # under another peer's subkey
-        ("coordinator", sign_record(outsider, {"kind": "coordinator"}), "x"),  # a hijack
+        ("adverts", sign_record(outsider, advert), theirs),  # no certificate
+        ("adverts", sign_record(outsider, {**advert, "cert": forged}), theirs),  # not the coordinator's
+        ("adverts", sign_record(outsider, {**advert, "cert": cert}), theirs),  # someone else's certificate
+        ("adverts", sign_record(peer, {**advert, "cert": cert}), theirs),  # under another's subkey
+        ("adverts", sign_record(peer, {**advert, "cert": cert, "peer_id": "peer-2"}), mine),  # another peer id
+        ("coordinator", sign_record(outsider, {"kind": "coordinator", "run_id": "run"}), theirs),  # a hijack
     ]
     assert not any(_record(validator, *case) for case in refused)
     assert validator.dropped == len(refused)
-    assert _record(validator, "coordinator", sign_record(coordinator, {"kind": "coordinator"}), "x")
+    record = sign_record(coordinator, {"kind": "coordinator", "run_id": "run"})
+    assert _record(validator, "coordinator", record, coordinator.public_hex)
     other = DHTRecord(b"other key", b"", b"\xc1", 0.0)
     assert validator.validate(other), "other runs' records are not this validator's business"
 

@@ -1,37 +1,86 @@
 """Signed records in the run's DHT: the one publisher and the one reader that the
-coordinator (its record, under its own key) and every peer (its advert) use.
+coordinator (its record) and every peer (its advert) use.
 
-A record is stored as one subkey of a dictionary key ``<run>:<name>``; a reader
-gets the subkeys' raw values and checks each itself (``check_record``, then the
-message's own decode), for what a stranger stored there is not to be trusted."""
+A record is stored as one subkey of a dictionary key ``<run>:<name>``, the subkey
+being its signer's key (hex); every node's ``RunRecords`` refuses anything else. A
+reader still checks what it takes (``check_record``, then the message's own decode):
+a node outside the swarm's rule may answer. A read is bounded: it runs in the DHT's
+own process and hands back at most ``MAX_RECORDS`` records, only the subkeys asked
+for where the reader knows whom it expects."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
+from collections.abc import Collection
 from typing import Any
 
+from protocol.net.clock import SYSTEM_CLOCK, Clock
 from protocol.trust.identity import Identity, sign_record
+from protocol.trust.run_records import LOG_PERIOD_S, Tally
 from protocol.wire.messages import dht_key
+
+logger = logging.getLogger(__name__)
 
 #: the longest a DHT store or get may take. DHT calls are awaited as futures, never run on
 #: executor threads: a thread blocked on a DHT that shut down kept the event loop from closing
 DHT_TIMEOUT_S = 30.0
+#: the most records one read hands back to the reader's process
+MAX_RECORDS = 1024
+#: the most subkeys a read names to the DHT's process: hivemind's pipe into that process
+#: reads without blocking, so a call's arguments must stay small (a larger ``wanted`` is
+#: applied in the reader's process, to at most ``limit`` records)
+MAX_WANTED = 256
 
 
-async def publish_record(
-    dht: Any, identity: Identity, run_id: str, name: str, subkey: str, header: dict[str, Any], expires: float
-) -> bool:
-    """Sign ``header`` and store it under ``<run>:<name>`` / ``subkey`` until ``expires``
-    (DHT time); whether the DHT took it."""
-    record = sign_record(identity, header)
-    store = dht.store(dht_key(run_id, name), record, expires, subkey=subkey, return_future=True)
-    return bool(await asyncio.wait_for(store, DHT_TIMEOUT_S))
+class Publisher:
+    """Stores this process's signed records; says in one line per key and period when
+    the DHT refused one (a node holding another value there: an older node's record
+    that shadows the key, until it expires)."""
+
+    def __init__(self, dht: Any, identity: Identity, run_id: str, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.dht, self.identity, self.run_id = dht, identity, run_id
+        self._refusals = Tally(LOG_PERIOD_S, clock)
+
+    async def publish(self, name: str, header: dict[str, Any], expires: float) -> bool:
+        """Sign ``header`` and store it under ``<run>:<name>``, subkey this identity's key,
+        until ``expires`` (DHT time); whether the DHT took it."""
+        record = sign_record(self.identity, header)
+        key = dht_key(self.run_id, name)
+        store = self.dht.store(key, record, expires, subkey=self.identity.public_hex, return_future=True)
+        stored = bool(await asyncio.wait_for(store, DHT_TIMEOUT_S))
+        if not stored and self._refusals.note(key) is not None:
+            logger.warning(
+                "the DHT refused this process's record under the key %s: a node holds another value there "
+                "(a stale record of an older node?) and peers may not find this one until it expires",
+                key,
+            )
+        return stored
 
 
-async def read_records(dht: Any, run_id: str, name: str) -> dict[str, Any]:
+async def read_records(
+    dht: Any, run_id: str, name: str, wanted: Collection[str] | None = None, limit: int = MAX_RECORDS
+) -> dict[str, Any]:
     """The raw values stored under ``<run>:<name>``, by subkey, unchecked ({} when the
-    key holds nothing or no dictionary)."""
-    found = await asyncio.wait_for(dht.get(dht_key(run_id, name), latest=True, return_future=True), DHT_TIMEOUT_S)
+    key holds nothing or no dictionary): only the subkeys in ``wanted`` (None: any),
+    at most ``limit`` of them."""
+    keep = frozenset(wanted) if wanted is not None else None
+    ask = keep if keep is not None and len(keep) <= MAX_WANTED else None
+    read = functools.partial(_read, dht_key(run_id, name), ask, limit)
+    found = await asyncio.wait_for(dht.run_coroutine(read, return_future=True), DHT_TIMEOUT_S)
+    return found if keep is None or ask is not None else {k: v for k, v in found.items() if k in keep}
+
+
+async def _read(key: str, wanted: frozenset[str] | None, limit: int, _dht: Any, node: Any) -> dict[str, Any]:
+    """``read_records``' part in the DHT's process (``node``: its ``DHTNode``)."""
+    found = await node.get(key, latest=True)
     if found is None or not isinstance(found.value, dict):
         return {}
-    return {subkey: item.value for subkey, item in found.value.items()}
+    out = {}
+    for subkey, item in found.value.items():
+        if wanted is None or subkey in wanted:
+            out[subkey] = item.value
+            if len(out) >= limit:
+                break
+    return out

@@ -1,46 +1,170 @@
-"""A private swarm's DHT rule (a hivemind record validator on every node of the swarm)."""
+"""A run's DHT rule, a hivemind record validator on every node of the swarm, public
+or private: under each of the run's keys only records signed by the identity their
+subkey names are stored or believed (the coordinator's record by the key the join
+line pins, each advert by the peer it describes; in a private swarm that peer must
+also hold the coordinator's admission certificate). A plain value, an unsigned or
+wrongly signed record, one stored under another's subkey, another run's record
+and an oversized one are refused on every node. Refusals are counted and said in
+one line per period (``Tally``), never one line each."""
 
 from __future__ import annotations
 
+import logging
 import math
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
 from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 from hivemind.utils.serializer import MSGPackSerializer
 
-from protocol.trust.admission import check_certificate
-from protocol.trust.identity import check_record, key_hex
+from protocol.net.clock import SYSTEM_CLOCK, Clock
+from protocol.trust.admission import CertificateError, check_certificate
+from protocol.trust.identity import IdentityError, check_record
 from protocol.wire.messages import dht_key
+
+logger = logging.getLogger(__name__)
+
+#: the largest record a run's key takes (an advert with its certificate and a dozen
+#: addresses is under 2 KiB): what a poll reads is at most this times its record limit
+MAX_RECORD_BYTES = 16 << 10
+#: seconds between two lines about refused records (of one sender, where it is known)
+LOG_PERIOD_S = 60.0
+#: the most senders a ``Tally`` tells apart in one period; the rest are counted together
+MAX_SENDERS = 1024
+#: hivemind's subkeys of a regular value and of a whole dictionary (never a signer's)
+_RESERVED = (MSGPackSerializer.dumps(None), b"")
+
+#: a rule's extra check of a record that names its signer: why it is refused, or None
+Check = Callable[["RunRecords", dict[str, Any], str], "str | None"]
+
+
+class Tally:
+    """Counts bad things per sender and says when a line is due: the first of each
+    sender in a period (at most ``MAX_SENDERS`` told apart; the others share one)."""
+
+    def __init__(self, period: float = LOG_PERIOD_S, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.period, self.clock = period, clock
+        self.total = 0
+        self._counts: Counter[str] = Counter()  # sender -> count since its last line
+        self._said: dict[str, float] = {}  # sender -> when its last line was said
+
+    def note(self, sender: str) -> int | None:
+        """Count one for ``sender``; how many since its last line if a line is due now."""
+        self.total += 1
+        now = self.clock.now()
+        if len(self._said) >= MAX_SENDERS and sender not in self._said:
+            self._said = {s: t for s, t in self._said.items() if now - t < self.period}
+            if len(self._said) >= MAX_SENDERS:
+                sender = "others"
+        self._counts[sender] += 1
+        last = self._said.get(sender)
+        if last is not None and now - last < self.period:
+            return None
+        self._said[sender] = now
+        return self._counts.pop(sender)
+
+
+def _coordinator(rules: RunRecords, value: dict[str, Any], signer: str) -> str | None:
+    if rules.coordinator_key and signer != rules.coordinator_key:
+        return "a coordinator record not signed by the run's coordinator"
+    return None
+
+
+def _advert(rules: RunRecords, value: dict[str, Any], signer: str) -> str | None:
+    if not isinstance(value.get("peer_id"), str):
+        return "an advert naming no peer"
+    if not rules.private:
+        return None
+    try:
+        cert = check_certificate(value.get("cert"), rules.coordinator_key or "", rules.run, -math.inf)
+    except CertificateError as exc:
+        return str(exc)
+    if cert["subject"] != signer or cert["peer_id"] != value["peer_id"]:
+        return "an advert with someone else's admission certificate"
+    return None
+
+
+#: the run's DHT keys: name -> (the kind of record stored there, its extra check). Each
+#: record is stored under its signer's key (hex) as its subkey. A new key is a new row
+RULES: dict[str, tuple[str, Check]] = {
+    "coordinator": ("coordinator", _coordinator),
+    "adverts": ("advert", _advert),
+}
 
 
 class RunRecords(RecordValidatorBase):
-    """A private swarm's DHT rule, on every node of the swarm: the run's coordinator
-    record must be signed by the coordinator's key, and each advert by a peer whose
-    admission certificate (in the advert) that coordinator signed for its key. An
-    outsider's records for the run are not stored, and a node's answer holding one
-    is not believed. (Expiry is the coordinator's business, not the DHT's: a record
-    stored while valid must stay readable.)"""
+    """The rule of ``run``'s keys (``RULES``) on one DHT node. ``coordinator_key``: the
+    coordinator's key (hex) where this node knows it (the coordinator itself, a peer
+    whose join line pins it); None (a peer trusting on first use) takes any signer's
+    claim of the run, each under its own subkey, so that no claim hides another.
+    ``private``: adverts must carry the coordinator's admission certificate. (Expiry is
+    the coordinator's business, not the DHT's: a record stored while valid stays
+    readable.) Runs in the DHT's own process: its counts are that process's."""
 
-    def __init__(self, run: str, coordinator_key: str) -> None:
+    def __init__(
+        self, run: str, coordinator_key: str | None, private: bool = False, clock: Clock = SYSTEM_CLOCK
+    ) -> None:
         super().__init__()
-        self.run, self.coordinator_key = run, coordinator_key
-        self._adverts = DHTID.generate(source=dht_key(run, "adverts")).to_bytes()
-        self._coordinator = DHTID.generate(source=dht_key(run, "coordinator")).to_bytes()
+        if private and not coordinator_key:
+            raise ValueError("a private swarm's rule needs the coordinator's key")
+        self.run, self.coordinator_key, self.private = run, coordinator_key, private
+        self._names = {DHTID.generate(source=dht_key(run, name)).to_bytes(): name for name in RULES}
         self.dropped = 0
+        #: per key name: why records were refused since its last line
+        self.reasons: dict[str, Counter[str]] = {name: Counter() for name in RULES}
+        self._tally = Tally(LOG_PERIOD_S, clock)
 
     def validate(self, record: DHTRecord) -> bool:
-        if record.key not in (self._adverts, self._coordinator):
-            return True  # another run's, or not FusionLLM's
+        name = self._names.get(record.key)
+        if name is None:
+            return True  # another run's key, or not FusionLLM's
+        why = self.problem(name, record)
+        if why is None:
+            return True
+        self._refused(name, why)
+        return False
+
+    def problem(self, name: str, record: DHTRecord) -> str | None:
+        """Why ``record`` under the run's key ``name`` is refused (None: it is taken).
+        The cheap checks come first; a signature is verified last."""
+        if len(record.value) > MAX_RECORD_BYTES:
+            return f"a record over {MAX_RECORD_BYTES} bytes"
+        if record.subkey in _RESERVED:
+            return "a plain value (not a signed record under its signer's subkey)"
         try:
-            value = MSGPackSerializer.loads(record.value)
-            signer = key_hex(check_record(value))
-            if record.key == self._coordinator:
-                ok = signer == self.coordinator_key
-            else:
-                cert = check_certificate(value.get("cert"), self.coordinator_key, self.run, -math.inf)
-                subkey = MSGPackSerializer.loads(record.subkey)
-                ok = cert["subject"] == signer and cert["peer_id"] == value.get("peer_id") == subkey
+            subkey, value = MSGPackSerializer.loads(record.subkey), MSGPackSerializer.loads(record.value)
         except Exception:  # anything unreadable is not the run's
-            ok = False
-        self.dropped += not ok
-        return ok
+            return "an unreadable record"
+        kind, check = RULES[name]
+        if not isinstance(value, dict) or value.get("kind") != kind:
+            return f"not a record of kind {kind!r}"
+        if not isinstance(subkey, str) or subkey != value.get("pubkey"):
+            return "a record under a subkey other than its signer's key"
+        if value.get("run_id") != self.run:
+            return "another run's record"
+        why = check(self, value, subkey)
+        if why is not None:
+            return why
+        try:
+            check_record(value)
+        except IdentityError:
+            return "an unsigned or wrongly signed record"
+        return None
+
+    def _refused(self, name: str, why: str) -> None:
+        """Count a refusal; one line per period says them all (the sender is not known here)."""
+        self.dropped += 1
+        reasons = self.reasons[name]
+        reasons[why] += 1
+        count = self._tally.note(name)
+        if count is not None:
+            whys = "; ".join(f"{n} {w}" for w, n in reasons.most_common(4))
+            logger.warning(
+                "refused %d DHT record(s) under %s since the last such line: %s",
+                count,
+                dht_key(self.run, name),
+                whys,
+            )
+            reasons.clear()

@@ -19,8 +19,11 @@ from protocol.wire.schema import MessageError, check_field, fields_and_types, fi
 #: 2: spot checks may re-execute the forward only (``Recheck.backward``); a peer of 1
 #: would take such a check for a full one with its gradients missing, and fail it.
 #: 3: an arbitration may come without weights (``Recheck.same_weights``); a peer of 2
-#: would take it for a stage that has none, and fail it
-PROTOCOL_VERSION = 3
+#: would take it for a stage that has none, and fail it.
+#: 4: a run's DHT records are stored under their signer's key (hex) as the subkey, and
+#: adverts name their run; a peer of 3 would store its advert where every node of 4
+#: refuses it (``protocol.trust.run_records``), and wait for an assignment in vain
+PROTOCOL_VERSION = 4
 #: who may send a message in a frame (a class that names none is a DHT record)
 SENDERS = ("peer", "coordinator", "stage")
 
@@ -94,6 +97,7 @@ class Advert(Message):
     reach: str = (
         ""  # what the coordinator's dial-back told it: "direct", "nat" ("" before it knows; protocol.net.reach)
     )
+    run_id: str = ""  # the run it is published for (every node's DHT rule refuses another run's)
     sig: str = ""
 
 
@@ -284,7 +288,8 @@ class CoordinatorRecord(Message):
 
 
 def dht_key(run_id: str, what: str) -> str:
-    """DHT keys of a run: ``adverts`` (subkey: peer id) and ``coordinator``."""
+    """DHT keys of a run: ``adverts`` and ``coordinator``, each record under its signer's
+    key (hex) as the subkey (``protocol.trust.run_records.RULES``)."""
     return f"fusionllm:{run_id}:{what}"
 
 
