@@ -43,6 +43,13 @@ Prints one JSON object:
   outsider without the token sent a private swarm from the last CPU (goal <= 0.05);
   ``hello_flood_rejections_counted``: those the gate read and refused (the rest were
   refused unread once it was muted). Both from ``tests/helloflood.py``.
+- ``public_shadow_store_trains``: whether a public run trains with an outsider's
+  regular value under each of its DHT keys, stored before the peers join.
+  ``public_junk_flood_ratio``: steps/s while an outsider stores 10,000 junk and
+  10,000 wrongly signed subkeys under the adverts key, over the same run's clean
+  windows (goal >= 0.9), with ``public_junk_flood_rss_growth_mb`` (the
+  coordinator's, goal <= 50) and ``public_junk_flood_log_lines_per_min`` (its lines
+  about refused records; ``tests/dht_attacks.py``)
 
 ``--short`` runs each smaller, for the test suite."""
 
@@ -234,6 +241,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--short", action="store_true", help="smaller runs, for the test suite")
     short = ap.parse_args().short
+    from dht_attacks import dht_attack_figures
     from flooder import flood_ratios
 
     _part("a flood, then a sustained flood")
@@ -241,6 +249,8 @@ def main() -> None:
     out: dict[str, object] = {"flood_throughput_ratio": round(burst, 3)}
     out["flood_sustained_throughput_ratio"] = round(sustained, 3)
     out.update(page_and_hello_floods(short))
+    _part("an outsider's DHT records: a shadowing store, a junk flood")  # tests/dht_attacks.py
+    out.update(dht_attack_figures(short))
     _part("allocation attacks and probes")
     out.update(asyncio.run(_attacks(short)))
     t0 = time.perf_counter()

@@ -127,7 +127,7 @@ def public_junk_flood(short: bool) -> dict[str, float]:
     and the coordinator's lines about refused records, per minute of flood (goal: at
     most one per sender and minute; here the refusing node knows no sender, so one
     per key)."""
-    from flooder import FLOOD_S, FloodTarget, _clean, _Window
+    from tests.flooder import FLOOD_S, FloodTarget, _clean, _Window
 
     seconds = FLOOD_S / 2 if short else 3 * FLOOD_S
     with tempfile.TemporaryDirectory() as tmp:
@@ -163,3 +163,8 @@ def public_junk_flood(short: bool) -> dict[str, float]:
             if outsider is not None:
                 outsider.close()
             target.close()
+
+
+def dht_attack_figures(short: bool) -> dict[str, object]:
+    """``benchmarks/adversary.py``'s figures of this module's attacks."""
+    return {"public_shadow_store_trains": public_shadow_store_trains(short), **public_junk_flood(short)}

@@ -28,7 +28,9 @@ BENCHMARKS = [
                       "max_rss_mb_under_alloc_attack", "probe_amplification", "spot_check_overhead",
                       "cheater_caught_within_steps", "cheater_survival_20_steps", "spot_check_rate", "swarm_s",
                       "spot_check_step_ms_off", "spot_check_step_ms_on", "spot_check_overhead_tokens",
-                      "spot_check_overhead_runs", "spot_check_compute_share", "gradient_cheater_survival_20_steps"}),
+                      "spot_check_overhead_runs", "spot_check_compute_share", "gradient_cheater_survival_20_steps",
+                      "public_shadow_store_trains", "public_junk_flood_ratio", "public_junk_flood_rss_growth_mb",
+                      "public_junk_flood_log_lines_per_min"}),
     ("codecs.py", {"adatopk_encode_gbps", "adatopk_decode_gbps", "global_topk_gbps", "adatopk_vs_global_topk",
                    "adatopk_wire_vs_ideal", "fp16_encode_gbps", "int4sr_encode_gbps", "lowrank8_encode_gbps",
                    "lowrank8_wire_ratio", "sign_verify_ms_4mib", "transfer_ms_4mib",
@@ -190,6 +192,9 @@ def _adversary(out: dict[str, Any]) -> None:
     assert 0 < out["spot_check_compute_share"] < 1, out
     _positive(out, "spot_check_step_ms_off", "spot_check_step_ms_on")
     assert out["cheater_caught_within_steps"] >= 1, out
+    # an outsider's plain values under a public run's DHT keys stop nothing; its junk costs no memory
+    assert out["public_shadow_store_trains"] is True and 0 < out["public_junk_flood_ratio"] < 2, out
+    assert out["public_junk_flood_rss_growth_mb"] <= 50, out
 
 
 def _nat(out: dict[str, Any]) -> None:
