@@ -231,3 +231,45 @@ def test_volunteers_never_read_the_data() -> None:
     readers = ("batches(", "first_micro_batch", "eval_micro_batches", "zoo.tokens", "zoo.text", "_data_factory")
     found = [f"{p.name}: {r}" for p in sorted(root.rglob("*.py")) for r in readers if r in p.read_text()]
     assert found == []
+
+
+def test_a_rollback_and_a_resume_read_the_same_windows(tmp_path: Path, bpe: Path) -> None:
+    """On token shards, the coordinator killed mid-run and resumed from its run directory,
+    then a peer killed (its stage's standby takes over from the last checkpoint: a
+    rollback): the run draws each step's windows by the step, so it ends on the weights
+    of the uninterrupted run, ``train --reference``."""
+    import signal
+
+    from tests.swarmproc import Swarm, wait_for, wait_gone
+
+    steps, vocab = 120, ShardMeta.read(bpe).vocab_size
+    model = ["--model-args", f"{TINY},vocab_size={vocab}", "--data", f"tokens:{bpe}", "--data-args", DATA_ARGS]
+    common = ["--steps", str(steps), "--seed", "0", *model]
+    ref = tmp_path / "ref.safetensors"
+    assert run_cli("train", "--reference", *common, "--threads", "1", "--save", str(ref)).returncode == 0
+    out = tmp_path / "swarm.safetensors"
+    plan = ["--min-peers", "3", "--stages", "2", "--standby", "1", "--checkpoint-every", "10", "--spot-check", "0"]
+    files = ["--save", str(out), "--run-dir", str(tmp_path / "run"), "--step-timeout", "60"]
+    swarm = Swarm(tmp_path, [*common, *plan, *files], peers=3)
+    try:
+        wait_for(swarm.url, lambda st: st["training"]["step"] >= 15, poll=0.05)
+        swarm.coord.signal(signal.SIGKILL)
+        for p in swarm.peers.values():  # as test_elastic: a coordinator back before they noticed is not re-met
+            p.wait_line(r"lost the coordinator .* waiting up to \d+ s", 30)
+        assert wait_gone(swarm.procs[0].pids) == set()
+        coord = swarm.start_coordinator("--resume", str(tmp_path / "run"))
+        resumed = int(coord.wait_line(r"resuming run .* from the checkpoint of step ([1-9]\d*) ", 60).group(1))
+        url = coord.wait_line(r"^status page: (\S+)").group(1)
+
+        def training_again(st: dict[str, Any]) -> bool:  # past the restored step, stage 1 served
+            return st["training"]["step"] > resumed + 2 and 1 in {s for s, _ in swarm.serving(st).values()}
+
+        st = wait_for(url, training_again, poll=0.05)
+        victim = next(p for p, (s, _) in swarm.serving(st).items() if s == 1)
+        swarm.peers[victim].signal(signal.SIGKILL)
+        coord.wait_line(r"rolling back to the checkpoint of step [1-9]\d* ", 60)
+        swarm.note_children()
+        assert coord.wait(120) == 0, coord.output[-3000:]
+    finally:
+        swarm.close()
+    assert compare_checkpoints(out, ref) <= 1e-5
