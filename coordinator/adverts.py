@@ -19,7 +19,7 @@ from protocol.net.clock import SYSTEM_CLOCK, Clock
 from protocol.net.records import read_records
 from protocol.trust.advert_check import advert_problem
 from protocol.trust.identity import check_record, key_hex
-from protocol.trust.run_records import LOG_PERIOD_S, Tally
+from protocol.trust.run_records import LOG_PERIOD_S, Tally, record_subkey
 from protocol.wire.gate import Gate
 from protocol.wire.messages import Advert
 from protocol.wire.reject import Reject
@@ -45,7 +45,7 @@ class AdvertBook:
         peer bound to its libp2p id with its hello, by peer id. The status board sees
         them with the planned peers' last ones (a poll that failed: unchanged)."""
         assert self.endpoint.dht is not None
-        admitted = {key_hex(k): p for p, k in self.gate.keys.items()}
+        admitted = {record_subkey("adverts", key_hex(k), p): p for p, k in self.gate.keys.items()}
         out: dict[str, Advert] = {}
         try:
             found = await read_records(self.endpoint.dht, self.run_id, "adverts", wanted=admitted)
@@ -75,8 +75,10 @@ class AdvertBook:
             if count is not None:
                 logger.warning("ignoring %d bad advert(s) of %s (key %s...): %s", count, peer_id, subkey[:16], exc)
             return None
-        if key_hex(key) != subkey or ad.peer_id != peer_id or ad.peer_id not in self.reach.reached:
-            return None  # from another key than its hello's; or not yet dialled back
+        if record_subkey("adverts", key_hex(key), ad.peer_id) != subkey or ad.peer_id != peer_id:
+            return None  # from another key than its hello's
+        if ad.peer_id not in self.reach.reached:
+            return None  # not yet dialled back
         if ad.expires_at <= now:
             return None
         problem = advert_problem(ad)

@@ -37,6 +37,7 @@ from protocol.net.tasks import wait_until
 from protocol.net.transport import PeerUnreachable, Transport
 from protocol.trust.admission import issue_certificate, parse_token
 from protocol.trust.identity import Identity, sign_record
+from protocol.trust.run_records import record_subkey
 from protocol.wire.gate import Gate
 from protocol.wire.messages import (
     NOT_ADMITTED,
@@ -97,7 +98,13 @@ async def forger(token: str, key_file: str, members: int, go: Path | None) -> No
             claims = ("cpu", 1e12, 1 << 34, 1e4, 1e4, str(torch.__version__), PROTOCOL_VERSION, expires)
             ad = Advert(tp.peer_id, maddrs, *claims, run_id=t.run)
             record = sign_record(me, dataclasses.replace(ad, cert=cert).header())
-            await dht.store(dht_key(t.run, "adverts"), record, expires, subkey=me.public_hex, return_future=True)
+            await dht.store(
+                dht_key(t.run, "adverts"),
+                record,
+                expires,
+                subkey=record_subkey("adverts", me.public_hex, tp.peer_id),
+                return_future=True,
+            )
         tp.learn(cid, cmaddrs)
         try:
             await tp.send(cid, Hello(t.run, me.public_hex, proof="", maddrs=[]))

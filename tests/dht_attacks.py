@@ -24,7 +24,7 @@ import psutil
 from hivemind.dht.routing import DHTID
 from hivemind.utils import get_dht_time
 
-from protocol.trust.run_records import RULES
+from protocol.trust.run_records import RULES, record_subkey
 from protocol.wire.messages import dht_key
 
 #: the outsider's records expire this long after they are stored
@@ -35,16 +35,17 @@ FLOOD_JUNK, FLOOD_WRONG = 10_000, 10_000
 _REFUSAL = re.compile(r"DHT record\(s\) under|bad advert\(s\)|the DHT refused")
 
 
-async def _store_junk(key: str, kind: str, run: str, junk: int, wrong: int, _dht: Any, node: Any) -> int:
+async def _store_junk(name: str, run: str, junk: int, wrong: int, _dht: Any, node: Any) -> int:
     """(In the outsider's DHT process: hivemind's pipe into it takes only small calls)
     store ``junk`` random subkeys of random bytes and ``wrong`` records whose signature
     does not verify, each under the key it claims, under ``key``: how many the nodes took."""
+    key, kind = dht_key(run, name), RULES[name][0]
     subkeys: list[Any] = [secrets.token_hex(8) for _ in range(junk)]
     values: list[Any] = [secrets.token_bytes(16) for _ in range(junk)]
     for _ in range(wrong):
         claimed = secrets.token_hex(32)
-        subkeys.append(claimed)
         record = {"kind": kind, "run_id": run, "peer_id": "Qm" + claimed[:44], "pubkey": claimed}
+        subkeys.append(record_subkey(name, claimed, record["peer_id"]))  # as its own: only the signature is wrong
         values.append({**record, "sig": secrets.token_hex(64)})
     done = await node.store_many([key] * len(values), values, get_dht_time() + LIFETIME_S, subkeys=subkeys)
     return sum(bool(ok) for ok in done.values())
@@ -81,7 +82,7 @@ class Outsider:
         some node took (the outsider's own node takes its own)."""
         taken = 0
         for name in names:
-            store = functools.partial(_store_junk, dht_key(self.run, name), RULES[name][0], self.run, junk, wrong)
+            store = functools.partial(_store_junk, name, self.run, junk, wrong)
             taken += self.dht.run_coroutine(store)
         return taken
 

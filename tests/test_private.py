@@ -36,7 +36,7 @@ from protocol.trust.admission import (
     parse_token,
 )
 from protocol.trust.identity import Identity, sign_record
-from protocol.trust.run_records import RunRecords
+from protocol.trust.run_records import RunRecords, record_subkey
 from protocol.wire.envelope import Sealer
 from protocol.wire.gate import Gate
 from protocol.wire.messages import NOT_ADMITTED, Abort, Beat, dht_key
@@ -263,16 +263,17 @@ def test_a_private_swarms_dht_keeps_only_records_its_coordinator_stands_behind()
     validator = RunRecords("run", coordinator.public_hex, private=True)
     cert = issue_certificate(coordinator, "run", "peer-1", peer.public_hex, now=0.0)  # long expired: still stored
     advert = {"kind": "advert", "peer_id": "peer-1", "run_id": "run"}
-    assert _record(validator, "adverts", sign_record(peer, {**advert, "cert": cert}), peer.public_hex)
+    mine = record_subkey("adverts", peer.public_hex, "peer-1")
+    assert _record(validator, "adverts", sign_record(peer, {**advert, "cert": cert}), mine)
     forged = issue_certificate(outsider, "run", "peer-1", outsider.public_hex, now=0.0)
-    mine, theirs = peer.public_hex, outsider.public_hex
+    theirs = record_subkey("adverts", outsider.public_hex, "peer-1")
     refused = [
         ("adverts", sign_record(outsider, advert), theirs),  # no certificate
         ("adverts", sign_record(outsider, {**advert, "cert": forged}), theirs),  # not the coordinator's
         ("adverts", sign_record(outsider, {**advert, "cert": cert}), theirs),  # someone else's certificate
         ("adverts", sign_record(peer, {**advert, "cert": cert}), theirs),  # under another's subkey
         ("adverts", sign_record(peer, {**advert, "cert": cert, "peer_id": "peer-2"}), mine),  # another peer id
-        ("coordinator", sign_record(outsider, {"kind": "coordinator", "run_id": "run"}), theirs),  # a hijack
+        ("coordinator", sign_record(outsider, {"kind": "coordinator", "run_id": "run"}), outsider.public_hex),  # hijack
     ]
     assert not any(_record(validator, *case) for case in refused)
     assert validator.dropped == len(refused)

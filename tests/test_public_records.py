@@ -21,7 +21,7 @@ from protocol.net.clock import FakeClock
 from protocol.net.records import _read
 from protocol.trust.admission import issue_certificate
 from protocol.trust.identity import Identity, sign_record
-from protocol.trust.run_records import MAX_RECORD_BYTES, RULES, RunRecords, Tally
+from protocol.trust.run_records import MAX_RECORD_BYTES, RULES, RunRecords, Tally, record_subkey
 from protocol.wire.messages import dht_key
 
 RUN = "run"
@@ -30,6 +30,11 @@ RUN = "run"
 def _validates(rule: RunRecords, name: str, value: Any, subkey: Any, run: str = RUN) -> bool:
     key = DHTID.generate(source=dht_key(run, name)).to_bytes()
     return rule.validate(DHTRecord(key, MSGPackSerializer.dumps(subkey), MSGPackSerializer.dumps(value), 0.0))
+
+
+def _sub(who: Identity, peer_id: str = "peer-1") -> str:
+    """The subkey an advert of ``peer_id`` signed by ``who`` is stored under."""
+    return record_subkey("adverts", who.public_hex, peer_id)
 
 
 def _plain(rule: RunRecords, name: str, value: Any) -> bool:
@@ -60,15 +65,17 @@ def _refusals(p: _People) -> list[tuple[str, str, Any, Any]]:
     """(why, key name, value, subkey): every record the rule must refuse, public or private."""
     ad, rec = p.advert(), p.record()
     return [
-        ("unsigned advert", "adverts", {k: v for k, v in ad.items() if k != "sig"}, p.peer.public_hex),
-        ("wrongly signed advert", "adverts", _wrongly_signed(ad), p.peer.public_hex),
-        ("advert under another's subkey", "adverts", ad, p.outsider.public_hex),
+        ("unsigned advert", "adverts", {k: v for k, v in ad.items() if k != "sig"}, _sub(p.peer)),
+        ("wrongly signed advert", "adverts", _wrongly_signed(ad), _sub(p.peer)),
+        ("advert under another's subkey", "adverts", ad, _sub(p.outsider)),
         ("advert under its peer id", "adverts", ad, "peer-1"),
-        ("another run's advert", "adverts", p.advert(run_id="other"), p.peer.public_hex),
-        ("advert naming no peer", "adverts", p.advert(peer_id=None), p.peer.public_hex),
-        ("coordinator record among adverts", "adverts", p.record(p.peer), p.peer.public_hex),
-        ("junk advert", "adverts", {"junk": 1}, p.peer.public_hex),
-        ("oversized advert", "adverts", p.advert(pad="x" * MAX_RECORD_BYTES), p.peer.public_hex),
+        ("advert under its signer's bare key", "adverts", ad, p.peer.public_hex),
+        ("advert under another peer id", "adverts", ad, _sub(p.peer, "peer-2")),
+        ("another run's advert", "adverts", p.advert(run_id="other"), _sub(p.peer)),
+        ("advert naming no peer", "adverts", p.advert(peer_id=None), _sub(p.peer)),
+        ("coordinator record among adverts", "adverts", p.record(p.peer), _sub(p.peer)),
+        ("junk advert", "adverts", {"junk": 1}, _sub(p.peer)),
+        ("oversized advert", "adverts", p.advert(pad="x" * MAX_RECORD_BYTES), _sub(p.peer)),
         ("unsigned record", "coordinator", {k: v for k, v in rec.items() if k != "sig"}, p.coordinator.public_hex),
         ("wrongly signed record", "coordinator", _wrongly_signed(rec), p.coordinator.public_hex),
         ("an outsider's claim", "coordinator", p.record(p.outsider), p.outsider.public_hex),
@@ -82,7 +89,7 @@ def _refusals(p: _People) -> list[tuple[str, str, Any, Any]]:
 def test_the_run_rule_refuses_every_bad_record_public_or_private(private: bool) -> None:
     p = _People()
     rule = RunRecords(RUN, p.coordinator.public_hex, private=private)
-    assert _validates(rule, "adverts", p.advert(), p.peer.public_hex)
+    assert _validates(rule, "adverts", p.advert(), _sub(p.peer))
     assert _validates(rule, "coordinator", p.record(), p.coordinator.public_hex)
     for name in RULES:
         for value in ({"kind": "advert"}, "plain", b"x" * 62):
@@ -101,10 +108,10 @@ def test_a_private_rule_also_wants_the_coordinators_certificate() -> None:
     forged = issue_certificate(p.outsider, RUN, "peer-1", p.outsider.public_hex, now=0.0)
     others = issue_certificate(p.coordinator, RUN, "peer-2", p.outsider.public_hex, now=0.0)
     cases = [
-        (p.advert(cert={}), p.peer.public_hex),  # none
-        (p.advert(p.outsider, cert=forged), p.outsider.public_hex),  # not the coordinator's
-        (p.advert(p.outsider), p.outsider.public_hex),  # someone else's certificate
-        (p.advert(p.outsider, cert=others), p.outsider.public_hex),  # for another peer id
+        (p.advert(cert={}), _sub(p.peer)),  # none
+        (p.advert(p.outsider, cert=forged), _sub(p.outsider)),  # not the coordinator's
+        (p.advert(p.outsider), _sub(p.outsider)),  # someone else's certificate
+        (p.advert(p.outsider, cert=others), _sub(p.outsider)),  # for another peer id
     ]
     for value, subkey in cases:
         assert _validates(public, "adverts", value, subkey)  # a public run admits by hello, not here
@@ -245,7 +252,7 @@ def test_a_poll_that_fails_or_finds_junk_drops_no_planned_peer_and_says_it_once(
     gate.admit("peer-1", peer.public_key)
     book = AdvertBook(RUN, gate, SimpleNamespace(reached={"peer-1": True}), board, SimpleNamespace(dht=dht), clock)
     good = _signed_advert(peer, "peer-1", get_dht_time() + 60)
-    dht.found = {peer.public_hex: good, outsider.public_hex: _signed_advert(outsider, "peer-1", 1e12)}
+    dht.found = {_sub(peer): good, _sub(outsider): _signed_advert(outsider, "peer-1", 1e12)}
 
     async def poll() -> dict[str, Any]:
         live = await book.live()
@@ -256,10 +263,34 @@ def test_a_poll_that_fails_or_finds_junk_drops_no_planned_peer_and_says_it_once(
     with caplog.at_level(logging.WARNING, logger="coordinator.adverts"):
         dht.found = None
         assert asyncio.run(poll()) == {} and set(book.adverts) == {"peer-1"}
-        dht.found = {peer.public_hex: {**good, "sig": "00" * 64}}
+        dht.found = {_sub(peer): {**good, "sig": "00" * 64}}
         for _ in range(50):
             assert asyncio.run(poll()) == {} and set(book.adverts) == {"peer-1"}
     assert board.peers["peer-1"]["health"] != "left"
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 2, lines
     assert "reading the adverts from the DHT failed" in lines[0] and "1 bad advert(s) of peer-1" in lines[1]
+
+
+def test_two_peers_sharing_an_identity_each_keep_their_advert() -> None:
+    """``join``'s default key file is one per machine, so several peers of one host sign
+    with one key: each advert is stored under the key and its peer id, and the
+    coordinator reads both (under the signer's key alone, the second hid the first:
+    3 peers on one machine never made a run of 3)."""
+    from hivemind.utils import get_dht_time
+
+    from coordinator.adverts import AdvertBook
+    from coordinator.status import StatusBoard
+    from protocol.wire.gate import Gate
+
+    shared = Identity.generate()
+    gate, board, dht = Gate(RUN), StatusBoard(RUN, 10), _FakeDHT()
+    reached = {"peer-1": True, "peer-2": True}
+    book = AdvertBook(RUN, gate, SimpleNamespace(reached=reached), board, SimpleNamespace(dht=dht), FakeClock())
+    rule = RunRecords(RUN, None)
+    for peer in reached:
+        gate.admit(peer, shared.public_key)
+        ad = _signed_advert(shared, peer, get_dht_time() + 60)
+        assert _validates(rule, "adverts", ad, _sub(shared, peer))
+        dht.found = {**(dht.found or {}), _sub(shared, peer): ad}
+    assert set(asyncio.run(book.live())) == {"peer-1", "peer-2"}

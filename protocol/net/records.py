@@ -2,7 +2,7 @@
 coordinator (its record) and every peer (its advert) use.
 
 A record is stored as one subkey of a dictionary key ``<run>:<name>``, the subkey
-being its signer's key (hex); every node's ``RunRecords`` refuses anything else. A
+being its signer's key (hex; ``record_subkey``); every node's ``RunRecords`` refuses anything else. A
 reader still checks what it takes (``check_record``, then the message's own decode):
 a node outside the swarm's rule may answer. A read is bounded: it runs in the DHT's
 own process and hands back at most ``MAX_RECORDS`` records, only the subkeys asked
@@ -18,7 +18,7 @@ from typing import Any
 
 from protocol.net.clock import SYSTEM_CLOCK, Clock
 from protocol.trust.identity import Identity, sign_record
-from protocol.trust.run_records import LOG_PERIOD_S, Tally
+from protocol.trust.run_records import LOG_PERIOD_S, Tally, record_subkey
 from protocol.wire.messages import dht_key
 
 logger = logging.getLogger(__name__)
@@ -44,11 +44,11 @@ class Publisher:
         self._refusals = Tally(LOG_PERIOD_S, clock)
 
     async def publish(self, name: str, header: dict[str, Any], expires: float) -> bool:
-        """Sign ``header`` and store it under ``<run>:<name>``, subkey this identity's key,
-        until ``expires`` (DHT time); whether the DHT took it."""
+        """Sign ``header`` and store it under ``<run>:<name>``, subkey this identity's key
+        (``record_subkey``), until ``expires`` (DHT time); whether the DHT took it."""
         record = sign_record(self.identity, header)
-        key = dht_key(self.run_id, name)
-        store = self.dht.store(key, record, expires, subkey=self.identity.public_hex, return_future=True)
+        key, subkey = dht_key(self.run_id, name), record_subkey(name, self.identity.public_hex, header.get("peer_id"))
+        store = self.dht.store(key, record, expires, subkey=subkey, return_future=True)
         stored = bool(await asyncio.wait_for(store, DHT_TIMEOUT_S))
         if not stored and self._refusals.note(key) is not None:
             logger.warning(

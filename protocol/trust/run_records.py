@@ -86,12 +86,21 @@ def _advert(rules: RunRecords, value: dict[str, Any], signer: str) -> str | None
     return None
 
 
-#: the run's DHT keys: name -> (the kind of record stored there, its extra check). Each
-#: record is stored under its signer's key (hex) as its subkey. A new key is a new row
-RULES: dict[str, tuple[str, Check]] = {
-    "coordinator": ("coordinator", _coordinator),
-    "adverts": ("advert", _advert),
+#: the run's DHT keys: name -> (the kind of record stored there, its extra check, whether
+#: its subkey also names the peer the record describes). Each record is stored under its
+#: signer's key (hex) as its subkey, or ``<key>/<peer id>`` where peers on one machine may
+#: share an identity (``join``'s default key file) and must not hide each other's
+#: records. A new key is a new row
+RULES: dict[str, tuple[str, Check, bool]] = {
+    "coordinator": ("coordinator", _coordinator, False),
+    "adverts": ("advert", _advert, True),
 }
+
+
+def record_subkey(name: str, signer: str, peer_id: object = None) -> str:
+    """The subkey a record under the run's key ``name``, signed by ``signer`` (hex) and
+    describing ``peer_id``, is stored under (the only one every node takes for it)."""
+    return f"{signer}/{peer_id}" if RULES[name][2] else signer
 
 
 class RunRecords(RecordValidatorBase):
@@ -137,14 +146,15 @@ class RunRecords(RecordValidatorBase):
             subkey, value = MSGPackSerializer.loads(record.subkey), MSGPackSerializer.loads(record.value)
         except Exception:  # anything unreadable is not the run's
             return "an unreadable record"
-        kind, check = RULES[name]
+        kind, check, _ = RULES[name]
         if not isinstance(value, dict) or value.get("kind") != kind:
             return f"not a record of kind {kind!r}"
-        if not isinstance(subkey, str) or subkey != value.get("pubkey"):
-            return "a record under a subkey other than its signer's key"
+        signer = value.get("pubkey")
+        if not isinstance(signer, str) or subkey != record_subkey(name, signer, value.get("peer_id")):
+            return "a record under a subkey other than its signer's key (and peer id)"
         if value.get("run_id") != self.run:
             return "another run's record"
-        why = check(self, value, subkey)
+        why = check(self, value, signer)
         if why is not None:
             return why
         try:
