@@ -39,10 +39,10 @@ def _args(tmp: Path, steps: int, every: int | None) -> list[str]:
     return [*run, *files, "--spot-check", "0"]
 
 
-def _kill_run(tmp: Path, steps: int) -> dict[str, float | int | bool]:
+def _kill_run(tmp: Path, steps: int, kill_at: int) -> dict[str, float | int | bool]:
     swarm = Swarm(tmp, _args(tmp, steps, None), peers=4)
     try:
-        state = wait_for(swarm.url, lambda s: s["training"]["step"] >= steps * 3 // 4, 300)
+        state = wait_for(swarm.url, lambda s: s["training"]["step"] >= kill_at, 300)
         victim = next(p["id"] for p in state["peers"] if p.get("state") == "serving" and p["stage"] == 2)
         killed = time.monotonic()
         swarm.peers[victim].signal(signal.SIGKILL)
@@ -97,10 +97,13 @@ def main() -> None:
     parser.add_argument("--short", action="store_true", help="a shorter run (the test suite's)")
     args = parser.parse_args()
     steps, rounds = (40, 1) if args.short else (400, 3)
+    # the kill's run: the status page's state may be a second old, and the short mode's
+    # small model runs ~25 steps a second, so its victim is picked with 90 steps to go
+    kill_steps, kill_at = (150, 60) if args.short else (400, 300)
     MODEL[:] = SMALL if args.short else []
     with tempfile.TemporaryDirectory(prefix="fusionllm-elastic-") as d:
         tmp = Path(d)
-        result = _kill_run(tmp / "kill", steps)
+        result = _kill_run(tmp / "kill", kill_steps, kill_at)
         with_ckpt, without, written = [], [], []
         for i in range(rounds):  # alternated, so both see the same machine
             rate, n = _tokens_per_s(tmp / f"w{i}", steps, None)

@@ -30,7 +30,9 @@ BENCHMARKS = [
                       "spot_check_step_ms_off", "spot_check_step_ms_on", "spot_check_overhead_tokens",
                       "spot_check_overhead_runs", "spot_check_compute_share", "gradient_cheater_survival_20_steps",
                       "public_shadow_store_trains", "public_junk_flood_ratio", "public_junk_flood_rss_growth_mb",
-                      "public_junk_flood_log_lines_per_min"}),
+                      "public_junk_flood_log_lines_per_min", "status_flood_ratio", "status_flood_requests_per_s",
+                      "status_flood_clean_steps_per_s", "hello_flood_coordinator_cpu_per_1k",
+                      "hello_flood_hellos_per_s", "hello_flood_rejections_counted"}),
     ("codecs.py", {"adatopk_encode_gbps", "adatopk_decode_gbps", "global_topk_gbps", "adatopk_vs_global_topk",
                    "adatopk_wire_vs_ideal", "fp16_encode_gbps", "int4sr_encode_gbps", "lowrank8_encode_gbps",
                    "lowrank8_wire_ratio", "sign_verify_ms_4mib", "transfer_ms_4mib",
@@ -195,6 +197,10 @@ def _adversary(out: dict[str, Any]) -> None:
     # an outsider's plain values under a public run's DHT keys stop nothing; its junk costs no memory
     assert out["public_shadow_store_trains"] is True and 0 < out["public_junk_flood_ratio"] < 2, out
     assert out["public_junk_flood_rss_growth_mb"] <= 50, out
+    # the status page's flood reached the page, and training went on beside it
+    assert 0 < out["status_flood_ratio"] < 2 and out["status_flood_requests_per_s"] > 100, out
+    # the hellos were sent and some reached the coordinator's gate, which refused and counted them
+    assert out["hello_flood_rejections_counted"] >= 1 and out["hello_flood_coordinator_cpu_per_1k"] >= 0, out
 
 
 def _nat(out: dict[str, Any]) -> None:
