@@ -112,6 +112,7 @@ def main() -> None:
             without.append(_tokens_per_s(tmp / f"n{i}", steps, 0)[0])
     out = {
         "steps": steps,
+        "kill_run_steps": kill_steps,
         **result,
         "checkpoints_per_run": statistics.median(written),
         "tokens_per_s_with_checkpoints": round(statistics.median(with_ckpt)),

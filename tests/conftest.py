@@ -12,6 +12,23 @@ from fusionllm.launcher import Launcher
 ROOT = Path(__file__).resolve().parent.parent
 BASE_ENV = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # every command a test starts
 
+#: every process a test session starts carries this session's mark in its environment
+#: (inherited by what it starts: a benchmark's swarms, a peer's p2pd), so that checks for
+#: leftover processes look at this session's alone, not at another session's or at
+#: another pytest-xdist worker's running beside it
+os.environ.setdefault("FUSIONLLM_TEST_SESSION", str(os.getpid()))
+_MARKS = [f"{k}={os.environ[k]}".encode() for k in ("FUSIONLLM_TEST_SESSION", "PYTEST_XDIST_WORKER") if k in os.environ]
+
+
+def of_this_session(pid: int) -> bool:
+    """Whether process ``pid`` was started by this test session (and this xdist worker)."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:  # gone, or not ours to read
+        return False
+    return all(mark in env for mark in _MARKS)
+
+
 _launcher: list[Launcher] = []
 
 
@@ -45,9 +62,9 @@ def demo_output(*args: str, timeout: float = 600) -> str:
 
 
 def stray_commands() -> list[str]:
-    """The command lines of ``fusionllm`` processes running outside this test
-    process's own tree: a ``join`` started fresh, or anything a zygote forked (those
-    read ``python -m fusionllm.zygote``)."""
+    """The command lines of this session's ``fusionllm`` processes running outside this
+    test process's own tree: a ``join`` started fresh, or anything a zygote forked
+    (those read ``python -m fusionllm.zygote``)."""
     import psutil
 
     mine = {p.pid for p in psutil.Process().children(recursive=True)}
@@ -55,6 +72,6 @@ def stray_commands() -> list[str]:
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = p.info["cmdline"] or []
         ours = "fusionllm.zygote" in cmd or ("join" in cmd and "fusionllm" in " ".join(cmd))
-        if ours and p.info["pid"] not in mine:
+        if ours and p.info["pid"] not in mine and of_this_session(p.info["pid"]):
             out.append(" ".join(cmd))
     return out

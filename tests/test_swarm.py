@@ -18,14 +18,14 @@ import pytest
 
 from fusionllm.launcher import Started
 from fusionllm.local import compare_checkpoints
-from tests.conftest import BASE_ENV, ROOT, launcher, run_cli, stray_commands
+from tests.conftest import BASE_ENV, ROOT, launcher, of_this_session, run_cli, stray_commands
 
 SMALL = ["--model-args", "n_layer=2,n_embd=64,n_head=4"]
 BRANCHY = ["--model", "tests/models.py:branchy_wide", "--data", "branchy"]
 
 
 def _p2pd_pids() -> set[int]:
-    return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "p2pd"}
+    return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] == "p2pd" and of_this_session(p.pid)}
 
 
 def _no_new_p2pd(before: set[int], timeout: float = 10.0) -> bool:
