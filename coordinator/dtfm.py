@@ -1,12 +1,16 @@
 """DT-FM as a baseline: an evolutionary search over peer-to-stage assignment in the
 spirit of Together's DT-FM (Yuan et al. 2022), scored by the same estimator and
-codecs as OP-Fence (``plan_eval.evaluate``), with a fixed budget of distinct
-plans and a seed."""
+codecs as OP-Fence (``plan_eval.evaluate``), with a budget of distinct plans that
+grows with the swarm (``budget``; or a time budget) and a seed. ``dtfm_search``
+also says how long the search ran and whether it converged."""
 
 from __future__ import annotations
 
 import math
 import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from coordinator.baselines import (
     by_speed,
@@ -25,8 +29,13 @@ from coordinator.netmodel import Network, PeerProfile
 from coordinator.placement import balanced_groups
 from coordinator.plan_eval import Options, ScheduleError, evaluate
 
-#: DT-FM's fixed budget of distinct plans predicted per search
+#: DT-FM's budget of distinct plans predicted per search: this many per unit its
+#: genes place (``budget``), at least ``DTFM_EVALUATIONS`` and at most ``DTFM_MOST``
+DTFM_PER_UNIT = 400
 DTFM_EVALUATIONS = 2000
+DTFM_MOST = 25_600
+#: a search has converged when its best plan was found in the first this share of it
+DTFM_CONVERGED = 0.5
 #: DT-FM's genome has at most about this many genes: bigger swarms are searched as
 #: units of similar-FLOP/s peers of one cluster that always move together
 DTFM_UNITS = 64
@@ -58,6 +67,7 @@ class _Dtfm:
         self.max_k = options.stages or stage_limit(costs, len(self.units), options)
         self.cache: dict[Genome, Plan | None] = {}
         self.best: Plan | None = None
+        self.best_at = 0  # distinct genomes predicted when the best was found
 
     def score(self, genome: Genome) -> Plan | None:
         """The predicted plan of ``genome`` (the best of its ``bottleneck_cut``, its
@@ -69,7 +79,7 @@ class _Dtfm:
         plan = self._plan(groups) if groups else None
         self.cache[genome] = plan
         if plan is not None and rank_or_none(plan) < rank_or_none(self.best):
-            self.best = plan
+            self.best, self.best_at = plan, len(self.cache)
         return plan
 
     def _plan(self, groups: list[list[PeerProfile]]) -> Plan | None:
@@ -183,9 +193,46 @@ def _stage_grid(forced: int | None, top: int) -> list[int]:
     return grid(top)
 
 
+def budget(peers: list[PeerProfile], network: Network, options: Options) -> int:
+    """Distinct plans a search predicts by default: ``DTFM_PER_UNIT`` per unit its
+    genes place, within ``DTFM_EVALUATIONS`` and ``DTFM_MOST`` (a bigger swarm has
+    more to search; 2,000 plans left a 30-peer search at its seed plans)."""
+    units = len(_units(peers, network, options.stages or 0))
+    return min(max(DTFM_PER_UNIT * units, DTFM_EVALUATIONS), DTFM_MOST)
+
+
+@dataclass(frozen=True)
+class DtfmRun:
+    """One search: its plan, its budget, the distinct plans it predicted, and how
+    many it had predicted when it found the best one."""
+
+    plan: Plan
+    budget: int
+    evaluations: int
+    best_at: int
+
+    @property
+    def converged(self) -> bool:
+        """The best plan came in the first ``DTFM_CONVERGED`` of the search."""
+        return self.best_at <= DTFM_CONVERGED * self.evaluations
+
+
 def dtfm(
-    costs: DagCosts, peers: list[PeerProfile], network: Network, options: Options, evaluations: int = DTFM_EVALUATIONS
+    costs: DagCosts, peers: list[PeerProfile], network: Network, options: Options, evaluations: int | None = None
 ) -> Plan:
+    """``dtfm_search``'s plan (the budget from the swarm's size unless ``evaluations``)."""
+    return dtfm_search(costs, peers, network, options, evaluations).plan
+
+
+def dtfm_search(
+    costs: DagCosts,
+    peers: list[PeerProfile],
+    network: Network,
+    options: Options,
+    evaluations: int | None = None,
+    seconds: float | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> DtfmRun:
     """A genetic search over peer-to-stage assignments, as Together's DT-FM (Yuan
     et al. 2022) searches device placements, scored by this project's estimator
     (``plan_eval.evaluate`` and ``scheduler.rank``: the predicted time to the loss
@@ -199,26 +246,29 @@ def dtfm(
     ``DTFM_ELITE`` best and breeds the rest from tournament-chosen parents by
     uniform crossover and mutations (move a unit to another or a new stage, swap
     two units, toggle standby, swap two stages). It stops after ``evaluations``
-    distinct genomes are predicted, takes the best valid plan, and polishes its
+    distinct genomes are predicted (``budget`` by default), or once ``seconds`` of
+    ``clock`` have passed, takes the best valid plan, and polishes its
     boundaries (``_polish``, at most ``DTFM_POLISH_ROUNDS x boundaries x 2 x
     DTFM_REACH`` predictions more); ``options.seed`` seeds it."""
     if options.stages is not None and options.stages > stage_limit(costs, len(peers), options):
         raise ScheduleError(f"dtfm: {options.stages} stages need more peers or ops than there are")
+    limit = evaluations if evaluations is not None else budget(peers, network, options)
+    deadline = math.inf if seconds is None else clock() + seconds
     search = _Dtfm(costs, peers, network, options)
     rng = random.Random(options.seed)
     population = [g for g in search.seeds() if search.score(g) is not None]
     population = sorted(population, key=lambda g: rank_or_none(search.cache[g]))[:DTFM_POPULATION]
-    while len(population) < DTFM_POPULATION and len(search.cache) < evaluations:
+    while len(population) < DTFM_POPULATION and len(search.cache) < limit:
         genome = search.normal([_random_gene(rng, search.max_k, options) for _ in search.units], rng)
         if genome is not None:
             search.score(genome)
             population.append(genome)
-    for _ in range(evaluations * 4 // DTFM_POPULATION):  # generations, bounded where few genomes are new
-        if len(search.cache) >= evaluations or not population:
+    for _ in range(limit * 4 // DTFM_POPULATION):  # generations, bounded where few genomes are new
+        if len(search.cache) >= limit or not population or clock() >= deadline:
             break
-        population = _generation(search, population, rng, evaluations)
+        population = _generation(search, population, rng, limit)
     best = fitting(search.best, "dtfm", peers, options)
-    return _polish(search, best)
+    return DtfmRun(_polish(search, best), limit, len(search.cache), search.best_at)
 
 
 def _polish(search: _Dtfm, plan: Plan) -> Plan:

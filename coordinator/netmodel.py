@@ -83,8 +83,8 @@ class Network:
     def _cluster_link(self, ca: str, cb: str) -> tuple[float, float]:
         return self.clusters.get((ca, cb)) or self.clusters.get((cb, ca)) or self.default
 
-    def _overrides_of(self) -> dict[str, dict[str, tuple[float, float]]]:
-        """The per-pair overrides indexed by each end (built once per change)."""
+    def pair_links(self) -> dict[str, dict[str, tuple[float, float]]]:
+        """The per-pair overrides indexed by each end, (Mbit/s, latency s) (built once per change)."""
         index = self._memo.get("overrides")
         if index is None:
             index = {}
@@ -106,7 +106,7 @@ class Network:
                 c = self.cluster_of.get(b, "")
                 counts[c] = counts.get(c, 0) + 1
             base = {ca: self._sums_to(ca, counts) for ca in counts}
-            members, index = set(group), self._overrides_of()
+            members, index = set(group), self.pair_links()
             got = []
             for a in group:
                 ca = self.cluster_of.get(a, "")

@@ -8,12 +8,15 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+from typing import Any
 
+from coordinator.codec_choice import STRONGEST
 from coordinator.cutter import balanced_period, cut_for
 from coordinator.estimator import DagCosts, PeerTable, Plan, boundary_positions, group_models, stage_memory
-from coordinator.netmodel import Network, PeerProfile
-from coordinator.placement import SMALL_SWARM, alike, groupings, moves, order_clusters, pools, set_partitions
+from coordinator.netmodel import Network, PeerProfile, boundary_models
+from coordinator.placement import alike, groupings, moves, order_clusters, pools, set_partitions
 from coordinator.plan_eval import DEFAULT_OPTIONS, Options, ScheduleError, evaluate, rank
+from protocol.wire.codecs import Codec
 
 #: up to this many peers, every grouping of peers into stages (Bell(6) = 203 of them)
 TINY_SWARM = 6
@@ -31,6 +34,17 @@ TIE_REACH = 16
 
 
 def opfence(costs: DagCosts, peers: list[PeerProfile], network: Network, options: Options = DEFAULT_OPTIONS) -> Plan:
+    return finalists(costs, peers, network, options)[0]
+
+
+def finalists(
+    costs: DagCosts, peers: list[PeerProfile], network: Network, options: Options = DEFAULT_OPTIONS
+) -> list[Plan]:
+    """OP-Fence's last few plans, best first (``opfence`` takes the first): the
+    plans of every pool and grouping in the order of their lower bound
+    (``_best_first``), a local search over peer moves (``_peer_moves``) from the best
+    plans of the ``SEEDS`` best distinct peer sets, and the ``FINALISTS`` best of
+    all that polished (``_refine``) and raced on the estimator."""
     by_id = PeerTable(peers)
     clusters: dict[str, list[PeerProfile]] = {}
     for p in peers:
@@ -42,16 +56,34 @@ def opfence(costs: DagCosts, peers: list[PeerProfile], network: Network, options
         if options.stages is not None and len(pool_peers) < options.stages and len(pool_peers) < len(peers):
             continue  # a standby pool too small for the stages asked for
         shapes += [g for k in _candidate_stages(costs, pool_peers, options) for g in groupings(pool_order, pool, k)]
-    found = _best_first(costs, shapes, by_id, network, options, math.inf)
+    memo: Memo = {}
+    found = _best_first(costs, shapes, by_id, network, options, math.inf, memo)
     if not found:
         raise ScheduleError("no stage count gives a valid plan for these peers and this model")
     reach = costs.num_ops if costs.num_ops <= 64 else REFINE_REACH
     if len(peers) <= TINY_SWARM and options.stages is None:
         found += _tiny_candidates(costs, peers, by_id, network, options)
     found.sort(key=rank)
-    best = _peer_moves(costs, found[0], peers, by_id, network, options)
-    others = _distinct(found, FINALISTS - 1) if len(peers) <= SMALL_SWARM else []
-    return min((_refine(costs, f, by_id, network, options, reach=reach) for f in [best, *others]), key=rank)
+    climbed = [_peer_moves(costs, s, peers, by_id, network, options, memo) for s in _seeds(found, SEEDS)]
+    race = _distinct(sorted([*climbed, *found], key=rank), FINALISTS)
+    race = [f for f in race if f is race[0] or rank(f) <= (False, race[0].to_loss_s * RACE_MARGIN)]
+    return sorted((_refine(costs, f, by_id, network, options, reach=reach) for f in race), key=rank)
+
+
+def _seeds(plans: list[Plan], want: int) -> list[Plan]:
+    """The best plan of each of the ``want`` best distinct sets of peers (``plans``
+    ranked), within ``SEED_MARGIN`` of the best."""
+    out, seen = [], set()
+    for p in plans:
+        used = frozenset(pid for g in p.groups for pid in g)
+        if p.valid and p.to_loss_s > plans[0].to_loss_s * SEED_MARGIN:
+            break
+        if used not in seen and p.valid:
+            seen.add(used)
+            out.append(p)
+            if len(out) == want:
+                break
+    return out or plans[:1]
 
 
 def _candidate_stages(costs: DagCosts, peers: list[PeerProfile], options: Options) -> list[int]:
@@ -66,21 +98,34 @@ def _candidate_stages(costs: DagCosts, peers: list[PeerProfile], options: Option
     return sorted(k for k in ks if 1 <= k <= limit)
 
 
-#: in swarms of up to ``SMALL_SWARM`` peers, the refinement also polishes the best
-#: plans of the search but one, up to this many in all (the bottleneck cut ignores
-#: fill and drain, which few micro-batches or few peers make count)
+#: the race: this many plans, distinct in groups or cut, are polished and compared
+#: (the bottleneck cut ignores fill and drain, which few micro-batches or few peers
+#: make count)
 FINALISTS = 6
+#: and only those within this factor of the best (polishing gains a few percent)
+RACE_MARGIN = 1.1
+
+
+#: the local search over peer moves starts from the best plans of this many
+#: distinct sets of peers
+SEEDS = 3
+#: of plans within this factor of the best one
+SEED_MARGIN = 1.5
 
 
 def _distinct(plans: list[Plan], want: int) -> list[Plan]:
-    """The first ``want`` plans of ``plans`` that differ in groups or cut (and from the first)."""
+    """The first ``want`` plans of ``plans`` that differ in groups or cut."""
     out: list[Plan] = []
-    for p in plans[1:]:
+    for p in plans:
         if len(out) == want:
             break
-        if all(p.groups != q.groups or p.cut != q.cut for q in [plans[0], *out]):
+        if all(p.groups != q.groups or p.cut != q.cut for q in out):
             out.append(p)
     return out
+
+
+#: groupings already cut and their floors, by what the estimator sees of them (``alike``)
+Memo = dict[tuple[str, Any], Any]
 
 
 def _best_first(
@@ -90,18 +135,31 @@ def _best_first(
     network: Network,
     options: Options,
     beat: float,
+    memo: Memo | None = None,
+    tries: int | None = None,
 ) -> list[Plan]:
     """The plans of these stage groupings (each cut by ``cut_for``), in the order of
     their ``plan_floor``, until no grouping left can beat the best valid plan found
     (or ``beat``): branch and bound. Groupings the estimator cannot tell apart are
-    cut once (``alike``)."""
+    cut once (``alike``), and once per search where ``memo`` keeps them; at most
+    ``tries`` new ones are cut."""
+    memo = {} if memo is None else memo
     keyed = {alike(groups, network): groups for groups in shapes}
-    floors = sorted((plan_floor(costs, g, network, options), key) for key, g in keyed.items())
+    floors = []
+    for key, g in keyed.items():
+        if ("floor", key) not in memo:
+            memo[("floor", key)] = plan_floor(costs, g, network, options)
+        floors.append((memo[("floor", key)], key))
     out: list[Plan] = []
-    for floor, key in floors:
+    for floor, key in sorted(floors):
         if floor >= beat or math.isinf(floor):
             break
-        got = _cut_and_evaluate(costs, keyed[key], by_id, network, options)
+        if ("plan", key) not in memo:
+            if tries is not None and tries <= 0:
+                break
+            tries = None if tries is None else tries - 1
+            memo[("plan", key)] = _cut_and_evaluate(costs, keyed[key], by_id, network, options)
+        got = memo[("plan", key)]
         if got is not None:
             out.append(got)
             beat = min(beat, got.to_loss_s) if got.valid else beat
@@ -110,8 +168,9 @@ def _best_first(
 
 def plan_floor(costs: DagCosts, groups: list[list[PeerProfile]], network: Network, options: Options) -> float:
     """No cut of these stage groups reaches the loss sooner: the steady state alone,
-    at perfect balance of the work, and never faster than a 1F1B round trip's link
-    latency allows (codecs only add steps);
+    at perfect balance of the work, never faster than each link carries the fewest
+    bytes any boundary can (``least_crossing``), and never faster than a 1F1B round
+    trip's link latency allows (codecs only add steps);
     infinite when their memory cannot hold the training state, however cut."""
     m = options.micro_batches
     models = group_models(groups, network, m)
@@ -120,6 +179,10 @@ def plan_floor(costs: DagCosts, groups: list[list[PeerProfile]], network: Networ
     if held < stage_memory(costs, 0, costs.num_ops, in_flight):
         return math.inf
     steady = balanced_period(costs, models)
+    if len(groups) > 1:
+        least = least_crossing(costs, len(groups), options)
+        for edge in boundary_models([[p.id for p in g] for g in groups], network, m):
+            steady = max(steady, least * edge.per_byte())
     for s, (a, b) in enumerate(zip(models, models[1:])):
         if b.window:  # micro-batch 0 goes between the groups' first peers
             link = network.link(groups[s][0].id, groups[s + 1][0].id)
@@ -127,29 +190,57 @@ def plan_floor(costs: DagCosts, groups: list[list[PeerProfile]], network: Networ
     return (models[0].rounds - 1) * steady
 
 
+def least_crossing(costs: DagCosts, k: int, options: Options) -> float:
+    """The fewest bytes a micro-batch sends over any boundary of a ``k``-stage cut:
+    the least, over positions that leave both sides a stage's least FLOPs, of what
+    crosses there uncompressed or compressed as far as ``STRONGEST``."""
+
+    def make() -> float:
+        least, n = costs.min_stage_flops(k), costs.num_ops
+        codec = STRONGEST if options.compression else Codec()
+        strong = costs.wire_table(codec)
+        ok = [
+            min(costs.cross_bytes[p], strong[p])
+            for p in boundary_positions(costs)
+            if costs.stage_flops(0, p) >= least and costs.stage_flops(p, n) >= least
+        ]
+        return float(min(ok, default=0.0))
+
+    return float(costs.cached(("least crossing", k, options.compression), make))
+
+
 #: rounds of OP-Fence's peer-move search (each takes the best single move, if it
 #: gains at least ``MOVE_GAIN``)
-MOVE_ROUNDS = 2
+MOVE_ROUNDS = 6
 
 
 MOVE_GAIN = 1.005
+#: and cuts at most this many new groupings a round, in the order of their lower bound
+MOVE_TRIES = 10**9
 
 
 def _peer_moves(
-    costs: DagCosts, start: Plan, peers: list[PeerProfile], by_id: PeerTable, network: Network, options: Options
+    costs: DagCosts,
+    start: Plan,
+    peers: list[PeerProfile],
+    by_id: PeerTable,
+    network: Network,
+    options: Options,
+    memo: Memo | None = None,
 ) -> Plan:
     """A bounded local search over who runs the stages (the pools and stage counts
-    only try shapes in proportion to compute): move one stage to the front, to the
-    back or one place later, take one peer out, or put in one
-    standby peer (each cluster's fastest) as a stage of its own after its cluster's
-    last stage, or as a replica of a stage of its cluster; every move re-cut by
-    ``cut_for``. The best move per round while it gains ``MOVE_GAIN``,
-    ``MOVE_ROUNDS`` at most."""
-    best = start
+    only try shapes in proportion to compute): move one stage to any other place,
+    take one peer or one cluster's planned peers out, or put in one standby peer
+    (each cluster's fastest) as a stage of its own after its cluster's last stage,
+    as a replica of a stage of its cluster or in place of a slower peer of its
+    cluster (``placement.moves``); every move re-cut by ``cut_for``. The best move
+    per round while it gains ``MOVE_GAIN``, ``MOVE_ROUNDS`` at most."""
+    best, memo = start, {} if memo is None else memo
     for _ in range(MOVE_ROUNDS):
         shapes = moves([[by_id[i] for i in g] for g in best.groups], peers, network, options)
         gain = best.to_loss_s / MOVE_GAIN if best.valid else math.inf
-        top = min(_best_first(costs, shapes, by_id, network, options, gain), key=rank, default=None)
+        got = _best_first(costs, shapes, by_id, network, options, gain, memo, MOVE_TRIES)
+        top = min(got, key=rank, default=None)
         if top is None or rank(top) >= (not best.valid, gain):
             break
         best = top

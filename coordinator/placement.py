@@ -131,7 +131,19 @@ def alike(groups: list[list[PeerProfile]], network: Network) -> tuple[tuple[Any,
 def moves(
     groups: list[list[PeerProfile]], peers: list[PeerProfile], network: Network, options: Options
 ) -> list[list[list[PeerProfile]]]:
-    """Every stage grouping one peer away from ``groups`` (see ``_peer_moves``)."""
+    """Every stage grouping one move away from ``groups`` (see ``_peer_moves``)."""
+    home = {p.id: network.cluster_of.get(p.id, p.cluster) for p in peers}
+    return [
+        *_leave_outs(groups, home, options),
+        *_reorders(groups, home),
+        *_take_ins(groups, peers, home, options),
+    ]
+
+
+def _leave_outs(
+    groups: list[list[PeerProfile]], home: dict[str, str], options: Options
+) -> list[list[list[PeerProfile]]]:
+    """One peer out, or every planned peer of one cluster out (with standby)."""
     keep_k = options.stages is not None
     out = []
     for s, g in enumerate(groups if options.standby else []):  # every peer plans without standby
@@ -139,22 +151,50 @@ def moves(
             rest = g[:i] + g[i + 1 :]
             if rest or (not keep_k and len(groups) > 1):
                 out.append(groups[:s] + ([rest] if rest else []) + groups[s + 1 :])
-    for s in range(len(groups)):  # stage order: a stage to the front, to the back, or one later
+    planned = sorted({home[p.id] for g in groups for p in g})
+    for cluster in planned if options.standby and not keep_k and len(planned) > 1 else []:
+        kept = [[p for p in g if home[p.id] != cluster] for g in groups]
+        out.append([g for g in kept if g])
+    return out
+
+
+def _reorders(groups: list[list[PeerProfile]], home: dict[str, str]) -> list[list[list[PeerProfile]]]:
+    """One stage moved to the front or the back of the pipeline, one place either
+    way, or to the start or the end of a run of stages of one cluster."""
+    k = len(groups)
+    first = [home[g[0].id] for g in groups]
+    edges = {t for t in range(k) if t == 0 or first[t] != first[t - 1]}
+    edges |= {t - 1 for t in edges if t} | {k - 1}
+    out = []
+    for s in range(k):
         rest = groups[:s] + groups[s + 1 :]
-        out += [
-            [groups[s], *rest],
-            [*rest, groups[s]],
-            groups[:s] + groups[s + 1 : s + 2] + [groups[s]] + groups[s + 2 :],
-        ]
-    home = {p.id: network.cluster_of.get(p.id, p.cluster) for p in peers}
+        for t in sorted(edges | {s - 1, s + 1}):
+            if 0 <= t < k and t != s:
+                out.append(rest[:t] + [groups[s]] + rest[t:])
+    return out
+
+
+def _take_ins(
+    groups: list[list[PeerProfile]], peers: list[PeerProfile], home: dict[str, str], options: Options
+) -> list[list[list[PeerProfile]]]:
+    """A standby peer (each cluster's fastest) in: as a replica of a stage of its
+    cluster, as a stage of its own after its cluster's last stage, or in place of
+    a slower planned peer of its cluster (with standby)."""
+    keep_k = options.stages is not None
     used = {p.id for g in groups for p in g}
     spare: dict[str, PeerProfile] = {}
     for p in fastest([p for p in peers if p.id not in used]):
         spare.setdefault(home[p.id], p)
+    out = []
     for cluster, p in spare.items():
         mine = [s for s, g in enumerate(groups) if any(home[q.id] == cluster for q in g)]
         for s in mine:
             out.append(groups[:s] + [[*groups[s], p]] + groups[s + 1 :])
+            out += [
+                groups[:s] + [[p if q is old else q for q in groups[s]]] + groups[s + 1 :]
+                for old in groups[s]
+                if options.standby and home[old.id] == cluster and old.flops < p.flops
+            ]
         if not keep_k and mine and len(groups) < options.max_stages:
             out.append(groups[: mine[-1] + 1] + [[p]] + groups[mine[-1] + 1 :])
     return out
@@ -164,10 +204,13 @@ def pools(ordered: list[str], clusters: dict[str, list[PeerProfile]], network: N
     """The peer pools OP-Fence plans with: every peer, and (with ``standby``) the first
     1, 2, 4, ... clusters in pipeline order, the 1, 2, 3, ... clusters with the most
     FLOP/s and each of them alone, the fastest 1, 2, 4, ... peers of the first and of the strongest cluster,
-    and the fastest 1, 2, 4, ... peers of the swarm; the rest wait on standby (fast
+    the fastest 1, 2, 4, ... peers of the swarm, and small groups joined by fast
+    measured links (``link_pools``); the rest wait on standby (fast
     links beat more GPUs behind slow ones). Each pool once, its clusters in pipeline order."""
     seen: set[frozenset[str]] = set()
-    for pool in _pool_candidates(ordered, clusters, options):
+    everyone = [p for members in clusters.values() for p in members]
+    linked = link_pools(everyone, network) if options.standby else []
+    for pool in itertools.chain(_pool_candidates(ordered, clusters, options), linked):
         key = frozenset(p.id for peers in pool.values() for p in peers)
         if key and key not in seen:
             seen.add(key)
@@ -195,6 +238,56 @@ def _pool_candidates(ordered: list[str], clusters: dict[str, list[PeerProfile]],
         for p in everyone[:m]:
             pool.setdefault(home[p.id], []).append(p)
         yield pool
+
+
+#: link pools: grown from this many of the fastest measured pairs of peers, and as
+#: many of the fastest pairs among the swarm's ``LINK_STRONG`` fastest peers
+LINK_SEEDS = 8
+LINK_STRONG = 8
+#: measured pairs seed pools only when at least this many times the median measured link
+LINK_FAST = 2.0
+#: the sizes each link pool is grown to (peers)
+LINK_SIZES = (2, 3, 4, 6, 8)
+
+
+def link_pools(peers: list[PeerProfile], network: Network) -> list[dict[str, list[PeerProfile]]]:
+    """Pools of peers joined by fast links, whatever their clusters: from each of the
+    ``LINK_SEEDS`` fastest measured pairs (at least ``LINK_FAST`` times the median
+    measured link) and of the fastest pairs among the ``LINK_STRONG`` peers of most
+    FLOP/s (of two clusters: the cluster pools hold the others), grown one peer at
+    a time by the fastest link from the pool to a peer outside it (measured, or to
+    a strong peer), to each of ``LINK_SIZES`` peers. A pair of homes on one fibre
+    is a pipeline of two no cluster pool holds."""
+    by_id = {p.id: p for p in peers}
+    index, measured = network.pair_links(), network.measured
+
+    def known(a: str, b: str) -> bool:
+        return (a, b) in measured or (b, a) in measured
+
+    links = [(v[0], a, b) for a, row in index.items() for b, v in row.items() if a < b and b in by_id and known(a, b)]
+    links = [x for x in links if x[1] in by_id]
+    median = sorted(m for m, *_ in links)[len(links) // 2] if links else math.inf
+    fast = sorted((x for x in links if x[0] >= LINK_FAST * median), key=lambda x: (-x[0], x[1], x[2]))
+    strong = [p.id for p in fastest(peers)[:LINK_STRONG]]
+    home = {p.id: network.cluster_of.get(p.id, p.cluster) for p in peers}
+    among = [(network.link(a, b).mbps, a, b) for i, a in enumerate(strong) for b in strong[i + 1 :]]
+    among = [x for x in among if home[x[1]] != home[x[2]]]
+    seeds = fast[:LINK_SEEDS] + sorted(among, key=lambda x: (-x[0], x[1], x[2]))[:LINK_SEEDS]
+    out = []
+    for _, a, b in seeds:
+        members = [a, b]
+        while True:
+            if len(members) in LINK_SIZES:
+                pool: dict[str, list[PeerProfile]] = {}
+                for pid in members:
+                    pool.setdefault(home[pid], []).append(by_id[pid])
+                out.append(pool)
+            near = {q for m in members for q in index.get(m, {}) if q in by_id and known(m, q)} | set(strong)
+            near -= set(members)
+            if len(members) >= LINK_SIZES[-1] or not near:
+                break
+            members.append(max(sorted(near), key=lambda q: max(network.link(m, q).mbps for m in members)))
+    return out
 
 
 def fastest(peers: list[PeerProfile]) -> list[PeerProfile]:

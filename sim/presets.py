@@ -16,6 +16,10 @@ A100 120 TFLOP/s 80 GB, V100 60/32, RTX 4090 80/24, RTX 3090 35/24, T4 20/16.
   Mbit/s uplink (30-120 ms), 10-50 Mbit/s between homes.
 - ``three-regions``: 6 RTX 4090 (1 Gbit/s), 4 V100 (10 Gbit/s) and 8 T4 (1 Gbit/s)
   in three regions, 50-300 Mbit/s (60-150 ms) between them.
+- ``homes-30``: 30 home GPUs (RTX 4090, 3090, T4), each its own cluster, 10-100
+  Mbit/s (20-80 ms) between homes, and four pairs of neighbours on one fibre
+  measured at 1 Gbit/s (2 ms): the held-out shape where the best plan is a pair
+  of homes no cluster holds.
 - ``internet-1k`` / ``internet-10k``: 1,000 / 10,000 volunteers in 25 / 100
   regions (seeded): 200-1000 Mbit/s inside a region, 8-200 Mbit/s between
   regions, falling with distance.
@@ -29,8 +33,9 @@ from typing import Any
 from sim.topology import Topology, parse
 
 GPUS = {"a100": (120.0, 80), "v100": (60.0, 32), "4090": (80.0, 24), "3090": (35.0, 24), "t4": (20.0, 16)}
-PRESETS = ("testbed1", "testbed2", "testbed3", "lab-crowd", "three-regions", "internet-1k", "internet-10k")
-MIXED = ("testbed1", "testbed2", "testbed3", "lab-crowd", "three-regions")  # mixed bandwidth: where OP-Fence must win
+PRESETS = ("testbed1", "testbed2", "testbed3", "lab-crowd", "three-regions", "homes-30", "internet-1k", "internet-10k")
+#: mixed bandwidth: where OP-Fence must win
+MIXED = ("testbed1", "testbed2", "testbed3", "lab-crowd", "three-regions", "homes-30")
 
 
 def _peer(pid: str, gpu: str, cluster: str) -> dict[str, Any]:
@@ -99,6 +104,22 @@ def three_regions() -> dict[str, Any]:
     return {"peers": peers, "clusters": clusters}
 
 
+def homes(count: int, fibre_pairs: int, seed: int) -> dict[str, Any]:
+    """``count`` home GPUs, each its own cluster, 10-100 Mbit/s (20-80 ms) between
+    them, and ``fibre_pairs`` disjoint pairs of neighbours measured at 1 Gbit/s (2 ms)."""
+    rng = random.Random(seed)
+    names = [f"home{i}" for i in range(count)]
+    peers = [_peer(h, rng.choice(["4090", "3090", "3090", "t4"]), h) for h in names]
+    clusters: dict[str, dict[str, Any]] = {}
+    for i, a in enumerate(names):
+        clusters[a] = {a: _link(10000, 0.0)}
+        for b in names[i + 1 :]:
+            clusters[a][b] = _link(rng.choice([10, 20, 50, 100]), rng.choice([20, 40, 80]))
+    paired = rng.sample(names, 2 * fibre_pairs)
+    links = [{"src": a, "dst": b, **_link(1000, 2)} for a, b in zip(paired[::2], paired[1::2])]
+    return {"peers": peers, "clusters": clusters, "links": links}
+
+
 def internet(num_peers: int, regions: int, seed: int) -> dict[str, Any]:
     rng = random.Random(seed)
     names = [f"r{i}" for i in range(regions)]
@@ -126,6 +147,7 @@ def preset(name: str) -> Topology:
         "testbed3": testbed3,
         "lab-crowd": lab_crowd,
         "three-regions": three_regions,
+        "homes-30": lambda: homes(30, 4, 30),
         "internet-1k": lambda: internet(1000, 25, 1),
         "internet-10k": lambda: internet(10000, 100, 2),
     }
