@@ -49,6 +49,7 @@ BENCHMARKS = [
                      "programs_vs_code", "step_ms_code", "cpu_has_bf16"}),
     ("scheduler.py", {"cases", "plan_s_1000peers_1000ops", "sim_s_10000peers_100iters", "cases_needing_4_gpus",
                       "min_opfence_vs_best_blind", "max_opfence_vs_dtfm", "max_opfence_plan_vs_dtfm",
+                      "max_opfence_vs_dtfm10k", "max_opfence_plan_vs_dtfm10k",
                       "sim_vs_estimate_range"}),
     ("elastic.py", {"steps", "kill_run_steps", "detect_s", "resume_s", "steps_redone", "equal_to_reference",
                     "processes_left", "checkpoints_per_run", "tokens_per_s_with_checkpoints", "tokens_per_s_without",
