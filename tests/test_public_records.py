@@ -21,7 +21,16 @@ from protocol.net.clock import FakeClock
 from protocol.net.records import _read
 from protocol.trust.admission import issue_certificate
 from protocol.trust.identity import Identity, sign_record
-from protocol.trust.run_records import MAX_RECORD_BYTES, RULES, RunRecords, Tally, record_subkey
+from protocol.trust.run_records import (
+    MAX_RECORD_BYTES,
+    MAX_SHARDS,
+    RULES,
+    SHARDED,
+    RunRecords,
+    Tally,
+    record_subkey,
+    shard_name,
+)
 from protocol.wire.messages import dht_key
 
 RUN = "run"
@@ -100,6 +109,27 @@ def test_the_run_rule_refuses_every_bad_record_public_or_private(private: bool) 
     assert rule.dropped == len(refused) + 3 * len(RULES)
     other = DHTRecord(b"other key", b"", b"\xc1", 0.0)
     assert rule.validate(other), "other keys' records are not this rule's business"
+
+
+@pytest.mark.parametrize("private", [False, True], ids=["public", "private"])
+def test_every_shard_of_a_sharded_key_is_ruled_as_its_key(private: bool) -> None:
+    """An outsider's record under any shard a run may use is refused, as under the key itself."""
+    p = _People()
+    rule = RunRecords(RUN, p.coordinator.public_hex, private=private)
+    outsider_ad = p.advert(p.outsider) if private else p.record(p.outsider)  # no cert of theirs / wrong kind
+    for name in sorted(SHARDED):
+        for shard in (0, 1, MAX_SHARDS - 1):
+            where = shard_name(name, shard)
+            assert _validates(rule, where, p.advert(), record_subkey(where, p.peer.public_hex, "peer-1"))
+            assert not _validates(rule, where, outsider_ad, record_subkey(where, p.outsider.public_hex, "peer-1"))
+            assert not _validates(rule, where, p.advert(), _sub(p.outsider))
+            assert not _plain(rule, where, "plain")
+    assert rule.dropped == 3 * 3 * len(SHARDED)
+    for bad in (-1, MAX_SHARDS):
+        with pytest.raises(ValueError, match="no shard"):
+            shard_name("adverts", bad)
+    with pytest.raises(ValueError, match="no shard"):
+        shard_name("coordinator", 0)
 
 
 def test_a_private_rule_also_wants_the_coordinators_certificate() -> None:

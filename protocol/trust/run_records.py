@@ -95,12 +95,30 @@ RULES: dict[str, tuple[str, Check, bool]] = {
     "coordinator": ("coordinator", _coordinator, False),
     "adverts": ("advert", _advert, True),
 }
+#: the keys cut into shards as a swarm grows: ``<name>/<i>`` for ``i < MAX_SHARDS`` is
+#: ruled by ``name``'s row (a node sees only a key's hash, so every shard a run may use
+#: is named here, and none past them: a key per peer could not be checked)
+SHARDED = frozenset({"adverts"})
+#: the most shards of one key (a run's shard count is at most this: ``discovery_cost``)
+MAX_SHARDS = 1024
+
+
+def shard_name(name: str, shard: int) -> str:
+    """The name of shard ``shard`` of the run's sharded key ``name`` (``dht_key``'s ``what``)."""
+    if name not in SHARDED or not 0 <= shard < MAX_SHARDS:
+        raise ValueError(f"no shard {shard} of the run's key {name!r}")
+    return f"{name}/{shard}"
+
+
+def rule_of(name: str) -> str:
+    """The row of ``RULES`` that rules the run's key ``name`` (a shard's: its key's)."""
+    return name.split("/", 1)[0]
 
 
 def record_subkey(name: str, signer: str, peer_id: object = None) -> str:
     """The subkey a record under the run's key ``name``, signed by ``signer`` (hex) and
     describing ``peer_id``, is stored under (the only one every node takes for it)."""
-    return f"{signer}/{peer_id}" if RULES[name][2] else signer
+    return f"{signer}/{peer_id}" if RULES[rule_of(name)][2] else signer
 
 
 class RunRecords(RecordValidatorBase):
@@ -108,6 +126,7 @@ class RunRecords(RecordValidatorBase):
     coordinator's key (hex) where this node knows it (the coordinator itself, a peer
     whose join line pins it); None (a peer trusting on first use) takes any signer's
     claim of the run, each under its own subkey, so that no claim hides another.
+    Every shard of a sharded key (``SHARDED``) is ruled as its key.
     ``private``: adverts must carry the coordinator's admission certificate. (Expiry is
     the coordinator's business, not the DHT's: a record stored while valid stays
     readable.) Runs in the DHT's own process: its counts are that process's."""
@@ -119,7 +138,8 @@ class RunRecords(RecordValidatorBase):
         if private and not coordinator_key:
             raise ValueError("a private swarm's rule needs the coordinator's key")
         self.run, self.coordinator_key, self.private = run, coordinator_key, private
-        self._names = {DHTID.generate(source=dht_key(run, name)).to_bytes(): name for name in RULES}
+        names = [*RULES, *(shard_name(n, i) for n in sorted(SHARDED) for i in range(MAX_SHARDS))]
+        self._names = {DHTID.generate(source=dht_key(run, name)).to_bytes(): rule_of(name) for name in names}
         self.dropped = 0
         #: per key name: why records were refused since its last line
         self.reasons: dict[str, Counter[str]] = {name: Counter() for name in RULES}

@@ -1,0 +1,99 @@
+"""What discovery and the coordinator's control plane cost a swarm of ``n`` peers: the
+one home of these formulas (pure, no networking), which ``fusionllm sim`` reports and
+``benchmarks/discovery.py`` checks against a measured swarm.
+
+Two advert layouts are priced. ``one_key``: every advert is a subkey of one DHT key,
+refreshed every ``ttl / 3`` s; hivemind looks the key up before each store and every
+holder answers a lookup with the whole dictionary, so the busiest holder serves
+``n / period * n * advert`` bytes per second (quadratic). ``sharded``: adverts cut into
+``shard_count(n)`` keys of at most ``PEERS_PER_SHARD`` peers each (``<run>:adverts/<i>``,
+ruled by ``protocol.trust.run_records.SHARDED``): a store's lookup returns one shard,
+each node holds a bounded number of shards, so a holder's load stays flat as the swarm
+grows, and no reply exceeds one shard. The coordinator reads at most
+``POLL_BUDGET_BYTES`` per poll, a rotating slice of the shards (peers in the plan are
+watched through their own messages, not the DHT)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+#: bytes one advert costs on the wire in a lookup's reply (a ~570-byte signed record plus
+#: hivemind's framing), calibrated on issue 33's one-key figures: 126 kB/s at 20 peers
+ADVERT_WIRE_BYTES = 630
+#: nodes that hold a copy of each key (hivemind's ``num_replicas``), each answering lookups
+REPLICAS = 5
+#: the most peers one shard holds: its reply is at most this times ``ADVERT_WIRE_BYTES``
+PEERS_PER_SHARD = 32
+#: the most shards a run cuts its adverts into (``protocol.trust.run_records.MAX_SHARDS``)
+MAX_SHARDS = 1024
+#: the most bytes one coordinator poll reads from the DHT
+POLL_BUDGET_BYTES = 512 << 10
+#: the busiest node's share of shards over the mean (a hash's imbalance, 5 copies each)
+HOT_HOLDER_FACTOR = 3.0
+#: CPU seconds the coordinator spends on one signed control message: decode, the gate,
+#: one Ed25519 verify (~66 us measured with ``cryptography``) and the handler
+CONTROL_MESSAGE_CPU_S = 150e-6
+#: the largest DHT message hivemind's daemon passes (replies over it never arrive)
+DAEMON_CAP_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class DiscoveryCost:
+    """Per-second and per-poll figures for one swarm size."""
+
+    n: int
+    shards: int
+    busiest_holder_kB_s: float  # bytes the busiest DHT node serves, per second
+    holder_rpc_s: float  # lookups the busiest node answers, per second
+    coordinator_kB_per_poll: float  # what one coordinator poll reads
+    largest_message_kB: float  # the largest DHT reply
+    coordinator_cpu: float  # CPU seconds per second the control plane costs the coordinator
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in self.__dict__.items()}
+
+
+def shard_count(n: int) -> int:
+    """Shards for a swarm of ``n`` peers: a power of two, so that a re-shard splits each
+    shard in two, with at most ``PEERS_PER_SHARD`` peers per shard where ``MAX_SHARDS``
+    allows."""
+    need = max(1, math.ceil(n / PEERS_PER_SHARD))
+    return min(MAX_SHARDS, 1 << (need - 1).bit_length())
+
+
+def control_cpu(n: int, planned: int, beat_s: float, step_s: float, standby_beat_s: float) -> float:
+    """The coordinator's CPU seconds per second: each planned peer's step report every
+    ``step_s`` (its heartbeat too), and each standby peer's heartbeat every ``standby_beat_s``
+    (``beat_s``: the planned peers' heartbeat when no step is running; 0: none)."""
+    planned = min(planned, n)
+    beats = planned / beat_s if beat_s > 0 else 0.0
+    reports = planned / step_s if step_s > 0 else 0.0
+    standby = (n - planned) / standby_beat_s if standby_beat_s > 0 else 0.0
+    return (beats + reports + standby) * CONTROL_MESSAGE_CPU_S
+
+
+def one_key(n: int, refresh_s: float, cpu: float = 0.0) -> DiscoveryCost:
+    """Today's layout (every advert under one key), priced for ``n`` peers."""
+    whole = n * ADVERT_WIRE_BYTES
+    return DiscoveryCost(n, 1, n / refresh_s * whole / 1e3, n / refresh_s, whole / 1e3, whole / 1e3, cpu)
+
+
+def sharded(n: int, refresh_s: float, cpu: float = 0.0) -> DiscoveryCost:
+    """The sharded layout priced for ``n`` peers (``n`` DHT nodes hold the shards)."""
+    k = shard_count(n)
+    per_shard = math.ceil(n / k)
+    reply = per_shard * ADVERT_WIRE_BYTES
+    held = max(1.0, HOT_HOLDER_FACTOR * k * REPLICAS / max(n, 1))  # shards on the busiest node
+    rpc = held * per_shard / refresh_s
+    poll = min(n * ADVERT_WIRE_BYTES, max(reply, POLL_BUDGET_BYTES))
+    return DiscoveryCost(n, k, rpc * reply / 1e3, rpc, poll / 1e3, reply / 1e3, cpu)
+
+
+def growth_exponent(ns: list[int], loads: list[float]) -> float:
+    """The least-squares slope of log(load) against log(n): 1 is linear, 2 quadratic."""
+    xs = [math.log(n) for n in ns]
+    ys = [math.log(max(v, 1e-9)) for v in loads]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
