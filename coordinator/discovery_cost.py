@@ -97,3 +97,16 @@ def growth_exponent(ns: list[int], loads: list[float]) -> float:
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     var = sum((x - mx) ** 2 for x in xs)
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+
+
+#: seconds between a peer's advert refreshes (``peer.config``'s advert ttl of 6 s, over 3)
+ADVERT_REFRESH_S = 2.0
+#: seconds between a standby peer's heartbeats once planned peers' step reports are theirs
+STANDBY_BEAT_S = 10.0
+
+
+def swarm_cost(n: int, planned: int, step_s: float) -> DiscoveryCost:
+    """The sharded layout's cost for ``n`` peers of which ``planned`` serve a plan whose
+    step takes ``step_s``, their step reports serving as their heartbeats (what
+    ``fusionllm sim`` reports)."""
+    return sharded(n, ADVERT_REFRESH_S, control_cpu(n, planned, 0.0, step_s, STANDBY_BEAT_S))

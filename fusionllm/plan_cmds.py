@@ -296,10 +296,21 @@ def _sim_left_out(costs: Any, r: Any, topo: Any, held: set[str]) -> dict[str, li
     return ({"held back to join later (--churn)": sorted(held)} if held else {}) | out
 
 
+def _discovery(topo: Any, results: dict[str, tuple[Any, float]]) -> Any:
+    """Discovery's and the control plane's cost for this swarm (``coordinator.discovery_cost``),
+    with the first scheduler's plan and iteration time."""
+    from coordinator.discovery_cost import swarm_cost
+
+    r = next(iter(results.values()))[0]
+    planned = len({q for g in r.first_plan.groups for q in g}) if r.first_plan is not None else len(topo.peers)
+    return swarm_cost(len(topo.peers), planned, r.mean_s)
+
+
 def _sim_json(
     args: argparse.Namespace, topo: Any, costs: Any, results: dict[str, tuple[Any, float]], held: set[str]
 ) -> dict[str, Any]:
     return {
+        "discovery": _discovery(topo, results).as_dict(),
         "topology": topo.name,
         "iterations": args.iterations,
         "policy": args.policy,
@@ -330,4 +341,10 @@ def _sim_text(
             f"{r.goodput:.4g} iterations/s; simulated in {w:.1f} s)"
         )
         lines.extend(_left_out_text(_sim_left_out(costs, r, topo, held), indent="    "))
+    d = _discovery(topo, results)
+    lines.append(
+        f"  discovery: {d.shards} advert shard(s), busiest DHT node {d.busiest_holder_kB_s:.4g} kB/s "
+        f"({d.holder_rpc_s:.3g} lookups/s), coordinator {d.coordinator_kB_per_poll:.4g} kB per poll, largest "
+        f"DHT reply {d.largest_message_kB:.4g} kB, control plane {d.coordinator_cpu:.3g} coordinator CPU-s/s"
+    )
     return "\n".join(lines)

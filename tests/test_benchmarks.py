@@ -62,6 +62,9 @@ BENCHMARKS = [
     ("data.py", {"train_tokenizer_mb_per_s", "prepare_mb_per_s", "prepare_bytes_mb_per_s", "corpus_mb",
                  "loader_tokens_per_s", "rss_corpus_gb", "rss_mb_start", "rss_mb_peak", "rss_growth_mb",
                  "loader_batches", "swarm_tokens_per_s", "loader_vs_swarm"}),
+    ("discovery.py", {"layout", "n", "poll_p50_s", "completeness_min", "busiest_holder_kB_s",
+                      "coordinator_kB_per_poll", "holder_growth_exponent", "coordinator_cpu_per_1k_peers",
+                      "signature_check_cpu_s_per_1k", "projected", "projected_one_key"}),
 ]  # fmt: skip
 
 #: a benchmark run that takes longer than this is a regression of its short mode (or a hang)
@@ -219,7 +222,16 @@ def _data(out: dict[str, Any]) -> None:
     assert out["rss_mb_peak"] >= out["rss_mb_start"] and out["rss_growth_mb"] < 32, out
 
 
+def _discovery(out: dict[str, Any]) -> None:
+    # every live advert found by every poll; the projections meet issue 33's goals at 10,000 peers
+    assert out["completeness_min"] == [1.0] * len(out["n"]), out
+    at_10k = out["projected"]["10000"]
+    assert at_10k["busiest_holder_kB_s"] <= 1000 and at_10k["coordinator_kB_per_poll"] <= 1000, out
+    assert at_10k["largest_message_kB"] <= 1024 and at_10k["coordinator_cpu"] <= 1.0, out
+
+
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "discovery.py": _discovery,
     "data.py": _data,
     "nat.py": _nat,
     "adversary.py": _adversary,

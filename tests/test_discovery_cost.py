@@ -41,3 +41,22 @@ def test_the_control_plane_fits_one_core_once_step_reports_are_the_heartbeat() -
     replaced = dc.control_cpu(10_000, 8_000, beat_s=0.0, step_s=5.0, standby_beat_s=10.0)
     assert replaced <= 1.0
     assert dc.control_cpu(10, 20, 0.0, 0.0, 0.0) == 0.0
+
+
+def test_sim_reports_discovery_and_control_plane_cost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fusionllm sim``'s output carries the formulas' figures for the simulated swarm."""
+    from types import SimpleNamespace
+
+    from fusionllm.plan_cmds import _discovery, _sim_text
+
+    topo = SimpleNamespace(name="t", peers=[SimpleNamespace(id=f"p{i}") for i in range(10_000)])
+    plan = SimpleNamespace(groups=[[f"p{i}" for i in range(100)]])
+    run = SimpleNamespace(first_plan=plan, mean_s=2.0, replans=[], redone=0, goodput=0.5)
+    got = _discovery(topo, {"even": (run, 0.1)})
+    assert got == dc.swarm_cost(10_000, 100, 2.0) and got.shards == 512
+    args = SimpleNamespace(iterations=1)
+    costs = SimpleNamespace(num_ops=3)
+    run.predicted_s = run.lower_bound_s = 1.0
+    monkeypatch.setattr("fusionllm.plan_cmds._sim_left_out", lambda *a: {})
+    text = _sim_text(args, topo, costs, {"even": (run, 0.1)}, set())
+    assert "discovery: 512 advert shard(s)" in text and "coordinator CPU-s/s" in text
