@@ -79,7 +79,7 @@ async def _measure(n: int, layout: str, seconds: float) -> dict[str, float]:
     nodes = [await DHTNode.create(initial_peers=maddrs, cache_locally=False) for _ in range(n)]
     keys, stop = _keys(layout, n), asyncio.Event()
     tasks = [asyncio.create_task(_advertise(node, keys, i, stop)) for i, node in enumerate(nodes)]
-    await asyncio.sleep(2 * REFRESH_S)  # every advert stored once
+    await asyncio.sleep(REFRESH_S + 0.5)  # every advert stored once
     SERVED.clear()
     polls, found, sizes, t0 = [], [], [], time.monotonic()
     while time.monotonic() - t0 < seconds:
@@ -119,7 +119,7 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.ERROR)
     _count_served()
-    ns, seconds = ([10, 20], 4.0) if args.short else ([10, 20, 40, 80], 10.0)
+    ns, seconds = ([10, 20], 2.5) if args.short else ([10, 20, 40, 80], 10.0)
     rows = [asyncio.run(_measure(n, args.layout, seconds)) for n in ns]
     out: dict[str, object] = {"layout": args.layout, "n": ns}
     for k in rows[0]:
