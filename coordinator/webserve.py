@@ -105,6 +105,25 @@ class _StateCollector:
         for code, n in st["rejected"].items():
             rejected.add_metric([code], n)
         yield rejected
+        yield from self._breakdown(st.get("breakdown", []))
+
+    @staticmethod
+    def _breakdown(rows: list[dict[str, Any]]) -> Iterator[Metric]:
+        """Per stage and part: the peers' mean seconds a step, and the estimator's."""
+        measured = GaugeMetricFamily(
+            "fusionllm_step_part_seconds", "Mean seconds a step per stage and part", labels=["stage", "part"]
+        )
+        predicted = GaugeMetricFamily(
+            "fusionllm_step_part_predicted_seconds",
+            "The estimator's seconds a step per stage and part (compute, wire, step)",
+            labels=["stage", "part"],
+        )
+        for row in rows:
+            for family, key in ((measured, "measured_ms"), (predicted, "predicted_ms")):
+                for part, ms in row[key].items():
+                    family.add_metric([str(row["stage"]), part], float(ms) / 1e3)
+        yield measured
+        yield predicted
 
     @staticmethod
     def _peers(peers: list[dict[str, Any]]) -> Iterator[Metric]:

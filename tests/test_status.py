@@ -206,6 +206,23 @@ def test_a_flood_of_rejections_does_not_push_out_a_failure() -> None:
     assert board.state()["rejected"] == {"bad_signature": 1000}
 
 
+def test_metrics_show_the_step_breakdown_per_stage() -> None:
+    board = _planned_board([1000.0])
+    board.set_breakdown(
+        [
+            {"stage": 0, "measured_ms": {"forward": 12.5, "wire": 3.0, "step": 40.0}, "predicted_ms": {"step": 35.0}},
+            {"stage": 1, "measured_ms": {"backward": 20.0}, "predicted_ms": {}},
+        ]
+    )
+    text = metrics_text(finite_json(board.state())).decode()
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line[:1] != "#"}
+    assert values['fusionllm_step_part_seconds{part="forward",stage="0"}'] == 0.0125
+    assert values['fusionllm_step_part_seconds{part="step",stage="0"}'] == 0.04
+    assert values['fusionllm_step_part_seconds{part="backward",stage="1"}'] == 0.02
+    assert values['fusionllm_step_part_predicted_seconds{part="step",stage="0"}'] == 0.035
+    assert not any('stage="1"' in k for k in values if k.startswith("fusionllm_step_part_predicted"))
+
+
 def test_metrics_show_recovery() -> None:
     now = [1000.0]
     board = _planned_board(now)
