@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from fusionllm.usage import positive_int
+from zoo.hf_spec import is_hf, parse_hf
 
 #: the validation share ``data prepare`` holds out by default
 DEFAULT_VAL_FRACTION = 0.05
@@ -21,6 +22,16 @@ def _val_fraction(text: str) -> float:
     return value
 
 
+def _input(text: str) -> str:
+    """A file or folder as given; an ``hf:`` input checked for its syntax."""
+    if is_hf(text):
+        try:
+            parse_hf(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _vocab(text: str) -> int:
     return positive_int(text, "a whole number of tokens")
 
@@ -31,12 +42,20 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
     data_sub = p.add_subparsers(dest="data_command", metavar="prepare", required=True)
     q = data_sub.add_parser(
         "prepare",
-        help='tokenize text files (or folders of them, or .jsonl with a "text" per line) into token shards',
+        help='tokenize text files (or folders of them, .jsonl with a "text" per line, or hf:DATASET) into token shards',
         description="Tokenize a corpus into DIR: one memory-mapped array of token ids per split (train.bin, "
-        "val.bin), meta.json and the tokenizer. A document is a file or a line of a .jsonl; validation holds out "
-        "whole documents. Train on it with --data tokens:DIR.",
+        "val.bin), meta.json and the tokenizer. A document is a file, a line of a .jsonl or a row of a Hugging Face "
+        "dataset (hf:NAME[#CONFIG][:SPLIT][@COLUMN]: a local folder, or a hub dataset already in the offline cache; "
+        "SPLIT defaults to train, COLUMN to text or the only string column; needs pip install 'fusionllm[hf]'). "
+        "Validation holds out whole documents. Train on it with --data tokens:DIR.",
     )
-    q.add_argument("inputs", nargs="+", metavar="FILE|DIR", help="text files, .jsonl files, or folders of them")
+    q.add_argument(
+        "inputs",
+        nargs="+",
+        type=_input,
+        metavar="FILE|DIR|hf:DATASET",
+        help="text files, .jsonl files, folders of them, or hf:NAME[#CONFIG][:SPLIT][@COLUMN] (Hugging Face datasets)",
+    )
     q.add_argument("-o", "--out", required=True, metavar="DIR", help="where the shards go (a new or empty folder)")
     q.add_argument(
         "--tokenizer",

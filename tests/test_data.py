@@ -273,3 +273,106 @@ def test_a_rollback_and_a_resume_read_the_same_windows(tmp_path: Path, bpe: Path
     finally:
         swarm.close()
     assert compare_checkpoints(out, ref) <= 1e-5
+
+
+# hf:DATASET inputs (Hugging Face datasets, the test extra): written by the test, read offline
+
+
+def _hf_texts(texts: dict[str, str]) -> list[str]:
+    return [texts[k] for k in sorted(texts)]
+
+
+def test_an_hf_dataset_makes_the_shards_of_its_texts_as_files(
+    tmp_path: Path, bpe: Path, corpus: tuple[Path, dict[str, str]]
+) -> None:
+    import datasets
+
+    from zoo.prepare import PrepareOptions, prepare
+
+    texts = _hf_texts(corpus[1])
+    files = tmp_path / "files"
+    files.mkdir()
+    for i, text in enumerate(texts):
+        (files / f"doc{i:03d}.txt").write_text(text)
+    table = datasets.Dataset.from_dict({"id": list(range(len(texts))), "body": texts})
+    table.save_to_disk(str(tmp_path / "saved"))
+    table.to_parquet(str(tmp_path / "parquet" / "train-00000.parquet"))
+    tokenizer = str(bpe / "tokenizer.json")
+    flags = ["--tokenizer", tokenizer, "--val-fraction", "0.1"]
+    r = run_cli("data", "prepare", f"hf:{tmp_path / 'saved'}", "-o", str(tmp_path / "saved-out"), *flags)
+    assert r.returncode == 0, r.stderr
+    inputs = {"files-out": str(files), "parquet-out": f"hf:{tmp_path / 'parquet'}:train@body"}
+    for out, source in inputs.items():
+        prepare(PrepareOptions([source], tmp_path / out, tokenizer, 0, 0.1))
+    want = ShardMeta.read(tmp_path / "files-out")
+    assert want.splits["val"].documents == 3 and want.splits["train"].documents == 27
+    for out in ("saved-out", "parquet-out"):
+        got = ShardMeta.read(tmp_path / out)
+        assert got.splits == want.splits and got.source_bytes == want.source_bytes == len("".join(texts).encode())
+        for split in ("train", "val"):
+            assert np.array_equal(_ids(tmp_path / out, split), _ids(tmp_path / "files-out", split))
+
+
+@pytest.fixture(scope="module")
+def hf_folders(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Datasets the bad-input table reads: two string columns and a number, a saved
+    DatasetDict, an empty table."""
+    import datasets
+
+    root = tmp_path_factory.mktemp("hf")
+    datasets.Dataset.from_dict({"title": ["a", "b"], "body": ["x y", "z"], "n": [1, 2]}).save_to_disk(str(root / "two"))
+    pair = {"train": datasets.Dataset.from_dict({"text": ["one", "two"]})}
+    datasets.DatasetDict(pair).save_to_disk(str(root / "dict"))
+    empty = datasets.Dataset.from_dict({"text": []}, features=datasets.Features({"text": datasets.Value("string")}))
+    empty.save_to_disk(str(root / "empty"))
+    empty.to_parquet(str(root / "emptypq" / "train.parquet"))
+    return root
+
+
+@pytest.mark.parametrize(
+    ("spec", "needle"),
+    [
+        ("two@nosuch", "no column 'nosuch'; it has title, body, n"),
+        ("two@n", "column 'n' is not text"),
+        ("two", "which column is the text? name it with @COLUMN (string columns: title, body)"),
+        ("dict:test", "no split 'test'; it has train"),
+        ("two:validation@body", "holds one table"),
+        ("empty", "the dataset is empty"),
+        ("emptypq", "the dataset is empty"),
+        ("nobody-here/no-such-dataset", "HF_DATASETS_OFFLINE=1"),
+        ("two@", "not hf:NAME[#CONFIG][:SPLIT][@COLUMN]"),
+    ],
+    ids=["unknown-column", "number-column", "no-text-column", "missing-split", "split-of-one-table", "empty",
+         "empty-parquet", "not-cached", "syntax"],
+)  # fmt: skip
+def test_bad_hf_inputs_are_one_line_exit_2(tmp_path: Path, hf_folders: Path, spec: str, needle: str) -> None:
+    name = spec if spec.startswith("nobody") else f"{hf_folders}/{spec}"
+    _one_line_exit_2(["data", "prepare", f"hf:{name}", "-o", str(tmp_path / "out")], needle)
+
+
+def test_hf_syntax_is_checked_before_anything_heavy_is_imported() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys\nfrom fusionllm.cli import build_parser\n"
+        "build_parser().parse_args(['data', 'prepare', 'hf:owner/name#cfg:test@body', 'x.txt', '-o', 'out'])\n"
+        "try:\n    build_parser().parse_args(['data', 'prepare', 'hf:name#', '-o', 'out'])\n"
+        "except SystemExit as exc:\n    print(exc.code)\n"
+        "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'numpy', 'datasets'})))"
+    )
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=root)
+    assert r.stdout.split() == ["2", "[]"], r.stderr
+    assert r.stderr.count("\n") == 1 and "an empty part" in r.stderr
+
+
+def test_without_datasets_an_hf_input_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from zoo.corpus import Corpus
+    from zoo.shards import ShardError
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # an import of it fails as where it is not installed
+    with pytest.raises(ShardError, match=r"pip install 'fusionllm\[hf\]'"):
+        Corpus.scan(["hf:some/dataset"])

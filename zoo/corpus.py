@@ -1,8 +1,10 @@
 """A text corpus as documents: the files ``fusionllm data prepare`` reads, read in
 bounded chunks, and which documents it holds out for validation.
 
-A document is a file, or one line of a ``.jsonl`` file (its ``"text"``). A folder
-stands for every file under it (hidden ones skipped), in sorted order."""
+A document is a file, one line of a ``.jsonl`` file (its ``"text"``), or one row of
+an ``hf:DATASET`` (``zoo.hf_corpus``). A folder stands for every file under it
+(hidden ones skipped), in sorted order; the files come first, then the datasets in
+the order given."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from zoo.hf_corpus import HFSource
+from zoo.hf_spec import is_hf
 from zoo.shards import ShardError
 
 #: text is read and tokenized in pieces of about this many bytes, cut after a newline
@@ -28,14 +32,18 @@ Chunk = str | bytes
 class Corpus:
     files: tuple[Path, ...]
     documents: int
-    bytes: int  # of the files read
+    bytes: int  # of the files read, and of the datasets' text (UTF-8)
+    datasets: tuple[HFSource, ...] = ()
 
     @classmethod
     def scan(cls, inputs: list[str]) -> Corpus:
-        """The files of ``inputs`` (files or folders), their documents counted; a missing
-        input or a corpus without text is refused in one line."""
+        """The files of ``inputs`` (files, folders or ``hf:DATASET``), their documents
+        counted; a missing input or a corpus without text is refused in one line."""
         files: list[Path] = []
+        sets = tuple(HFSource.open(item) for item in inputs if is_hf(item))
         for item in inputs:
+            if is_hf(item):
+                continue
             path = Path(item).expanduser()
             if path.is_dir():
                 files.extend(sorted(p for p in path.rglob("*") if p.is_file() and not _hidden(p, path)))
@@ -44,11 +52,11 @@ class Corpus:
             else:
                 raise ShardError(f"{item}: no such file or folder")
         files = list(dict.fromkeys(files))
-        documents = sum(_count_documents(p) for p in files)
-        size = sum(p.stat().st_size for p in files)
-        if not files or not documents or not size:
+        documents = sum(_count_documents(p) for p in files) + sum(d.documents for d in sets)
+        size = sum(p.stat().st_size for p in files) + sum(d.bytes for d in sets)
+        if not documents or not size:
             raise ShardError(f"no text in {', '.join(inputs)}: the corpus is empty")
-        return cls(tuple(files), documents, size)
+        return cls(tuple(files), documents, size, sets)
 
     def documents_of(self, as_bytes: bool) -> Iterator[Iterator[Chunk]]:
         """Every document in order, each as its chunks (``bytes`` or ``str``)."""
@@ -58,6 +66,9 @@ class Corpus:
                     yield iter([text.encode("utf-8") if as_bytes else text])
             else:
                 yield _file_chunks(path, as_bytes)
+        for source in self.datasets:
+            for text in source.texts():
+                yield iter([text.encode("utf-8") if as_bytes else text])
 
 
 def _hidden(path: Path, root: Path) -> bool:
@@ -74,7 +85,7 @@ def held_out(documents: int, fraction: float) -> frozenset[int]:
     if k >= documents:
         raise ShardError(
             f"--val-fraction {fraction:g} of {documents} document(s) leaves none for training: give more documents "
-            "(files, or lines of a .jsonl), or --val-fraction 0"
+            "(files, lines of a .jsonl, rows of a dataset), or --val-fraction 0"
         )
     return frozenset(int((j + 0.5) * documents / k) for j in range(k))
 

@@ -13,6 +13,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from zoo.corpus import Chunk, Corpus, held_out
+from zoo.hf_spec import is_hf, parse_hf
 from zoo.shards import META, SPLITS, ShardError, ShardMeta, Split, dtype_for
 from zoo.tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer, train_tokenizer
 
@@ -135,9 +136,16 @@ def _check_out(out: Path, inputs: list[str]) -> None:
         raise ShardError(f"-o {out}: a folder with other files in it and no {META}; give a new or empty folder")
     resolved = out.resolve()
     for item in inputs:
-        source = Path(item).expanduser().resolve()
+        source = Path(_hf_name(item) if is_hf(item) else item).expanduser().resolve()
         if source.is_dir() and (resolved == source or source in resolved.parents):
             raise ShardError(f"-o {out} lies inside the input folder {item}")
+
+
+def _hf_name(item: str) -> str:
+    try:
+        return parse_hf(item).name
+    except ValueError as exc:
+        raise ShardError(str(exc)) from None
 
 
 def summary(meta: ShardMeta, out: Path) -> str:
