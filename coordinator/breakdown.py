@@ -52,6 +52,12 @@ class StepBreakdown:
         if parts is not None:
             self.windows.setdefault(stage, collections.deque(maxlen=KEEP)).append(parts)
 
+    def windows_per_stage(self) -> int:
+        """The fewest windows any stage has reported (0: none yet): the coordinator's
+        steps that the means cover are its last this many, whose first, before any
+        peer's first StepDone, no window holds."""
+        return min((len(w) for w in self.windows.values()), default=0)
+
     def means_ms(self) -> dict[int, dict[str, float]]:
         """Per stage, each part's mean over its windows, in ms."""
         out = {}

@@ -60,7 +60,8 @@ def _with_breakdown(est: dict[str, Any], st: RunState, micro_batches: int) -> di
     """The estimate with the peers' step breakdown per stage (``coordinator.breakdown``) beside it."""
     if not est:
         return est
-    return {**est, "breakdown": breakdown_table(st, micro_batches), "mean_step_s": statistics.fmean(st.step_seconds)}
+    covered = st.step_seconds[-st.breakdown.windows_per_stage() :] or st.step_seconds  # the steps the windows cover
+    return {**est, "breakdown": breakdown_table(st, micro_batches), "mean_step_s": statistics.fmean(covered)}
 
 
 def traffic(plan: Assignment, wire: dict[str, dict[str, int]], raw: dict[str, dict[str, int]]) -> list[tuple[int, int]]:

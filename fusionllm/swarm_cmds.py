@@ -147,7 +147,10 @@ def _summary(summary: Any, save: str | None) -> str:
             from coordinator.breakdown import breakdown_lines
 
             mean = est["mean_step_s"] * 1e3
-            lines.append(f"where the step time goes, stage by stage (mean ms per step; the coordinator's: {mean:.1f}):")
+            lines.append(
+                "where the step time goes, stage by stage (mean ms per step; the coordinator's over the same "
+                f"steps: {mean:.1f}):"
+            )
             lines += breakdown_lines(est["breakdown"])
     if save:
         lines.append(f"saved {save}")
