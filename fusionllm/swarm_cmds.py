@@ -172,6 +172,17 @@ def _recovery_options(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _check_init(path: str | None, model: Any) -> None:
+    """Refuse ``--init`` weights that do not fit before any process or socket starts."""
+    from coordinator.weights import InitError, read_init
+
+    if path:
+        try:
+            read_init(path, model)
+        except InitError as exc:
+            raise UsageError(str(exc)) from None
+
+
 async def _coordinate(args: argparse.Namespace, on_ready: Any = None) -> int:
     from coordinator.config import CoordinatorConfig
     from coordinator.outcome import SwarmError
@@ -179,6 +190,7 @@ async def _coordinate(args: argparse.Namespace, on_ready: Any = None) -> int:
 
     job = job_from_args(args)
     model = job.checked_model()  # fails early on a bad model or data
+    _check_init(job.init, model)
     cfg = CoordinatorConfig(
         job=job,
         run_id=args.run,
