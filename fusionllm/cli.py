@@ -65,6 +65,20 @@ def _subparsers(p: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
     ]
 
 
+def _innermost(p: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.ArgumentParser:
+    """The parser of the deepest command named on the line (``fusionllm data prepare``'s)."""
+    for token in argv:
+        children = {
+            name: child
+            for a in p._actions
+            if isinstance(a, argparse._SubParsersAction)
+            for name, child in a.choices.items()
+        }
+        if token in children:
+            p = children[token]
+    return p
+
+
 def _verbose_everywhere(p: argparse.ArgumentParser) -> None:
     """``-v`` after any command too (SUPPRESS: a command's parser leaves the top's value
     alone unless the flag is given there)."""
@@ -87,7 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:  # argparse would blame the top parser: point at the command's own --help
+        _innermost(parser, argv).error(f"unrecognized arguments: {' '.join(extras)}")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

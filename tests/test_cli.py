@@ -146,9 +146,13 @@ def test_parsing_imports_nothing_heavy() -> None:
     ("args", "code", "needle"),
     [
         (["demo", "--steps", "0"], 2, "argument --steps: 0 must be at least 1"),
-        (["demo", "--bogus"], 2, "unrecognized arguments: --bogus"),
+        (["demo", "--bogus"], 2, "unrecognized arguments: --bogus (see fusionllm demo --help)"),
         (["join", "--help"], 0, ""),
-        (["plan", "--topology", "testbed1", "--steps", "3"], 2, "unrecognized arguments: --steps 3"),
+        (
+            ["plan", "--topology", "testbed1", "--steps", "3"],
+            2,
+            "unrecognized arguments: --steps 3 (see fusionllm plan --help)",
+        ),
         (["sim", "--topology", "testbed1", "--plot", "/no/such/out.png"], 2, "argument --plot: /no/such/out.png: no"),
         (["sim", "-v", "--help"], 0, ""),
     ],

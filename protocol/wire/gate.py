@@ -178,7 +178,7 @@ class Gate:
         start, logged, quiet = self._log_window.get(sender, (now, 0, 0))
         if now - start > LOG_WINDOW_S:
             start, logged = now, 0
-        if exc.detail is HELLO_DROPPED:  # counted; the limiter logs once per sender per period
+        if exc.detail == HELLO_DROPPED:  # counted; the limiter logs once per sender per period
             pass
         elif logged < LOG_BURST:
             more = f" ({quiet} more from this sender were not logged)" if quiet else ""
