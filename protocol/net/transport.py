@@ -29,6 +29,7 @@ from hivemind.utils.multiaddr import Multiaddr as HivemindMultiaddr
 from protocol.net import probe
 from protocol.net.addrs import strip_p2p
 from protocol.net.budget import ByteBudget
+from protocol.net.delay import DelayTable
 from protocol.net.forward import FWD_PROTOCOL, Forwarder
 from protocol.net.handlers import StreamLimits, ends_quietly
 from protocol.net.lanes import LaneParts
@@ -137,6 +138,7 @@ class Transport:
         self.divert: Callable[[Inbound], bool] | None = None
         self.probes = ProbeBudget()  # what each sender's bandwidth probes moved lately
         self.pacer = Pacer()
+        self.delays = DelayTable.from_env()  # added latency per destination: the emulated testbed's
         #: when bytes last arrived from each sender (time.monotonic()): a peer busy sending a
         #: large frame is not silent, though no whole message of it has arrived yet
         self.last_activity: dict[str, float] = {}
@@ -285,6 +287,7 @@ class Transport:
         """The second half of ``send``: write a prepared frame; returns bytes written."""
         peer_id, head, total = out.peer_id, out.head, out.payload_bytes
         await self.pacer.wait(peer_id, len(head) + total)
+        await self.delays.wait_addrs(self._known.get(peer_id, ()))
         if peer_id in self.forward_via:  # both behind NATs: through a peer both reach, payload inline
             n = await self.forwarder.send(self.forward_via[peer_id], peer_id, head, out.chunks)
         elif out.lane_parts is None:
