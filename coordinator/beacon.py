@@ -1,6 +1,7 @@
 """The coordinator's signed record in the run's DHT (``CoordinatorRecord``): where its
-libp2p node is and which run it coordinates, republished before it expires so that
-joining peers find it."""
+libp2p node is, which run it coordinates and how many shards the run's adverts are
+cut into (``adverts.Sharding``: peers follow a re-shard from the next copy), republished
+before it expires so that joining peers find it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import logging
 
 from hivemind.utils import get_dht_time
 
+from coordinator.adverts import Sharding
 from coordinator.roster import Endpoint
 from protocol.net.clock import SYSTEM_CLOCK, Clock
 from protocol.net.records import Publisher
@@ -21,8 +23,11 @@ logger = logging.getLogger(__name__)
 class Beacon:
     """Publishes the coordinator's record now and every third of its lifetime."""
 
-    def __init__(self, run_id: str, ttl: float, endpoint: Endpoint, clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(
+        self, run_id: str, ttl: float, endpoint: Endpoint, clock: Clock = SYSTEM_CLOCK, sharding: Sharding | None = None
+    ) -> None:
         self.run_id, self.ttl, self.endpoint, self.clock = run_id, ttl, endpoint, clock
+        self.sharding = sharding  # None: one shard
         self._refresh: asyncio.Task[None] | None = None
         self._publisher: Publisher | None = None  # made once the endpoint is up
 
@@ -43,7 +48,8 @@ class Beacon:
         ep = self.endpoint
         assert ep.dht is not None and ep.transport is not None and ep.identity is not None
         expires = get_dht_time() + self.ttl
-        rec = CoordinatorRecord(ep.transport.peer_id, ep.visible_maddrs(), self.run_id, expires)
+        shards = self.sharding.shards if self.sharding is not None else 1
+        rec = CoordinatorRecord(ep.transport.peer_id, ep.visible_maddrs(), self.run_id, expires, shards)
         if self._publisher is None:  # under its own key: another's claim of the run cannot hide it
             self._publisher = Publisher(ep.dht, ep.identity, self.run_id, self.clock)
         await self._publisher.publish("coordinator", rec.header(), expires)

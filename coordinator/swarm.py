@@ -68,7 +68,7 @@ class Coordinator:
         self.book = AdvertBook(config.run_id, self.gate, self.reach, self.board, self.endpoint)
         self.intake = Intake(self.roster, self.reach)
         self.intake.hook_gate(self.gate)
-        self.beacon = Beacon(config.run_id, config.record_ttl, self.endpoint, clock)
+        self.beacon = Beacon(config.run_id, config.record_ttl, self.endpoint, clock, self.book.sharding)
         self.status: StatusServer | None = None
         self.run_dir: RunDir | None = None
         self.join_addrs = JoinAddrs([], [], True)  # what the join line names (``start()`` finds them)

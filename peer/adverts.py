@@ -1,6 +1,7 @@
 """What a peer advertises in the DHT (its measured speed, memory, links and
 addresses, with a private swarm's certificate), published at the join and
-refreshed before each copy expires; and whether the coordinator could dial it
+refreshed before each copy expires, under its shard of the run's adverts (as many
+shards as the coordinator's record says); and whether the coordinator could dial it
 back (said in the advert from its next refresh on)."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from protocol.net.reach import HOW_TO_BE_REACHABLE
 from protocol.net.records import Publisher
 from protocol.net.tasks import every
 from protocol.trust.identity import Identity
+from protocol.trust.run_records import shard_name, shard_of
 from protocol.trust.text import clean
 from protocol.wire.messages import Advert, Reachability
 
@@ -25,7 +27,8 @@ logger = logging.getLogger(__name__)
 
 
 class Adverts:
-    """Publishes ``advert`` (set it first) every ``ttl / 3`` s, each copy valid for ``ttl`` s."""
+    """Publishes ``advert`` (set it first) every ``ttl / 3`` s, each copy valid for ``ttl``
+    s, under shard ``shard_of(its peer id, shards())`` of the run's adverts."""
 
     def __init__(
         self,
@@ -36,6 +39,7 @@ class Adverts:
         credentials: Credentials,
         say: Callable[[str], None],
         clock: Clock = SYSTEM_CLOCK,
+        shards: Callable[[], int] = lambda: 1,
     ) -> None:
         self.run_id = run_id
         self.ttl = ttl
@@ -44,6 +48,7 @@ class Adverts:
         self.credentials = credentials
         self.say = say
         self.clock = clock
+        self.shards = shards
         self.advert: Advert | None = None
         self._publisher = Publisher(dht, identity, run_id, clock)  # under this peer's key
 
@@ -53,7 +58,8 @@ class Adverts:
         expires = get_dht_time() + self.ttl
         cert = self.credentials.certificate or {}
         ad = Advert(**{**self.advert.__dict__, "expires_at": expires, "cert": cert, "run_id": self.run_id})
-        await self._publisher.publish("adverts", ad.header(), expires)
+        where = shard_name("adverts", shard_of(ad.peer_id, self.shards()))
+        await self._publisher.publish(where, ad.header(), expires)
 
     async def refresh(self) -> None:
         """Publish again every ``ttl / 3`` s, forever (cancel to stop)."""

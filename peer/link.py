@@ -1,6 +1,7 @@
 """A peer's link to its run's coordinator: finding its signed record in the DHT (the
 pinned key, or the only claim, trusted on first use), the hello, heartbeats,
-watching that it stays reachable, and reattaching when it comes back."""
+watching that it stays reachable and following its record (a re-shard of the adverts),
+and reattaching when it comes back."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from protocol.net.records import read_records
 from protocol.net.tasks import every, honour_cancel, wait_until
 from protocol.net.transport import PeerUnreachable, Transport
 from protocol.trust.identity import Identity, check_record, key_hex, public_key
+from protocol.trust.run_records import FOLLOW_S, MAX_SHARDS
 from protocol.trust.text import clean
 from protocol.wire.messages import PROTOCOL_VERSION, Beat, CoordinatorRecord, Hello, PeerFailure
 
@@ -72,6 +74,11 @@ class CoordinatorLink:
     def peer_id(self) -> str:
         assert self.record is not None
         return self.record.peer_id
+
+    @property
+    def shards(self) -> int:
+        """How many shards the run's adverts are cut into, as the coordinator's record says."""
+        return self.record.shards if self.record is not None else 1
 
     # ---------------------------------------------------------------- finding it
     async def find(self) -> None:
@@ -160,7 +167,7 @@ class CoordinatorLink:
                 logger.debug("ignoring a bad coordinator record: %s", exc)
                 continue
             fresh = isinstance(rec, CoordinatorRecord) and rec.expires_at > get_dht_time()
-            if fresh and rec.run_id == self.config.run_id:
+            if fresh and rec.run_id == self.config.run_id and 1 <= rec.shards <= MAX_SHARDS:
                 out[signer] = rec
         return out
 
@@ -228,8 +235,23 @@ class CoordinatorLink:
     # ---------------------------------------------------------------- losing it
     async def watch(self, lost: Callable[[str], None]) -> None:
         """Tell ``lost`` once the coordinator's connection is gone and cannot be made
-        again for ``LOST_AFTER_S`` (then pause until reattached)."""
-        await every(WATCH_S, lambda: self._look(lost), what="watching the coordinator", clock=self.clock)
+        again for ``LOST_AFTER_S`` (then pause until reattached); and read its record
+        every ``FOLLOW_S`` (``follow``)."""
+        await asyncio.gather(
+            every(WATCH_S, lambda: self._look(lost), what="watching the coordinator", clock=self.clock),
+            every(FOLLOW_S, self.follow, what="reading the coordinator's record", clock=self.clock),
+        )
+
+    async def follow(self) -> None:
+        """Take the coordinator's newest record (the same coordinator's: a re-shard of the
+        adverts), unless lost; a record of another libp2p node waits for ``reattach``."""
+        if self.reattaching or self.record is None:
+            return
+        rec = (await self.records()).get(key_hex(self.key))
+        if rec is not None and rec.peer_id == self.record.peer_id:
+            if rec.shards != self.record.shards:
+                logger.info("the run's adverts are now cut into %d shard(s)", rec.shards)
+            self.record = rec
 
     async def _look(self, lost: Callable[[str], None]) -> None:
         if self.reattaching:

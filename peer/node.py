@@ -125,11 +125,18 @@ class PeerNode:
         self.dht = await self._join_dht()
         gate = Gate(cfg.run_id)
         self.transport = await self._make_transport(self.dht, self.identity, gate)
-        self.link = CoordinatorLink(
+        self.link = link = CoordinatorLink(
             cfg, self.dht, self.transport, self.identity, self.credentials, self.say, self.clock
         )
         self.adverts = Adverts(
-            cfg.run_id, cfg.advert_ttl, self.dht, self.identity, self.credentials, self.say, self.clock
+            cfg.run_id,
+            cfg.advert_ttl,
+            self.dht,
+            self.identity,
+            self.credentials,
+            self.say,
+            self.clock,
+            shards=lambda: link.shards,  # under its shard of the run's adverts, as the coordinator's record says
         )
         await self.transport.start()
         self._tasks.append(asyncio.create_task(self._dispatch()))

@@ -37,7 +37,7 @@ from protocol.net.tasks import wait_until
 from protocol.net.transport import PeerUnreachable, Transport
 from protocol.trust.admission import issue_certificate, parse_token
 from protocol.trust.identity import Identity, sign_record
-from protocol.trust.run_records import record_subkey
+from protocol.trust.run_records import record_subkey, shard_name, shard_of
 from protocol.wire.gate import Gate
 from protocol.wire.messages import (
     NOT_ADMITTED,
@@ -88,9 +88,9 @@ async def forger(token: str, key_file: str, members: int, go: Path | None) -> No
     try:
         if go is not None:  # nothing stored or sent before
             await _until_exists(go, 300.0)
-        receivers = await _members(dht, t.run, members)
         coordinator = await dht.get(dht_key(t.run, "coordinator"), latest=True, return_future=True)
-        cid, cmaddrs = _coordinator(coordinator, t.coordinator_key)
+        cid, cmaddrs, shards = _coordinator(coordinator, t.coordinator_key)
+        receivers = await _members(dht, t.run, members, shards)
         receivers[cid] = cmaddrs
         for cert in forged_certificates(me, t.run, tp.peer_id, t.coordinator_key):
             maddrs = [str(m) for m in dht.get_visible_maddrs()]
@@ -99,7 +99,7 @@ async def forger(token: str, key_file: str, members: int, go: Path | None) -> No
             ad = Advert(tp.peer_id, maddrs, *claims, run_id=t.run)
             record = sign_record(me, dataclasses.replace(ad, cert=cert).header())
             await dht.store(
-                dht_key(t.run, "adverts"),
+                dht_key(t.run, shard_name("adverts", shard_of(tp.peer_id, shards))),
                 record,
                 expires,
                 subkey=record_subkey("adverts", me.public_hex, tp.peer_id),
@@ -116,14 +116,16 @@ async def forger(token: str, key_file: str, members: int, go: Path | None) -> No
         dht.shutdown()
 
 
-async def _members(dht: hivemind.DHT, run: str, n: int) -> dict[str, list[str]]:
-    """The peer ids and addresses of the run's adverts, once ``n`` are seen (or 30 s)."""
+async def _members(dht: hivemind.DHT, run: str, n: int, shards: int) -> dict[str, list[str]]:
+    """The peer ids and addresses of the run's adverts (in its ``shards`` shards), once
+    ``n`` are seen (or 30 s)."""
     seen: dict[str, list[str]] = {}
+    keys = [dht_key(run, shard_name("adverts", i)) for i in range(shards)]
 
     async def enough() -> bool | None:
-        found = await dht.get(dht_key(run, "adverts"), latest=True, return_future=True)
+        found = await dht.get_many(keys, latest=True, return_future=True)
         seen.clear()
-        seen.update({ad.peer_id: ad.maddrs for ad in _adverts(found)})
+        seen.update({ad.peer_id: ad.maddrs for key in keys for ad in _adverts(found.get(key))})
         return True if len(seen) >= n else None
 
     await wait_until(enough, 30.0)
@@ -142,12 +144,13 @@ def _adverts(found: Any) -> list[Advert]:
     return out
 
 
-def _coordinator(found: Any, key: str) -> tuple[str, list[str]]:
-    """The peer id and addresses in the coordinator record that ``key`` signed."""
+def _coordinator(found: Any, key: str) -> tuple[str, list[str], int]:
+    """The peer id, addresses and advert shard count in the coordinator record that ``key`` signed."""
     for item in found.value.values():
         if item.value.get("pubkey") == key:
             rec = CoordinatorRecord.from_header(item.value)
-            return rec.peer_id, list(rec.maddrs)
+            assert isinstance(rec, CoordinatorRecord)
+            return rec.peer_id, list(rec.maddrs), rec.shards
     raise SystemExit("no coordinator record signed by the token's key")
 
 

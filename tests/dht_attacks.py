@@ -24,11 +24,15 @@ import psutil
 from hivemind.dht.routing import DHTID
 from hivemind.utils import get_dht_time
 
-from protocol.trust.run_records import RULES, record_subkey
+from protocol.trust.run_records import RULES, record_subkey, rule_of, shard_name
 from protocol.wire.messages import dht_key
 
 #: the outsider's records expire this long after they are stored
 LIFETIME_S = 3600.0
+#: where a small swarm's adverts live (its one shard: the coordinator's record says 1)
+ADVERTS = shard_name("adverts", 0)
+#: the run's keys a small swarm uses
+LIVE_KEYS = ("coordinator", ADVERTS)
 #: the junk flood's records: junk subkeys, and subkeys wrongly signed (each under a key of its own)
 FLOOD_JUNK, FLOOD_WRONG = 10_000, 10_000
 #: the coordinator's lines that say a refused record, its DHT node's and its advert book's
@@ -39,7 +43,7 @@ async def _store_junk(name: str, run: str, junk: int, wrong: int, _dht: Any, nod
     """(In the outsider's DHT process: hivemind's pipe into it takes only small calls)
     store ``junk`` random subkeys of random bytes and ``wrong`` records whose signature
     does not verify, each under the key it claims, under ``key``: how many the nodes took."""
-    key, kind = dht_key(run, name), RULES[name][0]
+    key, kind = dht_key(run, name), RULES[rule_of(name)][0]
     subkeys: list[Any] = [secrets.token_hex(8) for _ in range(junk)]
     values: list[Any] = [secrets.token_bytes(16) for _ in range(junk)]
     for _ in range(wrong):
@@ -70,13 +74,13 @@ class Outsider:
         """One regular 62-byte value under each of the run's keys; by name, whether the
         outsider's own node holds it (the swarm's nodes refuse it)."""
         expires = get_dht_time() + LIFETIME_S
-        for name in RULES:
+        for name in LIVE_KEYS:
             self.dht.store(dht_key(self.run, name), b"s" * 62, expires)
         return {
-            name: self.dht.run_coroutine(functools.partial(_holds_plain, dht_key(self.run, name))) for name in RULES
+            name: self.dht.run_coroutine(functools.partial(_holds_plain, dht_key(self.run, name))) for name in LIVE_KEYS
         }
 
-    def junk(self, junk: int, wrong: int, names: tuple[str, ...] = ("adverts",)) -> int:
+    def junk(self, junk: int, wrong: int, names: tuple[str, ...] = (ADVERTS,)) -> int:
         """``junk`` subkeys of random bytes and ``wrong`` records whose signature does not
         verify (each under the key it claims), under each of ``names``; how many stores
         some node took (the outsider's own node takes its own)."""

@@ -36,7 +36,7 @@ from protocol.trust.admission import (
     parse_token,
 )
 from protocol.trust.identity import Identity, sign_record
-from protocol.trust.run_records import RunRecords, record_subkey
+from protocol.trust.run_records import RunRecords, record_subkey, shard_name
 from protocol.wire.envelope import Sealer
 from protocol.wire.gate import Gate
 from protocol.wire.messages import NOT_ADMITTED, Abort, Beat, dht_key
@@ -277,6 +277,9 @@ def test_a_private_swarms_dht_keeps_only_records_its_coordinator_stands_behind()
     ]
     assert not any(_record(validator, *case) for case in refused)
     assert validator.dropped == len(refused)
+    for shard in (shard_name("adverts", 0), shard_name("adverts", 7)):  # the live layout's keys, ruled alike
+        assert _record(validator, shard, sign_record(peer, {**advert, "cert": cert}), mine)
+        assert not any(_record(validator, shard, value, subkey) for name, value, subkey in refused if name == "adverts")
     record = sign_record(coordinator, {"kind": "coordinator", "run_id": "run"})
     assert _record(validator, "coordinator", record, coordinator.public_hex)
     other = DHTRecord(b"other key", b"", b"\xc1", 0.0)

@@ -188,27 +188,33 @@ def test_a_tally_says_each_sender_once_per_period_and_bounds_its_memory() -> Non
 
 
 def test_a_read_hands_back_only_the_wanted_subkeys_and_at_most_its_limit() -> None:
-    items = {f"k{i}": SimpleNamespace(value={"n": i}) for i in range(5000)}
+    """One lookup of every shard: a subkey under two shards (a peer that moved at a
+    re-shard) is taken where it expires last, and at most ``limit`` records in all."""
+    keys = [dht_key(RUN, shard_name("adverts", i)) for i in range(3)]
+    shard0 = {f"k{i}": SimpleNamespace(value={"n": i}, expiration_time=10.0) for i in range(5000)}
+    shard1 = {"k7": SimpleNamespace(value={"n": "moved"}, expiration_time=20.0)}
+    shard1["k9"] = SimpleNamespace(value={"n": "older"}, expiration_time=5.0)
 
     class Node:
-        async def get(self, key: str, latest: bool) -> Any:
-            assert latest and key == dht_key(RUN, "adverts")
-            return SimpleNamespace(value=items)
+        async def get_many(self, asked: list[str], sufficient_expiration_time: float) -> Any:
+            assert asked == keys and sufficient_expiration_time == float("inf")  # the latest of each
+            return {keys[0]: SimpleNamespace(value=shard0), keys[1]: SimpleNamespace(value=shard1), keys[2]: None}
 
-    async def main() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-        key = dht_key(RUN, "adverts")
+    class Plain:
+        async def get_many(self, asked: list[str], sufficient_expiration_time: float) -> Any:
+            return {k: SimpleNamespace(value=b"62 bytes of someone else's") for k in asked}
+
+    async def main() -> tuple[dict[str, Any], ...]:
         return (
-            await _read(key, frozenset({"k7", "k9", "nobody"}), 1024, None, Node()),
-            await _read(key, None, 100, None, Node()),
-            await _read(key, None, 100, None, SimpleNamespace(get=_plain_value)),
+            await _read(keys, frozenset({"k7", "k9", "nobody"}), 1024, None, Node()),
+            await _read(keys, None, 100, None, Node()),
+            await _read(keys, None, 100, None, Plain()),
+            await _read([], None, 100, None, Plain()),
         )
 
-    async def _plain_value(key: str, latest: bool) -> Any:
-        return SimpleNamespace(value=b"62 bytes of someone else's")
-
-    wanted, limited, plain = asyncio.run(main())
-    assert wanted == {"k7": {"n": 7}, "k9": {"n": 9}}
-    assert len(limited) == 100 and plain == {}
+    wanted, limited, plain, none = asyncio.run(main())
+    assert wanted == {"k7": {"n": "moved"}, "k9": {"n": 9}}
+    assert len(limited) == 100 and plain == {} and none == {}
 
 
 def test_a_public_swarm_trains_past_a_shadowing_store_and_junk_under_each_key(tmp_path: Path) -> None:
@@ -216,7 +222,7 @@ def test_a_public_swarm_trains_past_a_shadowing_store_and_junk_under_each_key(tm
     junk and wrongly signed subkeys beside, before any peer joins: the peers find the
     coordinator, it finds their adverts, and the run trains to its end; every node
     refused the records (said in a line per key, not per record)."""
-    from tests.dht_attacks import Outsider
+    from tests.dht_attacks import LIVE_KEYS, Outsider
     from tests.swarmproc import SMALL, Swarm, join_together
 
     args = ["--steps", "3", "--seed", "0", *SMALL, "--min-peers", "2", "--run-dir", str(tmp_path / "run")]
@@ -224,8 +230,8 @@ def test_a_public_swarm_trains_past_a_shadowing_store_and_junk_under_each_key(tm
     outsider = None
     try:
         outsider = Outsider(swarm.join_args, "fusionllm")
-        assert outsider.shadow() == {"coordinator": True, "adverts": True}, "the outsider's own node took them"
-        outsider.junk(200, 200, names=tuple(RULES))
+        assert outsider.shadow() == dict.fromkeys(LIVE_KEYS, True), "the outsider's own node took them"
+        outsider.junk(200, 200, names=LIVE_KEYS)
         join_together(swarm, [[], []])
         assert swarm.coord.wait(300) == 0, swarm.coord.output[-3000:]
         out = swarm.coord.output
@@ -251,16 +257,19 @@ class _FakeDHT:
     """Answers reads from ``found`` (None: the read fails), as the DHT's process would."""
 
     def __init__(self) -> None:
-        self.found: dict[str, Any] | None = {}
+        self.found: dict[str, Any] | None = {}  # under every key read
+        self.asked: list[list[str]] = []  # the keys of each read
 
     def run_coroutine(self, read: Any, return_future: bool) -> Any:
-        found = self.found
+        found, asked = self.found, self.asked
 
         class Node:
-            async def get(self, key: str, latest: bool) -> Any:
+            async def get_many(self, keys: list[str], sufficient_expiration_time: float) -> Any:
+                asked.append(list(keys))
                 if found is None:
                     raise TimeoutError("the DHT did not answer")
-                return SimpleNamespace(value={k: SimpleNamespace(value=v) for k, v in found.items()})
+                value = {k: SimpleNamespace(value=v, expiration_time=1.0) for k, v in found.items()}
+                return dict.fromkeys(keys, SimpleNamespace(value=value))
 
         return asyncio.ensure_future(read(None, Node()))
 
@@ -290,6 +299,7 @@ def test_a_poll_that_fails_or_finds_junk_drops_no_planned_peer_and_says_it_once(
         return live
 
     assert set(asyncio.run(poll())) == {"peer-1"}, "the outsider's advert is not even read"
+    assert dht.asked == [[dht_key(RUN, shard_name("adverts", 0))]], "a small swarm's one shard, in one read"
     with caplog.at_level(logging.WARNING, logger="coordinator.adverts"):
         dht.found = None
         assert asyncio.run(poll()) == {} and set(book.adverts) == {"peer-1"}

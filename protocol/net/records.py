@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 from collections.abc import Collection
 from typing import Any
 
@@ -65,22 +66,38 @@ async def read_records(
     """The raw values stored under ``<run>:<name>``, by subkey, unchecked ({} when the
     key holds nothing or no dictionary): only the subkeys in ``wanted`` (None: any),
     at most ``limit`` of them."""
+    return await read_many(dht, run_id, [name], wanted, limit)
+
+
+async def read_many(
+    dht: Any, run_id: str, names: Collection[str], wanted: Collection[str] | None = None, limit: int = MAX_RECORDS
+) -> dict[str, Any]:
+    """``read_records`` of several of the run's keys (a sharded key's shards) in one
+    lookup of them all (hivemind's ``get_many``): their raw values by subkey, a subkey
+    found under two keys (a peer that moved to its new shard) taken where it expires
+    last; at most ``limit`` records in all."""
     keep = frozenset(wanted) if wanted is not None else None
     ask = keep if keep is not None and len(keep) <= MAX_WANTED else None
-    read = functools.partial(_read, dht_key(run_id, name), ask, limit)
+    keys = [dht_key(run_id, name) for name in names]
+    read = functools.partial(_read, keys, ask, limit)
     found = await asyncio.wait_for(dht.run_coroutine(read, return_future=True), DHT_TIMEOUT_S)
     return found if keep is None or ask is not None else {k: v for k, v in found.items() if k in keep}
 
 
-async def _read(key: str, wanted: frozenset[str] | None, limit: int, _dht: Any, node: Any) -> dict[str, Any]:
-    """``read_records``' part in the DHT's process (``node``: its ``DHTNode``)."""
-    found = await node.get(key, latest=True)
-    if found is None or not isinstance(found.value, dict):
-        return {}
-    out = {}
-    for subkey, item in found.value.items():
-        if wanted is None or subkey in wanted:
-            out[subkey] = item.value
-            if len(out) >= limit:
-                break
+async def _read(keys: list[str], wanted: frozenset[str] | None, limit: int, _dht: Any, node: Any) -> dict[str, Any]:
+    """``read_many``'s part in the DHT's process (``node``: its ``DHTNode``)."""
+    found = await node.get_many(keys, sufficient_expiration_time=math.inf) if keys else {}
+    out: dict[str, Any] = {}
+    expiry: dict[str, float] = {}
+    for key in keys:
+        entry = found.get(key)
+        if entry is None or not isinstance(entry.value, dict):
+            continue
+        for subkey, item in entry.value.items():
+            if wanted is not None and subkey not in wanted:
+                continue
+            if subkey not in out and len(out) >= limit:
+                return out
+            if item.expiration_time > expiry.get(subkey, -math.inf):
+                out[subkey], expiry[subkey] = item.value, item.expiration_time
     return out

@@ -9,6 +9,7 @@ one line per period (``Tally``), never one line each."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 from collections import Counter
@@ -101,6 +102,9 @@ RULES: dict[str, tuple[str, Check, bool]] = {
 SHARDED = frozenset({"adverts"})
 #: the most shards of one key (a run's shard count is at most this: ``discovery_cost``)
 MAX_SHARDS = 1024
+#: seconds within which a serving peer reads the coordinator's record again and so
+#: follows a re-shard (the coordinator reads the old shards too for twice this)
+FOLLOW_S = 30.0
 
 
 def shard_name(name: str, shard: int) -> str:
@@ -108,6 +112,14 @@ def shard_name(name: str, shard: int) -> str:
     if name not in SHARDED or not 0 <= shard < MAX_SHARDS:
         raise ValueError(f"no shard {shard} of the run's key {name!r}")
     return f"{name}/{shard}"
+
+
+def shard_of(peer_id: str, shards: int) -> int:
+    """The shard (``0 <= i < shards``) that ``peer_id``'s records go to when the run cuts
+    its key into ``shards``: a stable hash of the id, the same on every node."""
+    if not 1 <= shards <= MAX_SHARDS:
+        raise ValueError(f"a shard count of {shards!r} (1 to {MAX_SHARDS})")
+    return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:8], "big") % shards
 
 
 def rule_of(name: str) -> str:

@@ -283,13 +283,16 @@ class CoordinatorRecord(Message):
     maddrs: list[str]
     run_id: str
     expires_at: float
+    #: the shards the run's adverts are cut into: a peer stores its advert under
+    #: ``adverts/<shard_of(its id, shards)>`` (``protocol.trust.run_records``)
+    shards: int = 1
     pubkey: str = ""
     sig: str = ""
 
 
 def dht_key(run_id: str, what: str) -> str:
-    """DHT keys of a run: ``adverts`` and ``coordinator``, each record under its signer's
-    key (hex) as the subkey (``protocol.trust.run_records.RULES``)."""
+    """DHT keys of a run: ``coordinator`` and the adverts' shards ``adverts/<i>``, each
+    record under its signer's key (hex) as the subkey (``protocol.trust.run_records.RULES``)."""
     return f"fusionllm:{run_id}:{what}"
 
 
