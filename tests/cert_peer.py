@@ -123,9 +123,9 @@ async def _members(dht: hivemind.DHT, run: str, n: int, shards: int) -> dict[str
     keys = [dht_key(run, shard_name("adverts", i)) for i in range(shards)]
 
     async def enough() -> bool | None:
-        found = await dht.get_many(keys, latest=True, return_future=True)
+        found = [await dht.get(key, latest=True, return_future=True) for key in keys]
         seen.clear()
-        seen.update({ad.peer_id: ad.maddrs for key in keys for ad in _adverts(found.get(key))})
+        seen.update({ad.peer_id: ad.maddrs for shard in found for ad in _adverts(shard)})
         return True if len(seen) >= n else None
 
     await wait_until(enough, 30.0)
