@@ -15,6 +15,7 @@ from fusionllm.data_cli import add_data_parser
 from fusionllm.parser_job import add_local_commands
 from fusionllm.parser_plan import add_plan_commands
 from fusionllm.parser_swarm import add_swarm_commands
+from fusionllm.parser_testbed import add_testbed_commands
 from fusionllm.usage import EXIT_INTERRUPTED, EXIT_USAGE, UsageError
 
 #: the module that holds each command's ``cmd_<name>``: imported only once the arguments
@@ -25,6 +26,7 @@ COMMANDS = {
     **dict.fromkeys(("train", "inspect", "compare", "status"), "fusionllm.commands"),
     "export": "fusionllm.export_cmds",
     "data": "fusionllm.data_cmds",
+    "testbed": "fusionllm.testbed.cmd",
 }
 
 #: defaults that say nothing when shown: an unset option, an off switch, an empty list
@@ -95,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_commands(sub)
     add_local_commands(sub)
     add_data_parser(sub)
+    add_testbed_commands(sub)
     _verbose_everywhere(parser)
     return parser
 

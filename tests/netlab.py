@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
+
+from fusionllm.testbed import lab
+from fusionllm.testbed.lab import run as _run
 
 #: the public address of the public side (the coordinator and direct peers listen there)
 PUBLIC_IP = "10.77.0.1"
@@ -25,23 +27,7 @@ PUBLIC_IP = "10.77.0.1"
 
 def missing() -> str:
     """Why this machine cannot build the lab ('' if it can)."""
-    if os.geteuid() != 0:
-        return "network namespaces need root"
-    for tool in ("ip", "nft", "tc"):
-        if shutil.which(tool) is None:
-            return f"'{tool}' is not installed (apt-get install iproute2 nftables)"
-    probe = f"flprobe{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"cannot create a network namespace: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return ""
-
-
-def _run(*args: str, stdin: str | None = None) -> None:
-    r = subprocess.run(list(args), input=stdin, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"{' '.join(args)}: {r.stderr.strip()}")
+    return lab.missing(("ip", "nft", "tc"))
 
 
 class NatLab:
@@ -120,13 +106,8 @@ def _remove_stale() -> None:
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
     for name in listed:
         found = re.fullmatch(r"fl(?:pub|r\d+x|h\d+x)(\d+)", name)
-        if found and not _alive(int(found.group(1))):
+        if found and not lab.alive(int(found.group(1))):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
-
-
-def _alive(pid_tag: int) -> bool:
-    """Whether a process whose pid ends like this tag (pid % 100000) still runs."""
-    return any(pid % 100000 == pid_tag for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()))
 
 
 #: source NAT for what leaves by the WAN side; only replies (and what the LAN side

@@ -1,0 +1,145 @@
+"""``fusionllm testbed run`` and ``down``: build the namespaces, train the same model
+under each scheduler's plan on the same links, report, remove everything."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from fusionllm.testbed import lab as labmod
+from fusionllm.testbed import plans, report, topo
+from fusionllm.testbed.swarm import Measured, Swarm, SwarmSpec
+from fusionllm.usage import UsageError
+
+logger = logging.getLogger(__name__)
+COORDINATOR = "coordinator"
+
+
+def _links_line(t: Any) -> str:
+    rates = sorted({(mbps, ms) for mbps, ms in topo.pairs(t).values()}, reverse=True)
+    shown = ", ".join(f"{mbps:g} Mbit/s + {ms:g} ms" for mbps, ms in rates)
+    return f"links: {shown} (htb per destination; latency added in the send path)"
+
+
+def run_testbed(
+    topology: str,
+    schedulers: list[str],
+    model: str = "gpt",
+    model_args: str = "",
+    micro_batches: int = 4,
+    steps: int = 30,
+    compressions: tuple[str, ...] = ("none",),
+    work: Path | None = None,
+    say: Any = print,
+) -> dict[str, Any]:
+    """Every scheduler's plan trained on the testbed (each in ``compressions``; the
+    first is the one the rows report); the report's JSON object. UsageError (one line)
+    when the machine cannot build it or a run fails; every namespace and process made
+    is gone when it returns or raises."""
+    why = labmod.missing()
+    if why:
+        raise UsageError(f"testbed: {why} (Linux, root and iproute2 are needed)")
+    from protocol.model.job import JobSpec
+
+    t = topo.load_topology(topology)
+    job = JobSpec(model=model, model_args=model_args, micro_batches=micro_batches, steps=steps)
+    costs = plans.costs_of(job)
+    compute = topo.map_compute(t, plans.one_thread_flops(job, costs), os.cpu_count() or 1)
+    say(compute.describe(t))
+    predicted = plans.predict_all(schedulers, costs, t, compute, micro_batches)
+    work = work or Path(tempfile.mkdtemp(prefix="fusionllm-testbed-"))
+    stale = labmod.remove_stale()
+    if stale:
+        say(f"removed {len(stale)} namespaces an earlier testbed left")
+    hosts = {COORDINATOR: topo.COORDINATOR_IP, **topo.addresses(t)}
+    lab = labmod.Lab(hosts, {pair: mbps for pair, (mbps, _) in topo.pairs(t).items()})
+    job_args = ["--model", model, "--model-args", model_args, "--micro-batches", str(micro_batches)]
+    job_args += ["--steps", str(steps), "--seed", "0"]
+    runs: dict[tuple[str, str], Measured] = {}
+    try:
+        lab.build()
+        for mode in compressions:
+            for p in predicted:
+                folder = work / f"{p.scheduler}-{mode}"
+                folder.mkdir(parents=True, exist_ok=True)
+                spec = SwarmSpec(
+                    job_args,
+                    p.write(t, folder / "plan.json"),
+                    folder,
+                    compute.throttles,
+                    {h: topo.delay_table(t, h) for h in topo.addresses(t)},
+                    mode,
+                )
+                swarm = Swarm(lab, COORDINATOR, spec)
+                try:
+                    runs[(p.scheduler, mode)] = swarm.run()
+                except RuntimeError as exc:
+                    raise UsageError(f"testbed: {p.scheduler} ({mode}) failed: {exc} (logs in {folder})") from None
+                finally:
+                    swarm.stop()
+                m = runs[(p.scheduler, mode)]
+                say(f"{p.scheduler} ({mode}): measured {m.step_s * 1e3:.1f} ms, estimated {p.estimated_s * 1e3:.1f} ms")
+    finally:
+        lab.close()
+    return _result(topology, t, compute, predicted, runs, compressions)
+
+
+def _result(topology: str, t: Any, compute: Any, predicted: list[Any], runs: dict, modes: tuple[str, ...]) -> dict:
+    rows = {}
+    for p in predicted:
+        m = runs[(p.scheduler, modes[0])]
+        rows[p.scheduler] = report.row(m.step_s, p.estimated_s, p.simulated_s, m.wire_bytes, p.plan.groups)
+        rows[p.scheduler]["codecs"] = m.codecs
+        rows[p.scheduler]["final_loss"] = m.final_loss
+    out: dict[str, Any] = {
+        "topology": topology,
+        "peers": len(t.peers),
+        "compute": compute.describe(t),
+        "cores_used": round(compute.cores_used, 3),
+        "links": _links_line(t),
+        "schedulers": rows,
+        **report.summary(rows),
+    }
+    if "auto" in modes and "none" in modes and ("opfence", "auto") in runs:
+        auto, none = runs[("opfence", "auto")], runs[("opfence", "none")]
+        out["auto_vs_none_measured"] = report._ratio(none.step_s, auto.step_s)
+        out["auto_loss_ratio"] = report._ratio(auto.final_loss, none.final_loss)
+        out["auto_codecs"] = auto.codecs
+    return out
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # unwinds through the finally blocks: processes and namespaces go
+
+
+def cmd_testbed(args: argparse.Namespace) -> int:
+    if args.testbed_command == "down":
+        if labmod.missing(()):
+            raise UsageError(f"testbed down: {labmod.missing(())}")
+        gone = labmod.down()
+        print(f"removed {len(gone)} testbed namespaces (their veths and qdiscs with them)")
+        return 0
+    from fusionllm.reaper import start_reaper
+
+    start_reaper()  # kill -9 of this command: the watchdog ends the swarm's processes
+    signal.signal(signal.SIGTERM, _terminate)
+    say = (lambda text: print(text, file=sys.stderr, flush=True)) if args.json else print
+    result = run_testbed(
+        args.topology,
+        args.schedulers,
+        args.model,
+        args.model_args,
+        args.micro_batches,
+        args.steps,
+        (args.compression,) if args.compression == "none" else ("none", "auto"),
+        say=say,
+    )
+    print(json.dumps(result) if args.json else report.table(result))
+    return 0

@@ -1,0 +1,143 @@
+"""Network namespaces for the testbed (Linux, root, iproute2): a hub namespace holding
+a bridge, the coordinator's namespace and one per peer, each joined to the bridge by a
+veth. On each peer's side an ``htb`` qdisc has one class per other peer, at the pair's
+rate, chosen by a ``u32`` filter on the destination address (kernel shaping of every
+ordered pair); traffic to the coordinator goes unshaped. Latency is not the kernel's
+(no netem here): the processes add it in their send path (``protocol.net.delay``).
+
+Names carry a tag (this process's id modulo 100000): ``run`` first removes what a lab
+whose process is gone left behind (``remove_stale``), ``down`` removes every testbed
+namespace whatever its tag; deleting a namespace deletes its veths and qdiscs."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Iterable
+
+PREFIX = "fltb"  # every testbed namespace's name starts so
+_NAME = re.compile(rf"{PREFIX}(\d+)(?:hub|c|h\d+)")
+#: traffic that matches no destination's filter (the coordinator's): as fast as the veth goes
+UNSHAPED = "10gbit"
+
+
+def missing(tools: Iterable[str] = ("ip", "tc")) -> str:
+    """Why this machine cannot build namespaces ('' if it can)."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    for tool in tools:
+        if shutil.which(tool) is None:
+            return f"'{tool}' is not installed (apt-get install iproute2 nftables)"
+    probe = f"flprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot create a network namespace: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return ""
+
+
+def run(*args: str, stdin: str | None = None) -> None:
+    """Run one command; RuntimeError with its stderr when it fails."""
+    r = subprocess.run(list(args), input=stdin, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)}: {r.stderr.strip()}")
+
+
+def alive(pid_tag: int) -> bool:
+    """Whether a process whose pid ends like this tag (pid % 100000) still runs."""
+    return any(pid % 100000 == pid_tag for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()))
+
+
+def namespaces() -> list[str]:
+    """Every namespace on this machine."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in listed.splitlines() if line.strip()]
+
+
+def remove_stale() -> list[str]:
+    """Delete testbed namespaces whose process is gone (killed before it cleaned up)."""
+    gone = [n for n in namespaces() if (m := _NAME.fullmatch(n)) and not alive(int(m.group(1)))]
+    for name in gone:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return gone
+
+
+def down() -> list[str]:
+    """Delete every testbed namespace (and with them their veths and qdiscs)."""
+    ours = [n for n in namespaces() if _NAME.fullmatch(n)]
+    for name in ours:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    return ours
+
+
+class Lab:
+    """The namespaces of one testbed: ``hosts`` maps a host's name to its address (the
+    coordinator's included); ``rates`` gives Mbit/s per ordered pair of host names.
+    The constructor does nothing; ``build`` makes everything (and removes what it made
+    when it fails halfway); ``close`` removes it all."""
+
+    def __init__(self, hosts: dict[str, str], rates: dict[tuple[str, str], float], tag: int | None = None) -> None:
+        self.tag = os.getpid() % 100000 if tag is None else tag
+        self.hosts = dict(hosts)
+        self.rates = dict(rates)
+        self.hub = f"{PREFIX}{self.tag}hub"
+        self.ns = {h: f"{PREFIX}{self.tag}{'c' if i == 0 else f'h{i}'}" for i, h in enumerate(self.hosts)}
+        self.made: list[str] = []
+
+    def prefix(self, host: str) -> list[str]:
+        """The command prefix that runs a process on ``host``."""
+        return ["ip", "netns", "exec", self.ns[host]]
+
+    def build(self) -> None:
+        try:
+            self._make(self.hub)
+            run("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
+            run("ip", "-n", self.hub, "link", "set", "br0", "up")
+            for i, (host, ip) in enumerate(self.hosts.items()):
+                self._make(self.ns[host])
+                self._attach(self.ns[host], ip, f"v{i}")
+                self._shape(host)
+        except BaseException:
+            self.close()
+            raise
+
+    def _make(self, name: str) -> None:
+        run("ip", "netns", "add", name)
+        self.made.append(name)
+        run("ip", "-n", name, "link", "set", "lo", "up")
+
+    def _attach(self, ns: str, ip: str, port: str) -> None:
+        run("ip", "link", "add", "fltbtmp", "netns", ns, "type", "veth", "peer", "name", port, "netns", self.hub)
+        run("ip", "-n", ns, "link", "set", "fltbtmp", "name", "eth0")
+        run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
+        run("ip", "-n", ns, "link", "set", "eth0", "up")
+        run("ip", "-n", self.hub, "link", "set", port, "master", "br0")
+        run("ip", "-n", self.hub, "link", "set", port, "up")
+
+    def _shape(self, host: str) -> None:
+        """An htb class per destination on ``host``'s side of its veth."""
+        shaped = [(dst, mbps) for (src, dst), mbps in self.rates.items() if src == host]
+        if not shaped:
+            return
+        tc = ["tc", "-n", self.ns[host]]
+        run(*tc, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb", "default", "1")
+        run(*tc, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:1", "htb", "rate", UNSHAPED)
+        for n, (dst, mbps) in enumerate(shaped, start=10):
+            rate = f"{mbps:g}mbit"
+            burst = f"{max(int(mbps * 1e6 / 8 / 100), 16_000)}b"  # 10 ms at the rate, at least ~10 packets
+            cls = ["classid", f"1:{n}", "htb", "rate", rate, "burst", burst, "cburst", burst]
+            run(*tc, "class", "add", "dev", "eth0", "parent", "1:", *cls)
+            match = ["u32", "match", "ip", "dst", f"{self.hosts[dst]}/32", "flowid", f"1:{n}"]
+            run(*tc, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1", *match)
+
+    def close(self) -> None:
+        for name in reversed(self.made):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        self.made.clear()
+
+    def leftovers(self) -> list[str]:
+        """Namespaces of this lab still present (none after ``close``)."""
+        present = set(namespaces())
+        return [n for n in [self.hub, *self.ns.values()] if n in present]

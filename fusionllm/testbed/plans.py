@@ -1,0 +1,98 @@
+"""Each scheduler's plan for the testbed's peers, as this machine delivers them, and
+what the estimator and the simulator predict for it; the pinned plan the coordinator
+runs (``coordinator.pinned``); the one-thread FLOP/s this machine delivers on the model."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from coordinator.estimator import DagCosts, Plan
+from coordinator.netmodel import PeerProfile
+from coordinator.opdag import build_opdag
+from coordinator.plan_eval import Options, ScheduleError
+from coordinator.scheduler import plan as schedule
+from fusionllm.testbed.topo import ComputeMap, TestbedError, addresses
+from protocol.model.job import JobSpec
+from sim.engine import iteration_seconds
+from sim.topology import Topology
+
+
+@dataclass(frozen=True)
+class Predicted:
+    scheduler: str
+    plan: Plan
+    estimated_s: float  # the estimator's iteration time for the plan
+    simulated_s: float  # the simulator's, event by event
+
+    def pinned(self, topo: Topology) -> dict[str, Any]:
+        """The plan as ``coordinator.pinned`` reads it: hosts by their address."""
+        ips = addresses(topo)
+        return {
+            "scheduler": self.scheduler,
+            "cut": list(self.plan.cut),
+            "stages": [[ips[p] for p in group] for group in self.plan.groups],
+            "codecs": [str(c) for c in self.plan.codecs],
+            "iteration_s": self.estimated_s,
+            "stage_s": list(self.plan.stage_s),
+        }
+
+    def write(self, topo: Topology, path: Path) -> Path:
+        path.write_text(json.dumps(self.pinned(topo)))
+        return path
+
+
+def costs_of(job: JobSpec) -> DagCosts:
+    """The model's OP-DAG costs for one micro-batch, traced as the coordinator traces it."""
+    return DagCosts.from_opdag(build_opdag(job.build_model(), job.first_micro_batch()))
+
+
+def one_thread_flops(job: JobSpec, costs: DagCosts, repeats: int = 7) -> float:
+    """FLOP/s one thread of this machine delivers on the model: a micro-batch's forward
+    and backward (3x the forward's FLOPs), the median of ``repeats`` after a warm-up."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, batch = job.build_model(), job.first_micro_batch()
+        times = []
+        for i in range(repeats + 2):
+            t0 = time.perf_counter()
+            out = model(*batch)
+            loss = out[0] if isinstance(out, tuple) else out
+            (loss if loss.dim() == 0 else loss.float().mean()).backward()
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return 3 * costs.total_flops / statistics.median(times)
+
+
+def emulated_peers(topo: Topology, compute: ComputeMap) -> list[PeerProfile]:
+    """The topology's peers at the FLOP/s they deliver on this machine (no per-kernel
+    cost added: a measured step holds it, as for a live swarm's peers)."""
+    return [replace(p, flops=compute.flops(p.id), op_overhead_s=0.0) for p in topo.peers]
+
+
+def predict_all(
+    schedulers: list[str], costs: DagCosts, topo: Topology, compute: ComputeMap, micro_batches: int
+) -> list[Predicted]:
+    """Each scheduler's plan (every peer used, uncompressed) with the estimator's and
+    the simulator's iteration time; TestbedError when a scheduler finds none."""
+    peers = emulated_peers(topo, compute)
+    by_id = {p.id: p for p in peers}
+    options = Options(micro_batches=micro_batches, compression=False, standby=False)
+    out = []
+    for name in schedulers:
+        try:
+            p = schedule(name, costs, peers, topo.network, options)
+        except ScheduleError as exc:
+            raise TestbedError(f"{name}: {exc}") from None
+        sim_s = iteration_seconds(costs, p, by_id, topo.network, micro_batches)
+        out.append(Predicted(name, p, p.iteration_s, sim_s))
+    return out

@@ -1,0 +1,170 @@
+"""One swarm on the testbed: the coordinator in its namespace, told the pinned plan
+(``coordinator.pinned``), and one ``join`` per peer in its own, each throttled to its
+share of the compute and delaying its sends by its links' latency; their output is
+read for the numbers the report needs. Each process leads its own process group, and
+``stop`` ends every group (the DHT child and the p2p daemon with it)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fusionllm.testbed.lab import Lab
+from protocol.net.delay import ENV_VAR as DELAY_VAR
+
+logger = logging.getLogger(__name__)
+
+PLAN_VAR = "FUSIONLLM_TESTBED_PLAN"  # coordinator.pinned.ENV_VAR (not imported: no torch here)
+_JOIN = re.compile(r"^\s+fusionllm join (.*)$")
+_ESTIMATE = re.compile(r"^estimator: predicted ([\d.]+) ms per step, measured ([\d.]+) ms \(median\)")
+_BOUNDARY = re.compile(r"^\s+boundary (\d+) .*?: (\S+), ([\d.]+) MB on the wire")
+_LOSS = re.compile(r"^loss ([\d.]+) -> ([\d.]+) ")
+
+
+@dataclass
+class Measured:
+    """What a finished run printed: the median step, the coordinator's own estimate,
+    each boundary's codec and wire bytes, the loss at the end (mean of the last steps)."""
+
+    step_s: float = float("nan")
+    coordinator_predicted_s: float = float("nan")
+    wire_bytes: list[int] = field(default_factory=list)
+    codecs: list[str] = field(default_factory=list)
+    final_loss: float = float("nan")
+
+
+def parse_summary(lines: list[str]) -> Measured:
+    """The numbers of a coordinator's summary (``swarm_cmds._summary``'s lines)."""
+    out = Measured()
+    for line in lines:
+        if m := _ESTIMATE.match(line):
+            out.coordinator_predicted_s, out.step_s = float(m.group(1)) / 1e3, float(m.group(2)) / 1e3
+        elif m := _BOUNDARY.match(line):
+            out.codecs.append(m.group(2).rstrip(","))
+            out.wire_bytes.append(round(float(m.group(3)) * 1e6))
+        elif m := _LOSS.match(line):
+            out.final_loss = float(m.group(2))
+    return out
+
+
+class _Proc:
+    """A command in a namespace, its own process group, its output lines collected."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log: Path) -> None:
+        self.name = name
+        self.lines: list[str] = []
+        self._log = open(log, "w", encoding="utf-8")  # noqa: SIM115 (closed by the reader thread)
+        self.popen = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        with self._log:
+            for line in self.popen.stdout:
+                self.lines.append(line.rstrip("\n"))
+                self._log.write(line)
+
+    def wait_line(self, pattern: re.Pattern[str], timeout: float) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        seen = 0
+        while time.monotonic() < deadline:
+            for line in self.lines[seen:]:
+                if m := pattern.match(line):
+                    return m
+            seen = len(self.lines)
+            if self.popen.poll() is not None and seen == len(self.lines):
+                break
+            time.sleep(0.1)
+        raise RuntimeError(f"the {self.name} printed no line like {pattern.pattern!r}: {self.tail()}")
+
+    def tail(self, n: int = 3) -> str:
+        return " | ".join(self.lines[-n:]) or "(no output)"
+
+    def kill(self, sig: int) -> None:
+        try:
+            os.killpg(self.popen.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+@dataclass
+class SwarmSpec:
+    """One run's processes: model flags, steps, the pinned plan's file, the work folder."""
+
+    job_args: list[str]  # --model ... --model-args ... --micro-batches ... --steps ...
+    plan_file: Path
+    work: Path
+    throttles: dict[str, float]  # peer -> --throttle
+    delays: dict[str, str]  # peer -> FUSIONLLM_LINK_DELAY_MS
+    compression: str = "none"
+    timeout_s: float = 600.0
+
+
+class Swarm:
+    """The coordinator (host ``coordinator`` of ``lab``) and one peer per other host."""
+
+    def __init__(self, lab: Lab, coordinator: str, spec: SwarmSpec) -> None:
+        self.lab, self.coordinator, self.spec = lab, coordinator, spec
+        self.procs: list[_Proc] = []
+
+    def _env(self, **extra: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in (PLAN_VAR, DELAY_VAR)}
+        return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+    def run(self) -> Measured:
+        """Train to the end; RuntimeError (one line) when the run fails or hangs."""
+        spec, lab = self.spec, self.lab
+        peers = [h for h in lab.hosts if h != self.coordinator]
+        ip = lab.hosts[self.coordinator]
+        coord_cmd = [
+            *lab.prefix(self.coordinator), sys.executable, "-m", "fusionllm", "coordinator", *spec.job_args,
+            "--run", "testbed", "--min-peers", str(len(peers)), "--host-maddrs", f"/ip4/{ip}/tcp/0",
+            "--identity", str(spec.work / "coordinator.key"), "--status-port", "0",
+            "--run-dir", str(spec.work / "run"), "--spot-check", "0", "--rebalance-every", "0",
+            "--checkpoint-every", "0", "--compression", spec.compression, "--peer-wait", "180",
+        ]  # fmt: skip
+        env = self._env(**{PLAN_VAR: str(spec.plan_file)})
+        coord = _Proc("coordinator", coord_cmd, env, spec.work / "coordinator.log")
+        self.procs.append(coord)
+        join = coord.wait_line(_JOIN, 180).group(1).split()
+        for h in peers:
+            cmd = [
+                *lab.prefix(h), sys.executable, "-m", "fusionllm", "join", *join, "--threads", "1",
+                "--throttle", f"{spec.throttles[h]:.4f}", "--identity", str(spec.work / f"{h}.key"),
+                "--host-maddrs", f"/ip4/{lab.hosts[h]}/tcp/0",
+            ]  # fmt: skip
+            self.procs.append(_Proc(h, cmd, self._env(**{DELAY_VAR: spec.delays.get(h, "")}), spec.work / f"{h}.log"))
+        try:
+            code = coord.popen.wait(spec.timeout_s)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"the run took over {spec.timeout_s:.0f} s: {coord.tail()}") from None
+        coord._reader.join(5)
+        if code != 0:
+            raise RuntimeError(f"the coordinator exited with {code}: {coord.tail()}")
+        return parse_summary(coord.lines)
+
+    def stop(self, grace: float = 5.0) -> None:
+        """End every process of the run (SIGTERM, then SIGKILL to each group)."""
+        for p in self.procs:
+            p.kill(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in self.procs:
+            try:
+                p.popen.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                break
+        for p in self.procs:
+            p.kill(signal.SIGKILL)
+            p.popen.wait()
+        self.procs.clear()

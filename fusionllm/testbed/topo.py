@@ -1,0 +1,136 @@
+"""What the testbed emulates, as pure data: a topology (a ``sim.topology`` file or one
+of the testbed's presets; at most ``MAX_PEERS`` peers, as each is a process on this
+machine), the address of each host on the testbed's bridge, the rate and latency of
+every ordered pair, and how the topology's FLOP/s map onto this machine's cores."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sim.topology import Topology, TopologyError, load, parse
+
+#: each peer is a process (and a p2p daemon) on this machine
+MAX_PEERS = 8
+#: the testbed's bridge: the coordinator on .1, the peers from .10 on
+SUBNET = "10.78.0"
+COORDINATOR_IP = f"{SUBNET}.1"
+#: the share of the machine's cores the throttled peers may demand together (the rest
+#: is for the coordinator, the p2p daemons, encoding and signing)
+CORE_BUDGET = 0.75
+
+
+class TestbedError(ValueError):
+    """A testbed that cannot be built or run; ``str()`` says why in one line."""
+
+
+def _peer(pid: str, tflops: float, cluster: str) -> dict[str, Any]:
+    return {"id": pid, "tflops": tflops, "memory_gb": 8, "cluster": cluster, "op_overhead_us": 0}
+
+
+def _link(mbps: float, ms: float) -> dict[str, float]:
+    return {"mbps": mbps, "latency_ms": ms}
+
+
+def two_clusters() -> dict[str, Any]:
+    """4 peers in 2 clusters, 1 Gbit/s inside each and 20 Mbit/s between: a lab with one
+    peer twice as fast as each of the three of a second site."""
+    peers = [_peer("a0", 2.0, "A")] + [_peer(f"b{i}", 1.0, "B") for i in range(3)]
+    clusters = {"A": {"A": _link(1000, 0.2), "B": _link(20, 10)}, "B": {"B": _link(1000, 0.2)}}
+    return {"peers": peers, "clusters": clusters}
+
+
+def mixed_seven() -> dict[str, Any]:
+    """7 peers on three sites: a fast pair at a lab, three at a second site on 1 Gbit/s
+    LAN, two homes; 100 Mbit/s between the sites and 20 Mbit/s to the homes."""
+    peers = [_peer("lab0", 2.0, "lab"), _peer("lab1", 2.0, "lab")]
+    peers += [_peer(f"uni{i}", 1.0, "uni") for i in range(3)] + [_peer(f"home{i}", 1.0, f"h{i}") for i in range(2)]
+    clusters: dict[str, dict[str, Any]] = {
+        "lab": {"lab": _link(1000, 0.2), "uni": _link(100, 10), "h0": _link(20, 15), "h1": _link(20, 15)},
+        "uni": {"uni": _link(1000, 0.2), "h0": _link(20, 15), "h1": _link(20, 15)},
+        "h0": {"h0": _link(1000, 0.2), "h1": _link(20, 20)},
+        "h1": {"h1": _link(1000, 0.2)},
+    }
+    return {"peers": peers, "clusters": clusters}
+
+
+PRESETS = {"two-clusters": two_clusters, "mixed-7": mixed_seven}
+
+
+def load_topology(spec: str) -> Topology:
+    """A preset by name or a topology file (``sim.topology``'s format); TestbedError in one line."""
+    try:
+        topo = parse(PRESETS[spec](), spec) if spec in PRESETS else load(spec) if Path(spec).is_file() else None
+    except (TopologyError, OSError, ValueError) as exc:
+        raise TestbedError(f"--topology {spec}: {exc}") from None
+    if topo is None:
+        raise TestbedError(f"--topology {spec}: no such file or preset (presets: {', '.join(PRESETS)})")
+    if not 2 <= len(topo.peers) <= MAX_PEERS:
+        raise TestbedError(f"--topology {spec}: {len(topo.peers)} peers; the testbed runs 2 to {MAX_PEERS}")
+    return topo
+
+
+def addresses(topo: Topology) -> dict[str, str]:
+    """Each peer's address on the bridge, in the topology's order."""
+    return {p.id: f"{SUBNET}.{10 + i}" for i, p in enumerate(topo.peers)}
+
+
+def pairs(topo: Topology) -> dict[tuple[str, str], tuple[float, float]]:
+    """(Mbit/s, one-way latency in ms) of every ordered pair of peers."""
+    out = {}
+    for a in topo.peers:
+        for b in topo.peers:
+            if a.id != b.id:
+                link = topo.network.link(a.id, b.id)
+                out[(a.id, b.id)] = (link.mbps, link.latency_s * 1e3)
+    return out
+
+
+def delay_table(topo: Topology, src: str) -> str:
+    """``FUSIONLLM_LINK_DELAY_MS`` for peer ``src``: each other peer's address and latency."""
+    ips = addresses(topo)
+    rows = [f"{ips[b]}={ms:g}" for (a, b), (_, ms) in pairs(topo).items() if a == src and ms > 0]
+    return ",".join(rows)
+
+
+@dataclass(frozen=True)
+class ComputeMap:
+    """How the topology's FLOP/s became this machine's: each peer runs one thread whose
+    delivered FLOP/s on the model (``base_flops``) is throttled to ``throttles[id]``,
+    in proportion to its TFLOP/s; ``cores_used`` is what they demand together."""
+
+    base_flops: float
+    throttles: dict[str, float]
+    cores: int
+
+    @property
+    def cores_used(self) -> float:
+        return sum(self.throttles.values())
+
+    def flops(self, pid: str) -> float:
+        """The FLOP/s peer ``pid`` delivers here."""
+        return self.base_flops * self.throttles[pid]
+
+    def describe(self, topo: Topology) -> str:
+        """One line: the mapping and the share of the cores the peers use."""
+        top = max(p.flops for p in topo.peers)
+        scale = self.base_flops * max(self.throttles.values()) / top
+        return (
+            f"compute: {top / 1e12:g} TFLOP/s -> {self.base_flops * max(self.throttles.values()) / 1e9:.2f} GFLOP/s "
+            f"(x{scale:.2g}; one thread delivers {self.base_flops / 1e9:.2f} GFLOP/s on this model, each peer "
+            f"throttled to its share); the peers use {self.cores_used:.2f} of {self.cores} cores "
+            f"({self.cores_used / self.cores:.0%})"
+        )
+
+
+def map_compute(topo: Topology, base_flops: float, cores: int, budget: float = CORE_BUDGET) -> ComputeMap:
+    """Throttles in proportion to the peers' FLOP/s, the fastest at most 1, all of them
+    together at most ``budget`` of ``cores``."""
+    if not (base_flops > 0 and math.isfinite(base_flops)) or cores < 1:
+        raise TestbedError(f"cannot map compute onto {cores} cores at {base_flops} FLOP/s")
+    top = max(p.flops for p in topo.peers)
+    shares = {p.id: p.flops / top for p in topo.peers}
+    scale = min(1.0, budget * cores / sum(shares.values()))
+    return ComputeMap(base_flops, {pid: max(s * scale, 1e-3) for pid, s in shares.items()}, cores)
