@@ -6,8 +6,18 @@ programs of ATen operators (the default) against the same swarm rebuilding its
 stages from the model's code (``code_*``, ``programs_vs_code``), measured in one
 run. Prints one JSON object.
 
+The anchor: the swarm with spot checks off against ``torch.distributed.pipelining``
+(``Schedule1F1B``, gloo on loopback, a process of one thread per stage;
+``benchmarks/_pipelining.py``) training the same job split at the swarm's own cut,
+in the same run (``pipelining_tokens_per_s``, ``swarm_vs_pipelining``); what spot
+checks at their default rate cost in tokens/s (``spot_check_cost``: 1 - the
+default swarm's over the unchecked one's); and where the unchecked swarm's step
+time goes, per stage (``step_breakdown_ms``: each part's mean ms per step, from the
+run's summary).
+
 ``--short`` runs the same paths smaller, for the test suite: 2 peers instead of
-4, 12 training steps instead of 60 and 16 MiB messages instead of 64 MiB (still
+4, 12 training steps instead of 60 (the anchor's pipelining too, on the 2
+peers' cut) and 16 MiB messages instead of 64 MiB (still
 above the lane threshold, so they travel over parallel streams); the
 ``*_64mib_*`` keys then hold the 16 MiB figures."""
 
@@ -30,6 +40,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from p2p import transport_pair  # noqa: E402
 
+from benchmarks._pipelining import pipelining_run  # noqa: E402
 from fusionllm.local import train_reference, train_staged  # noqa: E402
 from protocol.model.job import JobSpec  # noqa: E402
 from protocol.wire.messages import Activations  # noqa: E402
@@ -52,15 +63,41 @@ SHORT = Sizes(steps=12, message=16 << 20, repeats=2, peers=2)
 RECIPES = {"fp32": [], "clip": ["--clip-grad-norm", "1.0"], "bf16": ["--precision", "bf16"]}
 #: the same fp32 swarm with its stages rebuilt from the model's code, as before stages travelled as programs
 CODE = ["--stages-as", "code"]
+#: the fp32 swarm with spot checks off: what the anchor compares with pipelining
+UNCHECKED = ["--spot-check", "0"]
 
 
-def swarm_run(sizes: Sizes, flags: list[str]) -> tuple[float, float]:
-    """(tokens/s, median step ms) of a demo swarm."""
+@dataclass(frozen=True)
+class SwarmRun:
+    tokens_per_s: float
+    median_step_ms: float
+    cut: list[int]
+    breakdown_ms: dict[str, dict[str, float]]  # stage -> part -> mean ms per step, as the summary prints them
+
+
+def swarm_run(sizes: Sizes, flags: list[str]) -> SwarmRun:
+    """What a demo swarm's summary says."""
     out = demo_output("--peers", str(sizes.peers), "--steps", str(sizes.steps), *flags)
     tokens = re.search(r"([\d,]+) tokens/s", out)
     median = re.search(r"measured ([\d.]+) ms \(median\)", out)
-    assert tokens and median, out
-    return float(tokens.group(1).replace(",", "")), float(median.group(1))
+    cut = re.search(r"^cut \[([\d, ]*)\]$", out, re.MULTILINE)
+    assert tokens and median and cut, out
+    return SwarmRun(
+        float(tokens.group(1).replace(",", "")),
+        float(median.group(1)),
+        [int(x) for x in cut.group(1).split(",") if x.strip()],
+        step_breakdown(out),
+    )
+
+
+def step_breakdown(summary: str) -> dict[str, dict[str, float]]:
+    """The summary's step breakdown lines (``coordinator.breakdown.breakdown_lines``):
+    per stage, each part's mean ms per step and the whole step's (``step``)."""
+    out = {}
+    for stage, step, parts in re.findall(r"^  stage (\d+) step ([\d.]+) ms[^:]*: (.*) ms$", summary, re.MULTILINE):
+        row = {part: float(ms) for part, ms in re.findall(r"(\w+) ([\d.]+)(?: \([^)]*\))?(?:, |$)", parts)}
+        out[stage] = {"step": float(step), **row}
+    return out
 
 
 def reference_tokens_per_s(sizes: Sizes) -> float:
@@ -150,16 +187,28 @@ def main() -> None:
     rad = asyncio.run(_rad(sizes))
     tcp = asyncio.run(_tcp(sizes))
     ref = reference_tokens_per_s(sizes)
-    runs = {name: swarm_run(sizes, flags) for name, flags in {**RECIPES, "code": CODE}.items()}
-    swarm = runs["fp32"][0]
-    ms = {name: step_ms for name, (_, step_ms) in runs.items()}
+    # the anchor's two sides and the default swarm back to back, then the other recipes
+    unchecked = swarm_run(sizes, UNCHECKED)
+    anchor = pipelining_run(unchecked.cut, sizes.steps)
+    others = {**RECIPES, "code": CODE}
+    runs = {"unchecked": unchecked} | {name: swarm_run(sizes, flags) for name, flags in others.items()}
+    swarm = runs["fp32"].tokens_per_s
+    ms = {name: run.median_step_ms for name, run in runs.items()}
     staged = staged_step_ms(sizes)
     out: dict[str, object] = {
+        "pipelining_tokens_per_s": round(anchor.tokens_per_s, 1),
+        "swarm_unchecked_tokens_per_s": round(unchecked.tokens_per_s, 1),
+        "swarm_vs_pipelining": round(unchecked.tokens_per_s / anchor.tokens_per_s, 3),
+        "spot_check_cost": round(1 - swarm / unchecked.tokens_per_s, 3),
+        "step_ms_pipelining": round(anchor.median_step_ms, 1),
+        "step_ms_unchecked": ms["unchecked"],
+        "cut": unchecked.cut,
+        "step_breakdown_ms": unchecked.breakdown_ms,
         "swarm_tokens_per_s": round(swarm, 1),
         "reference_tokens_per_s": round(ref, 1),
         "swarm_vs_reference": round(swarm / ref, 3),
-        "code_swarm_vs_reference": round(runs["code"][0] / ref, 3),
-        "programs_vs_code": round(swarm / runs["code"][0], 3),
+        "code_swarm_vs_reference": round(runs["code"].tokens_per_s / ref, 3),
+        "programs_vs_code": round(swarm / runs["code"].tokens_per_s, 3),
         "step_ms_code": ms["code"],
         "rad_64mib_mb_per_s": round(rad, 1),
         "tcp_64mib_mb_per_s": round(tcp, 1),

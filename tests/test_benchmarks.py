@@ -46,7 +46,9 @@ BENCHMARKS = [
     ("pipeline.py", {"swarm_tokens_per_s", "reference_tokens_per_s", "swarm_vs_reference", "rad_64mib_mb_per_s",
                      "tcp_64mib_mb_per_s", "rad_vs_tcp", "step_ms_fp32", "step_ms_clip", "step_ms_bf16",
                      "clip_vs_fp32", "bf16_vs_fp32", "in_process_bf16_vs_fp32", "code_swarm_vs_reference",
-                     "programs_vs_code", "step_ms_code", "cpu_has_bf16"}),
+                     "programs_vs_code", "step_ms_code", "cpu_has_bf16", "pipelining_tokens_per_s",
+                     "swarm_unchecked_tokens_per_s", "swarm_vs_pipelining", "spot_check_cost", "step_ms_pipelining",
+                     "step_ms_unchecked", "cut", "step_breakdown_ms"}),
     ("scheduler.py", {"cases", "plan_s_1000peers_1000ops", "sim_s_10000peers_100iters", "cases_needing_4_gpus",
                       "min_opfence_vs_best_blind", "max_opfence_vs_dtfm", "max_opfence_plan_vs_dtfm",
                       "max_opfence_vs_dtfm10k", "max_opfence_plan_vs_dtfm10k",
@@ -144,6 +146,14 @@ def _pipeline(out: dict[str, Any]) -> None:
     # the same operators, run from a program instead of the model's modules
     _positive(out, "step_ms_code", "code_swarm_vs_reference")
     assert 0.2 < out["programs_vs_code"] < 5, out
+    # the anchor: torch.distributed.pipelining on the swarm's own cut, one rank per stage
+    _positive(out, "pipelining_tokens_per_s", "swarm_unchecked_tokens_per_s", "step_ms_pipelining")
+    assert 0.05 < out["swarm_vs_pipelining"] < 20, out
+    # one minus a ratio of two runs' tokens/s: on a loaded machine the checked run may be the faster one
+    assert out["spot_check_cost"] < 1, out
+    assert len(out["cut"]) == len(out["step_breakdown_ms"]) - 1, out
+    for stage, parts in out["step_breakdown_ms"].items():
+        assert {"step", "forward", "backward"} <= set(parts) and parts["step"] > 0, (stage, parts)
 
 
 def _scheduler(out: dict[str, Any]) -> None:
@@ -269,7 +279,7 @@ def run_short(script: str) -> dict[str, Any]:
 
 
 #: figures that may be a little negative: an overhead measured as a ratio of two times, within noise
-SIGNED = {".spot_check_overhead", ".spot_check_overhead_runs"}
+SIGNED = {".spot_check_overhead", ".spot_check_overhead_runs", ".spot_check_cost"}
 
 
 @pytest.mark.timeout(TIMEOUT_S + 60)
