@@ -38,6 +38,7 @@ def run_testbed(
     compressions: tuple[str, ...] = ("none",),
     work: Path | None = None,
     say: Any = print,
+    timeout_s: float = 600.0,
 ) -> dict[str, Any]:
     """Every scheduler's plan trained on the testbed (each in ``compressions``; the
     first is the one the rows report); the report's JSON object. UsageError (one line)
@@ -76,6 +77,7 @@ def run_testbed(
                     compute.throttles,
                     {h: topo.delay_table(t, h) for h in topo.addresses(t)},
                     mode,
+                    timeout_s,
                 )
                 swarm = Swarm(lab, COORDINATOR, spec)
                 try:

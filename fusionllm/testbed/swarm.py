@@ -22,6 +22,7 @@ from protocol.net.delay import ENV_VAR as DELAY_VAR
 
 logger = logging.getLogger(__name__)
 
+WORK_VAR = "FUSIONLLM_TESTBED_WORK"  # every process of a run carries its work folder (``strays``)
 PLAN_VAR = "FUSIONLLM_TESTBED_PLAN"  # coordinator.pinned.ENV_VAR (not imported: no torch here)
 _JOIN = re.compile(r"^\s+fusionllm join (.*)$")
 _ESTIMATE = re.compile(r"^estimator: predicted ([\d.]+) ms per step, measured ([\d.]+) ms \(median\)")
@@ -120,7 +121,7 @@ class Swarm:
 
     def _env(self, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in (PLAN_VAR, DELAY_VAR)}
-        return {**env, "OMP_NUM_THREADS": "1", **extra}
+        return {**env, "OMP_NUM_THREADS": "1", WORK_VAR: str(self.spec.work), **extra}
 
     def run(self) -> Measured:
         """Train to the end; RuntimeError (one line) when the run fails or hangs."""
@@ -168,3 +169,27 @@ class Swarm:
             p.kill(signal.SIGKILL)
             p.popen.wait()
         self.procs.clear()
+        # what left the groups (the p2p daemon leads its own): found by the run's mark
+        deadline = time.monotonic() + grace
+        while (left := strays(self.spec.work)) and time.monotonic() < deadline:
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.1)
+
+
+def strays(work: Path) -> list[int]:
+    """Processes still running that a run in ``work`` (or a folder in it) started: its
+    mark in their environment, which the DHT child and the p2p daemon inherit."""
+    mark = f"{WORK_VAR}={work}".encode()
+    found = []
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if any(entry.startswith(mark) for entry in f.read().split(b"\0")):
+                    found.append(pid)
+        except OSError:
+            continue
+    return found

@@ -1,0 +1,188 @@
+"""The emulated geo-distributed testbed (``fusionllm testbed``): its pure parts (the
+topology and the compute mapping, the pinned plan, the summary's numbers, the report)
+here without a network; the namespaces and a real swarm on them as root only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from coordinator import pinned
+from coordinator.planning import Planner
+from fusionllm.testbed import PRESET_NAMES, lab, report, topo
+from fusionllm.testbed.swarm import parse_summary, strays
+from fusionllm.usage import UsageError
+from protocol.wire.messages import Advert
+
+WHY_NOT = lab.missing()
+needs_root = pytest.mark.skipif(bool(WHY_NOT), reason=f"the testbed needs namespaces: {WHY_NOT}")
+
+
+def _advert(pid: str, ip: str) -> Advert:
+    maddrs = [f"/ip4/127.0.0.1/tcp/5/p2p/{pid}", f"/ip4/{ip}/tcp/5/p2p/{pid}"]
+    return Advert(pid, maddrs, "cpu", 1e9, 1 << 30, 100.0, 100.0, "2", 1, 0.0)
+
+
+def test_the_presets_load_and_bad_topologies_are_one_line(tmp_path: Path) -> None:
+    assert set(PRESET_NAMES) == set(topo.PRESETS)
+    two = topo.load_topology("two-clusters")
+    assert [p.id for p in two.peers] == ["a0", "b0", "b1", "b2"]
+    assert topo.pairs(two)[("a0", "b0")] == (20.0, pytest.approx(10.0))
+    assert topo.pairs(two)[("b0", "b1")][0] == 1000.0
+    assert 6 <= len(topo.load_topology("mixed-7").peers) <= 8
+    big = {"peers": [{"id": f"p{i}", "tflops": 1, "memory_gb": 8, "cluster": "A"} for i in range(9)]}
+    (tmp_path / "big.json").write_text(json.dumps(big))
+    (tmp_path / "bad.json").write_text("{")
+    for spec, needle in (
+        (str(tmp_path / "big.json"), "9 peers"),
+        (str(tmp_path / "bad.json"), "bad.json"),
+        ("nope", "presets"),
+    ):
+        with pytest.raises(topo.TestbedError, match=needle) as err:
+            topo.load_topology(spec)
+        assert "\n" not in str(err.value)
+
+
+def test_each_peer_gets_its_addresses_and_its_links_latency() -> None:
+    two = topo.load_topology("two-clusters")
+    ips = topo.addresses(two)
+    assert ips["a0"] == "10.78.0.10" and topo.COORDINATOR_IP not in ips.values()
+    table = dict(e.split("=") for e in topo.delay_table(two, "a0").split(","))
+    assert table == {ips["b0"]: "10", ips["b1"]: "10", ips["b2"]: "10"}
+    assert ips["b1"] + "=0.2" in topo.delay_table(two, "b0")
+
+
+def test_compute_maps_in_proportion_and_under_the_core_budget() -> None:
+    two = topo.load_topology("two-clusters")  # one peer of 2 TFLOP/s, three of 1
+    m = topo.map_compute(two, 5e9, cores=2)
+    assert m.throttles["a0"] == pytest.approx(2 * m.throttles["b0"])
+    assert m.cores_used == pytest.approx(topo.CORE_BUDGET * 2)
+    assert m.flops("a0") == pytest.approx(5e9 * m.throttles["a0"])
+    assert "75%" in m.describe(two) and "of 2 cores" in m.describe(two)
+    roomy = topo.map_compute(two, 5e9, cores=64)  # enough cores: the fastest runs unthrottled
+    assert roomy.throttles["a0"] == 1.0 and roomy.throttles["b2"] == 0.5
+    with pytest.raises(topo.TestbedError):
+        topo.map_compute(two, float("nan"), cores=2)
+
+
+def test_a_pinned_plan_maps_hosts_to_the_peers_listening_there(tmp_path: Path) -> None:
+    data = {"scheduler": "opfence", "cut": [9], "stages": [["10.78.0.10"], ["10.78.0.11", "10.78.0.12"]]}
+    data |= {"iteration_s": 0.25, "stage_s": [0.05, 0.06]}
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    plan = pinned.from_env({pinned.ENV_VAR: str(tmp_path / "plan.json")})
+    assert plan is not None and pinned.from_env({}) is None
+    adverts = [_advert("P1", "10.78.0.11"), _advert("P0", "10.78.0.10"), _advert("P2", "10.78.0.12")]
+    a = plan.assignment(adverts)
+    assert a.stages == [["P0"], ["P1", "P2"]] and a.cut.boundaries == (9,)
+    assert a.plan is not None and a.plan.iteration_s == 0.25 and a.plan.scheduler == "opfence"
+    with pytest.raises(ValueError, match="10.78.0.12"):
+        plan.assignment(adverts[:2])
+    for bad in ({"cut": [1]}, {**data, "cut": [3, 1]}, {**data, "stages": [[], ["x"]]}):
+        with pytest.raises(ValueError, match=pinned.ENV_VAR):
+            pinned.PinnedPlan.decode(bad)
+    with pytest.raises(ValueError, match="cannot read"):
+        pinned.from_env({pinned.ENV_VAR: str(tmp_path / "absent.json")})
+
+
+def test_the_coordinator_plans_the_pinned_plan_when_told(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = {"scheduler": "bw-blind", "cut": [], "stages": [["10.78.0.10", "10.78.0.11"]], "iteration_s": 0.1}
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    monkeypatch.setenv(pinned.ENV_VAR, str(tmp_path / "plan.json"))
+    planner = Planner(None, None, None, 4)  # type: ignore[arg-type]  # the pinned path reads none of them
+    a = planner.plan([_advert("P0", "10.78.0.10"), _advert("P1", "10.78.0.11")])
+    assert a.stages == [["P0", "P1"]] and a.plan is not None and a.plan.scheduler == "bw-blind"
+
+
+def test_the_summary_numbers_are_read_from_the_coordinators_lines() -> None:
+    lines = [
+        "loss 5.5534 -> 3.4500 (mean of the first and last 10 steps) over 20 steps in 9 s, 3,211 tokens/s",
+        "  boundary 0 (stage 0 <-> 1, 20 Mbit/s measured): none, 10.73 MB on the wire for 10.73 MB of tensors",
+        "  boundary 1 (stage 1 <-> 2, 998 Mbit/s measured): int8, 2.50 MB on the wire for 10.00 MB of tensors",
+        "estimator: predicted 339.3 ms per step, measured 291.1 ms (median); per micro-batch, ...",
+    ]
+    m = parse_summary(lines)
+    assert m.step_s == pytest.approx(0.2911) and m.coordinator_predicted_s == pytest.approx(0.3393)
+    assert m.wire_bytes == [10_730_000, 2_500_000] and m.codecs == ["none", "int8"] and m.final_loss == 3.45
+
+
+def test_the_report_says_measured_beside_predicted_and_the_ratios() -> None:
+    rows = {
+        "opfence": report.row(0.30, 0.33, 0.31, [1000], [["a0"], ["b0"]]),
+        "bw-blind": report.row(0.50, 0.60, 0.50, [2000], [["a0", "b2"], ["b0", "b1"]]),
+        "petals": report.row(0.60, 0.55, 0.58, [], [["a0", "b0", "b1", "b2"]]),
+        "dtfm": report.row(0.31, 0.33, 0.31, [1000], [["a0"], ["b0"]]),
+    }
+    assert rows["opfence"]["estimator_error"] == pytest.approx(0.1)
+    s = report.summary(rows)
+    assert s["opfence_vs_best_blind_measured"] == pytest.approx(0.5 / 0.3, abs=1e-3)
+    assert s["opfence_vs_dtfm_measured"] == pytest.approx(0.3 / 0.31, abs=1e-3)
+    assert s["estimator_error_max"] == pytest.approx(0.2)
+    text = report.table({"topology": "t", "compute": "c", "links": "l", "schedulers": rows, **s})
+    assert "300.0ms" in text and "+10%" in text and "a0,b2 | b0,b1" in text and "opfence_vs_dtfm_measured" in text
+
+
+def test_strays_finds_only_processes_with_the_runs_mark(tmp_path: Path) -> None:
+    assert strays(tmp_path) == []
+
+
+@needs_root
+def test_the_lab_shapes_each_pair_and_leaves_nothing() -> None:
+    import subprocess
+
+    made = lab.Lab({"coordinator": "10.78.0.1", "a": "10.78.0.10", "b": "10.78.0.11"}, {("a", "b"): 20.0})
+    try:
+        made.build()
+        shown = subprocess.run(
+            ["tc", "-n", made.ns["a"], "class", "show", "dev", "eth0"], capture_output=True, text=True
+        ).stdout
+        assert "rate 20Mbit" in shown
+        assert (
+            "htb"
+            not in subprocess.run(
+                ["tc", "-n", made.ns["b"], "qdisc", "show", "dev", "eth0"], capture_output=True, text=True
+            ).stdout
+        )  # b sends to no shaped peer
+    finally:
+        made.close()
+    assert made.leftovers() == []
+
+
+@needs_root
+def test_a_failed_run_leaves_no_namespace_or_process(tmp_path: Path) -> None:
+    """A run that cannot finish (here: a limit it cannot meet) is one line, and what it
+    started is gone: processes, namespaces, veths and qdiscs."""
+    from fusionllm.testbed.cmd import run_testbed
+
+    before = set(lab.namespaces())
+    with pytest.raises(UsageError, match="took over") as err:
+        run_testbed("two-clusters", ["opfence"], model_args="n_layer=1,n_embd=32,n_head=2", steps=2,
+                    work=tmp_path, say=lambda text: None, timeout_s=3.0)  # fmt: skip
+    assert "\n" not in str(err.value)
+    assert strays(tmp_path) == []
+    assert not [n for n in set(lab.namespaces()) - before if n.startswith(lab.PREFIX)]
+
+
+def _run_two_clusters(tmp_path: Path, schedulers: list[str], steps: int) -> dict:
+    from fusionllm.testbed.cmd import run_testbed
+
+    before = set(lab.namespaces())
+    try:
+        return run_testbed("two-clusters", schedulers, steps=steps, work=tmp_path, say=lambda text: None)
+    finally:
+        assert strays(tmp_path) == []
+        assert not [n for n in set(lab.namespaces()) - before if n.startswith(lab.PREFIX)]
+
+
+@needs_root
+@pytest.mark.slow
+def test_opfence_trains_faster_than_bw_blind_on_two_clusters(tmp_path: Path) -> None:
+    """4 peers, 2 clusters (1 Gbit/s inside, 20 Mbit/s between, the one peer of cluster A
+    twice as fast as each of B's three): the swarm trains under both plans, OP-Fence's
+    measured iteration is the faster, and within 25% of the estimator's."""
+    out = _run_two_clusters(tmp_path, ["opfence", "bw-blind"], steps=20)
+    rows = out["schedulers"]
+    assert rows["opfence"]["measured_s"] < rows["bw-blind"]["measured_s"]
+    assert abs(rows["opfence"]["estimator_error"]) <= 0.25
+    assert all(r["wire_bytes"] and min(r["wire_bytes"]) > 0 for r in rows.values())
