@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from fusionllm.launcher import Launcher
+from fusionllm.reaper import start_reaper
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE_ENV = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # every command a test starts
@@ -34,8 +35,12 @@ _launcher: list[Launcher] = []
 
 def launcher() -> Launcher:
     """The tests' one zygote (:mod:`fusionllm.launcher`), started on first use and
-    closed when pytest exits: commands fork from it instead of importing torch anew."""
+    closed when pytest exits: commands fork from it instead of importing torch anew.
+    The first use starts this process's reaper too: a test run or a benchmark killed
+    mid-swarm (kill -9, a CI timeout) takes its swarms with it, where they would
+    otherwise run on, blocked on a pipe nobody reads."""
     if not _launcher:
+        start_reaper()
         _launcher.append(Launcher({**os.environ, **BASE_ENV}))
         atexit.register(_launcher[0].close)
     return _launcher[0]

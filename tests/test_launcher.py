@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from fusionllm import reaper
 from fusionllm.launcher import ZYGOTE_ENV, Child, Launcher, _inherited, pool_settings
 from tests.conftest import BASE_ENV, ROOT, launcher, stray_commands
 from tests.swarmproc import SMALL, Proc, api, wait_for, wait_gone
@@ -168,6 +170,25 @@ def test_kill9_of_a_forked_command_kills_what_it_started_through_the_zygote() ->
     assert psutil.Process(inner).ppid() == launcher().zygote_pid
     outer.kill()
     assert not wait_gone({outer.pid, inner}, 10)
+
+
+def test_kill9_of_a_test_run_kills_the_commands_it_launched() -> None:
+    """A test run or benchmark killed mid-swarm leaves none of its commands running."""
+    code = (
+        "import json, sys; from tests.conftest import BASE_ENV, ROOT, launcher; "
+        f"p = launcher().spawn(['7', '600'], module='{PROBE}', env={{**BASE_ENV}}, cwd=ROOT, text_stdout=True); "
+        "print(json.loads(p.stdout.readline())['pid'], flush=True); sys.stdin.read()"
+    )
+    harness = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT, env=_env()
+    )
+    assert harness.stdout is not None
+    probe = int(harness.stdout.readline())
+    assert psutil.pid_exists(probe)
+    time.sleep(5 * reaper.POLL_S)  # the reaper notes its process's descendants at this period
+    harness.kill()
+    harness.wait()
+    assert not wait_gone({probe}, 15)
 
 
 def test_a_stale_zygote_variable_is_not_trusted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
