@@ -63,43 +63,56 @@ def run_testbed(
     lab = labmod.Lab(hosts, {pair: mbps for pair, (mbps, _) in topo.pairs(t).items()})
     job_args = ["--model", model, "--model-args", model_args, "--micro-batches", str(micro_batches)]
     job_args += ["--steps", str(steps), "--seed", "0"]
+    delays = {h: topo.delay_table(t, h) for h in topo.addresses(t)}
+    todo = [(p, "none") for p in _distinct(predicted)]
+    todo += [(p, "auto") for p in predicted if p.scheduler == "opfence" and "auto" in compressions]
     runs: dict[tuple[str, str], Measured] = {}
     try:
         lab.build()
-        for mode in compressions:
-            for p in predicted:
-                folder = work / f"{p.scheduler}-{mode}"
-                folder.mkdir(parents=True, exist_ok=True)
-                spec = SwarmSpec(
-                    job_args,
-                    p.write(t, folder / "plan.json"),
-                    folder,
-                    compute.throttles,
-                    {h: topo.delay_table(t, h) for h in topo.addresses(t)},
-                    mode,
-                    timeout_s,
-                )
-                swarm = Swarm(lab, COORDINATOR, spec)
-                try:
-                    runs[(p.scheduler, mode)] = swarm.run()
-                except RuntimeError as exc:
-                    raise UsageError(f"testbed: {p.scheduler} ({mode}) failed: {exc} (logs in {folder})") from None
-                finally:
-                    swarm.stop()
-                m = runs[(p.scheduler, mode)]
-                say(f"{p.scheduler} ({mode}): measured {m.step_s * 1e3:.1f} ms, estimated {p.estimated_s * 1e3:.1f} ms")
+        for p, mode in todo:
+            folder = work / f"{p.scheduler}-{mode}"
+            folder.mkdir(parents=True, exist_ok=True)
+            plan_file = p.write(t, folder / "plan.json")
+            spec = SwarmSpec(job_args, plan_file, folder, compute.throttles, delays, mode, timeout_s)
+            runs[(p.scheduler, mode)] = m = _one_run(lab, spec, f"{p.scheduler} ({mode})")
+            say(f"{p.scheduler} ({mode}): measured {m.step_s * 1e3:.1f} ms, estimated {p.estimated_s * 1e3:.1f} ms")
     finally:
         lab.close()
-    return _result(topology, t, compute, predicted, runs, compressions)
+    return _result(topology, t, compute, predicted, runs)
 
 
-def _result(topology: str, t: Any, compute: Any, predicted: list[Any], runs: dict, modes: tuple[str, ...]) -> dict:
-    rows = {}
+def _distinct(predicted: list[plans.Predicted]) -> list[plans.Predicted]:
+    """The plans to run: a plan another scheduler also chose runs once."""
+    seen: dict[Any, plans.Predicted] = {}
     for p in predicted:
-        m = runs[(p.scheduler, modes[0])]
+        seen.setdefault(_key(p), p)
+    return list(seen.values())
+
+
+def _key(p: plans.Predicted) -> Any:
+    return (tuple(p.plan.cut), tuple(tuple(g) for g in p.plan.groups))
+
+
+def _one_run(lab: labmod.Lab, spec: SwarmSpec, what: str) -> Measured:
+    """One swarm to its end; its processes are gone when this returns or raises."""
+    swarm = Swarm(lab, COORDINATOR, spec)
+    try:
+        return swarm.run()
+    except RuntimeError as exc:
+        raise UsageError(f"testbed: {what} failed: {exc} (logs in {spec.work})") from None
+    finally:
+        swarm.stop()
+
+
+def _result(topology: str, t: Any, compute: topo.ComputeMap, predicted: list[plans.Predicted], runs: dict) -> dict:
+    rows = {}
+    ran = {_key(p): p.scheduler for p in predicted if (p.scheduler, "none") in runs}
+    for p in predicted:
+        m = runs[(ran[_key(p)], "none")]
         rows[p.scheduler] = report.row(m.step_s, p.estimated_s, p.simulated_s, m.wire_bytes, p.plan.groups)
-        rows[p.scheduler]["codecs"] = m.codecs
-        rows[p.scheduler]["final_loss"] = m.final_loss
+        rows[p.scheduler].update(codecs=m.codecs, final_loss=m.final_loss)
+        if ran[_key(p)] != p.scheduler:
+            rows[p.scheduler]["same_plan_as"] = ran[_key(p)]
     out: dict[str, Any] = {
         "topology": topology,
         "peers": len(t.peers),
@@ -108,11 +121,13 @@ def _result(topology: str, t: Any, compute: Any, predicted: list[Any], runs: dic
         "links": _links_line(t),
         "schedulers": rows,
         **report.summary(rows),
+        "auto_vs_none_measured": None,
+        "auto_loss_ratio": None,
     }
-    if "auto" in modes and "none" in modes and ("opfence", "auto") in runs:
+    if ("opfence", "auto") in runs:
         auto, none = runs[("opfence", "auto")], runs[("opfence", "none")]
-        out["auto_vs_none_measured"] = report._ratio(none.step_s, auto.step_s)
-        out["auto_loss_ratio"] = report._ratio(auto.final_loss, none.final_loss)
+        out["auto_vs_none_measured"] = report.ratio(none.step_s, auto.step_s)
+        out["auto_loss_ratio"] = report.ratio(auto.final_loss, none.final_loss)
         out["auto_codecs"] = auto.codecs
     return out
 
@@ -133,15 +148,22 @@ def cmd_testbed(args: argparse.Namespace) -> int:
     start_reaper()  # kill -9 of this command: the watchdog ends the swarm's processes
     signal.signal(signal.SIGTERM, _terminate)
     say = (lambda text: print(text, file=sys.stderr, flush=True)) if args.json else print
-    result = run_testbed(
+    try:
+        result = _run_from(args, say)
+    except topo.TestbedError as exc:
+        raise UsageError(f"testbed: {exc}") from None
+    print(json.dumps(result) if args.json else report.table(result))
+    return 0
+
+
+def _run_from(args: argparse.Namespace, say: Any) -> dict[str, Any]:
+    return run_testbed(
         args.topology,
         args.schedulers,
         args.model,
         args.model_args,
         args.micro_batches,
         args.steps,
-        (args.compression,) if args.compression == "none" else ("none", "auto"),
+        ("none", args.compression),
         say=say,
     )
-    print(json.dumps(result) if args.json else report.table(result))
-    return 0

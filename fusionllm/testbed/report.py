@@ -10,7 +10,7 @@ from typing import Any
 BLIND = ("bw-blind", "petals")  # the bandwidth-blind baselines OP-Fence is measured against
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
+def ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or not (math.isfinite(a) and math.isfinite(b)) or b <= 0:
         return None
     return round(a / b, 4)
@@ -18,8 +18,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def row(measured_s: float, estimated_s: float, simulated_s: float, wire: list[int], plan: list[list[str]]) -> dict:
     """One scheduler's figures; errors are relative to the measured time."""
-    est_err = _ratio(estimated_s - measured_s, measured_s)
-    sim_err = _ratio(simulated_s - measured_s, measured_s)
+    est_err = ratio(estimated_s - measured_s, measured_s)
+    sim_err = ratio(simulated_s - measured_s, measured_s)
     return {
         "measured_s": round(measured_s, 5),
         "estimated_s": round(estimated_s, 5),
@@ -38,8 +38,8 @@ def summary(schedulers: dict[str, dict[str, Any]]) -> dict[str, Any]:
     blind = [measured[k] for k in BLIND if k in measured]
     errors = [abs(v["estimator_error"]) for v in schedulers.values() if v["estimator_error"] is not None]
     return {
-        "opfence_vs_best_blind_measured": _ratio(min(blind), measured.get("opfence")) if blind else None,
-        "opfence_vs_dtfm_measured": _ratio(measured.get("opfence"), measured.get("dtfm")),
+        "opfence_vs_best_blind_measured": ratio(min(blind), measured.get("opfence")) if blind else None,
+        "opfence_vs_dtfm_measured": ratio(measured.get("opfence"), measured.get("dtfm")),
         "estimator_error_max": round(max(errors), 4) if errors else None,
     }
 

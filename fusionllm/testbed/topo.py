@@ -20,6 +20,10 @@ COORDINATOR_IP = f"{SUBNET}.1"
 #: the share of the machine's cores the throttled peers may demand together (the rest
 #: is for the coordinator, the p2p daemons, encoding and signing)
 CORE_BUDGET = 0.75
+#: what the fastest peer of a topology delivers here, FLOP/s (one thread of this machine
+#: delivers ~5-10 GFLOP/s on the default model): fixed, so that each scheduler's plan is
+#: the same from run to run however busy the machine was when it was measured
+TOP_FLOPS = 2e9
 
 
 class TestbedError(ValueError):
@@ -125,12 +129,16 @@ class ComputeMap:
         )
 
 
-def map_compute(topo: Topology, base_flops: float, cores: int, budget: float = CORE_BUDGET) -> ComputeMap:
-    """Throttles in proportion to the peers' FLOP/s, the fastest at most 1, all of them
-    together at most ``budget`` of ``cores``."""
+def map_compute(
+    topo: Topology, base_flops: float, cores: int, budget: float = CORE_BUDGET, top_flops: float = TOP_FLOPS
+) -> ComputeMap:
+    """Throttles in proportion to the peers' FLOP/s: the fastest delivers ``top_flops``
+    (so that the plans do not follow the noise of one calibration), unless the peers
+    together would then demand more than ``budget`` of ``cores``, or the fastest more
+    than a whole thread: then all of them less, in the same proportion."""
     if not (base_flops > 0 and math.isfinite(base_flops)) or cores < 1:
         raise TestbedError(f"cannot map compute onto {cores} cores at {base_flops} FLOP/s")
     top = max(p.flops for p in topo.peers)
     shares = {p.id: p.flops / top for p in topo.peers}
-    scale = min(1.0, budget * cores / sum(shares.values()))
-    return ComputeMap(base_flops, {pid: max(s * scale, 1e-3) for pid, s in shares.items()}, cores)
+    fastest = min(top_flops / base_flops, 1.0, budget * cores / sum(shares.values()))
+    return ComputeMap(base_flops, {pid: max(s * fastest, 1e-3) for pid, s in shares.items()}, cores)
