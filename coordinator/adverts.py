@@ -1,6 +1,7 @@
 """The peers' adverts as the coordinator takes them: read from the run's DHT (the
-shards of the peers whose hello it took, in one lookup, only those peers' subkeys, at
-most ``MAX_RECORDS`` a poll: a larger swarm's shards are read a slice a poll, in turn),
+shards of the peers whose hello it took, in one lookup, only those peers' subkeys; a
+swarm of over ``POLL_RECORDS`` peers a slice of shards a poll, those of peers it has
+no advert of first, the others in turn),
 checked (signed, by the key the peer's hello bound to its id, dialled back, fresh,
 sane), refused with a word once per peer and period, and kept for planning. A poll
 that fails or finds nothing keeps the planned peers' last adverts, on the status
@@ -17,12 +18,12 @@ from typing import Any
 
 from hivemind.utils import get_dht_time
 
-from coordinator.discovery_cost import shard_count
+from coordinator.discovery_cost import POLL_RECORDS, shard_count
 from coordinator.reachability import Reach
 from coordinator.roster import Endpoint
 from coordinator.status import StatusBoard
 from protocol.net.clock import SYSTEM_CLOCK, Clock
-from protocol.net.records import MAX_RECORDS, read_many
+from protocol.net.records import read_many
 from protocol.trust.advert_check import advert_problem
 from protocol.trust.identity import check_record, key_hex
 from protocol.trust.run_records import FOLLOW_S, LOG_PERIOD_S, Tally, record_subkey, shard_name, shard_of
@@ -89,7 +90,7 @@ class AdvertBook:
         self._bad = Tally(LOG_PERIOD_S, clock)  # unreadable adverts, by signer: a line per period each
         self._failed = Tally(LOG_PERIOD_S, clock)  # polls that failed: a line per period
         self._by_shard: dict[str, dict[str, Advert]] = {}  # shard -> the adverts its last read found
-        self._turn = 0  # where the next slice of shards starts (a swarm over ``MAX_RECORDS``)
+        self._turn = 0  # where the next slice of shards starts (a swarm over ``POLL_RECORDS``)
 
     async def live(self) -> dict[str, Advert]:
         """The adverts in the DHT that have not expired, are signed, and whose key the
@@ -100,7 +101,7 @@ class AdvertBook:
         admitted = {record_subkey("adverts", key_hex(k), p): p for p, k in self.gate.keys.items()}
         self.sharding.fit(len(admitted))
         names = self.sharding.names(admitted.values())
-        read = self._slice(names, len(admitted))
+        read = self._slice(names, set(admitted.values()))
         try:
             found = await read_many(self.endpoint.dht, self.run_id, read, wanted=admitted)
         except Exception as exc:  # the DHT's hiccup: nothing learnt, no one dropped
@@ -120,15 +121,19 @@ class AdvertBook:
         self.board.saw_adverts({**kept, **out})
         return out
 
-    def _slice(self, names: list[str], peers: int) -> list[str]:
-        """The shards this poll reads: all of them, or, where more than ``MAX_RECORDS``
-        peers are admitted, the next slice of about that many peers' shards."""
-        if peers <= MAX_RECORDS or len(names) <= 1:
+    def _slice(self, names: list[str], peers: set[str]) -> list[str]:
+        """The shards this poll reads: all of them, or, where more than ``POLL_RECORDS``
+        peers are admitted, about that many peers' shards: first those of peers with no
+        advert known (new), then the others in turn."""
+        if len(peers) <= POLL_RECORDS or len(names) <= 1:
             return names
-        size = max(1, len(names) * MAX_RECORDS // peers)
+        size = max(1, len(names) * POLL_RECORDS // len(peers))
+        known = {p for shard in self._by_shard.values() for p in shard}
+        new = sorted({shard_name("adverts", shard_of(p, self.sharding.shards)) for p in peers - known})[:size]
         start = self._turn % len(names)
-        self._turn = start + size
-        return (names[start:] + names[:start])[:size]
+        rest = [n for n in names[start:] + names[:start] if n not in new][: size - len(new)]
+        self._turn = start + len(rest)
+        return sorted({*new, *rest})
 
     def _file(self, names: list[str], read: list[str], fresh: dict[str, Advert], admitted: set[str]) -> None:
         """Remember what each shard read now holds (a peer under its shard at the current

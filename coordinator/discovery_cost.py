@@ -9,8 +9,8 @@ holder answers a lookup with the whole dictionary, so the busiest holder serves
 ``shard_count(n)`` keys of at most ``PEERS_PER_SHARD`` peers each (``<run>:adverts/<i>``,
 ruled by ``protocol.trust.run_records.SHARDED``): a store's lookup returns one shard,
 each node holds a bounded number of shards, so a holder's load stays flat as the swarm
-grows, and no reply exceeds one shard. The coordinator reads at most
-``POLL_BUDGET_BYTES`` per poll, a rotating slice of the shards (peers in the plan are
+grows, and no reply exceeds one shard. The coordinator asks for at most
+``POLL_RECORDS`` adverts a poll, a rotating slice of the shards (peers in the plan are
 watched through their own messages, not the DHT)."""
 
 from __future__ import annotations
@@ -23,12 +23,18 @@ from dataclasses import dataclass
 ADVERT_WIRE_BYTES = 630
 #: nodes that hold a copy of each key (hivemind's ``num_replicas``), each answering lookups
 REPLICAS = 5
-#: the most peers one shard holds: its reply is at most this times ``ADVERT_WIRE_BYTES``
-PEERS_PER_SHARD = 32
+#: the most peers one shard holds: its reply is at most this times ``ADVERT_WIRE_BYTES``,
+#: and a holder's load is flat past it (measured: ``benchmarks/discovery.py``)
+PEERS_PER_SHARD = 16
 #: the most shards a run cuts its adverts into (``protocol.trust.run_records.MAX_SHARDS``)
 MAX_SHARDS = 1024
-#: the most bytes one coordinator poll reads from the DHT
-POLL_BUDGET_BYTES = 512 << 10
+#: the most peers' adverts one coordinator poll asks for (a larger swarm's shards are
+#: read a slice a poll, in turn: ``coordinator.adverts``)
+POLL_RECORDS = 256
+#: copies of each record a coordinator poll receives: it reads the latest of each
+#: shard, so every holder its lookup meets answers with its copy (measured:
+#: ``benchmarks/discovery.py``'s reader bytes over the records it found)
+READ_COPIES = 6.0
 #: the busiest node's share of shards over the mean (a hash's imbalance, 5 copies each)
 HOT_HOLDER_FACTOR = 3.0
 #: CPU seconds the coordinator spends on one signed control message: decode, the gate,
@@ -84,9 +90,9 @@ def sharded(n: int, refresh_s: float, cpu: float = 0.0) -> DiscoveryCost:
     k = shard_count(n)
     per_shard = math.ceil(n / k)
     reply = per_shard * ADVERT_WIRE_BYTES
-    held = max(1.0, HOT_HOLDER_FACTOR * k * REPLICAS / max(n, 1))  # shards on the busiest node
+    held = min(k, max(1.0, HOT_HOLDER_FACTOR * k * REPLICAS / max(n, 1)))  # shards on the busiest node
     rpc = held * per_shard / refresh_s
-    poll = min(n * ADVERT_WIRE_BYTES, max(reply, POLL_BUDGET_BYTES))
+    poll = min(n, POLL_RECORDS) * ADVERT_WIRE_BYTES * READ_COPIES
     return DiscoveryCost(n, k, rpc * reply / 1e3, rpc, poll / 1e3, reply / 1e3, cpu)
 
 

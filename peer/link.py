@@ -222,13 +222,19 @@ class CoordinatorLink:
 
     async def beat(self, beat: Callable[[], Beat | None]) -> None:
         """Heartbeats (``beat()``; None: this peer is in no plan) while not reattaching:
-        the coordinator's stall detector."""
+        the coordinator's stall detector, which counts any bytes it receives from a peer.
+        A beat is skipped when this peer sent the coordinator something else since the
+        last one (a step report, a ready): a planned peer's own traffic is its heartbeat."""
+        sent = self.transport.bytes_sent
+        last = [sent.get(self.peer_id, 0)]  # bytes sent to the coordinator as of the last tick
 
         async def once() -> None:
-            msg = beat()
-            if msg is None or self.reattaching:
+            msg, now = beat(), sent.get(self.peer_id, 0)
+            quiet, last[0] = now == last[0], now
+            if msg is None or self.reattaching or not quiet:
                 return
             await asyncio.wait_for(self.transport.send(self.peer_id, msg), 5)  # a failure: logged, next beat
+            last[0] = sent.get(self.peer_id, 0)
 
         await every(BEAT_S, once, what="heartbeat", clock=self.clock)
 

@@ -21,7 +21,7 @@ def test_the_one_key_layout_matches_issue_33s_measurements_and_is_quadratic() ->
 def test_shards_double_as_the_swarm_grows_and_stay_within_the_rule() -> None:
     assert dc.shard_count(1) == 1 and dc.shard_count(dc.PEERS_PER_SHARD) == 1
     assert dc.shard_count(dc.PEERS_PER_SHARD + 1) == 2
-    assert dc.shard_count(10_000) == 512
+    assert dc.shard_count(10_000) == 1024
     assert dc.shard_count(10**9) == dc.MAX_SHARDS == MAX_SHARDS
 
 
@@ -53,10 +53,10 @@ def test_sim_reports_discovery_and_control_plane_cost(monkeypatch: pytest.Monkey
     plan = SimpleNamespace(groups=[[f"p{i}" for i in range(100)]])
     run = SimpleNamespace(first_plan=plan, mean_s=2.0, replans=[], redone=0, goodput=0.5)
     got = _discovery(topo, {"even": (run, 0.1)})
-    assert got == dc.swarm_cost(10_000, 100, 2.0) and got.shards == 512
+    assert got == dc.swarm_cost(10_000, 100, 2.0) and got.shards == 1024
     args = SimpleNamespace(iterations=1)
     costs = SimpleNamespace(num_ops=3)
     run.predicted_s = run.lower_bound_s = 1.0
     monkeypatch.setattr("fusionllm.plan_cmds._sim_left_out", lambda *a: {})
     text = _sim_text(args, topo, costs, {"even": (run, 0.1)}, set())
-    assert "discovery: 512 advert shard(s)" in text and "coordinator CPU-s/s" in text
+    assert "discovery: 1024 advert shard(s)" in text and "coordinator CPU-s/s" in text

@@ -16,6 +16,7 @@ import pytest
 from hivemind.utils import get_dht_time
 
 from coordinator.adverts import AdvertBook, Sharding
+from coordinator.discovery_cost import shard_count
 from coordinator.status import StatusBoard
 from peer.admission import Credentials
 from peer.adverts import Adverts
@@ -51,16 +52,17 @@ def test_a_run_that_outgrows_its_sharding_says_so_and_reads_the_old_shards_while
     sharding.fit(10)
     assert sharding.shards == 1 and sharding.names(peers) == ["adverts/0"]
     with caplog.at_level(logging.WARNING, logger="coordinator.adverts"):
-        sharding.fit(100)  # 32 peers a shard: 4
-    assert sharding.shards == 4
-    assert "outgrew its sharding: 100 peers in 1 shard(s)" in caplog.text and "into 4" in caplog.text
+        sharding.fit(100)
+    k = shard_count(100)
+    assert sharding.shards == k > 1
+    assert "outgrew its sharding: 100 peers in 1 shard(s)" in caplog.text and f"into {k}" in caplog.text
     assert [e["kind"] for e in board.events].count("reshard") == 1
-    assert sharding.names(peers) == ["adverts/0", "adverts/1", "adverts/2", "adverts/3"]
-    assert sharding.names(["Qm1"]) == sorted({"adverts/0", shard_name("adverts", shard_of("Qm1", 4))})
+    assert sharding.names(peers) == sorted(shard_name("adverts", i) for i in range(k))
+    assert sharding.names(["Qm1"]) == sorted({"adverts/0", shard_name("adverts", shard_of("Qm1", k))})
     asyncio.run(clock.advance(2 * FOLLOW_S))
-    assert sharding.names(["Qm1"]) == [shard_name("adverts", shard_of("Qm1", 4))], "the old shard no longer read"
+    assert sharding.names(["Qm1"]) == [shard_name("adverts", shard_of("Qm1", k))], "the old shard no longer read"
     sharding.fit(3)
-    assert sharding.shards == 4, "never shrunk during a run"
+    assert sharding.shards == k, "never shrunk during a run"
 
 
 class _ShardedDHT:
@@ -106,17 +108,19 @@ def _book(n: int, shards: int) -> tuple[AdvertBook, _ShardedDHT]:
 
 
 def test_the_coordinator_reads_every_admitted_peers_shard_in_one_lookup() -> None:
-    """40 peers outgrow one shard: the book re-shards to 2 and reads both in one read."""
-    book, dht = _book(40, 2)
+    """40 peers outgrow one shard: the book re-shards and reads every shard in one read."""
+    k = shard_count(40)
+    book, dht = _book(40, k)
     assert len(asyncio.run(book.live())) == 40
-    assert book.sharding.shards == 2
-    assert dht.asked == [[dht_key(RUN, "adverts/0"), dht_key(RUN, "adverts/1")]]
+    assert book.sharding.shards == k > 1
+    assert dht.asked == [sorted(dht_key(RUN, shard_name("adverts", i)) for i in range(k))]
 
 
 def test_a_swarm_over_the_read_limit_is_read_a_slice_of_shards_a_poll(monkeypatch: pytest.MonkeyPatch) -> None:
     """More admitted peers than a poll may read (here 8): each poll reads about that
-    many peers' shards, in turn, and the book keeps what each shard's last read found."""
-    monkeypatch.setattr("coordinator.adverts.MAX_RECORDS", 8)
+    many peers' shards, those of peers with no advert yet first, the others in turn; the
+    book keeps what each shard's last read found."""
+    monkeypatch.setattr("coordinator.adverts.POLL_RECORDS", 8)
     monkeypatch.setattr("coordinator.adverts.shard_count", lambda n: 4)
     book, dht = _book(20, 4)
 
@@ -127,6 +131,13 @@ def test_a_swarm_over_the_read_limit_is_read_a_slice_of_shards_a_poll(monkeypatc
     assert all(len(keys) == 1 for keys in dht.asked), dht.asked  # 4 shards * 8 // 20 peers: 1 a poll
     assert {k for keys in dht.asked[:4] for k in keys} == {dht_key(RUN, f"adverts/{i}") for i in range(4)}
     assert seen[0] < 20 and seen[3:] == [20, 20]
+    newcomer = next(f"Qm-new{i}" for i in range(100) if shard_of(f"Qm-new{i}", 4) != shard_of("Qm000", 4))
+    who = Identity.generate()
+    book.gate.admit(newcomer, who.public_key)
+    book.reach.reached[newcomer] = True
+    home = dht_key(RUN, shard_name("adverts", shard_of(newcomer, 4)))
+    dht.shards[home][record_subkey("adverts", who.public_hex, newcomer)] = _advert(who, newcomer)
+    assert newcomer in asyncio.run(book.live()) and dht.asked[-1] == [home], "a new peer's shard is read first"
 
 
 def _link(record: CoordinatorRecord, coordinator: Identity, clock: FakeClock) -> tuple[CoordinatorLink, list[Any]]:

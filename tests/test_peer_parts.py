@@ -5,6 +5,7 @@ and the bounded wait for a certificate after the hello."""
 from __future__ import annotations
 
 import asyncio
+from collections import defaultdict
 from typing import Any
 
 import pytest
@@ -93,6 +94,7 @@ class _Unreachable:
     def __init__(self) -> None:
         self.gate = Gate(RUN)
         self.sent: list[Any] = []
+        self.bytes_sent: dict[str, int] = defaultdict(int)
         self.up = False
 
     async def connected(self) -> set[str]:
@@ -106,7 +108,8 @@ class _Unreachable:
         if not self.up:
             raise ConnectionError(f"{peer_id} is down")
         self.sent.append(msg)
-        return 0
+        self.bytes_sent[peer_id] += 100
+        return 100
 
     async def aclose(self) -> None:
         pass
@@ -140,6 +143,29 @@ def test_the_coordinator_counts_as_lost_after_it_is_unreachable_for_a_while_and_
     lost, paused, sent = asyncio.run(main())
     assert [t for t, _ in lost] == [1.0 + LOST_AFTER_S] and "cannot be reached for 3 s" in lost[0][1]
     assert paused == 0 and sent == 3
+
+
+def test_a_planned_peers_own_messages_to_the_coordinator_stand_in_for_its_heartbeat() -> None:
+    """Issue 33: while a planned peer sends the coordinator step reports at least once a
+    beat period, it sends no heartbeat; once it falls quiet, the heartbeats resume."""
+
+    async def main() -> list[str]:
+        clock, tp = FakeClock(), _Unreachable()
+        tp.up = True
+        link = _link(clock, tp)
+        beats = asyncio.create_task(link.beat(lambda: Beat(RUN, 3, 1)))
+        await clock.advance(BEAT_S)
+        for _ in range(5):  # a step report every half beat period
+            await tp.send("coord", "done")
+            await clock.advance(BEAT_S / 2)
+        await clock.advance(3 * BEAT_S)  # quiet again
+        beats.cancel()
+        return [m if isinstance(m, str) else m.KIND for m in tp.sent]
+
+    sent = asyncio.run(main())
+    first, last = sent.index("done"), len(sent) - 1 - sent[::-1].index("done")
+    assert sent[first : last + 1] == ["done"] * 5, sent  # no beat while it reported
+    assert sent[last + 1 :].count("beat") >= 2, sent
 
 
 def test_the_end_of_the_run_stops_a_reattach_at_once() -> None:

@@ -86,6 +86,13 @@ async def read_many(
 
 async def _read(keys: list[str], wanted: frozenset[str] | None, limit: int, _dht: Any, node: Any) -> dict[str, Any]:
     """``read_many``'s part in the DHT's process (``node``: its ``DHTNode``)."""
+    return await read_node(node, keys, wanted, limit)
+
+
+async def read_node(
+    node: Any, keys: list[str], wanted: frozenset[str] | None = None, limit: int = MAX_RECORDS
+) -> dict[str, Any]:
+    """``read_many`` on a ``DHTNode`` of this process (``keys``: whole DHT keys)."""
     found = await node.get_many(keys, sufficient_expiration_time=math.inf) if keys else {}
     out: dict[str, Any] = {}
     expiry: dict[str, float] = {}
