@@ -75,6 +75,14 @@ class AccessRules:
             return "a private swarm: the hello does not prove the swarm's secret (join with its current --token)"
         return ""
 
+    def proven(self, sender: str, hello: dict[str, Any]) -> bool:
+        """Whether ``hello`` proves the private swarm's current secret (one HMAC, before
+        the hello's signature is checked; a public swarm's: all). The gate draws unproven
+        hellos from a bucket of their own (``protocol.wire.hello_limits``)."""
+        if not self.private:
+            return True
+        return proof_ok(self.secret(), self.run_id, sender, str(hello.get("pubkey")), hello.get("proof"))
+
     def secret(self) -> str:
         """The swarm's secret ('' when the file is missing or damaged: admits nobody)."""
         return self._read(SECRET_FILE, _secret) or ""

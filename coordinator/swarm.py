@@ -167,6 +167,8 @@ class Coordinator:
         self.run_dir = open_run_dir(cfg)
         self.admission.open(self.run_dir.path)
         self.gate.admission = self._admit
+        assert self.admission.rules is not None
+        self.gate.proven = self.admission.rules.proven  # a token-less flood cannot starve members' hellos
         await self._start_status()
         self.endpoint.dht = await start_dht(cfg, self.run_dir, identity, self.admission.private)
         if self.endpoint.transport is None:

@@ -77,8 +77,8 @@ def test_drops_are_logged_once_per_sender_per_period(caplog: pytest.LogCaptureFi
     assert "998 more since the last line" in lines[1], lines
 
 
-def _hello(identity: Identity, sender: str) -> bytes:
-    head, _ = Sealer(identity, sender).seal(Hello(RUN, identity.public_hex), [], [])
+def _hello(identity: Identity, sender: str, proof: str = "") -> bytes:
+    head, _ = Sealer(identity, sender).seal(Hello(RUN, identity.public_hex, proof=proof), [], [])
     return head
 
 
@@ -120,3 +120,23 @@ def test_a_hello_over_its_senders_limit_is_dropped_before_its_signature_is_check
     gate.admission = None
     gate.check_head(_hello(honest, "honest"), "honest")
     assert "honest" in gate.keys and len(checked) == 4, "an honest newcomer is checked and admitted"
+
+
+def test_a_flood_of_unproven_hellos_leaves_the_members_bucket_alone() -> None:
+    """A private swarm: hellos without the proof of its secret, from fresh identities as
+    fast as they come, use up only the unproven bucket; a member's hello still gets in."""
+    clock = Clock()
+    gate = Gate(RUN, clock=clock)
+    gate.accept_hello = True
+    gate.proven = lambda sender, hello: hello.get("proof") == "member"
+    gate.admission = lambda sender, hello: "" if hello.get("proof") == "member" else "a private swarm: no proof"
+    refused, outsider = 0, Identity.generate()
+    for i in range(1000):  # each a new peer id: no sender's own bucket ever runs out
+        try:
+            gate.check_head(_hello(outsider, f"outsider-{i}"), f"outsider-{i}")
+        except Rejected as exc:
+            refused += exc.code is Reject.NOT_ADMITTED
+    assert refused == 1000 and gate.hellos.dropped >= 1000 - 20, "past the unproven burst, dropped unchecked"
+    member = Identity.generate()
+    gate.check_head(_hello(member, "member", proof="member"), "member")
+    assert "member" in gate.keys, "the members' bucket was never drawn on"

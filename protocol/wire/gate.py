@@ -113,6 +113,9 @@ class Gate:
         self.refused: set[str] = set()
         #: hellos of unadmitted senders checked per sender and in all (the rest dropped unchecked)
         self.hellos = HelloLimits(clock=clock)
+        #: a cheap test of an unadmitted sender's hello body, before its bucket is drawn on
+        #: (a private swarm's coordinator: the proof of its secret); None: every hello passes
+        self.proven: Callable[[str, dict[str, Any]], bool] | None = None
         self.counts: collections.Counter[Reject] = collections.Counter()
         self.recent: collections.deque[tuple[float, str, str, str]] = collections.deque(maxlen=200)
         #: called with (sender, code, detail) on every rejection, e.g. by the status page; a
@@ -275,7 +278,8 @@ class Gate:
         if key is not None and not hello:
             self.check_admitted(sender, env.kind)
         if hello:
-            if not self.hellos.allow(sender):  # before any expensive work: no parse, no signature check
+            proven = self.proven is None or self.proven(sender, env.body)
+            if not self.hellos.allow(sender, proven):  # before any expensive work: no parse, no signature check
                 raise Rejected(Reject.NOT_ADMITTED, HELLO_DROPPED)
             try:
                 key = public_key(str(env.body.get("pubkey", "")))

@@ -9,7 +9,12 @@ The table cannot grow without bound: it holds at most ``max_senders`` senders;
 when it is full, those whose buckets have refilled (idle senders, who lose nothing)
 are dropped, and if none has, a new sender gets no bucket of its own and is refused
 until room is made. So fresh identities buy an attacker no fresh burst, and the shared
-bucket bounds the checks per second whatever the number of identities."""
+bucket bounds the checks per second whatever the number of identities.
+
+Where the receiver can tell a member's hello cheaply (a private swarm: the hello's
+proof of the swarm's secret, one HMAC), hellos without that proof draw on a small
+shared bucket of their own: a flood of them from any number of identities leaves the
+members' bucket untouched, so an honest newcomer with the token still gets in."""
 
 from __future__ import annotations
 
@@ -29,6 +34,10 @@ HELLO_BURST = 4.0
 #: all unadmitted senders together
 TOTAL_RATE = 100.0
 TOTAL_BURST = 200.0
+#: all unadmitted senders together whose hellos lack a private swarm's proof (each
+#: checked is refused and told why: a member who forgot --token learns it)
+UNPROVEN_RATE = 10.0
+UNPROVEN_BURST = 20.0
 MAX_SENDERS = 10_000
 #: dropped hellos are logged at most once per sender per this many seconds
 LOG_EVERY_S = 60.0
@@ -68,20 +77,22 @@ class HelloLimits:
     ) -> None:
         self.rate, self.burst, self.max_senders, self.clock = rate, burst, max_senders, clock
         self.total = Bucket(total_rate, total_burst, clock())
+        self.unproven = Bucket(UNPROVEN_RATE, UNPROVEN_BURST, clock())
         self.buckets: collections.OrderedDict[str, Bucket] = collections.OrderedDict()
         self.dropped = 0  # hellos dropped, in all
         self._drops: dict[str, tuple[float, int]] = {}  # sender -> (last logged, dropped since)
         self._swept = {"buckets": -float("inf"), "drops": -float("inf")}  # when each table was last swept
 
-    def allow(self, sender: str) -> bool:
-        """Take a token for ``sender``'s hello; False: drop it unchecked."""
+    def allow(self, sender: str, proven: bool = True) -> bool:
+        """Take a token for ``sender``'s hello; False: drop it unchecked. A hello not
+        ``proven`` (a private swarm's, without a valid proof) draws on the unproven bucket."""
         now = self.clock()
         bucket = self.buckets.get(sender)
         if bucket is None:
             bucket = self._new(sender, now)
         else:
             self.buckets.move_to_end(sender)
-        if bucket is not None and bucket.take(now) and self.total.take(now):
+        if bucket is not None and bucket.take(now) and (self.total if proven else self.unproven).take(now):
             return True
         self.dropped += 1
         self._note_drop(sender, now)
