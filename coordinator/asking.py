@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from coordinator.estimator import DagCosts, PeerTable, Plan, predict
 from coordinator.netmodel import LinkInfo, Network, PeerProfile
-from coordinator.opfence import finalists
+from coordinator.opfence import RACE_MARGIN, finalists
 from coordinator.plan_eval import Options, rank
 
 logger = logging.getLogger(__name__)
@@ -54,8 +54,7 @@ def _scaled(network: Network, pairs: set[Pair], factor: float) -> Network:
 
 
 def _time(costs: DagCosts, p: Plan, by_id: PeerTable, network: Network, options: Options) -> float:
-    again = Plan(p.cut, p.groups, p.codecs, p.scheduler)
-    return predict(costs, again, by_id, network, options.micro_batches).to_loss_s
+    return predict(costs, _bare(p), by_id, network, options.micro_batches).to_loss_s
 
 
 def deciding_links(
@@ -68,18 +67,20 @@ def deciding_links(
     most: int = ASK_MOST,
 ) -> list[Pair]:
     """The links whose probes would decide between the leader (``plans[0]``) and the
-    finalists that could beat it: a finalist could when, its inferred links ``error``
+    plans that could beat it. A finalist could when, its inferred links ``error``
     times faster, it beats the leader with the leader's inferred links ``error`` times
-    slower. Asked: the inferred links of the leader and of those contenders that
-    only one of the two uses first (they set the two apart), then the rest, at
-    most ``most``. Empty when the leader wins however wrong the view is."""
+    slower; and any plan could when the leader, its inferred links ``error`` times
+    slower, falls out of the finalists' race (``RACE_MARGIN``): then its own inferred
+    links are asked first. Then the inferred links that only one of the leader and
+    a contender uses (they set the two apart), then the rest, at most ``most``.
+    Empty when the leader wins however wrong the view is."""
     if not plans or not plans[0].valid:
         return []
     by_id = PeerTable(peers)
     leader = plans[0]
     mine = _guessed(network, leader.groups)
     worst = _time(costs, leader, by_id, _scaled(network, mine, 1 / error), options) if mine else leader.to_loss_s
-    deciding: list[Pair] = []
+    deciding: list[Pair] = sorted(mine) if worst > leader.to_loss_s * RACE_MARGIN else []
     shared: list[Pair] = []
     for p in plans[1:]:
         theirs = _guessed(network, p.groups)
@@ -94,10 +95,19 @@ def deciding_links(
 
 @dataclass(frozen=True)
 class Asked:
-    """A plan chosen after asking: the plan, and the links probed for it, in order."""
+    """A plan chosen after asking: the plan, the links probed for it (in order), the
+    plan it would have been without asking (``unasked``: the first planning's best)
+    and every round's finalists (``seen``, the first round's first)."""
 
     plan: Plan
     probed: list[Pair]
+    unasked: Plan
+    seen: list[Plan]
+
+    @property
+    def changed(self) -> bool:
+        """Whether asking chose other stage groups than the first planning."""
+        return self.plan.groups != self.unasked.groups
 
 
 def plan_asking(
@@ -110,11 +120,13 @@ def plan_asking(
 ) -> Asked:
     """OP-Fence's finalists; while ``deciding_links`` names links (``rounds`` at most),
     probe them (``network`` learns what ``probe`` measures) and plan again on what was
-    learnt. The best finalist of the last planning, re-ranked on every link learnt."""
+    learnt. The best of every round's finalists, each predicted again on every link
+    learnt (a finalist of an earlier round may win once its links are known)."""
     probed: list[Pair] = []
     plans = finalists(costs, peers, network, options)
+    seen = list(plans)
     for _ in range(rounds):
-        ask = deciding_links(costs, plans, peers, network, options)
+        ask = [pair for pair in deciding_links(costs, plans, peers, network, options) if pair not in probed]
         if not ask:
             break
         for a, b in ask:
@@ -122,4 +134,14 @@ def plan_asking(
         probed += ask
         logger.info("probed %d links that decide between the finalists", len(ask))
         plans = finalists(costs, peers, network, options)
-    return Asked(min(plans, key=rank), probed)
+        seen += plans
+    if not probed:
+        return Asked(plans[0], [], plans[0], seen)
+    by_id = PeerTable(peers)
+    again = [predict(costs, _bare(p), by_id, network, options.micro_batches) for p in seen]
+    return Asked(min(again, key=rank), probed, seen[0], seen)
+
+
+def _bare(p: Plan) -> Plan:
+    """``p``'s cut, groups and codecs, to be predicted again."""
+    return Plan(p.cut, p.groups, p.codecs, p.scheduler)

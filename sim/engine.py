@@ -16,6 +16,7 @@ from coordinator.plan_options import POLICIES
 from coordinator.replan import JOIN_REPLAN_EVERY, checkpoint_due, rebalance, recover, wants_replan
 from coordinator.scheduler import plan
 from protocol.model import schedule as schedules
+from sim.asking import AskReport, ask
 from sim.topology import Topology
 
 
@@ -40,6 +41,12 @@ class SimResult:
     replans: list[tuple[int, str]] = field(default_factory=list)
     redone: int = 0  # iterations rolled back and done again
     first_plan: Plan | None = None  # the plan it started with
+    asks: list[tuple[int, AskReport]] = field(default_factory=list)  # (iteration, report) per planning that asked
+
+    @property
+    def probes_asked(self) -> int:
+        """Links probed before a plan was chosen, over the run."""
+        return sum(r.probed for _, r in self.asks)
 
     @property
     def mean_s(self) -> float:
@@ -160,8 +167,12 @@ class _Swarm:
         options: Options,
         held_out: set[str],
         probes_per_peer: int,
+        asking: bool = True,
     ) -> None:
         self.costs, self.topology, self.scheduler, self.options = costs, topology, scheduler, options
+        self.asking = asking and scheduler == "opfence"
+        self.iteration = 0
+        self.asks: list[tuple[int, AskReport]] = []
         self.true = {p.id: p for p in topology.peers if p.id not in held_out}
         self.reserve = {p.id: p for p in topology.peers if p.id in held_out}
         self.view = dict(self.true)
@@ -174,7 +185,15 @@ class _Swarm:
         self._last: tuple[Plan, tuple[tuple[str, float], ...], float] | None = None
 
     def replan(self) -> Plan:
-        return plan(self.scheduler, self.costs, list(self.view.values()), self.network, self.options)
+        """The scheduler's plan on the view; OP-Fence first probes the links that
+        decide between its finalists (``sim.asking``), as the live coordinator does."""
+        peers = list(self.view.values())
+        if not self.asking:
+            return plan(self.scheduler, self.costs, peers, self.network, self.options)
+        asked, report = ask(self.costs, peers, self.network, self.topology.network, self.options)
+        if report.probed:
+            self.asks.append((self.iteration, report))
+        return asked.plan
 
     def planned(self) -> set[str]:
         return {pid for g in self.current.groups for pid in g}
@@ -263,21 +282,26 @@ def simulate(
     held_out: set[str] | None = None,
     policy: str = "rebalance",
     progress: Callable[[int], None] | None = None,
+    asking: bool = True,
 ) -> SimResult:
     """Plan with ``scheduler`` on what peers measure (a few probes each, the rest
     inferred), run ``iterations`` on the true topology and answer churn by ``policy``.
     Checkpoints are taken when the live coordinator would take them (``replan.checkpoint_due``),
     and their cost, moves and redone iterations are counted in the iteration times;
-    ``progress`` is told each iteration done."""
+    ``progress`` is told each iteration done. With ``asking``, OP-Fence probes the
+    links that decide between its finalists before it commits to a plan
+    (``SimResult.asks``)."""
     if policy not in POLICIES:
         raise ValueError(f"policy {policy!r}: choose from {', '.join(POLICIES)}")
-    swarm = _Swarm(costs, topology, scheduler, options, held_out or set(), probes_per_peer)
-    result = SimResult(scheduler, [], swarm.current.iteration_s, swarm.current.lower_bound_s, first_plan=swarm.current)
+    swarm = _Swarm(costs, topology, scheduler, options, held_out or set(), probes_per_peer, asking)
+    first = swarm.current
+    result = SimResult(scheduler, [], first.iteration_s, first.lower_bound_s, first_plan=first, asks=swarm.asks)
     events = sorted(churn or [], key=lambda c: c.iteration)
     since: list[float] = []  # iteration times since the last checkpoint (what a rollback redoes)
     last_optional = -JOIN_REPLAN_EVERY
     pending = _Change()  # slow-downs and joins not yet considered
     for it in range(iterations):
+        swarm.iteration = it
         change = swarm.apply([e for e in events if e.iteration == it])
         pending.slowed |= change.slowed
         pending.joined |= change.joined

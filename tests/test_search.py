@@ -14,7 +14,9 @@ from coordinator.netmodel import Network, PeerProfile
 from coordinator.opfence import finalists, opfence
 from coordinator.placement import link_pools
 from coordinator.plan_eval import Options
-from sim.engine import iteration_seconds
+from sim.asking import view_error
+from sim.engine import iteration_seconds, simulate
+from sim.topology import Topology
 
 GB = 1 << 30
 OPS = 8
@@ -100,6 +102,7 @@ def test_the_probes_the_planner_asks_for_make_it_pick_the_faster_pair() -> None:
 
     asked = plan_asking(costs, peers, view, OPTIONS, truth.link)
     assert {pid for g in asked.plan.groups for pid in g} == {"r", "s"}, asked.plan.groups
+    assert asked.changed and asked.unasked.groups == guessed[0].groups
     assert asked.probed and len(asked.probed) <= 3 * 16
     true_s = [iteration_seconds(costs, p, by_id, truth, OPTIONS.micro_batches) for p in (guessed[0], asked.plan)]
     assert true_s[1] < true_s[0] / 5
@@ -110,6 +113,47 @@ def test_no_link_is_asked_when_the_leader_wins_however_wrong_the_view() -> None:
     costs = _model()
     plans = finalists(costs, peers, truth, OPTIONS)  # every link measured
     assert deciding_links(costs, plans, peers, truth, OPTIONS) == []
+
+
+def test_a_lone_finalist_on_guessed_links_has_them_asked() -> None:
+    """With no contender left in the race, the leader's own guessed links are asked:
+    4x slower, it would fall out of the race, so a plan the race dropped could win."""
+    peers, view, _ = _four_homes()
+    costs = _model()
+    leader = finalists(costs, peers, view, OPTIONS)[:1]
+    assert deciding_links(costs, leader, peers, view, OPTIONS) == sorted(plan_pairs(leader[0].groups))
+
+
+def _seven_homes() -> Topology:
+    """Seven homes, each its own cluster, 100 Mbit/s between any two but p-q (10 Mbit/s).
+    p and q compute a little faster than r, s, t, u, v (seven: more than a tiny swarm,
+    whose every grouping OP-Fence would try, slowly)."""
+    peers = [_peer("p", 100, "p"), _peer("q", 100, "q")] + [_peer(h, 90, h) for h in "rstuv"]
+    truth = Network({p.id: p.id for p in peers}, {}, {("p", "q"): (10.0, 0.001)}, default=(100.0, 0.001))
+    return Topology(peers, truth, "seven-homes")
+
+
+def test_the_simulator_asks_before_it_commits_and_picks_the_faster_pair() -> None:
+    """One probe a peer (seed 5) leaves p-q unprobed: the view takes it at the probes'
+    median, 100 Mbit/s, and ranks [p][q] first. Asking probes it and plans [p][r]."""
+    topo, options = _seven_homes(), Options(micro_batches=8, compression=False, seed=5)
+    assert not {("p", "q"), ("q", "p")} & set(topo.probes(1, 5))
+    blind = simulate(_model(), topo, "opfence", options, 1, probes_per_peer=1, asking=False)
+    asked = simulate(_model(), topo, "opfence", options, 1, probes_per_peer=1)
+    assert blind.first_plan is not None and blind.first_plan.groups == [["p"], ["q"]]
+    assert asked.first_plan is not None and sorted(asked.first_plan.groups) == [["p"], ["r"]]
+    assert asked.iteration_s[0] < blind.iteration_s[0] / 4
+    [(iteration, report)] = asked.asks
+    assert iteration == 0 and report.changed and report.unasked.groups == [["p"], ["q"]]
+    assert 0 < report.probed == asked.probes_asked <= 16
+    assert report.error_before > 1.3 and report.error_after == 1.0
+
+
+def test_view_error_is_the_typical_factor_either_way() -> None:
+    truth = Network({}, {}, {("a", "b"): (100.0, 0.0), ("a", "c"): (100.0, 0.0)}, default=(100.0, 0.0))
+    view = Network({}, {}, {("a", "b"): (400.0, 0.0), ("a", "c"): (25.0, 0.0)}, default=(100.0, 0.0))
+    assert view_error(view, truth, [("a", "b"), ("a", "c")]) == pytest.approx(4.0)
+    assert view_error(view, truth, [("b", "c")]) == view_error(view, truth, []) == 1.0
 
 
 def test_plan_pairs_are_neighbouring_stages_and_replicas() -> None:
