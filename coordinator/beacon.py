@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 
 from hivemind.utils import get_dht_time
 
@@ -30,6 +31,7 @@ class Beacon:
         self.sharding = sharding  # None: one shard
         self._refresh: asyncio.Task[None] | None = None
         self._publisher: Publisher | None = None  # made once the endpoint is up
+        self.incarnation = secrets.token_hex(8)  # this process's: peers of an earlier one hello again
 
     async def start(self) -> None:
         """Publish the record, then keep it fresh in the background."""
@@ -49,7 +51,9 @@ class Beacon:
         assert ep.dht is not None and ep.transport is not None and ep.identity is not None
         expires = get_dht_time() + self.ttl
         shards = self.sharding.shards if self.sharding is not None else 1
-        rec = CoordinatorRecord(ep.transport.peer_id, ep.visible_maddrs(), self.run_id, expires, shards)
+        rec = CoordinatorRecord(
+            ep.transport.peer_id, ep.visible_maddrs(), self.run_id, expires, shards, self.incarnation
+        )
         if self._publisher is None:  # under its own key: another's claim of the run cannot hide it
             self._publisher = Publisher(ep.dht, ep.identity, self.run_id, self.clock)
         await self._publisher.publish("coordinator", rec.header(), expires)

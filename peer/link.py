@@ -245,19 +245,27 @@ class CoordinatorLink:
         every ``FOLLOW_S`` (``follow``)."""
         await asyncio.gather(
             every(WATCH_S, lambda: self._look(lost), what="watching the coordinator", clock=self.clock),
-            every(FOLLOW_S, self.follow, what="reading the coordinator's record", clock=self.clock),
+            every(FOLLOW_S, lambda: self.follow(lost), what="reading the coordinator's record", clock=self.clock),
         )
 
-    async def follow(self) -> None:
+    async def follow(self, lost: Callable[[str], None] | None = None) -> None:
         """Take the coordinator's newest record (the same coordinator's: a re-shard of the
-        adverts), unless lost; a record of another libp2p node waits for ``reattach``."""
+        adverts), unless lost; a record of another libp2p node waits for ``reattach``. A
+        record of a new start of the same node (``--resume``: it admits nobody yet) tells
+        ``lost`` at once, so that this peer says hello again rather than being refused."""
         if self.reattaching or self.record is None:
             return
         rec = (await self.records()).get(key_hex(self.key))
-        if rec is not None and rec.peer_id == self.record.peer_id:
-            if rec.shards != self.record.shards:
-                logger.info("the run's adverts are now cut into %d shard(s)", rec.shards)
-            self.record = rec
+        if rec is None or rec.peer_id != self.record.peer_id:
+            return
+        if rec.incarnation != self.record.incarnation:  # a stale copy of an earlier start is older
+            if lost is not None and rec.expires_at > self.record.expires_at:
+                self.reattaching = True
+                lost("it restarted (its record names a new start of the same node)")
+            return
+        if rec.shards != self.record.shards:
+            logger.info("the run's adverts are now cut into %d shard(s)", rec.shards)
+        self.record = rec
 
     async def _look(self, lost: Callable[[str], None]) -> None:
         if self.reattaching:

@@ -286,6 +286,9 @@ class CoordinatorRecord(Message):
     #: the shards the run's adverts are cut into: a peer stores its advert under
     #: ``adverts/<shard_of(its id, shards)>`` (``protocol.trust.run_records``)
     shards: int = 1
+    #: drawn afresh by each start of the coordinator's process: a peer whose coordinator
+    #: restarted (``--resume``, the same libp2p node) sees a new one and says hello again
+    incarnation: str = ""
     pubkey: str = ""
     sig: str = ""
 
