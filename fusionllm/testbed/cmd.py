@@ -13,8 +13,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from fusionllm.testbed import DEFAULT_MODEL_ARGS, plans, report, topo
 from fusionllm.testbed import lab as labmod
-from fusionllm.testbed import plans, report, topo
 from fusionllm.testbed.swarm import Measured, Swarm, SwarmSpec
 from fusionllm.usage import UsageError
 
@@ -32,7 +32,7 @@ def run_testbed(
     topology: str,
     schedulers: list[str],
     model: str = "gpt",
-    model_args: str = "",
+    model_args: str = DEFAULT_MODEL_ARGS,
     micro_batches: int = 4,
     steps: int = 30,
     compressions: tuple[str, ...] = ("none",),
@@ -65,7 +65,8 @@ def run_testbed(
     job_args += ["--steps", str(steps), "--seed", "0"]
     delays = {h: topo.delay_table(t, h) for h in topo.addresses(t)}
     todo = [(p, "none") for p in _distinct(predicted)]
-    todo += [(p, "auto") for p in predicted if p.scheduler == "opfence" and "auto" in compressions]
+    if "auto" in compressions and "opfence" in schedulers:  # OP-Fence's plan with the codecs it priced
+        todo += [(p, "auto") for p in plans.predict_all(["opfence"], costs, t, compute, micro_batches, True)]
     runs: dict[tuple[str, str], Measured] = {}
     try:
         lab.build()
@@ -78,7 +79,10 @@ def run_testbed(
             say(f"{p.scheduler} ({mode}): measured {m.step_s * 1e3:.1f} ms, estimated {p.estimated_s * 1e3:.1f} ms")
     finally:
         lab.close()
-    return _result(topology, t, compute, predicted, runs)
+    out = _result(topology, t, compute, predicted, runs)
+    if ("opfence", "auto") in runs:
+        out.update(_auto(runs, todo[-1][0]))
+    return out
 
 
 def _distinct(predicted: list[plans.Predicted]) -> list[plans.Predicted]:
@@ -124,12 +128,23 @@ def _result(topology: str, t: Any, compute: topo.ComputeMap, predicted: list[pla
         "auto_vs_none_measured": None,
         "auto_loss_ratio": None,
     }
-    if ("opfence", "auto") in runs:
-        auto, none = runs[("opfence", "auto")], runs[("opfence", "none")]
-        out["auto_vs_none_measured"] = report.ratio(none.step_s, auto.step_s)
-        out["auto_loss_ratio"] = report.ratio(auto.final_loss, none.final_loss)
-        out["auto_codecs"] = auto.codecs
     return out
+
+
+def _auto(runs: dict, planned: plans.Predicted) -> dict[str, Any]:
+    """OP-Fence's plan priced with ``auto``'s codecs against its uncompressed one: the
+    time ratio (uncompressed over compressed), the loss ratio (compressed over not),
+    the codecs the planner priced beside those the live swarm chose on its links."""
+    auto, none = runs[("opfence", "auto")], runs[("opfence", "none")]
+    return {
+        "auto_vs_none_measured": report.ratio(none.step_s, auto.step_s),
+        "auto_loss_ratio": report.ratio(auto.final_loss, none.final_loss),
+        "auto_measured_s": round(auto.step_s, 5),
+        "auto_estimated_s": round(planned.estimated_s, 5),
+        "auto_codecs_planned": [str(c) for c in planned.plan.codecs],
+        "auto_codecs_live": auto.codecs,
+        "auto_plan": planned.plan.groups,
+    }
 
 
 def _terminate(signum: int, frame: Any) -> None:

@@ -5,6 +5,7 @@ runs (``coordinator.pinned``); the one-thread FLOP/s this machine delivers on th
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -52,8 +53,9 @@ def costs_of(job: JobSpec) -> DagCosts:
 
 def one_thread_flops(job: JobSpec, costs: DagCosts, repeats: int = 15) -> float:
     """FLOP/s one thread of this machine delivers on the model: a micro-batch's forward
-    and backward (3x the forward's FLOPs), the fastest of ``repeats`` after a warm-up
-    (the fastest: other work on the machine only ever slows a run down)."""
+    and backward (3x the forward's FLOPs), the median of ``repeats`` after a warm-up
+    (the fastest overstated what the peers deliver beside the swarm's other processes:
+    their stages then took up to 1.9x the estimator's compute)."""
     import torch
 
     threads = torch.get_num_threads()
@@ -70,7 +72,7 @@ def one_thread_flops(job: JobSpec, costs: DagCosts, repeats: int = 15) -> float:
                 times.append(time.perf_counter() - t0)
     finally:
         torch.set_num_threads(threads)
-    return 3 * costs.total_flops / min(times)
+    return 3 * costs.total_flops / statistics.median(times)
 
 
 def emulated_peers(topo: Topology, compute: ComputeMap) -> list[PeerProfile]:
@@ -80,13 +82,19 @@ def emulated_peers(topo: Topology, compute: ComputeMap) -> list[PeerProfile]:
 
 
 def predict_all(
-    schedulers: list[str], costs: DagCosts, topo: Topology, compute: ComputeMap, micro_batches: int
+    schedulers: list[str],
+    costs: DagCosts,
+    topo: Topology,
+    compute: ComputeMap,
+    micro_batches: int,
+    compression: bool = False,
 ) -> list[Predicted]:
-    """Each scheduler's plan (every peer used, uncompressed) with the estimator's and
-    the simulator's iteration time; TestbedError when a scheduler finds none."""
+    """Each scheduler's plan (every peer used; with ``compression``, the codecs ``auto``
+    gives its slow edges, priced) with the estimator's and the simulator's iteration
+    time; TestbedError when a scheduler finds none."""
     peers = emulated_peers(topo, compute)
     by_id = {p.id: p for p in peers}
-    options = Options(micro_batches=micro_batches, compression=False, standby=False)
+    options = Options(micro_batches=micro_batches, compression=compression, standby=False)
     out = []
     for name in schedulers:
         try:
