@@ -16,13 +16,10 @@ from typing import Any, ClassVar
 
 from protocol.wire.schema import MessageError, check_field, fields_and_types, fields_of
 
-#: 2: spot checks may re-execute the forward only (``Recheck.backward``); a peer of 1
-#: would take such a check for a full one with its gradients missing, and fail it.
-#: 3: an arbitration may come without weights (``Recheck.same_weights``); a peer of 2
-#: would take it for a stage that has none, and fail it.
-#: 4: a run's DHT records are stored under their signer's key (hex) as the subkey, and
-#: adverts name their run; a peer of 3 would store its advert where every node of 4
-#: refuses it (``protocol.trust.run_records``), and wait for an assignment in vain
+#: 2: a spot check may re-execute the forward only (``Recheck.backward``). 3: an
+#: arbitration may come without weights (``Recheck.same_weights``). 4: DHT records are
+#: stored under their signer's key (hex) as the subkey, adverts name their run (a peer of
+#: 3 would store where every node of 4 refuses it). An older peer would fail each of these
 PROTOCOL_VERSION = 4
 #: who may send a message in a frame (a class that names none is a DHT record)
 SENDERS = ("peer", "coordinator", "stage")
@@ -276,18 +273,17 @@ class Abort(Message, sender="coordinator", early=True):
 
 @dataclass(frozen=True)
 class CoordinatorRecord(Message):
-    """The coordinator's DHT record: where peers send their messages."""
+    """The coordinator's DHT record: where peers send their messages; ``shards``: how
+    many the run's adverts are cut into (a peer's under ``adverts/<shard_of(its id,
+    shards)>``); ``incarnation``: new at each start of its process (a peer that sees a
+    new one says hello again: ``--resume`` restarts the same libp2p node)."""
 
     KIND: ClassVar[str] = "coordinator"
     peer_id: str
     maddrs: list[str]
     run_id: str
     expires_at: float
-    #: the shards the run's adverts are cut into: a peer stores its advert under
-    #: ``adverts/<shard_of(its id, shards)>`` (``protocol.trust.run_records``)
     shards: int = 1
-    #: drawn afresh by each start of the coordinator's process: a peer whose coordinator
-    #: restarted (``--resume``, the same libp2p node) sees a new one and says hello again
     incarnation: str = ""
     pubkey: str = ""
     sig: str = ""
