@@ -1,19 +1,22 @@
 """Discovery's cost on loopback: N advertising hivemind ``DHTNode``s and one reader (the
-coordinator's node), under today's one-key layout or the sharded one
-(``coordinator.discovery_cost``). Each node stores a ~570-byte advert under its
-subkey every ``REFRESH_S``; the reader polls every key once a second. Measured per N:
-poll time (p50), completeness (adverts found / live, the least of the polls), the
-busiest node's bytes served by ``rpc_find`` per second, the reader's bytes per poll.
-Projections for 1,000 and 10,000 peers come from the formulas, whose one-key
-figures are checked against these measurements.
+coordinator's node), under the live sharded layout (``<run>:adverts/<i>``, as many
+shards as ``discovery_cost.shard_count(N)``, each node under ``shard_of`` its id) and,
+for comparison, the old one-key layout. Each node stores a signed ~570-byte advert
+every ``REFRESH_S``; the reader polls every key once a second with the coordinator's
+own read (``protocol.net.records.read_node``: the latest of each shard, one lookup).
+Measured per N: poll time (p50), completeness (adverts found / N, the least of the
+polls), the busiest node's bytes served by ``rpc_find`` per second, the bytes of the
+replies the reader received per poll; beside them the formulas' figures
+(``formula_busiest_holder_kB_s``), and the formulas' projections for 1,000 and 10,000.
 
-All nodes run in this one process (each with its own p2p daemon): on a 2-core machine
-80 nodes saturate it, as issue 33 saw. ``coordinator_cpu_per_1k_peers`` is measured
-here as the CPU of checking 1,000 signed records (the control plane's dominant
-per-message cost) at the rates of ``discovery_cost.control_cpu``, not against a
-real coordinator process (left to do).
+The advertising nodes run in worker processes of ``NODES_PER_WORKER`` (each node with
+its own p2p daemon), the reader in this one: with all 80 in the reader's event loop it
+was starved, and its polls found half the adverts or none. Polls start once every
+node's first store was taken. ``coordinator_cpu_per_1k_peers`` comes from a real
+coordinator process under a synthetic load of signed heartbeats
+(``benchmarks/control_plane.py``), at the rates of 1,000 peers.
 
-    python benchmarks/discovery.py [--short] [--layout sharded|one_key]
+    python benchmarks/discovery.py [--short] [--layout both|sharded|one_key]
 """
 
 from __future__ import annotations
@@ -23,11 +26,14 @@ import asyncio
 import functools
 import json
 import logging
+import multiprocessing
 import os
 import statistics
 import sys
 import time
 from collections import defaultdict
+from multiprocessing.connection import Connection
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -35,70 +41,184 @@ from hivemind.dht.node import DHTNode  # noqa: E402
 from hivemind.dht.protocol import DHTProtocol  # noqa: E402
 from hivemind.utils import get_dht_time  # noqa: E402
 
+from benchmarks import control_plane  # noqa: E402
 from coordinator import discovery_cost as dc  # noqa: E402
+from protocol.net.records import read_node  # noqa: E402
 from protocol.trust.identity import Identity, check_record, sign_record  # noqa: E402
+from protocol.trust.run_records import record_subkey, shard_name, shard_of  # noqa: E402
+from protocol.wire.messages import PROTOCOL_VERSION, Advert, dht_key  # noqa: E402
 
 REFRESH_S = dc.ADVERT_REFRESH_S
 STEP_S = 5.0  # the step the projections assume: each planned peer's step report is its heartbeat
-TTL_S = 6.0
+TTL_S = 3 * REFRESH_S  # an advert's lifetime (peer.config's advert ttl)
 POLL_S = 1.0
+RUN = "bench"
+#: the longest every node's first store may take before the polls start
+STORED_WITHIN_S = 60.0
+#: advertising nodes per worker process: the reader polls from the main process (80
+#: nodes in the reader's own event loop starved it: its polls found half the adverts,
+#: or none, and at 80 the nodes' bootstrap pings to it went unanswered)
+NODES_PER_WORKER = 20
+#: nodes started at once (each starts a p2p daemon), and how long a daemon may take
+#: to start (a loaded machine takes longer than hivemind's default 15 s)
+START_BATCH = 5
+P2P_ARGS = {"startup_timeout": 60.0}
+logger = logging.getLogger("discovery")
 SERVED: dict[bytes, int] = defaultdict(int)  # node id -> bytes its rpc_find replies carried
+READ: dict[str, int] = defaultdict(int)  # requester's peer id -> bytes of rpc_find replies it was sent
 
 
 def _count_served() -> None:
-    """Wrap ``DHTProtocol.rpc_find`` to add each reply's size to its node's count."""
+    """Wrap ``DHTProtocol.rpc_find`` to add each reply's size to its node's count and
+    to its requester's."""
     original = DHTProtocol.rpc_find
 
     @functools.wraps(original)
     async def rpc_find(self: DHTProtocol, request, context):  # type: ignore[no-untyped-def]
         reply = await original(self, request, context)
         SERVED[self.node_id.to_bytes()] += reply.ByteSize()
+        READ[str(context.remote_id)] += reply.ByteSize()
         return reply
 
     DHTProtocol.rpc_find = rpc_find  # type: ignore[method-assign]
 
 
-def _keys(layout: str, n: int) -> list[str]:
-    return ["bench:adverts"] if layout == "one_key" else [f"bench:adverts/{i}" for i in range(dc.shard_count(n))]
+def _names(layout: str, n: int) -> list[str]:
+    """The run's advert keys (names) under ``layout`` for ``n`` peers."""
+    return ["adverts"] if layout == "one_key" else [shard_name("adverts", i) for i in range(dc.shard_count(n))]
 
 
-async def _advertise(node: DHTNode, keys: list[str], i: int, stop: asyncio.Event) -> None:
-    advert = {"peer": i, "maddrs": ["/ip4/127.0.0.1/tcp/0"] * 6, "pad": "x" * 330}
-    key = keys[i % len(keys)]
+def _advert(who: Identity, peer_id: str) -> dict[str, object]:
+    """A signed advert of the live swarm's size (~570 bytes)."""
+    maddrs = [f"/ip4/127.0.0.1/tcp/{40000 + i}/p2p/{peer_id}" for i in range(2)]
+    ad = Advert(peer_id, maddrs, "cpu", 1e12, 8 << 30, 100.0, 100.0, "2.4.0", PROTOCOL_VERSION, get_dht_time() + TTL_S)
+    return sign_record(who, {**ad.header(), "run_id": RUN})
+
+
+async def _advertise(node: DHTNode, names: list[str], stored: asyncio.Event, stop: asyncio.Event) -> None:
+    """Store this node's advert under its shard every ``REFRESH_S``, as ``peer.adverts`` does."""
+    who, peer_id = Identity.generate(), str(node.peer_id)
+    name = "adverts" if names == ["adverts"] else shard_name("adverts", shard_of(peer_id, len(names)))
+    subkey = record_subkey("adverts", who.public_hex, peer_id)
     while not stop.is_set():
-        await node.store(key, advert, get_dht_time() + TTL_S, subkey=f"peer-{i}")
+        if await node.store(dht_key(RUN, name), _advert(who, peer_id), get_dht_time() + TTL_S, subkey=subkey):
+            stored.set()  # (a loaded machine's first stores may time out: none took it)
         try:
             await asyncio.wait_for(stop.wait(), REFRESH_S)
         except asyncio.TimeoutError:
             pass
 
 
-async def _measure(n: int, layout: str, seconds: float) -> dict[str, float]:
-    reader = await DHTNode.create(cache_locally=False)
-    maddrs = [str(a) for a in await reader.get_visible_maddrs()]
-    nodes = [await DHTNode.create(initial_peers=maddrs, cache_locally=False) for _ in range(n)]
-    keys, stop = _keys(layout, n), asyncio.Event()
-    tasks = [asyncio.create_task(_advertise(node, keys, i, stop)) for i, node in enumerate(nodes)]
-    await asyncio.sleep(REFRESH_S + 0.5)  # every advert stored once
+def _worker(conn: Connection, count: int, names: list[str]) -> None:
+    """A process of ``count`` advertising nodes, told by ``conn`` where the reader is,
+    when to count and when to stop; it answers its counts."""
+    try:
+        asyncio.run(_work(conn, count, names))
+    finally:
+        conn.close()
+
+
+async def _recv(conn: Connection, within: float) -> Any:
+    """The next thing ``conn`` says, awaited off the event loop; RuntimeError if nothing within ``within`` s."""
+    got = await asyncio.get_running_loop().run_in_executor(None, lambda: conn.recv() if conn.poll(within) else None)
+    if got is None:
+        raise RuntimeError(f"no word from the other process within {within:.0f} s")
+    return got
+
+
+async def _node(initial: list[str], tries: int = 3) -> DHTNode:
+    """A node bootstrapped from ``initial``, tried again where none of them answered its
+    ping in time (a loaded machine's daemon may not)."""
+    for attempt in range(tries):
+        try:
+            return await DHTNode.create(initial_peers=initial, cache_locally=False, **P2P_ARGS)
+        except RuntimeError as exc:
+            if "bootstrap failed" not in str(exc) or attempt == tries - 1:
+                raise
+            logger.info("a node's bootstrap failed (%s); again", exc)
+    raise AssertionError("unreachable")
+
+
+async def _work(conn: Connection, count: int, names: list[str]) -> None:
+    maddrs, reader_id = await _recv(conn, 600)  # the workers before it start first
+    nodes: list[DHTNode] = []
+    while len(nodes) < count:
+        batch = min(START_BATCH, count - len(nodes))
+        nodes += await asyncio.gather(*(_node(maddrs) for _ in range(batch)))
+    stop, stored = asyncio.Event(), [asyncio.Event() for _ in nodes]
+    tasks = [asyncio.create_task(_advertise(node, names, ev, stop)) for node, ev in zip(nodes, stored)]
+    # every advert stored once before the polls count (a loaded machine's first stores are slow)
+    await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in stored)), STORED_WITHIN_S)
+    conn.send("stored")
+    await _recv(conn, STORED_WITHIN_S)  # go
     SERVED.clear()
-    polls, found, sizes, t0 = [], [], [], time.monotonic()
-    while time.monotonic() - t0 < seconds:
-        start = time.monotonic()
-        got = await reader.get_many(keys, sufficient_expiration_time=float("inf"))
-        polls.append(time.monotonic() - start)
-        values = [v.value for v in got.values() if v is not None and isinstance(v.value, dict)]
-        found.append(sum(len(v) for v in values) / n)
-        sizes.append(sum(len(str(item.value)) for v in values for item in v.values()))
-        await asyncio.sleep(max(0.0, POLL_S - polls[-1]))
-    elapsed = time.monotonic() - t0
+    READ.clear()
+    await _recv(conn, 600)  # stop
+    conn.send((list(SERVED.values()), READ.get(reader_id, 0)))
     stop.set()
     await asyncio.gather(*tasks, return_exceptions=True)
-    await asyncio.gather(*(node.shutdown() for node in [reader, *nodes]), return_exceptions=True)
+    await asyncio.gather(*(node.shutdown() for node in nodes), return_exceptions=True)
+
+
+def _measure(n: int, layout: str, seconds: float) -> dict[str, float]:
+    """``n`` advertising nodes in worker processes (``NODES_PER_WORKER`` each), polled
+    from this one."""
+    names, ctx = _names(layout, n), multiprocessing.get_context("fork")
+    workers = -(-n // NODES_PER_WORKER)
+    pipes, procs = [], []
+    for w in range(workers):
+        mine, theirs = ctx.Pipe()
+        count = n // workers + (w < n % workers)
+        proc = ctx.Process(target=_worker, args=(theirs, count, names), daemon=True)
+        proc.start()
+        theirs.close()
+        pipes.append(mine)
+        procs.append(proc)
+    try:
+        return asyncio.run(_poll(pipes, n, names, seconds))
+    finally:
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+
+
+async def _poll(pipes: list[Connection], n: int, names: list[str], seconds: float) -> dict[str, float]:
+    """The reader: polls every key once a second for ``seconds`` once every node stored."""
+    reader = await DHTNode.create(cache_locally=False, **P2P_ARGS)
+    try:
+        maddrs = [str(a) for a in await reader.get_visible_maddrs()]
+        t0 = time.monotonic()
+        for conn in pipes:  # one worker at a time: on a loaded machine, 80 bootstraps at once went unanswered
+            conn.send((maddrs, str(reader.peer_id)))
+            await _recv(conn, 3 * STORED_WITHIN_S)
+        stored_s = time.monotonic() - t0
+        keys = [dht_key(RUN, name) for name in names]
+        SERVED.clear()
+        for conn in pipes:
+            conn.send("go")
+        polls, found, t0 = [], [], time.monotonic()
+        while time.monotonic() - t0 < seconds:
+            start = time.monotonic()
+            got = await read_node(reader, keys)
+            polls.append(time.monotonic() - start)
+            found.append(len(got) / n)
+            banned = sum(1 for _ in reader.blacklist.banned_peers.items())
+            logger.info("poll %d: %d of %d adverts in %.3f s (%d banned)", len(polls), len(got), n, polls[-1], banned)
+            await asyncio.sleep(max(0.0, POLL_S - polls[-1]))
+        elapsed = time.monotonic() - t0
+        for conn in pipes:
+            conn.send("stop")
+        counts = await asyncio.gather(*(_recv(conn, 60) for conn in pipes))
+    finally:
+        await reader.shutdown()
+    served = [*SERVED.values(), *(v for node_counts, _ in counts for v in node_counts)]
     return {
         "poll_p50_s": statistics.median(polls),
         "completeness_min": min(found),
-        "busiest_holder_kB_s": max(SERVED.values(), default=0) / elapsed / 1e3,
-        "coordinator_kB_per_poll": statistics.median(sizes) / 1e3,
+        "busiest_holder_kB_s": max(served, default=0) / elapsed / 1e3,
+        "coordinator_kB_per_poll": sum(read for _, read in counts) / len(polls) / 1e3,
+        "first_stores_s": stored_s,
     }
 
 
@@ -112,27 +232,56 @@ def _signature_cpu_per_1k() -> float:
     return time.process_time() - start
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--short", action="store_true", help="N = 10, 20 only, brief polls")
-    ap.add_argument("--layout", choices=["sharded", "one_key"], default="sharded")
-    args = ap.parse_args()
-    logging.basicConfig(level=logging.ERROR)
-    _count_served()
-    ns, seconds = ([10, 20], 2.5) if args.short else ([10, 20, 40, 80], 10.0)
-    rows = [asyncio.run(_measure(n, args.layout, seconds)) for n in ns]
-    out: dict[str, object] = {"layout": args.layout, "n": ns}
-    for k in rows[0]:
-        out[k] = [round(r[k], 4) for r in rows]
+def _control_plane(short: bool) -> dict[str, object]:
+    """The coordinator's CPU per control message under a synthetic load
+    (``benchmarks.control_plane``), at the rates of 1,000 peers: with each planned
+    peer's step reports as its heartbeat (what ``peer.link`` does), and with a
+    heartbeat a second besides (before)."""
+    peers, rate, seconds = (8, 20.0, 3.0) if short else (16, 20.0, 10.0)
+    got = control_plane.measure(peers, rate, seconds)
+    per_message = got["coordinator_tree_cpu_s_per_message"]
+    reports_only = dc.control_cpu(1000, 1000, 0.0, STEP_S, dc.STANDBY_BEAT_S) / dc.CONTROL_MESSAGE_CPU_S
+    beating = dc.control_cpu(1000, 1000, 1.0, STEP_S, dc.STANDBY_BEAT_S) / dc.CONTROL_MESSAGE_CPU_S
+    verify_1k = _signature_cpu_per_1k()
+    return {
+        "coordinator_cpu_per_1k_peers": round(reports_only * per_message, 4),
+        "coordinator_cpu_per_1k_peers_beating": round(beating * per_message, 4),
+        "coordinator_cpu_s_per_message": round(per_message, 6),
+        "coordinator_python_cpu_s_per_message": round(got["coordinator_cpu_s_per_message"], 6),
+        "formula_cpu_s_per_message": dc.CONTROL_MESSAGE_CPU_S,
+        "control_messages": got["control_messages"],
+        "signature_check_cpu_s_per_1k": round(verify_1k, 4),
+    }
+
+
+def _layout(layout: str, ns: list[int], seconds: float) -> dict[str, object]:
+    """One layout measured at each of ``ns``, with its formula's figures beside."""
+    rows = [_measure(n, layout, seconds) for n in ns]
+    out: dict[str, object] = {k: [round(r[k], 4) for r in rows] for k in rows[0]}
     loads = [r["busiest_holder_kB_s"] for r in rows]
     out["holder_growth_exponent"] = round(dc.growth_exponent(ns, loads), 3)
-    verify_1k = _signature_cpu_per_1k()
-    # per 1,000 peers: step reports as heartbeats (a 5 s step), standby beats every 10 s
-    rate_1k = dc.control_cpu(1000, 1000, 0.0, STEP_S, dc.STANDBY_BEAT_S) / dc.CONTROL_MESSAGE_CPU_S
-    out["coordinator_cpu_per_1k_peers"] = round(rate_1k * verify_1k / 1000, 4)
-    out["signature_check_cpu_s_per_1k"] = round(verify_1k, 4)
+    model = dc.one_key if layout == "one_key" else dc.sharded
+    out["formula_busiest_holder_kB_s"] = [round(model(n, REFRESH_S).busiest_holder_kB_s, 2) for n in ns]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--short", action="store_true", help="N = 10, 20 only, brief polls, the sharded layout only")
+    ap.add_argument("--layout", choices=["sharded", "one_key", "both"], default="both")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.ERROR)
+    logger.setLevel(logging.INFO if os.environ.get("DISCOVERY_VERBOSE") else logging.ERROR)
+    _count_served()
+    ns, seconds = ([10, 20], 2.5) if args.short else ([10, 20, 40, 80], 10.0)
+    main_layout = "one_key" if args.layout == "one_key" else "sharded"
+    out: dict[str, object] = {"layout": main_layout, "n": ns, **_layout(main_layout, ns, seconds)}
+    if args.layout == "both" and not args.short:
+        out["one_key"] = _layout("one_key", ns, seconds)
+    out.update(_control_plane(args.short))
     out["projected"] = {
-        str(m): dc.sharded(m, REFRESH_S, dc.control_cpu(m, m, 0.0, 5.0, 10.0)).as_dict() for m in (1000, 10_000)
+        str(m): dc.sharded(m, REFRESH_S, dc.control_cpu(m, m, 0.0, STEP_S, dc.STANDBY_BEAT_S)).as_dict()
+        for m in (1000, 10_000)
     }
     out["projected_one_key"] = {str(m): dc.one_key(m, REFRESH_S).as_dict() for m in (1000, 10_000)}
     out["short"] = args.short

@@ -52,7 +52,8 @@ BENCHMARKS = [
     ("scheduler.py", {"cases", "plan_s_1000peers_1000ops", "sim_s_10000peers_100iters", "cases_needing_4_gpus",
                       "min_opfence_vs_best_blind", "max_opfence_vs_dtfm", "max_opfence_plan_vs_dtfm",
                       "max_opfence_vs_dtfm10k", "max_opfence_plan_vs_dtfm10k",
-                      "sim_vs_estimate_range"}),
+                      "sim_vs_estimate_range", "demo_opfence_vs_dtfm10k", "homes30_probes_asked",
+                      "homes30_view_error_before", "homes30_view_error_after", "homes30_asked_plan_vs_unasked"}),
     ("elastic.py", {"steps", "kill_run_steps", "detect_s", "resume_s", "steps_redone", "equal_to_reference",
                     "processes_left", "checkpoints_per_run", "tokens_per_s_with_checkpoints", "tokens_per_s_without",
                     "checkpoint_overhead"}),
@@ -66,7 +67,8 @@ BENCHMARKS = [
                  "loader_batches", "swarm_tokens_per_s", "loader_vs_swarm"}),
     ("discovery.py", {"layout", "n", "poll_p50_s", "completeness_min", "busiest_holder_kB_s",
                       "coordinator_kB_per_poll", "holder_growth_exponent", "coordinator_cpu_per_1k_peers",
-                      "signature_check_cpu_s_per_1k", "projected", "projected_one_key"}),
+                      "signature_check_cpu_s_per_1k", "projected", "projected_one_key", "control_messages",
+                      "coordinator_cpu_s_per_message", "formula_busiest_holder_kB_s"}),
     ("testbed.py", {"topology", "schedulers", "opfence_vs_best_blind_measured", "opfence_vs_dtfm_measured",
                     "estimator_error_max", "auto_vs_none_measured", "auto_loss_ratio"}),
 ]  # fmt: skip
@@ -173,6 +175,8 @@ def _scheduler(out: dict[str, Any]) -> None:
         assert 0.85 <= row["sim_vs_estimate"] <= 1.15, (name, row)
     low, high = out["sim_vs_estimate_range"]
     assert 0.85 <= low <= high <= 1.15, out
+    # the probes the planner asks for are exact: the view is no further from the truth after them
+    assert 1.0 <= out["homes30_view_error_after"] <= out["homes30_view_error_before"], out
 
 
 #: checks of one benchmark's figures, by script
@@ -240,6 +244,8 @@ def _discovery(out: dict[str, Any]) -> None:
     at_10k = out["projected"]["10000"]
     assert at_10k["busiest_holder_kB_s"] <= 1000 and at_10k["coordinator_kB_per_poll"] <= 1000, out
     assert at_10k["largest_message_kB"] <= 1024 and at_10k["coordinator_cpu"] <= 1.0, out
+    # a real coordinator process took the synthetic peers' heartbeats
+    assert out["control_messages"] > 0 and out["coordinator_cpu_per_1k_peers"] >= 0, out
 
 
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {

@@ -195,10 +195,14 @@ def test_a_read_hands_back_only_the_wanted_subkeys_and_at_most_its_limit() -> No
     shard1 = {"k7": SimpleNamespace(value={"n": "moved"}, expiration_time=20.0)}
     shard1["k9"] = SimpleNamespace(value={"n": "older"}, expiration_time=5.0)
 
+    calls: list[list[str]] = []
+
     class Node:
         async def get_many(self, asked: list[str], sufficient_expiration_time: float) -> Any:
-            assert asked == keys and sufficient_expiration_time == float("inf")  # the latest of each
-            return {keys[0]: SimpleNamespace(value=shard0), keys[1]: SimpleNamespace(value=shard1), keys[2]: None}
+            assert sufficient_expiration_time == float("inf")  # the latest of each
+            calls.append(asked)
+            found = {keys[0]: SimpleNamespace(value=shard0), keys[1]: SimpleNamespace(value=shard1), keys[2]: None}
+            return {k: found[k] for k in asked}
 
     class Plain:
         async def get_many(self, asked: list[str], sufficient_expiration_time: float) -> Any:
@@ -213,6 +217,7 @@ def test_a_read_hands_back_only_the_wanted_subkeys_and_at_most_its_limit() -> No
         )
 
     wanted, limited, plain, none = asyncio.run(main())
+    assert calls[:2] == [keys, [keys[2]]], "a shard found empty is asked once more"
     assert wanted == {"k7": {"n": "moved"}, "k9": {"n": 9}}
     assert len(limited) == 100 and plain == {} and none == {}
 
