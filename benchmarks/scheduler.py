@@ -27,6 +27,22 @@ simulated iteration of OP-Fence's plan over the estimator's prediction).
 ``internet-10k`` for llama-7b with 20 churn events (joins, leaves, slow-downs) and
 re-plans.
 
+``demo_testbed1``: the same row for the demo's model (``fusionllm demo``'s byte-level
+GPT, 4 micro-batches) on ``testbed1``, and ``demo_opfence_vs_dtfm10k``.
+
+Planning that asks before it guesses (``sim.asking.ask``, what ``sim.engine`` runs
+when OP-Fence plans), on ``homes-30`` seen through ``Network.infer`` of a few seeded
+probes a peer (1 and 3; seeds 0-2; ``gpt2-xl`` and ``llama-7b``): ``homes30_asking``
+holds each run, the best and worst of the ratio below (``asked_vs_unasked_min``,
+``_max``) and the mean CPU seconds of planning without asking and with (``plan_s``,
+``ask_plan_s``); over the runs (geometric means): ``homes30_probes_asked`` (links probed
+per planning, mean), ``homes30_view_error_before`` / ``_after`` (``sim.asking.view_error``
+on every finalist's links: the factor the view's bandwidth is off by),
+``homes30_estimate_error_before`` / ``_after`` (the chosen plan's predicted time to
+the loss against its simulated one, as a factor either way, without asking and
+with) and ``homes30_asked_plan_vs_unasked`` (simulated time to the loss of the plan
+chosen after asking over the one chosen without).
+
 ``--short`` runs the same paths smaller, for the test suite: two-layer shapes of
 the workloads on two presets, dtfm with a small budget, ``internet-1k`` with 10
 simulated iterations; the keys stay those of the full run.
@@ -44,11 +60,15 @@ from typing import Any
 
 from coordinator import dtfm
 from coordinator.codec_price import plan_steps_factor
-from coordinator.estimator import STATE_PER_PARAM_BYTE, DagCosts, PeerTable
+from coordinator.estimator import STATE_PER_PARAM_BYTE, DagCosts, PeerTable, Plan
+from coordinator.netmodel import Network
+from coordinator.opdag import build_opdag
 from coordinator.opfence import opfence
 from coordinator.plan_eval import Options
 from coordinator.scheduler import SCHEDULERS, plan
 from coordinator.workloads import WORKLOADS, workload_costs
+from protocol.model.job import JobSpec
+from sim.asking import ask
 from sim.engine import Churn, iteration_seconds, simulate
 from sim.presets import MIXED, preset
 from sim.topology import Topology
@@ -62,13 +82,15 @@ class Sizes:
     shape: dict[str, Any]  # changes to every workload's shape
     dtfm_evaluations: int | None  # None: dtfm's own budget from the swarm's size
     patient: int  # the patient dtfm's budget (10,000 in the full run)
+    ask_runs: tuple[tuple[str, int, int], ...]  # homes-30 asking: (workload, probes a peer, seed)
     sim_preset: str  # the topology of the timed simulation with churn
     sim_iterations: int
     repeats: int  # planning runs per scheduler and case (the fastest counts)
 
 
-FULL = Sizes(MIXED, {}, None, 10_000, "internet-10k", 100, 3)
-SHORT = Sizes(("testbed1", "lab-crowd"), {"n_layer": 2}, 200, 400, "internet-1k", 10, 1)
+ASK_RUNS = tuple((w, n, seed) for w in ("gpt2-xl", "llama-7b") for n in (1, 3) for seed in range(3))
+FULL = Sizes(MIXED, {}, None, 10_000, ASK_RUNS, "internet-10k", 100, 3)
+SHORT = Sizes(("testbed1", "lab-crowd"), {"n_layer": 2}, 200, 400, (("llama-7b", 1, 0),), "internet-1k", 10, 1)
 
 
 def workload(name: str, shape: dict[str, Any]) -> tuple[DagCosts, int]:
@@ -153,6 +175,76 @@ def _round(x: float) -> float | str:
     return "inf" if math.isinf(x) else round(x, 4)
 
 
+def demo_costs() -> tuple[DagCosts, int]:
+    """The demo's model (the job's defaults: ``fusionllm demo`` and ``plan``'s), traced."""
+    job = JobSpec()
+    return DagCosts.from_opdag(build_opdag(job.checked_model(), job.first_micro_batch())), job.micro_batches
+
+
+def _to_loss(costs: DagCosts, p: Plan, topo: Topology, mbs: int) -> float:
+    """``p``'s simulated seconds to the loss on the true topology."""
+    return iteration_seconds(costs, p, PeerTable(topo.peers), topo.network, mbs) * plan_steps_factor(p.codecs)
+
+
+def ask_run(name: str, probes: int, seed: int, shape: dict[str, Any]) -> dict[str, Any]:
+    """OP-Fence on ``homes-30`` as ``probes`` seeded probes a peer show it, without
+    asking and with (``sim.asking.ask``); each plan simulated on the truth."""
+    costs, mbs = workload(name, shape)
+    topo, options = preset("homes-30"), Options(micro_batches=mbs, seed=seed)
+    view = Network.infer(topo.peers, topo.probes(probes, seed))
+    start = time.process_time()
+    opfence(costs, topo.peers, view, options)
+    plain_s = time.process_time() - start
+    start = time.process_time()
+    asked, report = ask(costs, topo.peers, view, topo.network, options)
+    ask_s = time.process_time() - start
+    unasked_s, asked_s = _to_loss(costs, report.unasked, topo, mbs), _to_loss(costs, asked.plan, topo, mbs)
+    return {
+        "workload": name,
+        "probes_a_peer": probes,
+        "seed": seed,
+        "probed": report.probed,
+        "view_error_before": round(report.error_before, 4),
+        "view_error_after": round(report.error_after, 4),
+        "unasked_predicted_s": round(report.unasked.to_loss_s, 3),
+        "unasked_s": round(unasked_s, 3),
+        "asked_predicted_s": round(asked.plan.to_loss_s, 3),
+        "asked_s": round(asked_s, 3),
+        "changed": report.changed,
+        "plan_s": round(plain_s, 3),
+        "ask_plan_s": round(ask_s, 3),
+    }
+
+
+def _factor(a: float, b: float) -> float:
+    """How far apart ``a`` and ``b`` are, as a factor either way."""
+    return max(a / b, b / a)
+
+
+def _geomean(xs: list[float]) -> float:
+    return round(math.exp(sum(math.log(x) for x in xs) / len(xs)), 4)
+
+
+def asking_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ``homes30_*`` figures over ``runs`` (``ask_run``'s)."""
+    ratios = [r["asked_s"] / r["unasked_s"] for r in runs]
+    return {
+        "homes30_asking": {
+            "runs": runs,
+            "asked_vs_unasked_min": round(min(ratios), 4),
+            "asked_vs_unasked_max": round(max(ratios), 4),
+            "plan_s": round(sum(r["plan_s"] for r in runs) / len(runs), 3),
+            "ask_plan_s": round(sum(r["ask_plan_s"] for r in runs) / len(runs), 3),
+        },
+        "homes30_probes_asked": round(sum(r["probed"] for r in runs) / len(runs), 2),
+        "homes30_view_error_before": _geomean([r["view_error_before"] for r in runs]),
+        "homes30_view_error_after": _geomean([r["view_error_after"] for r in runs]),
+        "homes30_estimate_error_before": _geomean([_factor(r["unasked_predicted_s"], r["unasked_s"]) for r in runs]),
+        "homes30_estimate_error_after": _geomean([_factor(r["asked_predicted_s"], r["asked_s"]) for r in runs]),
+        "homes30_asked_plan_vs_unasked": _geomean(ratios),
+    }
+
+
 def plan_time(shape: dict[str, Any]) -> float:
     costs, mbs = workload("llama-7b", shape)
     topo = preset("internet-1k")
@@ -190,9 +282,14 @@ def main() -> None:
     rows = {
         f"{p}/{w}": compare(costs, mbs, preset(p), sizes) for p in sizes.presets for w, (costs, mbs) in loads.items()
     }
+    demo_costs_, demo_mbs = demo_costs()
+    demo = compare(demo_costs_, demo_mbs, preset("testbed1"), sizes)
     out: dict[str, object] = {
         "cases": rows,
         **summary(rows),
+        "demo_testbed1": demo,
+        "demo_opfence_vs_dtfm10k": demo["opfence_vs_dtfm10k"],
+        **asking_summary([ask_run(w, n, seed, sizes.shape) for w, n, seed in sizes.ask_runs]),
         "plan_s_1000peers_1000ops": round(plan_time(sizes.shape), 3),
         "sim_s_10000peers_100iters": round(sim_time(sizes.sim_preset, sizes.sim_iterations, sizes.shape), 3),
     }
