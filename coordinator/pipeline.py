@@ -5,6 +5,8 @@ the step and send ``Commit``, and only then do peers apply the optimizer update.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterator
@@ -68,6 +70,8 @@ class StepPipeline:
         self.mb_losses: dict[str, float] = {}  # the last step's losses by micro-batch
         self._data: tuple[int, Iterator[tuple[torch.Tensor, ...]]] | None = None
         self._done_at: dict[str, float] = {}  # when each peer's last StepDone came (clock seconds)
+        self._fed: tuple[int, int, tuple[torch.Tensor, ...]] | None = None  # (epoch, step, batch) fed ahead
+        self._feeding: asyncio.Task[None] | None = None
 
     def _batch(self, step: int) -> tuple[torch.Tensor, ...]:
         """Batch ``step`` of the deterministic data stream (after a resume or a rollback, the
@@ -86,10 +90,20 @@ class StepPipeline:
         assert st.plan is not None
         step, t0 = st.step, self.clock.now()
         audited = self.auditor.under_way  # the last step's spot checks run in this one's time
-        batch = self._batch(step)
-        mbs = split_batch(batch, self.job.micro_batches)
-        await self._feed(step, mbs)
-        losses, norms = await self.await_done(step, len(mbs), t0)
+        fed, self._fed = self._fed, None
+        if fed is not None and fed[:2] == (st.epoch, step):
+            batch = fed[2]
+        else:
+            batch = self._batch(step)
+            await self._feed(step, split_batch(batch, self.job.micro_batches))
+        try:
+            losses, norms = await self.await_done(step, self.job.micro_batches, t0)
+        except BaseException:
+            if self._feeding is not None:  # the step failed: what follows it is fed anew
+                self._feeding.cancel()
+                self._feeding = None
+            raise
+        await self._fed_ahead()
         waited = self.clock.now()
         await self.auditor.settled()  # peers hold one committed step for its spot checks
         st.audit_wait_s += self.clock.now() - waited
@@ -126,6 +140,31 @@ class StepPipeline:
         for m, mb in enumerate(mbs):
             await self.mailbox.send(first[m % len(first)], Activations(self.cfg.run_id, step, m, 0, st.epoch), list(mb))
 
+    def _feed_ahead(self, step: int) -> None:
+        """Send step ``step + 1``'s micro-batches while step ``step`` drains, off the path
+        from its last ``StepDone`` to the next step's first forward. Started once every
+        last-stage peer has reported ``step``: the first stage's peers have then sent
+        all their activations of ``step``, so they are in it and take ``step + 1``'s
+        (``peer.checks``). Data only: the next forward still waits for the commit."""
+        st = self.st
+        if self._feeding is not None or step + 1 >= self.job.steps:
+            return
+
+        async def feed(epoch: int) -> None:
+            batch = self._batch(step + 1)
+            await self._feed(step + 1, split_batch(batch, self.job.micro_batches))
+            self._fed = (epoch, step + 1, batch)
+
+        self._feeding = asyncio.create_task(feed(st.epoch))
+
+    async def _fed_ahead(self) -> None:
+        """Wait for the feed ahead; one that failed leaves the next step to feed (and
+        meet the failure) itself, as without it."""
+        task, self._feeding = self._feeding, None
+        if task is not None:
+            with contextlib.suppress(PeerLost, SwarmError, asyncio.TimeoutError):
+                await task
+
     def _count(self, step: int, update: Update, loss: float, began: float, audited: bool, tokens: int) -> None:
         """Step ``step`` (begun at ``began``) is committed: its loss, time and tokens on
         the record and the page."""
@@ -151,7 +190,7 @@ class StepPipeline:
         assert st.plan is not None
         keep = {p for s, _, _ in checks for p in st.plan.stages[s]}  # they keep this step's weights
         try:
-            for p in st.planned:
+            for p in _first_stage_first(st.plan.stages, st.planned):
                 msg = Commit(
                     run_id, step, st.epoch, checkpoint, update.factor, update.skip, scale.scale, evaluate, p in keep
                 )
@@ -171,6 +210,8 @@ class StepPipeline:
             if msg.step != step:
                 continue
             pending.discard(inbound.sender)
+            if pending.isdisjoint(st.plan.stages[-1]):
+                self._feed_ahead(step)
             if inbound.sender in st.plan.stages[-1]:  # only the last stage computes the loss
                 step_losses.update(finite_losses(inbound.sender, msg.losses, self.recipe.scales_loss))
             if self.recipe.needs_norm and inbound.sender in (g[0] for g in st.plan.stages):
@@ -248,6 +289,12 @@ class StepPipeline:
         self.run_dir.set_meta("val_losses", st.val_losses)
         self.host.board.evaluated(step + 1, val)
         self.on_event(f"validation loss after step {step + 1}: {val:.4f}")
+
+
+def _first_stage_first(stages: list[list[str]], peers: set[str]) -> list[str]:
+    """``peers`` in stage order (the first stage's, whose commit starts the next step, first)."""
+    order = {p: i for i, p in enumerate(p for group in stages for p in group)}
+    return sorted(peers, key=lambda p: (order.get(p, len(order)), p))
 
 
 def _norm_value(v: object) -> bool:
