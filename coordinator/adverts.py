@@ -115,7 +115,7 @@ class AdvertBook:
             ad = self._taken(admitted[subkey], subkey, value, now)
             if ad is not None:
                 fresh[ad.peer_id] = ad
-        self._file(names, read, fresh, set(admitted.values()))
+        self._file(names, read, fresh, set(admitted.values()), now)
         out = {p: a for shard in self._by_shard.values() for p, a in shard.items()}
         kept = {p: a for p, a in self.adverts.items() if p in self._planned}
         self.board.saw_adverts({**kept, **out})
@@ -135,11 +135,15 @@ class AdvertBook:
         self._turn = start + len(rest)
         return sorted({*new, *rest})
 
-    def _file(self, names: list[str], read: list[str], fresh: dict[str, Advert], admitted: set[str]) -> None:
+    def _file(
+        self, names: list[str], read: list[str], fresh: dict[str, Advert], admitted: set[str], now: float
+    ) -> None:
         """Remember what each shard read now holds (a peer under its shard at the current
-        count); forget the shards no longer read and the peers no longer admitted."""
+        count), and the adverts a read missed that have not expired (a lookup that timed
+        out on a loaded holder; the DHT itself returns an advert until it expires);
+        forget the shards no longer read and the peers no longer admitted."""
         for name in read:
-            self._by_shard[name] = {}
+            self._by_shard[name] = {p: a for p, a in self._by_shard.get(name, {}).items() if a.expires_at > now}
         for p, ad in fresh.items():  # filed under its shard at the current count (where it moves to)
             self._by_shard.setdefault(shard_name("adverts", shard_of(p, self.sharding.shards)), {})[p] = ad
         wanted = set(names)

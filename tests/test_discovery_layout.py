@@ -88,9 +88,9 @@ class _ShardedDHT:
         return asyncio.ensure_future(read(None, Node()))
 
 
-def _advert(who: Identity, peer_id: str) -> dict[str, Any]:
+def _advert(who: Identity, peer_id: str, ttl: float = 60.0) -> dict[str, Any]:
     ad = Advert(peer_id, ["/ip4/127.0.0.1/tcp/4001"], "cpu", 1e12, 1 << 30, 100.0, 100.0, "2", PROTOCOL_VERSION, 0.0)
-    return sign_record(who, {**ad.header(), "expires_at": get_dht_time() + 60, "run_id": RUN})
+    return sign_record(who, {**ad.header(), "expires_at": get_dht_time() + ttl, "run_id": RUN})
 
 
 def _book(n: int, shards: int) -> tuple[AdvertBook, _ShardedDHT]:
@@ -114,6 +114,27 @@ def test_the_coordinator_reads_every_admitted_peers_shard_in_one_lookup() -> Non
     assert len(asyncio.run(book.live())) == 40
     assert book.sharding.shards == k > 1
     assert dht.asked == [sorted(dht_key(RUN, shard_name("adverts", i)) for i in range(k))]
+
+
+def test_an_advert_a_poll_missed_counts_until_it_expires(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lookup that timed out on a loaded holder misses adverts: the book keeps each
+    one it saw until the advert itself expires (as the DHT would have returned it)."""
+    book, dht = _book(3, 1)
+    (shard,) = dht.shards.values()
+    subkey = next(k for k in shard if k.endswith("/Qm000"))
+    who = Identity.generate()
+    book.gate.admit("Qm000", who.public_key)
+    shard.pop(subkey)
+    shard[record_subkey("adverts", who.public_hex, "Qm000")] = _advert(who, "Qm000", ttl=5.0)
+    assert len(asyncio.run(book.live())) == 3
+    saved = dict(shard)
+    shard.clear()  # the next lookup finds nothing (asked twice)
+    assert len(asyncio.run(book.live())) == 3, "kept: none of them expired"
+    shard.update(saved)
+    shard.pop(record_subkey("adverts", who.public_hex, "Qm000"))
+    later = get_dht_time() + 10.0
+    monkeypatch.setattr("coordinator.adverts.get_dht_time", lambda: later)
+    assert sorted(asyncio.run(book.live())) == ["Qm001", "Qm002"], "Qm000's advert expired"
 
 
 def test_a_swarm_over_the_read_limit_is_read_a_slice_of_shards_a_poll(monkeypatch: pytest.MonkeyPatch) -> None:
