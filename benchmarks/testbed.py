@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 KEYS = ("measured_s", "estimated_s", "simulated_s", "wire_bytes", "plan")
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def main() -> None:
@@ -39,10 +44,11 @@ def main() -> None:
         print(json.dumps({"skipped": why, "short": args.short}))
         return
     start_reaper()  # killed, the swarm's processes go too
+    signal.signal(signal.SIGTERM, _terminate)  # unwinds: the processes and namespaces go
     if args.short:
         topology, schedulers, steps, modes = "two-clusters", ["opfence", "dtfm"], 6, ("none",)
     else:
-        topology, schedulers, steps, modes = "mixed-7", ["opfence", "bw-blind", "petals", "dtfm"], 30, ("none", "auto")
+        topology, schedulers, steps, modes = "mixed-7", ["opfence", "bw-blind", "petals", "dtfm"], 20, ("none", "auto")
     full = run_testbed(topology, schedulers, steps=steps, compressions=modes, say=lambda t: print(t, file=sys.stderr))
     out: dict[str, Any] = {
         "topology": topology,

@@ -59,4 +59,10 @@ def add_testbed_commands(sub: argparse._SubParsersAction) -> None:
         help="codecs on the stage boundaries: none, or auto (slow links get the mildest codec that keeps up)",
     )
     r.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    r.add_argument(
+        "--work",
+        default=None,
+        metavar="DIR",
+        help="where each run's plan, keys and logs go (default: a new folder in the temporary directory)",
+    )
     tb.add_parser("down", help="remove every namespace, veth and qdisc a testbed left")

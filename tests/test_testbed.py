@@ -100,11 +100,13 @@ def test_the_summary_numbers_are_read_from_the_coordinators_lines() -> None:
         "loss 5.5534 -> 3.4500 (mean of the first and last 10 steps) over 20 steps in 9 s, 3,211 tokens/s",
         "  boundary 0 (stage 0 <-> 1, 20 Mbit/s measured): none, 10.73 MB on the wire for 10.73 MB of tensors",
         "  boundary 1 (stage 1 <-> 2, 998 Mbit/s measured): int8, 2.50 MB on the wire for 10.00 MB of tensors",
-        "estimator: predicted 339.3 ms per step, measured 291.1 ms (median); per micro-batch, ...",
+        "estimator: predicted 339.3 ms per step, measured 291.1 ms (median); per micro-batch, stage by stage, "
+        "predicted/measured: 40.00/44.00 ms, 20.00/10.00 ms",
     ]
     m = parse_summary(lines)
     assert m.step_s == pytest.approx(0.2911) and m.coordinator_predicted_s == pytest.approx(0.3393)
     assert m.wire_bytes == [10_730_000, 2_500_000] and m.codecs == ["none", "int8"] and m.final_loss == 3.45
+    assert m.compute_ratio == [1.1, 0.5]
 
 
 def test_the_report_says_measured_beside_predicted_and_the_ratios() -> None:
@@ -162,6 +164,34 @@ def test_a_failed_run_leaves_no_namespace_or_process(tmp_path: Path) -> None:
     assert "\n" not in str(err.value)
     assert strays(tmp_path) == []
     assert not [n for n in set(lab.namespaces()) - before if n.startswith(lab.PREFIX)]
+
+
+@needs_root
+def test_kill_9_of_the_command_ends_its_processes_and_the_next_run_its_namespaces(tmp_path: Path) -> None:
+    """``fusionllm testbed run`` killed with SIGKILL mid-run: its watchdog ends every
+    process the run started; its namespaces stay until a later run (or ``down``)
+    removes what a dead command left."""
+    import subprocess
+    import sys
+    import time
+
+    cmd = [sys.executable, "-m", "fusionllm", "testbed", "run", "--schedulers", "opfence", "--steps", "2"]
+    proc = subprocess.Popen([*cmd, "--work", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not strays(tmp_path) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)  # until the coordinator runs
+        assert strays(tmp_path), "the run started no process"
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 20
+    while strays(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert strays(tmp_path) == []
+    left = [n for n in lab.namespaces() if n.startswith(f"{lab.PREFIX}{proc.pid % 100000}")]
+    assert left and set(left) <= set(lab.remove_stale())
+    assert not set(left) & set(lab.namespaces())
 
 
 def _run_two_clusters(tmp_path: Path, schedulers: list[str], steps: int) -> dict:

@@ -40,19 +40,15 @@ def run_testbed(
     say: Any = print,
     timeout_s: float = 600.0,
 ) -> dict[str, Any]:
-    """Every scheduler's plan trained on the testbed (each in ``compressions``; the
-    first is the one the rows report); the report's JSON object. UsageError (one line)
-    when the machine cannot build it or a run fails; every namespace and process made
-    is gone when it returns or raises."""
+    """Every scheduler's plan trained on the testbed, uncompressed (a plan several chose
+    runs once), and with ``"auto"`` in ``compressions`` OP-Fence's plan priced with
+    codecs; the report's JSON object. UsageError (one line) when the machine cannot
+    build it or a run fails; every namespace and process made is gone when it returns
+    or raises."""
     why = labmod.missing()
     if why:
         raise UsageError(f"testbed: {why} (Linux, root and iproute2 are needed)")
-    from protocol.model.job import JobSpec
-
-    t = topo.load_topology(topology)
-    job = JobSpec(model=model, model_args=model_args, micro_batches=micro_batches, steps=steps)
-    costs = plans.costs_of(job)
-    compute = topo.map_compute(t, plans.one_thread_flops(job, costs), os.cpu_count() or 1)
+    t, costs, compute = _emulated(topology, model, model_args, micro_batches)
     say(compute.describe(t))
     predicted = plans.predict_all(schedulers, costs, t, compute, micro_batches)
     work = work or Path(tempfile.mkdtemp(prefix="fusionllm-testbed-"))
@@ -85,6 +81,16 @@ def run_testbed(
     return out
 
 
+def _emulated(topology: str, model: str, model_args: str, micro_batches: int) -> tuple[Any, Any, topo.ComputeMap]:
+    """The topology, the model's costs, and the topology's FLOP/s mapped onto this machine."""
+    from protocol.model.job import JobSpec
+
+    t = topo.load_topology(topology)
+    job = JobSpec(model=model, model_args=model_args, micro_batches=micro_batches)
+    costs = plans.costs_of(job)
+    return t, costs, topo.map_compute(t, plans.one_thread_flops(job, costs), os.cpu_count() or 1)
+
+
 def _distinct(predicted: list[plans.Predicted]) -> list[plans.Predicted]:
     """The plans to run: a plan another scheduler also chose runs once."""
     seen: dict[Any, plans.Predicted] = {}
@@ -114,7 +120,7 @@ def _result(topology: str, t: Any, compute: topo.ComputeMap, predicted: list[pla
     for p in predicted:
         m = runs[(ran[_key(p)], "none")]
         rows[p.scheduler] = report.row(m.step_s, p.estimated_s, p.simulated_s, m.wire_bytes, p.plan.groups)
-        rows[p.scheduler].update(codecs=m.codecs, final_loss=m.final_loss)
+        rows[p.scheduler].update(codecs=m.codecs, final_loss=m.final_loss, compute_ratio=m.compute_ratio)
         if ran[_key(p)] != p.scheduler:
             rows[p.scheduler]["same_plan_as"] = ran[_key(p)]
     out: dict[str, Any] = {
@@ -180,5 +186,6 @@ def _run_from(args: argparse.Namespace, say: Any) -> dict[str, Any]:
         args.micro_batches,
         args.steps,
         ("none", args.compression),
+        Path(args.work) if args.work else None,
         say=say,
     )

@@ -51,28 +51,29 @@ def costs_of(job: JobSpec) -> DagCosts:
     return DagCosts.from_opdag(build_opdag(job.build_model(), job.first_micro_batch()))
 
 
-def one_thread_flops(job: JobSpec, costs: DagCosts, repeats: int = 15) -> float:
+def one_thread_flops(job: JobSpec, costs: DagCosts, seconds: float = 1.0, at_least: int = 15) -> float:
     """FLOP/s one thread of this machine delivers on the model: a micro-batch's forward
-    and backward (3x the forward's FLOPs), the median of ``repeats`` after a warm-up
-    (the fastest overstated what the peers deliver beside the swarm's other processes:
-    their stages then took up to 1.9x the estimator's compute)."""
+    and backward (3x the forward's FLOPs) again and again for ``seconds`` (at least
+    ``at_least`` times) after a warm-up; the median pass. The fastest overstated what
+    the peers deliver beside the swarm's other processes, and 15 passes of a few ms
+    each read anywhere from 3 to 50 GFLOP/s on this shared machine."""
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         model, batch = job.build_model(), job.first_micro_batch()
-        times = []
-        for i in range(repeats + 2):
+        times: list[float] = []
+        start = time.perf_counter()
+        while len(times) < at_least + 2 or time.perf_counter() - start < seconds:
             t0 = time.perf_counter()
             out = model(*batch)
             loss = out[0] if isinstance(out, tuple) else out
             (loss if loss.dim() == 0 else loss.float().mean()).backward()
-            if i >= 2:
-                times.append(time.perf_counter() - t0)
+            times.append(time.perf_counter() - t0)
     finally:
         torch.set_num_threads(threads)
-    return 3 * costs.total_flops / statistics.median(times)
+    return 3 * costs.total_flops / statistics.median(times[2:])
 
 
 def emulated_peers(topo: Topology, compute: ComputeMap) -> list[PeerProfile]:

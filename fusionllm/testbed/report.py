@@ -54,7 +54,7 @@ def table(result: dict[str, Any]) -> str:
         plan = " | ".join(",".join(g) for g in r["plan"])
         lines.append(
             f"{name:<10} {_ms(r['measured_s']):>9} {_ms(r['estimated_s']):>10} {_ms(r['simulated_s']):>10} "
-            f"{_pct(r['estimator_error']):>8} {_pct(r['simulator_error']):>8}  {wire}; {plan}"
+            f"{_pct(r['estimator_error']):>8} {_pct(r['simulator_error']):>8}  {wire}; {plan}{_compute(r)}"
         )
     for key, value in result.items():
         if key.startswith(("opfence_vs", "estimator_error", "auto_")) and value is not None:
@@ -68,3 +68,9 @@ def _pct(x: float | None) -> str:
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}ms"
+
+
+def _compute(r: dict[str, Any]) -> str:
+    """The stages' compute measured over predicted, where the run printed it."""
+    ratios = [x for x in r.get("compute_ratio") or [] if x is not None]
+    return f"; compute x{', x'.join(f'{x:.2f}' for x in ratios)}" if ratios else ""
