@@ -9,10 +9,11 @@ import statistics
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
+from coordinator.asking import Pair, deciding_links
 from coordinator.estimator import DagCosts, Plan, predict
 from coordinator.netmodel import Network, PeerProfile
 from coordinator.opdag import OpDag
-from coordinator.opfence import opfence
+from coordinator.opfence import finalists
 from coordinator.plan_eval import Options, ScheduleError
 from protocol.model.graph import Cut
 from protocol.wire.messages import Advert
@@ -25,6 +26,8 @@ class Assignment:
     cut: Cut
     stages: list[list[str]]  # peer ids per stage, in replica order
     plan: Plan | None = field(default=None, compare=False)  # the estimator's prediction
+    #: guessed links whose probes would decide between OP-Fence's finalists (``coordinator.asking``)
+    deciding: list[Pair] = field(default_factory=list, compare=False)
 
     def stage_of(self, peer_id: str) -> tuple[int, int]:
         for s, peers in enumerate(self.stages):
@@ -91,14 +94,15 @@ def assign(
     options = Options(micro_batches=micro_batches, stages=k, standby=standby, compression=False)
     network = network_from_adverts(adverts, measured, nat)
     try:
-        plan = opfence(costs, peers, network, options)
+        plans = finalists(costs, peers, network, options)
     except ScheduleError as exc:
         raise ValueError(str(exc)) from None
+    plan, deciding = plans[0], deciding_links(costs, plans, peers, network, options)
     if nat:
         plan = _swapped(plan, costs, {p.id: p for p in peers}, network, micro_batches, set(nat))
     if not plan.fits_memory:
         logger.warning("the best plan may not fit the peers' free memory")
-    return Assignment(cut=Cut(tuple(plan.cut)), stages=plan.groups, plan=plan)
+    return Assignment(cut=Cut(tuple(plan.cut)), stages=plan.groups, plan=plan, deciding=deciding)
 
 
 def live_profile(advert: Advert) -> PeerProfile:

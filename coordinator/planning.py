@@ -42,6 +42,11 @@ class Planner:
             plan = assign(self.dag, use, k, self.micro_batches, standby=leave_out, measured=self.st.link_mbps, nat=nat)
         except ValueError as exc:
             raise SwarmError(f"cannot plan the run: {exc}") from None
+        if plan.deciding:  # no probe on request yet: the epoch's own probes and the rebalancer answer them
+            shown = ", ".join(f"{a[:8]}-{b[:8]}" for a, b in plan.deciding)
+            logger.info(
+                "the plan rests on %d guessed links that decide between its finalists: %s", len(plan.deciding), shown
+            )
         return plan
 
     def behind_nat(self) -> set[str]:

@@ -8,12 +8,16 @@ import pytest
 
 from coordinator import opfence as opfence_module
 from coordinator.asking import deciding_links, plan_asking, plan_pairs
+from coordinator.assign import assign
 from coordinator.dtfm import DTFM_EVALUATIONS, DTFM_MOST, budget, dtfm_search
 from coordinator.estimator import DagCosts, PeerTable
 from coordinator.netmodel import Network, PeerProfile
+from coordinator.opdag import build_opdag
 from coordinator.opfence import finalists, opfence
 from coordinator.placement import link_pools
 from coordinator.plan_eval import Options
+from protocol.model.job import JobSpec
+from protocol.wire.messages import Advert
 from sim.asking import view_error
 from sim.engine import iteration_seconds, simulate
 from sim.topology import Topology
@@ -147,6 +151,16 @@ def test_the_simulator_asks_before_it_commits_and_picks_the_faster_pair() -> Non
     assert iteration == 0 and report.changed and report.unasked.groups == [["p"], ["q"]]
     assert 0 < report.probed == asked.probes_asked <= 16
     assert report.error_before > 1.3 and report.error_after == 1.0
+
+
+def test_the_live_plan_names_the_guessed_links_that_decide() -> None:
+    """``assign`` (the live coordinator's planning) names the guessed link its plan
+    rests on, and none once that link was measured."""
+    job = JobSpec(model="branchy", data="branchy")
+    dag = build_opdag(job.build_model(), job.first_micro_batch())
+    ads = [Advert(p, [], "cpu", 1e10, 1 << 30, 1.0, 1.0, "2", 1, 0.0) for p in ("p0", "p1")]
+    assert assign(dag, ads, num_stages=2).deciding == [("p0", "p1")]
+    assert assign(dag, ads, num_stages=2, measured={("p1", "p0"): 1.0}).deciding == []
 
 
 def test_view_error_is_the_typical_factor_either_way() -> None:
