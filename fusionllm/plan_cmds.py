@@ -321,6 +321,7 @@ def _sim_json(
                 "predicted_s": r.predicted_s,
                 "replans": len(r.replans),
                 "redone": r.redone,
+                "probes_asked": r.probes_asked,
                 "goodput": r.goodput,
                 "wall_s": round(w, 3),
                 "left_out": _sim_left_out(costs, r, topo, held),
@@ -337,7 +338,8 @@ def _sim_text(
     for n, (r, w) in results.items():
         lines.append(
             f"  {n:<8} {r.mean_s:.4g} s per iteration (predicted {r.predicted_s:.4g} s, lower bound "
-            f"{r.lower_bound_s:.4g} s, {len(r.replans)} re-plans, {r.redone} iterations redone, goodput "
+            f"{r.lower_bound_s:.4g} s, {len(r.replans)} re-plans, {r.redone} iterations redone, "
+            f"{r.probes_asked} links probed before planning, goodput "
             f"{r.goodput:.4g} iterations/s; simulated in {w:.1f} s)"
         )
         lines.extend(_left_out_text(_sim_left_out(costs, r, topo, held), indent="    "))

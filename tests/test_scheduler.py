@@ -260,6 +260,7 @@ def test_plan_and_sim_commands(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     sims = json.loads(r.stdout)["schedulers"]
     assert set(sims) == set(SCHEDULERS) and all(v["iteration_s"] >= v["lower_bound_s"] for v in sims.values())
+    assert all(v["probes_asked"] == 0 for n, v in sims.items() if n != "opfence"), sims  # only OP-Fence asks
     assert plot.read_bytes()[:4] == b"\x89PNG"
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"peers": [{"id": "a", "tflops": 1}]}))
