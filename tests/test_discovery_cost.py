@@ -51,7 +51,7 @@ def test_sim_reports_discovery_and_control_plane_cost(monkeypatch: pytest.Monkey
 
     topo = SimpleNamespace(name="t", peers=[SimpleNamespace(id=f"p{i}") for i in range(10_000)])
     plan = SimpleNamespace(groups=[[f"p{i}" for i in range(100)]])
-    run = SimpleNamespace(first_plan=plan, mean_s=2.0, replans=[], redone=0, goodput=0.5)
+    run = SimpleNamespace(first_plan=plan, mean_s=2.0, replans=[], redone=0, goodput=0.5, probes_asked=0)
     got = _discovery(topo, {"even": (run, 0.1)})
     assert got == dc.swarm_cost(10_000, 100, 2.0) and got.shards == 1024
     args = SimpleNamespace(iterations=1)
