@@ -21,8 +21,10 @@ from dataclasses import dataclass
 #: bytes one advert costs on the wire in a lookup's reply (a ~570-byte signed record plus
 #: hivemind's framing), calibrated on issue 33's one-key figures: 126 kB/s at 20 peers
 ADVERT_WIRE_BYTES = 630
-#: nodes that hold a copy of each key (hivemind's ``num_replicas``), each answering lookups
-REPLICAS = 5
+#: nodes that hold a copy of each key, each answering lookups: hivemind's ``num_replicas``
+#: is 5, but each storer stores to the 5 nearest nodes it finds, so more hold a copy
+#: (measured: a latest-read of a shard met 9-11 copies at 20-80 peers)
+REPLICAS = 9
 #: the most peers one shard holds: its reply is at most this times ``ADVERT_WIRE_BYTES``,
 #: and a holder's load is flat past it (measured: ``benchmarks/discovery.py``)
 PEERS_PER_SHARD = 16
@@ -30,16 +32,18 @@ PEERS_PER_SHARD = 16
 MAX_SHARDS = 1024
 #: the most peers' adverts one coordinator poll asks for (a larger swarm's shards are
 #: read a slice a poll, in turn: ``coordinator.adverts``)
-POLL_RECORDS = 256
+POLL_RECORDS = 128
 #: copies of each record a coordinator poll receives: it reads the latest of each
 #: shard, so every holder its lookup meets answers with its copy (measured:
 #: ``benchmarks/discovery.py``'s reader bytes over the records it found)
-READ_COPIES = 6.0
+READ_COPIES = 11.3
 #: the busiest node's share of shards over the mean (a hash's imbalance, 5 copies each)
 HOT_HOLDER_FACTOR = 3.0
-#: CPU seconds the coordinator spends on one signed control message: decode, the gate,
-#: one Ed25519 verify (~66 us measured with ``cryptography``) and the handler
-CONTROL_MESSAGE_CPU_S = 150e-6
+#: CPU seconds the coordinator spends on one signed control message: its p2p daemon's
+#: share, decode, the gate, one Ed25519 verify (~66-83 us) and the handler (measured:
+#: ``benchmarks/discovery.py``'s real coordinator under synthetic heartbeats, 301 us
+#: with its daemon, 228 us its Python process alone, on the loaded 2-core machine)
+CONTROL_MESSAGE_CPU_S = 300e-6
 #: the largest DHT message hivemind's daemon passes (replies over it never arrive)
 DAEMON_CAP_BYTES = 4 << 20
 
