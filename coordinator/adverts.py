@@ -63,10 +63,14 @@ class Sharding:
     def names(self, peers: Iterable[str]) -> list[str]:
         """The shards (key names) where ``peers``' adverts are: each one's shard under the
         current count, and under the old one while peers move."""
+        return sorted({name for p in peers for name in self.homes(p)})
+
+    def homes(self, peer: str) -> set[str]:
+        """The shards where ``peer``'s advert may be (two while peers move)."""
         counts = [self.shards]
         if self._old is not None and self.clock.now() < self._until:
             counts.append(self._old)
-        return sorted({shard_name("adverts", shard_of(p, k)) for p in peers for k in counts})
+        return {shard_name("adverts", shard_of(peer, k)) for k in counts}
 
 
 class AdvertBook:
@@ -102,6 +106,9 @@ class AdvertBook:
         self.sharding.fit(len(admitted))
         names = self.sharding.names(admitted.values())
         read = self._slice(names, set(admitted.values()))
+        if read != names:  # only the peers of the shards read: few enough to be named to the DHT's process
+            shards = set(read)
+            admitted = {k: p for k, p in admitted.items() if self.sharding.homes(p) & shards}
         try:
             found = await read_many(self.endpoint.dht, self.run_id, read, wanted=admitted)
         except Exception as exc:  # the DHT's hiccup: nothing learnt, no one dropped
@@ -115,7 +122,7 @@ class AdvertBook:
             ad = self._taken(admitted[subkey], subkey, value, now)
             if ad is not None:
                 fresh[ad.peer_id] = ad
-        self._file(names, read, fresh, set(admitted.values()), now)
+        self._file(names, read, fresh, set(self.gate.keys), now)
         out = {p: a for shard in self._by_shard.values() for p, a in shard.items()}
         kept = {p: a for p, a in self.adverts.items() if p in self._planned}
         self.board.saw_adverts({**kept, **out})
