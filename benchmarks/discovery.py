@@ -195,6 +195,9 @@ async def _poll(pipes: list[Connection], n: int, names: list[str], seconds: floa
             conn.send((maddrs, str(reader.peer_id)))
             await _recv(conn, 3 * STORED_WITHIN_S)
         stored_s = time.monotonic() - t0
+        # one more refresh of every advert: nodes that joined after a store are nearer some keys
+        # than their holders, and until the next refresh a lookup met them first and missed adverts
+        await asyncio.sleep(REFRESH_S + 1.0)
         keys = [dht_key(RUN, name) for name in names]
         SERVED.clear()
         for conn in pipes:
