@@ -125,6 +125,42 @@ def test_the_report_says_measured_beside_predicted_and_the_ratios() -> None:
     assert "300.0ms" in text and "+10%" in text and "a0,b2 | b0,b1" in text and "opfence_vs_dtfm_measured" in text
 
 
+def test_the_prediction_is_made_again_for_the_compute_the_peers_delivered() -> None:
+    from coordinator.estimator import Plan
+    from fusionllm.testbed import plans
+    from protocol.wire.codecs import Codec
+
+    plan = Plan((3, 7), [["a0"], ["b0", "b1"], ["b2"]], [Codec(), Codec()])
+    # single-peer stages took a quarter and half the estimator's compute: 1 / median(0.25, 0.5)
+    assert plans.delivered_scale(plan, [0.25, 2.0, 0.5]) == pytest.approx(1 / 0.375)
+    assert plans.delivered_scale(Plan((), [["a0", "b0"]], []), [0.5]) == pytest.approx(2.0)  # all replicated
+    assert plans.delivered_scale(plan, []) == 1.0  # the run printed no stage line
+    job_args = {"model": "gpt", "model_args": "n_layer=1,n_embd=16,n_head=2", "micro_batches": 2}
+    from protocol.model.job import JobSpec
+
+    job = JobSpec(**job_args)
+    costs = plans.costs_of(job)
+    two = topo.load_topology("two-clusters")
+    m = topo.map_compute(two, 10e9, cores=2)
+    (p,) = plans.predict_all(["opfence"], costs, two, m, 2)
+    same = plans.repredict(p, costs, two, m, 2, 1.0)
+    assert same[0] == pytest.approx(p.estimated_s) and same[1] == pytest.approx(p.simulated_s)
+    faster = plans.repredict(p, costs, two, m, 2, 4.0)
+    assert faster[0] < p.estimated_s and faster[1] < p.simulated_s
+
+
+def test_a_machine_without_namespaces_or_a_bad_topology_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fusionllm.testbed import cmd
+
+    monkeypatch.setattr(lab, "missing", lambda tools=(): "network namespaces need root")
+    with pytest.raises(UsageError, match="need root") as err:
+        cmd.run_testbed("two-clusters", ["opfence"])
+    assert "\n" not in str(err.value)
+    monkeypatch.setattr(lab, "missing", lambda tools=(): "")
+    with pytest.raises(topo.TestbedError, match="no such file or preset"):
+        cmd.run_testbed("no-such-topology", ["opfence"])
+
+
 def test_strays_finds_only_processes_with_the_runs_mark(tmp_path: Path) -> None:
     assert strays(tmp_path) == []
 

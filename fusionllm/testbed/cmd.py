@@ -75,7 +75,7 @@ def run_testbed(
             say(f"{p.scheduler} ({mode}): measured {m.step_s * 1e3:.1f} ms, estimated {p.estimated_s * 1e3:.1f} ms")
     finally:
         lab.close()
-    out = _result(topology, t, compute, predicted, runs)
+    out = _result(topology, t, compute, predicted, runs, costs, micro_batches)
     if ("opfence", "auto") in runs:
         out.update(_auto(runs, todo[-1][0]))
     return out
@@ -114,13 +114,21 @@ def _one_run(lab: labmod.Lab, spec: SwarmSpec, what: str) -> Measured:
         swarm.stop()
 
 
-def _result(topology: str, t: Any, compute: topo.ComputeMap, predicted: list[plans.Predicted], runs: dict) -> dict:
+def _result(
+    topology: str, t: Any, compute: topo.ComputeMap, predicted: list[plans.Predicted], runs: dict, costs: Any, mb: int
+) -> dict:
+    """The report: each scheduler's row, its prediction made again for the compute its
+    peers delivered (``plans.delivered_scale``; the mapped one beside it), the ratios."""
     rows = {}
     ran = {_key(p): p.scheduler for p in predicted if (p.scheduler, "none") in runs}
     for p in predicted:
         m = runs[(ran[_key(p)], "none")]
-        rows[p.scheduler] = report.row(m.step_s, p.estimated_s, p.simulated_s, m.wire_bytes, p.plan.groups)
+        scale = plans.delivered_scale(p.plan, m.compute_ratio)
+        est, sim = plans.repredict(p, costs, t, compute, mb, scale)
+        rows[p.scheduler] = report.row(m.step_s, est, sim, m.wire_bytes, p.plan.groups)
         rows[p.scheduler].update(codecs=m.codecs, final_loss=m.final_loss, compute_ratio=m.compute_ratio)
+        rows[p.scheduler].update(delivered_compute=round(scale, 3), estimated_mapped_s=round(p.estimated_s, 5))
+        rows[p.scheduler].update(simulated_mapped_s=round(p.simulated_s, 5))
         if ran[_key(p)] != p.scheduler:
             rows[p.scheduler]["same_plan_as"] = ran[_key(p)]
     out: dict[str, Any] = {

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from coordinator.estimator import DagCosts, Plan
+from coordinator.estimator import DagCosts, Plan, predict
 from coordinator.netmodel import PeerProfile
 from coordinator.opdag import build_opdag
 from coordinator.plan_eval import Options, ScheduleError
@@ -105,3 +105,23 @@ def predict_all(
         sim_s = iteration_seconds(costs, p, by_id, topo.network, micro_batches)
         out.append(Predicted(name, p, p.iteration_s, sim_s))
     return out
+
+
+def delivered_scale(plan: Plan, compute_ratio: list[float | None]) -> float:
+    """How much faster than mapped the peers computed: the median, over the plan's
+    single-peer stages (a replicated stage's per-micro-batch figures are not alike),
+    of the estimator's compute per micro-batch over the measured one (1.0: as mapped)."""
+    single = [r for g, r in zip(plan.groups, compute_ratio, strict=False) if len(g) == 1 and r]
+    ratios = single or [r for r in compute_ratio if r]
+    return 1.0 / statistics.median(ratios) if ratios else 1.0
+
+
+def repredict(
+    p: Predicted, costs: DagCosts, topo: Topology, compute: ComputeMap, micro_batches: int, scale: float
+) -> tuple[float, float]:
+    """The estimator's and the simulator's time for ``p``'s plan with every peer's
+    FLOP/s times ``scale``: the prediction for the compute the peers delivered."""
+    peers = [replace(q, flops=q.flops * scale) for q in emulated_peers(topo, compute)]
+    by_id = {q.id: q for q in peers}
+    est = predict(costs, p.plan, by_id, topo.network, micro_batches).iteration_s
+    return est, iteration_seconds(costs, p.plan, by_id, topo.network, micro_batches)
