@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ from fusionllm.usage import UsageError
 
 logger = logging.getLogger(__name__)
 COORDINATOR = "coordinator"
+#: steps of the short run that measures what the peers deliver before the plans run
+CALIBRATION_STEPS = 6
 
 
 def _links_line(t: Any) -> str:
@@ -49,29 +52,25 @@ def run_testbed(
     if why:
         raise UsageError(f"testbed: {why} (Linux, root and iproute2 are needed)")
     t, costs, compute = _emulated(topology, model, model_args, micro_batches)
-    say(compute.describe(t))
-    predicted = plans.predict_all(schedulers, costs, t, compute, micro_batches)
     work = work or Path(tempfile.mkdtemp(prefix="fusionllm-testbed-"))
     stale = labmod.remove_stale()
     if stale:
         say(f"removed {len(stale)} namespaces an earlier testbed left")
     hosts = {COORDINATOR: topo.COORDINATOR_IP, **topo.addresses(t)}
     lab = labmod.Lab(hosts, {pair: mbps for pair, (mbps, _) in topo.pairs(t).items()})
-    job_args = ["--model", model, "--model-args", model_args, "--micro-batches", str(micro_batches)]
-    job_args += ["--steps", str(steps), "--seed", "0"]
-    delays = {h: topo.delay_table(t, h) for h in topo.addresses(t)}
-    todo = [(p, "none") for p in _distinct(predicted)]
-    if "auto" in compressions and "opfence" in schedulers:  # OP-Fence's plan with the codecs it priced
-        todo += [(p, "auto") for p in plans.predict_all(["opfence"], costs, t, compute, micro_batches, True)]
+    job_args = ["--model", model, "--model-args", model_args, "--micro-batches", str(micro_batches), "--seed", "0"]
+    bed = _Bed(t, lab, work, job_args, {h: topo.delay_table(t, h) for h in topo.addresses(t)}, timeout_s)
     runs: dict[tuple[str, str], Measured] = {}
     try:
         lab.build()
+        compute = _calibrated(bed, costs, compute, schedulers[0], micro_batches, say)
+        say(compute.describe(t))
+        predicted = plans.predict_all(schedulers, costs, t, compute, micro_batches)
+        todo = [(p, "none") for p in _distinct(predicted)]
+        if "auto" in compressions and "opfence" in schedulers:  # OP-Fence's plan with the codecs it priced
+            todo += [(p, "auto") for p in plans.predict_all(["opfence"], costs, t, compute, micro_batches, True)]
         for p, mode in todo:
-            folder = work / f"{p.scheduler}-{mode}"
-            folder.mkdir(parents=True, exist_ok=True)
-            plan_file = p.write(t, folder / "plan.json")
-            spec = SwarmSpec(job_args, plan_file, folder, compute.throttles, delays, mode, timeout_s)
-            runs[(p.scheduler, mode)] = m = _one_run(lab, spec, f"{p.scheduler} ({mode})")
+            runs[(p.scheduler, mode)] = m = bed.run(p, mode, steps, compute)
             say(f"{p.scheduler} ({mode}): measured {m.step_s * 1e3:.1f} ms, estimated {p.estimated_s * 1e3:.1f} ms")
     finally:
         lab.close()
@@ -79,6 +78,42 @@ def run_testbed(
     if ("opfence", "auto") in runs:
         out.update(_auto(runs, todo[-1][0]))
     return out
+
+
+@dataclass
+class _Bed:
+    """What every run on one testbed shares: the topology, the namespaces, the folder,
+    the job's flags, each peer's delay table, the time limit."""
+
+    topology: Any
+    lab: labmod.Lab
+    work: Path
+    job_args: list[str]
+    delays: dict[str, str]
+    timeout_s: float
+
+    def run(self, p: plans.Predicted, mode: str, steps: int, compute: topo.ComputeMap, name: str = "") -> Measured:
+        """``p``'s plan trained for ``steps`` in ``mode``, each peer throttled as ``compute`` says."""
+        folder = self.work / (name or f"{p.scheduler}-{mode}")
+        folder.mkdir(parents=True, exist_ok=True)
+        plan_file = p.write(self.topology, folder / "plan.json")
+        args = [*self.job_args, "--steps", str(steps)]
+        spec = SwarmSpec(args, plan_file, folder, compute.throttles, self.delays, mode, self.timeout_s)
+        return _one_run(self.lab, spec, f"{name or p.scheduler} ({mode})")
+
+
+def _calibrated(bed: _Bed, costs: Any, compute: topo.ComputeMap, scheduler: str, mb: int, say: Any) -> topo.ComputeMap:
+    """The compute mapping corrected by a short run of ``scheduler``'s plan: the peers'
+    delivered compute over the one-thread reading (``plans.delivered_scale``) scales
+    the reading, as one thread measured alone on a shared machine is no guide to what
+    it delivers beside the swarm's processes (it read 3 to 50 GFLOP/s)."""
+    (first,) = plans.predict_all([scheduler], costs, bed.topology, compute, mb)
+    m = bed.run(first, "none", CALIBRATION_STEPS, compute, name="calibration")
+    scale = plans.delivered_scale(first.plan, m.compute_ratio)
+    say(
+        f"calibration: the peers delivered x{scale:.2f} the one-thread reading ({compute.base_flops / 1e9:.2f} GFLOP/s)"
+    )
+    return topo.map_compute(bed.topology, compute.base_flops * scale, compute.cores)
 
 
 def _emulated(topology: str, model: str, model_args: str, micro_batches: int) -> tuple[Any, Any, topo.ComputeMap]:
