@@ -6,9 +6,11 @@ every ``REFRESH_S``; the reader polls every key once a second with the coordinat
 own read (``protocol.net.records.read_node``: the latest of each shard, one lookup).
 Measured per N: poll time (p50), completeness (the least over the polls of the adverts
 the coordinator counts, found by this poll or by an earlier one and not yet expired,
-over N; ``lookup_completeness_min``: found by the poll's lookup alone), the busiest
-node's bytes served by ``rpc_find`` per second, the bytes of the replies the reader
-received per poll; beside them the formulas' figures
+over N, after one read uncounted: a coordinator polls from its start;
+``lookup_completeness_min``: found by the poll's lookup alone), the busiest node's
+bytes served by ``rpc_find`` per second, the bytes of the replies the reader
+received per poll, the longest gap between two of a node's stores while the polls ran
+(``refresh_gap_max_s``: were the adverts alive?); beside them the formulas' figures
 (``formula_busiest_holder_kB_s``), and the formulas' projections for 1,000 and 10,000.
 
 The advertising nodes run in worker processes of ``NODES_PER_WORKER`` (each node with
@@ -18,7 +20,7 @@ node's first store was taken. ``coordinator_cpu_per_1k_peers`` comes from a real
 coordinator process under a synthetic load of signed heartbeats
 (``benchmarks/control_plane.py``), at the rates of 1,000 peers.
 
-    python benchmarks/discovery.py [--short] [--layout both|sharded|one_key]
+    python benchmarks/discovery.py [--short] [--layout both|sharded|one_key] [--n 40 80]
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ P2P_ARGS = {"startup_timeout": 60.0}
 logger = logging.getLogger("discovery")
 SERVED: dict[bytes, int] = defaultdict(int)  # node id -> bytes its rpc_find replies carried
 READ: dict[str, int] = defaultdict(int)  # requester's peer id -> bytes of rpc_find replies it was sent
+GAPS: list[float] = []  # seconds between a node's two stores taken, while the polls run
 
 
 def _count_served() -> None:
@@ -102,9 +105,14 @@ async def _advertise(node: DHTNode, names: list[str], stored: asyncio.Event, sto
     who, peer_id = Identity.generate(), str(node.peer_id)
     name = "adverts" if names == ["adverts"] else shard_name("adverts", shard_of(peer_id, len(names)))
     subkey = record_subkey("adverts", who.public_hex, peer_id)
+    last = None
     while not stop.is_set():
         if await node.store(dht_key(RUN, name), _advert(who, peer_id), get_dht_time() + TTL_S, subkey=subkey):
             stored.set()  # (a loaded machine's first stores may time out: none took it)
+            now = time.monotonic()
+            if last is not None and SERVED:  # counting: the polls are on
+                GAPS.append(now - last)
+            last = now
         try:
             await asyncio.wait_for(stop.wait(), REFRESH_S)
         except asyncio.TimeoutError:
@@ -155,8 +163,9 @@ async def _work(conn: Connection, count: int, names: list[str]) -> None:
     await _recv(conn, 600)  # go, once every worker stored
     SERVED.clear()
     READ.clear()
+    GAPS.clear()
     await _recv(conn, 600)  # stop
-    conn.send((list(SERVED.values()), READ.get(reader_id, 0)))
+    conn.send((list(SERVED.values()), READ.get(reader_id, 0), max(GAPS, default=0.0)))
     stop.set()
     await asyncio.gather(*tasks, return_exceptions=True)
     await asyncio.gather(*(node.shutdown() for node in nodes), return_exceptions=True)
@@ -202,8 +211,9 @@ async def _poll(pipes: list[Connection], n: int, names: list[str], seconds: floa
         SERVED.clear()
         for conn in pipes:
             conn.send("go")
+        # the coordinator polls from its start: its count always has the poll before (one read here)
+        seen = {k: float(v.get("expires_at", 0.0)) for k, v in (await read_node(reader, keys)).items()}
         polls, found, kept, t0 = [], [], [], time.monotonic()
-        seen: dict[str, float] = {}  # subkey -> when its advert expires, as last read
         while time.monotonic() - t0 < seconds:
             start = time.monotonic()
             got = await read_node(reader, keys)
@@ -221,13 +231,14 @@ async def _poll(pipes: list[Connection], n: int, names: list[str], seconds: floa
         counts = await asyncio.gather(*(_recv(conn, 60) for conn in pipes))
     finally:
         await reader.shutdown()
-    served = [*SERVED.values(), *(v for node_counts, _ in counts for v in node_counts)]
+    served = [*SERVED.values(), *(v for node_counts, _, _ in counts for v in node_counts)]
     return {
         "poll_p50_s": statistics.median(polls),
         "completeness_min": min(kept),
         "lookup_completeness_min": min(found),
         "busiest_holder_kB_s": max(served, default=0) / elapsed / 1e3,
-        "coordinator_kB_per_poll": sum(read for _, read in counts) / len(polls) / 1e3,
+        "coordinator_kB_per_poll": sum(read for _, read, _ in counts) / len(polls) / 1e3,
+        "refresh_gap_max_s": max(gap for _, _, gap in counts),
         "first_stores_s": stored_s,
     }
 
@@ -279,11 +290,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--short", action="store_true", help="N = 10, 20 only, brief polls, the sharded layout only")
     ap.add_argument("--layout", choices=["sharded", "one_key", "both"], default="both")
+    ap.add_argument("--n", type=int, nargs="+", help="the swarm sizes (default: 10 20 40 80; short: 10 20)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.ERROR)
     logger.setLevel(logging.INFO if os.environ.get("DISCOVERY_VERBOSE") else logging.ERROR)
     _count_served()
     ns, seconds = ([10, 20], 2.5) if args.short else ([10, 20, 40, 80], 10.0)
+    ns = args.n or ns
     main_layout = "one_key" if args.layout == "one_key" else "sharded"
     out: dict[str, object] = {"layout": main_layout, "n": ns, **_layout(main_layout, ns, seconds)}
     if args.layout == "both" and not args.short:
