@@ -193,12 +193,15 @@ def test_a_failed_run_leaves_no_namespace_or_process(tmp_path: Path) -> None:
     started is gone: processes, namespaces, veths and qdiscs."""
     from fusionllm.testbed.cmd import run_testbed
 
+    pair = {"peers": [{"id": f"p{i}", "tflops": 1, "memory_gb": 8, "cluster": "A"} for i in range(2)]}
+    pair["clusters"] = {"A": {"A": {"mbps": 100, "latency_ms": 1}}}
+    (tmp_path / "pair.json").write_text(json.dumps(pair))
     before = set(lab.namespaces())
     with pytest.raises(UsageError, match="took over") as err:
-        run_testbed("two-clusters", ["opfence"], model_args="n_layer=1,n_embd=32,n_head=2", steps=2,
-                    work=tmp_path, say=lambda text: None, timeout_s=3.0)  # fmt: skip
+        run_testbed(str(tmp_path / "pair.json"), ["opfence"], model_args="n_layer=1,n_embd=32,n_head=2", steps=2,
+                    work=tmp_path / "work", say=lambda text: None, timeout_s=3.0)  # fmt: skip
     assert "\n" not in str(err.value)
-    assert strays(tmp_path) == []
+    assert strays(tmp_path / "work") == []
     assert not [n for n in set(lab.namespaces()) - before if n.startswith(lab.PREFIX)]
 
 
