@@ -54,8 +54,9 @@ none changed meaning):
   also when the plan is kept) and the last 200 of the other kinds, merged, so
   neither a flood of rejections nor routine events hide a failure. Kinds:
   join, leave, plan, links, epoch, failure, replace, rollback, checkpoint,
-  resume, audit, rebalance, check, rejected, done and failed. *(revision 2: the
-  separate histories and the kinds from epoch to resume, rebalance and check)*
+  resume, audit, rebalance, check, reshard (the adverts cut into more DHT
+  shards), rejected, done and failed. *(revision 2: the separate histories and
+  the kinds from epoch to resume, rebalance and check; reshard later)*
 """
 
 from __future__ import annotations
