@@ -35,6 +35,14 @@ class StepTimes:
             raise KeyError(f"no step part '{part}'")
         self.parts[part] += max(seconds, 0.0)
 
+    def thread_wait(self, seconds: float, checking: float) -> None:
+        """``seconds`` spent waiting on the compute thread around a piece of work: the
+        ``checking`` seconds a spot check held the thread meanwhile are ``spot_checks``',
+        the rest (handing the work over and back) ``handoff``'s."""
+        held = min(max(seconds, 0.0), max(checking, 0.0))
+        self.add("spot_checks", held)
+        self.add("handoff", seconds - held)
+
     def since(self, part: str, t0: float) -> float:
         """Add the seconds from ``t0`` (by this clock) to now to ``part``; returns now."""
         now = self.clock()

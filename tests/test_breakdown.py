@@ -59,6 +59,16 @@ def test_a_wait_shorter_than_the_message_s_transfer_is_all_wire() -> None:
     assert parts["wire"] == 0.004 and parts["bubble"] == 0.0
 
 
+def test_a_wait_on_the_compute_thread_is_spot_checks_only_while_a_check_held_it() -> None:
+    times = StepTimes(Ticks())
+    times.start()
+    times.thread_wait(0.004, checking=0.0)  # spot checks off: handing the work over and back
+    times.thread_wait(0.010, checking=0.007)  # a check held the thread for 7 ms of the 10
+    times.thread_wait(0.002, checking=0.050)  # a check that began before the wait
+    parts = times.report()
+    assert abs(parts["spot_checks"] - 0.009) < 1e-9 and abs(parts["handoff"] - 0.007) < 1e-9
+
+
 def _done(**kw: object) -> StepDone:
     return StepDone("r", 3, 1, 0, **kw)  # type: ignore[arg-type]
 

@@ -11,7 +11,7 @@ BREAKDOWN_V = 1
 #: delivery, verification included, and waiting for its own sends to drain), bubble (waiting for a
 #: neighbour before the first byte of its message), commit (StepDone sent to Commit received), spot_checks
 #: (keeping a step for its checks, and the compute thread busy with them), checkpoint (the state's snapshot
-#: for an upload), eval (validation passes)
+#: for an upload), eval (validation passes), handoff (handing work to the compute thread and back)
 STEP_PARTS = (
     "forward",
     "backward",
@@ -23,5 +23,6 @@ STEP_PARTS = (
     "spot_checks",
     "checkpoint",
     "eval",
+    "handoff",
     "other",
 )
