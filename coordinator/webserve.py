@@ -12,7 +12,14 @@ closed it, or died, kill -9 included) ends it.
 
 Connections are capped (``MAX_CONNECTIONS``, ``MAX_PER_CLIENT`` per address; one over
 is closed at once, unanswered) and one that has not sent a whole request within
-``HEADER_TIMEOUT_S`` of connecting or of its last answer is closed (slowloris)."""
+``HEADER_TIMEOUT_S`` of connecting or of its last answer is closed (slowloris).
+Requests are read at most ``CLIENT_REQUESTS_PER_S`` a second from one client address
+and ``REQUESTS_PER_S`` from all together (``RequestBudgets``): past that a connection's
+reading pauses until the budgets allow its requests, so a flood waits in its own
+sockets' buffers instead of costing CPU (the lowest priority does not cover the
+kernel's work on each request), and one client's flood does not delay another's page;
+a connection whose requests would wait over ``MAX_BUDGET_WAIT_S`` is closed unread, so
+a flooder's debt, and its address's wait after the flood, stay that short."""
 
 from __future__ import annotations
 
@@ -48,6 +55,17 @@ SNAPSHOT_WAIT_S = 2.0
 HEADER_TIMEOUT_S = 5.0
 MAX_CONNECTIONS = 256
 MAX_PER_CLIENT = 32
+#: requests read a second, and the burst read at once, from all clients together and
+#: from one client address (a page polls about once a second; a scraper less often)
+REQUESTS_PER_S = 200.0
+REQUEST_BURST = 400.0
+CLIENT_REQUESTS_PER_S = 20.0
+CLIENT_REQUEST_BURST = 60.0
+#: the longest a connection's requests wait for the budgets; longer, it is closed unread
+#: (within the keep-alive timeout, and a flooder's debt stays this short)
+MAX_BUDGET_WAIT_S = HEADER_TIMEOUT_S / 2
+#: client addresses whose budgets are kept; past it, refilled ones are forgotten
+MAX_CLIENT_BUDGETS = 1024
 #: the process's niceness: training processes always go first
 NICENESS = 19
 #: a snapshot frame's length prefix, and the largest frame read (the board bounds its own size)
@@ -199,14 +217,61 @@ class Limits:
             del self.open[client]
 
 
+class RequestBudget:
+    """Requests read at ``rate`` a second after a burst of ``burst``: ``delay(n)``
+    reserves ``n`` and says how long to wait before reading them (0: now)."""
+
+    def __init__(self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval, self.allowance, self.clock = 1.0 / rate, burst / rate, clock
+        self.due = clock()  # when the requests reserved so far would all have been read at ``rate``
+
+    def delay(self, n: int, most: float = float("inf")) -> float | None:
+        """Reserve ``n`` and say how long to wait, or reserve nothing and say None if
+        that would be over ``most`` seconds (so a flood's debt stays bounded)."""
+        now = self.clock()
+        due = max(self.due, now) + n * self.interval
+        wait = max(0.0, due - now - self.allowance)
+        if wait > most:
+            return None
+        self.due = due
+        return wait
+
+    def idle(self) -> bool:
+        """Whether it is full again (as good as a new one)."""
+        return self.due <= self.clock()
+
+
+class RequestBudgets:
+    """One budget per client address and one for all clients together: a client's
+    requests pass its own budget first and then the common one, so a flood from one
+    address reserves no more of the common budget than its own allows."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.all = RequestBudget(REQUESTS_PER_S, REQUEST_BURST, clock)
+        self.clients: dict[str, RequestBudget] = {}
+        self.refused = 0  # connections closed for being over budget
+
+    def of(self, client: str) -> RequestBudget:
+        """``client``'s own budget (the refilled ones are forgotten past ``MAX_CLIENT_BUDGETS``)."""
+        budget = self.clients.get(client)
+        if budget is None:
+            if len(self.clients) >= MAX_CLIENT_BUDGETS:
+                self.clients = {c: b for c, b in self.clients.items() if not b.idle()}
+            budget = self.clients[client] = RequestBudget(CLIENT_REQUESTS_PER_S, CLIENT_REQUEST_BURST, self.clock)
+        return budget
+
+
 class _Guarded(asyncio.Protocol):
     """aiohttp's protocol for one connection, made only once ``Limits`` lets the
     connection in (else it is closed at once, unread)."""
 
-    def __init__(self, make: Callable[[], asyncio.Protocol], limits: Limits) -> None:
-        self._make, self._limits = make, limits
+    def __init__(self, make: Callable[[], asyncio.Protocol], limits: Limits, budgets: RequestBudgets) -> None:
+        self._make, self._limits, self._budgets = make, limits, budgets
         self._inner: asyncio.Protocol | None = None
+        self._transport: asyncio.Transport | None = None
         self._client = ""
+        self._paused = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         peer = transport.get_extra_info("peername")
@@ -215,6 +280,7 @@ class _Guarded(asyncio.Protocol):
             transport.abort()  # type: ignore[attr-defined]
             return
         self._client, self._inner = client, self._make()
+        self._transport = transport  # type: ignore[assignment]
         self._inner.connection_made(transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -223,8 +289,40 @@ class _Guarded(asyncio.Protocol):
             self._inner.connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        """Pass ``data`` on once the client's budget and then the common one allow the
+        requests it holds; reading pauses while it waits, and a connection that would
+        wait over ``MAX_BUDGET_WAIT_S`` is closed."""
         if self._inner is not None:
-            self._inner.data_received(data)
+            self._admit(data, max(1, data.count(b"\r\n\r\n")), self._budgets.of(self._client))
+
+    def _admit(self, data: bytes, n: int, budget: RequestBudget) -> None:
+        after = self._budgets.all if budget is not self._budgets.all else None
+        wait = budget.delay(n, MAX_BUDGET_WAIT_S)
+        if wait is None:  # over budget for longer than a page could wait: refused unread
+            self._budgets.refused += 1
+            self._transport.abort()  # type: ignore[union-attr]
+        elif wait > 0:
+            self._paused = True
+            self._transport.pause_reading()  # type: ignore[union-attr]
+            asyncio.get_running_loop().call_later(wait, self._waited, data, n, after)
+        elif after is not None:
+            self._admit(data, n, after)
+        else:
+            self._pass(data)
+
+    def _waited(self, data: bytes, n: int, after: RequestBudget | None) -> None:
+        if self._inner is None or self._transport is None or self._transport.is_closing():
+            return
+        if after is not None:
+            self._admit(data, n, after)
+        else:
+            self._pass(data)
+
+    def _pass(self, data: bytes) -> None:
+        self._inner.data_received(data)  # type: ignore[union-attr]
+        if self._paused and self._transport is not None and not self._transport.is_closing():
+            self._paused = False
+            self._transport.resume_reading()
 
     def eof_received(self) -> bool | None:
         return self._inner.eof_received() if self._inner is not None else None
@@ -297,9 +395,9 @@ async def serve(fd: int) -> None:
         app_of(snapshots), access_log=None, keepalive_timeout=HEADER_TIMEOUT_S, handler_cancellation=True
     )
     await runner.setup()
-    limits = Limits()
+    limits, budgets = Limits(), RequestBudgets()
     server = await asyncio.get_running_loop().create_server(
-        lambda: _Guarded(runner.server, limits),  # type: ignore[arg-type]
+        lambda: _Guarded(runner.server, limits, budgets),  # type: ignore[arg-type]
         sock=sock,
     )
     try:

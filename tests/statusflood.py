@@ -3,16 +3,18 @@ slowloris, each cheap for the attacker.
 
 ``python -m tests.statusflood URL [--rate R] [--seconds S] [--connections C]
 [--cpus LIST] [--go-file F]`` floods ``URL``'s ``/api/v1/state`` and ``/metrics``
-over ``C`` keep-alive connections with requests pipelined (raw sockets, one thread),
-paced to at most ``R`` requests/s, for ``S`` seconds; it prints ``ready``, waits for
-``F`` if given, prints ``flooding``, then one JSON line: requests sent, answers read,
-seconds, answers per second, connections the server closed.
+over ``C`` keep-alive connections (raw sockets, one thread), writing ``R`` requests/s
+pipelined whether or not they are answered (an attacker does not wait), for ``S``
+seconds; it prints ``ready``, waits for ``F`` if given, prints ``flooding``, then one
+JSON line: requests offered and written (taken by the kernel), answers read, seconds,
+written and answered per second, connections the server closed.
 
 :func:`slowloris` holds connections open that never finish their request head."""
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import selectors
@@ -20,8 +22,8 @@ import socket
 import time
 from urllib.parse import urlsplit
 
-#: requests in flight on one connection (pipelined)
-DEPTH = 8
+#: requests one connection holds unwritten before the flooder stops adding to it
+MAX_PENDING = 20_000
 PATHS = ("/api/v1/state", "/metrics")
 
 
@@ -30,21 +32,47 @@ def _request(host: str, path: str) -> bytes:
 
 
 class _Conn:
-    """One keep-alive connection: requests in flight, and reading their answers."""
+    """One keep-alive connection: requests waiting to be written, and reading answers."""
 
     def __init__(self, addr: tuple[str, int], host: str, n: int) -> None:
         self.sock = socket.create_connection(addr, timeout=10)
         self.sock.setblocking(False)
         self.requests = [_request(host, PATHS[(n + i) % len(PATHS)]) for i in range(len(PATHS))]
+        self.out = bytearray()
+        self.ends: collections.deque[int] = collections.deque()  # each unwritten request's end, in bytes ever queued
+        self.total = self.taken = 0  # bytes ever queued, and taken by the kernel
         self.buf = bytearray()
         self.body_left = -1  # bytes of the current answer's body still to read (-1: in its head)
-        self.in_flight = 0
-        self.sent = 0
+        self.queued = 0
 
-    def send(self, k: int) -> None:
-        self.sock.sendall(b"".join(self.requests[(self.sent + i) % len(self.requests)] for i in range(k)))
-        self.sent += k
-        self.in_flight += k
+    def queue(self, k: int) -> int:
+        """Add up to ``k`` requests; how many were added."""
+        k = max(0, min(k, MAX_PENDING - len(self.ends)))
+        for i in range(k):
+            request = self.requests[(self.queued + i) % len(self.requests)]
+            self.out += request
+            self.total += len(request)
+            self.ends.append(self.total)
+        self.queued += k
+        return k
+
+    def write(self) -> int:
+        """Write what the socket takes now: requests wholly written (-1: closed)."""
+        if not self.out:
+            return 0
+        try:
+            n = self.sock.send(self.out)
+        except BlockingIOError:
+            return 0
+        except OSError:
+            return -1
+        del self.out[:n]
+        self.taken += n
+        done = 0
+        while self.ends and self.ends[0] <= self.taken:
+            self.ends.popleft()
+            done += 1
+        return done
 
     def read(self) -> int:
         """Answers completed by what the socket holds now; -1 when the server closed it."""
@@ -73,7 +101,6 @@ class _Conn:
                 return done
             del self.buf[: self.body_left]
             self.body_left = -1
-            self.in_flight -= 1
             done += 1
 
 
@@ -83,39 +110,43 @@ def flood(url: str, rate: float, seconds: float, connections: int) -> dict[str, 
     addr = (parts.hostname or "127.0.0.1", parts.port or 80)
     sel = selectors.DefaultSelector()
     conns: list[_Conn] = []
-    tally = {"sent": 0, "answers": 0, "closed": 0}
+    tally = {"offered": 0, "written": 0, "answers": 0, "closed": 0}
 
     def connect(n: int) -> None:
         conn = _Conn(addr, parts.netloc, n)
         conns.append(conn)
         sel.register(conn.sock, selectors.EVENT_READ, conn)
 
+    def drop(conn: _Conn) -> None:  # closed on us: another in its place
+        tally["closed"] += 1
+        sel.unregister(conn.sock)
+        conn.sock.close()
+        conns.remove(conn)
+        connect(len(conns))
+
     for n in range(connections):
         connect(n)
     start = time.monotonic()
     while (now := time.monotonic()) - start < seconds:
-        allowed = int(rate * (now - start)) + DEPTH - tally["sent"]
-        for conn in conns:
-            k = min(DEPTH - conn.in_flight, allowed)
-            if k > 0:
-                conn.send(k)
-                tally["sent"] += k
-                allowed -= k
-        for key, _ in sel.select(0.005):
+        due = int(rate * (now - start)) - tally["offered"]
+        for i, conn in enumerate(list(conns)):
+            tally["offered"] += conn.queue(due // len(conns) + (i < due % len(conns)))
+            wrote = conn.write()
+            if wrote < 0:
+                drop(conn)
+            tally["written"] += max(wrote, 0)
+        for key, _ in sel.select(0.002):
             conn = key.data
-            got = conn.read()
-            if got < 0:  # closed on us: another in its place
-                tally["closed"] += 1
-                sel.unregister(conn.sock)
-                conn.sock.close()
-                conns.remove(conn)
-                connect(len(conns))
-            else:
-                tally["answers"] += got
+            if conn in conns:
+                got = conn.read()
+                if got < 0:
+                    drop(conn)
+                tally["answers"] += max(got, 0)
     took = time.monotonic() - start
     for conn in conns:
         conn.sock.close()
-    return {**tally, "seconds": round(took, 2), "answers_per_s": round(tally["answers"] / took, 1)}
+    per_s = {"written_per_s": round(tally["written"] / took, 1), "answers_per_s": round(tally["answers"] / took, 1)}
+    return {**tally, "seconds": round(took, 2), **per_s}
 
 
 def slowloris(url: str, n: int, source: str = "") -> list[socket.socket]:

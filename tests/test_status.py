@@ -590,3 +590,41 @@ def test_each_link_shows_its_path_through_nats() -> None:
     assert [link["path"] for link in st["links"]] == ["dial-out", "forwarded", "dial-out"]
     connections = {p["id"]: p["connection"] for p in st["peers"]}
     assert connections == {"a": "direct", "b": "forwarded", "c": "forwarded", "d": "direct"}
+
+
+def test_the_pages_request_budget_reads_a_burst_at_once_then_holds_its_rate() -> None:
+    from coordinator.webserve import RequestBudget
+
+    now = [100.0]
+    budget = RequestBudget(rate=10.0, burst=20.0, clock=lambda: now[0])
+    assert [budget.delay(1) for _ in range(20)] == [0.0] * 20, "the burst is read at once"
+    assert abs(budget.delay(1) - 0.1) < 1e-9 and abs(budget.delay(5) - 0.6) < 1e-9, "then at the rate"
+    assert not budget.idle()
+    assert budget.delay(100, most=5.0) is None and abs(budget.delay(1) - 0.7) < 1e-9, "over the cap: nothing reserved"
+    now[0] += 60.0
+    assert budget.idle() and budget.delay(20) == 0.0, "an idle minute refills it"
+
+
+def test_one_clients_flood_takes_its_own_budget_not_the_others() -> None:
+    from coordinator import webserve
+
+    now = [0.0]
+    budgets = webserve.RequestBudgets(clock=lambda: now[0])
+    flooder = budgets.of("10.0.0.1")
+    waits = [flooder.delay(100) for _ in range(50)]  # 5,000 requests at once
+    assert waits[-1] is not None and waits[-1] > 200, "the flooder waits for its own budget"
+    assert budgets.all.delay(1) == 0.0 and budgets.of("10.0.0.2").delay(1) == 0.0, "another client is read at once"
+
+
+def test_the_page_forgets_refilled_client_budgets_past_its_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    from coordinator import webserve
+
+    monkeypatch.setattr(webserve, "MAX_CLIENT_BUDGETS", 4)
+    now = [0.0]
+    budgets = webserve.RequestBudgets(clock=lambda: now[0])
+    for i in range(4):
+        budgets.of(f"10.0.0.{i}").delay(1)
+    budgets.of("10.0.0.0").delay(500)  # still waiting: kept
+    now[0] += 10.0
+    budgets.of("10.0.0.9")
+    assert sorted(budgets.clients) == ["10.0.0.0", "10.0.0.9"]
