@@ -79,11 +79,14 @@ def assign(
     standby: bool = False,
     measured: dict[tuple[str, str], float] | None = None,
     nat: Collection[str] = (),
+    compression: bool = False,
 ) -> Assignment:
     """Every advertised peer gets a stage (``num_stages`` defaults to one per peer), or,
     with ``standby``, OP-Fence may leave peers out and choose the stage count itself
     when ``num_stages`` is None. ``measured``: links probed so far; ``nat``: peers behind
-    NATs (``network_from_adverts``)."""
+    NATs (``network_from_adverts``); ``compression`` (the run's ``auto``): the plan
+    carries the codecs the planner priced, and they are the ones that run
+    (``coordinator.links.live_codecs``)."""
     if not adverts:
         raise ValueError("no peers to assign")
     k = num_stages or (None if standby else len(adverts))
@@ -91,7 +94,7 @@ def assign(
         raise ValueError(f"{k} stages need at least {k} peers, {len(adverts)} joined")
     costs = DagCosts.from_opdag(dag)
     peers = [live_profile(a) for a in adverts]
-    options = Options(micro_batches=micro_batches, stages=k, standby=standby, compression=False)
+    options = Options(micro_batches=micro_batches, stages=k, standby=standby, compression=compression)
     network = network_from_adverts(adverts, measured, nat)
     try:
         plans = finalists(costs, peers, network, options)

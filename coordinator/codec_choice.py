@@ -4,8 +4,9 @@ micro-batch, and the values that cross it (their dtypes and shapes).
 
 The planner calls it (``coordinator.plan_eval.plan_codecs``, on the estimator's
 stage times and links, then prices what it chose: ``coordinator.codec_price``) and
-so does the live coordinator (``coordinator.links.live_codecs``, on the links its
-peers measured). Pure functions; bytes to seconds is ``coordinator.netmodel``'s.
+so does the live coordinator (``coordinator.links.live_codecs``: under ``auto``
+the planner's codecs run, picked again only where a measured link is far from the
+planner's, ``planned_or_repicked``). Pure functions; bytes to seconds is ``coordinator.netmodel``'s.
 """
 
 from __future__ import annotations
@@ -74,6 +75,34 @@ def choose_codecs(
         needed = nbytes > 0 and transfer_s(nbytes, mbps) > bottleneck
         out.append(Codec("adatopk", float(keep)) if needed and keep < 1.0 else Codec())
     return out
+
+
+#: a measured link within this share of the bandwidth the planner assumed keeps the
+#: codec the planner priced for it; further off, ``auto`` picks again on the measured one
+REPICK_SHARE = 0.25
+
+
+def planned_or_repicked(
+    planned: list[Codec],
+    planned_mbps: list[float],
+    measured_mbps: list[float],
+    edge_bytes: list[float],
+    stage_seconds: list[float],
+    edge_specs: list[list[Any]],
+    rank: int | None = None,
+) -> tuple[list[Codec], list[bool]]:
+    """``auto`` on the live swarm: each boundary runs the codec the planner priced for
+    it (``planned``, chosen for ``planned_mbps``) unless the link its peers measured
+    differs from that by more than ``REPICK_SHARE``; then the same choice
+    (``auto_codec``) picks again for the measured bandwidth against the plan's slowest
+    stage. Returns the codecs and, per boundary, whether it was picked again."""
+    bottleneck = max(stage_seconds, default=0.0)
+    codecs, again = [], []
+    for codec, want, got, n, spec in zip(planned, planned_mbps, measured_mbps, edge_bytes, edge_specs, strict=True):
+        off = abs(got - want) > REPICK_SHARE * want
+        codecs.append(auto_codec(n, got, bottleneck, spec, rank) if off else codec)
+        again.append(off)
+    return codecs, again
 
 
 def keep_fraction(float_bytes: float, other_bytes: float, mbps: float, bound_s: float, floor: float) -> float:

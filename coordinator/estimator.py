@@ -14,7 +14,8 @@ runs it (``peer.epoch``), and the same in ``sim/``:
   backward of twice its cost), plus a fixed cost per operator kernel (forward once,
   backward twice; ``PeerProfile.op_overhead_s``), plus, when the stage has
   replicas, sending that micro-batch's parameter gradients to every other replica
-  one after the other (the live swarm sums them in micro-batch order: bit-exact);
+  at once, each pair on its own link: its slowest link prices it (``slowest_sends``;
+  the live swarm sums them in micro-batch order: bit-exact);
 - a link's time per micro-batch and direction: ``latency + wire bytes / bandwidth``;
 - stages with the same number of replicas run 1F1B in lanes (replica ``i`` of every
   stage): stage ``s`` holds at most ``k - s`` micro-batches in flight, so a round
@@ -45,13 +46,7 @@ from typing import Any
 import numpy as np
 
 from coordinator.codec_price import plan_steps_factor, price
-from coordinator.netmodel import (
-    Network,
-    PeerProfile,
-    boundary_models,
-    link_seconds,
-    rounds_of,
-)
+from coordinator.netmodel import Network, PeerProfile, boundary_models, link_seconds, rate_mbps, rounds_of
 from coordinator.opdag import OpDag, cost_lists
 from protocol.model.schedule import uses_1f1b
 from protocol.wire.codecs import Codec
@@ -198,6 +193,7 @@ class Plan:
     stage_s: list[float] = field(default_factory=list)
     link_s: list[float] = field(default_factory=list)
     allreduce_s: list[float] = field(default_factory=list)  # per micro-batch: replicas' gradient sends
+    edge_mbps: list[float] = field(default_factory=list)  # per boundary: its busiest pair's Mbit/s per micro-batch
     fits_memory: bool = True
     empty_stage: bool = False  # a stage computes (almost) nothing: never chosen
     steps_factor: float = 1.0  # its codecs' statistical price (coordinator.codec_price)
@@ -376,7 +372,7 @@ def _group_models(groups: list[list[PeerProfile]], network: Network, micro_batch
     window = windows(k, rounds) if lanes else [0] * k
     out = []
     for s, g in enumerate(groups):
-        sums = network.send_sums(tuple(p.id for p in g)) if len(g) > 1 else [(0.0, 0.0)]
+        sums = network.slowest_sends(tuple(p.id for p in g)) if len(g) > 1 else [(0.0, 0.0)]
         kinds = {
             Replica(p.flops, p.op_overhead_s, p.memory_bytes, n, min(n, k - s) if lanes else n, lat, spb)
             for p, n, (lat, spb) in zip(g, dealt(micro_batches, len(g)), sums)
@@ -424,12 +420,18 @@ def predict(
     plan.iteration_s = pipeline + tied_sync_s(costs, plan, network)
     plan.stage_s = [t * rounds / m for t in stage_round]
     plan.link_s = [t * rounds / m for t in link_round]
+    plan.edge_mbps = edge_rates(plan.groups, network, m)
     plan.allreduce_s = [g.sends(costs, lo, hi) for g, (lo, hi) in zip(models, ranges)]
     plan.lower_bound_s = lower_bound(costs, peers, m)
     plan.fits_memory = all(g.fits(costs, lo, hi) for g, (lo, hi) in zip(models, ranges))
     plan.empty_stage = any(costs.stage_flops(lo, hi) < costs.min_stage_flops(k) for lo, hi in ranges)
     plan.steps_factor = plan_steps_factor(plan.codecs)
     return plan
+
+
+def edge_rates(groups: list[list[str]], network: Network, micro_batches: int) -> list[float]:
+    """Per boundary: its busiest pair's Mbit/s per micro-batch (``auto`` weighs it against the stages)."""
+    return [rate_mbps(e.per_byte() * e.rounds / micro_batches) for e in boundary_models(groups, network, micro_batches)]
 
 
 def tied_sync_s(costs: DagCosts, plan: Plan, network: Network) -> float:

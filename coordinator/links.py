@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from coordinator.assign import Assignment, live_profile
-from coordinator.codec_choice import choose_codecs, float_bytes
-from coordinator.estimator import DagCosts, compute_s
+from coordinator.assign import Assignment, live_profile, network_from_adverts
+from coordinator.codec_choice import choose_codecs, float_bytes, planned_or_repicked
+from coordinator.estimator import DagCosts, compute_s, edge_rates
 from coordinator.opdag import OpDag
 from protocol.model.graph import Cut, build_stage, partition, trace
 from protocol.model.recipe import Recipe, autocast
@@ -52,12 +52,15 @@ def live_codecs(
     mode: str,
     fraction: float | None = None,
     rank: int | None = None,
+    micro_batches: int = 1,
 ) -> tuple[list[Codec], list[float]]:
     """The codec of each boundary of the live ``plan`` (``choose_codecs`` in ``mode``),
     and the bandwidth it was chosen for: the slowest link the peers measured between
     its two stages (``measured``: peer -> next peer -> Mbit/s), against each stage's
     compute per micro-batch on its slowest peer (the estimator's, from the adverts).
-    ``specs``: each stage's input values (``boundary_specs``)."""
+    ``specs``: each stage's input values (``boundary_specs``). Under ``auto``, a plan
+    whose codecs the planner priced runs them, but where a boundary's measured link (per
+    micro-batch, of ``micro_batches``) is far from the planner's (``planned_or_repicked``)."""
     mbps = [
         min(measured.get(p, {}).get(q, UNMEASURED_MBPS) for p in plan.stages[b] for q in plan.stages[b + 1])
         for b in range(len(plan.stages) - 1)
@@ -68,6 +71,24 @@ def live_codecs(
         for (lo, hi), group in zip(plan.cut.ranges(costs.num_ops), plan.stages, strict=True)
     ]
     edge_bytes = [float_bytes(spec) for spec in specs[1:]]
+    priced = plan.plan
+    if mode == "auto" and priced is not None and len(priced.edge_mbps) == len(mbps) == len(priced.codecs):
+        probed = {(p, q): v for p, got in measured.items() for q, v in got.items()}
+        rates = edge_rates(plan.stages, network_from_adverts(list(adverts.values()), probed), micro_batches)
+        codecs, again = planned_or_repicked(
+            priced.codecs, priced.edge_mbps, rates, edge_bytes, priced.stage_s, specs[1:], rank
+        )
+        for b, c in enumerate(codecs):
+            how = "picked again for the measured link" if again[b] else "as the planner priced it"
+            logger.info(
+                "boundary %d: %.1f Mbit/s a micro-batch (planned %.1f) -> %s, %s",
+                b,
+                rates[b],
+                priced.edge_mbps[b],
+                c,
+                how,
+            )
+        return codecs, mbps
     codecs = choose_codecs(edge_bytes, mbps, seconds, mode, fraction, specs[1:], rank=rank)
     for b, c in enumerate(codecs):
         logger.info("boundary %d: %.1f Mbit/s, %d bytes per micro-batch -> %s", b, mbps[b], edge_bytes[b], c)

@@ -94,42 +94,31 @@ class Network:
             self._memo["overrides"] = index
         return index
 
-    def send_sums(self, group: tuple[str, ...]) -> list[tuple[float, float]]:
-        """For each member of ``group``: the summed latency and seconds per byte of its
-        links to every other member (what sending one message to each, one after the
-        other, costs). Exact: per cluster, corrected for the pairs overridden."""
-        key = ("sums", group)
+    def slowest_sends(self, group: tuple[str, ...]) -> list[tuple[float, float]]:
+        """For each member of ``group``: the latency and seconds per byte of its slowest
+        link to another member (each the most of its links'), what sending one message to
+        every other member at once costs, each over its own link. Exact: per cluster,
+        the pairs overridden on their own."""
+        key = ("slowest", group)
         got = self._memo.get(key)
         if got is None:
             counts: dict[str, int] = {}
             for b in group:
                 c = self.cluster_of.get(b, "")
                 counts[c] = counts.get(c, 0) + 1
-            base = {ca: self._sums_to(ca, counts) for ca in counts}
             members, index = set(group), self.pair_links()
             got = []
             for a in group:
                 ca = self.cluster_of.get(a, "")
-                lat, spb = base[ca]
-                for b, (mbps, latency) in index.get(a, {}).items():
-                    if b in members and b != a:  # this pair's own link instead of its clusters'
-                        c_mbps, c_latency = self._cluster_link(ca, self.cluster_of.get(b, ""))
-                        lat += latency - c_latency
-                        spb += transfer_s(1.0, mbps) - transfer_s(1.0, c_mbps)
-                got.append((lat, spb))
+                own = {b: v for b, v in index.get(a, {}).items() if b in members and b != a}
+                left = dict(counts)
+                for b in [a, *own]:
+                    left[self.cluster_of.get(b, "")] -= 1
+                links = [self._cluster_link(ca, c) for c, n in left.items() if n > 0] + list(own.values())
+                lat = max((latency for _, latency in links), default=0.0)
+                got.append((lat, max((transfer_s(1.0, mbps) for mbps, _ in links), default=0.0)))
             self._remember(key, got)
         return got
-
-    def _sums_to(self, ca: str, counts: dict[str, int]) -> tuple[float, float]:
-        """A member of cluster ``ca``'s summed links to every other member (``counts``
-        per cluster, itself included), as the clusters' links give them."""
-        lat = spb = 0.0
-        for c, n in counts.items():
-            n -= c == ca  # not to itself
-            if n:
-                mbps, latency = self._cluster_link(ca, c)
-                lat, spb = lat + n * latency, spb + transfer_s(n, mbps)
-        return lat, spb
 
     def pairs(self, xs: tuple[str, ...], ys: tuple[str, ...], micro_batches: int) -> list[tuple[int, float, float]]:
         """The links micro-batches cross from group ``xs`` to group ``ys`` (micro-batch

@@ -5,7 +5,10 @@ names hosts by the address they listen on, as peer ids are only known once the p
 start; ``FUSIONLLM_TESTBED_PLAN`` names the plan's JSON file::
 
     {"scheduler": "opfence", "cut": [12, 40], "stages": [["10.78.0.2"], ["10.78.0.3"]],
-     "iteration_s": 0.41, "stage_s": [0.1, 0.12]}
+     "iteration_s": 0.41, "stage_s": [0.1, 0.12], "codecs": ["none", "int8"], "edge_mbps": [1000, 20]}
+
+The codecs are the planner's (under ``--compression auto`` they run unless a measured
+link is far from ``edge_mbps``: ``coordinator.codec_choice.planned_or_repicked``).
 
 Reading the file is the only I/O here (``from_env``); the mapping is a pure function."""
 
@@ -15,7 +18,7 @@ import json
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator.assign import Assignment
@@ -34,6 +37,8 @@ class PinnedPlan:
     stages: list[list[str]]  # hosts (listen addresses) per stage, in replica order
     iteration_s: float  # the estimator's prediction for it, on the testbed's links
     stage_s: list[float]
+    codecs: list[Codec] = field(default_factory=list)  # per boundary, as the planner priced them (none: uncompressed)
+    edge_mbps: list[float] = field(default_factory=list)  # per boundary, the bandwidth they were priced for
 
     @classmethod
     def decode(cls, data: Any) -> PinnedPlan:
@@ -47,11 +52,15 @@ class PinnedPlan:
                 stages,
                 float(data["iteration_s"]),
                 [float(s) for s in data.get("stage_s", [])],
+                [Codec.parse(str(c)) for c in data.get("codecs", [])],
+                [float(x) for x in data.get("edge_mbps", [])],
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError) as exc:  # CodecError is a ValueError
             raise ValueError(f"{ENV_VAR}: not a pinned plan ({type(exc).__name__}: {exc})") from None
         if not stages or any(not g for g in stages) or len(cut) != len(stages) - 1 or list(cut) != sorted(set(cut)):
             raise ValueError(f"{ENV_VAR}: {len(stages)} stages and cut {list(cut)} do not match")
+        if any(len(x) not in (0, len(cut)) for x in (plan.codecs, plan.edge_mbps)):
+            raise ValueError(f"{ENV_VAR}: codecs and edge_mbps need one entry per boundary ({len(cut)})")
         return plan
 
     def assignment(self, adverts: list[Advert]) -> Assignment:
@@ -62,9 +71,10 @@ class PinnedPlan:
         if missing:
             raise ValueError(f"the pinned plan names hosts no peer listens on: {', '.join(missing)}")
         groups = [[by_host[h] for h in g] for g in self.stages]
-        codecs = [Codec() for _ in self.cut]
+        codecs = self.codecs or [Codec() for _ in self.cut]
         stage_s = self.stage_s if len(self.stage_s) == len(groups) else [math.nan] * len(groups)
         plan = Plan(self.cut, groups, codecs, self.scheduler, self.iteration_s, stage_s=stage_s)
+        plan.edge_mbps = list(self.edge_mbps)
         return Assignment(cut=Cut(self.cut), stages=groups, plan=plan)
 
 

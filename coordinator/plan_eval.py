@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from coordinator.codec_choice import choose_codecs
 from coordinator.codec_price import matrix_spec
 from coordinator.estimator import DagCosts, Plan, predict
-from coordinator.netmodel import Network, PeerProfile, boundary_models, rate_mbps
+from coordinator.netmodel import Network, PeerProfile
 from protocol.wire.codecs import Codec
 
 
@@ -33,20 +33,17 @@ class ScheduleError(ValueError):
     """No plan is possible (e.g. more stages than ops or peers)."""
 
 
-def plan_codecs(costs: DagCosts, plan_: Plan, network: Network, options: Options) -> list[Codec]:
+def plan_codecs(costs: DagCosts, plan_: Plan, options: Options) -> list[Codec]:
     """The codec ``auto`` puts on each edge slower than the slowest stage: just enough
     to keep up (none without ``options.compression``). The one codec choice
     (``codec_choice.choose_codecs``) on each edge's floating bytes (as one matrix of
-    its widest columns), its busiest pair's bandwidth per micro-batch and the
-    plan's stage times, both as ``predict`` gives them (per micro-batch)."""
+    its widest columns), its busiest pair's bandwidth per micro-batch
+    (``Plan.edge_mbps``) and the plan's stage times, both as ``predict`` gives them."""
     if not options.compression:
         return [Codec()] * len(plan_.cut)
-    m = options.micro_batches
-    edges = boundary_models(plan_.groups, network, m)
     floating = [costs.float_cross[pos] for pos in plan_.cut]
-    mbps = [rate_mbps(edge.per_byte() * edge.rounds / m) for edge in edges]  # per micro-batch, as stage_s
     specs = [matrix_spec(f, costs.cross_cols[pos], costs.float_itemsize) for f, pos in zip(floating, plan_.cut)]
-    return choose_codecs(floating, mbps, plan_.stage_s, "auto", edge_specs=specs)
+    return choose_codecs(floating, plan_.edge_mbps, plan_.stage_s, "auto", edge_specs=specs)
 
 
 def evaluate(
@@ -65,7 +62,7 @@ def evaluate(
     its plans here."""
     m = options.micro_batches
     best = predict(costs, Plan(cut, ids, [Codec()] * len(cut), name), by_id, network, m)
-    codecs = plan_codecs(costs, best, network, options)
+    codecs = plan_codecs(costs, best, options)
     if all(c.name == "none" for c in codecs):
         return best
     squeezed = predict(costs, Plan(cut, ids, codecs, name), by_id, network, m)

@@ -287,7 +287,15 @@ class Coordinator:
         chosen for (``coordinator.links.live_codecs``: the one codec choice)."""
         cfg = self.config
         return live_codecs(
-            dag, plan, specs, measured, self.adverts, cfg.compression, cfg.topk_fraction, rank=cfg.lowrank_rank
+            dag,
+            plan,
+            specs,
+            measured,
+            self.adverts,
+            cfg.compression,
+            cfg.topk_fraction,
+            cfg.lowrank_rank,
+            cfg.job.micro_batches,
         )
 
     async def _abort(self, peers: set[str], reason: str) -> None:

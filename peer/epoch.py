@@ -129,6 +129,7 @@ class EpochRunner:
         self.feedback = ErrorFeedback()
         self.uploads: list[asyncio.Task[int]] = []  # checkpoint states on their way
         self.mb_grads: dict[int, dict[str, torch.Tensor]] = {}  # replicated stages: own gradients per micro-batch
+        self.replica_sends: list[asyncio.Task[int]] = []  # this step's gradient sends to the other replicas
         self.busy_s = 0.0  # compute and throttle pauses (not waits for messages) since the step began
         self.times = StepTimes()  # where the step's time goes, reported with StepDone
         self.builder = StageBuilder(self.job, a, env.device, env.namespaces, env.config.allow_code, env.memory_bytes)
@@ -275,7 +276,7 @@ class EpochRunner:
         order = schedules.make(schedules.effective(a.schedule, a.stages), self.k, len(self.my_mbs))[self.s]
         sends: list[asyncio.Task[int]] = []
         losses: dict[str, float] = {}
-        self.busy_s = 0.0
+        self.busy_s, self.replica_sends = 0.0, []
         self.times.start()
         for kind, i in order:
             if kind == "F":
@@ -284,6 +285,7 @@ class EpochRunner:
                 sent = await self._backward(held.ex, step, self.my_mbs[i])
             if sent is not None:
                 sends.append(sent)
+        sends += self.replica_sends
         if len(a.stages[self.s]) > 1:
             await self._average_replicas(held.ex, step)
         norms = await self._compute("optimizer", held.ex.grad_norms) if self.recipe.needs_norm else {}
@@ -338,10 +340,10 @@ class EpochRunner:
         if own is not None:
             self.mb_grads[mb] = own
             names = sorted(own)
-            for other, pid in enumerate(a.stages[self.s]):
+            for other, pid in enumerate(a.stages[self.s]):  # to every replica at once, awaited at the step's end
                 if other != self.r:
                     msg = ReplicaGrads(a.run_id, step, self.s, self.r, names, epoch=a.epoch, mb=mb)
-                    await self._send_soon(pid, msg, [own[n] for n in names])
+                    self.replica_sends.append(self._send_soon(pid, msg, [own[n] for n in names]))
         if self.s == 0:
             return None
         dest = a.stages[self.s - 1][mb % len(a.stages[self.s - 1])]

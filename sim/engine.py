@@ -125,7 +125,7 @@ def _lanes(
 ) -> list[_Lane]:
     k, out = len(p.groups), []
     for s, ((lo, hi), g) in enumerate(zip(p.ranges(costs.num_ops), p.groups)):
-        sums = network.send_sums(tuple(g)) if len(g) > 1 else [(0.0, 0.0)] * len(g)
+        sums = network.slowest_sends(tuple(g)) if len(g) > 1 else [(0.0, 0.0)] * len(g)
         for i, (pid, (lat, spb)) in enumerate(zip(g, sums)):
             mine = list(range(i, m, len(g)))
             peer = peers[pid]

@@ -106,7 +106,7 @@ def test_the_summary_numbers_are_read_from_the_coordinators_lines() -> None:
     m = parse_summary(lines)
     assert m.step_s == pytest.approx(0.2911) and m.coordinator_predicted_s == pytest.approx(0.3393)
     assert m.wire_bytes == [10_730_000, 2_500_000] and m.codecs == ["none", "int8"] and m.final_loss == 3.45
-    assert m.compute_ratio == [1.1, 0.5]
+    assert m.stage_compute_s == [pytest.approx(0.044), pytest.approx(0.010)]
 
 
 def test_the_report_says_measured_beside_predicted_and_the_ratios() -> None:
@@ -126,15 +126,13 @@ def test_the_report_says_measured_beside_predicted_and_the_ratios() -> None:
 
 
 def test_the_prediction_is_made_again_for_the_compute_the_peers_delivered() -> None:
-    from coordinator.estimator import Plan
+    from coordinator.estimator import Plan, compute_s
     from fusionllm.testbed import plans
-    from protocol.wire.codecs import Codec
 
-    plan = Plan((3, 7), [["a0"], ["b0", "b1"], ["b2"]], [Codec(), Codec()])
-    # single-peer stages took a quarter and half the estimator's compute: 1 / median(0.25, 0.5)
-    assert plans.delivered_scale(plan, [0.25, 2.0, 0.5]) == pytest.approx(1 / 0.375)
-    assert plans.delivered_scale(Plan((), [["a0", "b0"]], []), [0.5]) == pytest.approx(2.0)  # all replicated
-    assert plans.delivered_scale(plan, []) == 1.0  # the run printed no stage line
+    # the stages took a quarter, twice and half the estimator's compute: 1 / median(0.25, 2, 0.5)
+    assert plans.delivered_scale([0.25, 2.0, 0.5]) == pytest.approx(2.0)
+    assert plans.delivered_scale([None, 0.5]) == pytest.approx(2.0)
+    assert plans.delivered_scale([]) == 1.0  # the run printed no stage line
     job_args = {"model": "gpt", "model_args": "n_layer=1,n_embd=16,n_head=2", "micro_batches": 2}
     from protocol.model.job import JobSpec
 
@@ -143,6 +141,11 @@ def test_the_prediction_is_made_again_for_the_compute_the_peers_delivered() -> N
     two = topo.load_topology("two-clusters")
     m = topo.map_compute(two, 10e9, cores=2)
     (p,) = plans.predict_all(["opfence"], costs, two, m, 2)
+    # a replicated stage is compared on its compute alone (its gradient sends are not compute)
+    replicated = Plan((), [["a0", "b0"]], [])
+    alone = compute_s(costs, 0, costs.num_ops, [m_peer for m_peer in plans.emulated_peers(two, m) if m_peer.id == "b0"])
+    assert plans.compute_ratios(replicated, costs, two, m, [2 * alone]) == [pytest.approx(2.0, rel=1e-3)]
+    assert plans.compute_ratios(replicated, costs, two, m, [None]) == [None]
     same = plans.repredict(p, costs, two, m, 2, 1.0)
     assert same[0] == pytest.approx(p.estimated_s) and same[1] == pytest.approx(p.simulated_s)
     faster = plans.repredict(p, costs, two, m, 2, 4.0)

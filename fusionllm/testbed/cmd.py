@@ -109,7 +109,7 @@ def _calibrated(bed: _Bed, costs: Any, compute: topo.ComputeMap, scheduler: str,
     it delivers beside the swarm's processes (it read 3 to 50 GFLOP/s)."""
     (first,) = plans.predict_all([scheduler], costs, bed.topology, compute, mb)
     m = bed.run(first, "none", CALIBRATION_STEPS, compute, name="calibration")
-    scale = plans.delivered_scale(first.plan, m.compute_ratio)
+    scale = plans.delivered_scale(plans.compute_ratios(first.plan, costs, bed.topology, compute, m.stage_compute_s))
     say(
         f"calibration: the peers delivered x{scale:.2f} the one-thread reading ({compute.base_flops / 1e9:.2f} GFLOP/s)"
     )
@@ -158,10 +158,11 @@ def _result(
     ran = {_key(p): p.scheduler for p in predicted if (p.scheduler, "none") in runs}
     for p in predicted:
         m = runs[(ran[_key(p)], "none")]
-        scale = plans.delivered_scale(p.plan, m.compute_ratio)
+        ratios = plans.compute_ratios(p.plan, costs, t, compute, m.stage_compute_s)
+        scale = plans.delivered_scale(ratios)
         est, sim = plans.repredict(p, costs, t, compute, mb, scale)
         rows[p.scheduler] = report.row(m.step_s, est, sim, m.wire_bytes, p.plan.groups)
-        rows[p.scheduler].update(codecs=m.codecs, final_loss=m.final_loss, compute_ratio=m.compute_ratio)
+        rows[p.scheduler].update(codecs=m.codecs, final_loss=m.final_loss, compute_ratio=ratios)
         rows[p.scheduler].update(delivered_compute=round(scale, 3), estimated_mapped_s=round(p.estimated_s, 5))
         rows[p.scheduler].update(simulated_mapped_s=round(p.simulated_s, 5))
         if ran[_key(p)] != p.scheduler:

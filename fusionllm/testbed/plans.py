@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from coordinator.estimator import DagCosts, Plan, predict
+from coordinator.estimator import DagCosts, Plan, compute_s, predict
 from coordinator.netmodel import PeerProfile
 from coordinator.opdag import build_opdag
 from coordinator.plan_eval import Options, ScheduleError
@@ -39,6 +39,7 @@ class Predicted:
             "codecs": [str(c) for c in self.plan.codecs],
             "iteration_s": self.estimated_s,
             "stage_s": list(self.plan.stage_s),
+            "edge_mbps": list(self.plan.edge_mbps),
         }
 
     def write(self, topo: Topology, path: Path) -> Path:
@@ -107,12 +108,25 @@ def predict_all(
     return out
 
 
-def delivered_scale(plan: Plan, compute_ratio: list[float | None]) -> float:
-    """How much faster than mapped the peers computed: the median, over the plan's
-    single-peer stages (a replicated stage's per-micro-batch figures are not alike),
-    of the estimator's compute per micro-batch over the measured one (1.0: as mapped)."""
-    single = [r for g, r in zip(plan.groups, compute_ratio, strict=False) if len(g) == 1 and r]
-    ratios = single or [r for r in compute_ratio if r]
+def compute_ratios(
+    plan: Plan, costs: DagCosts, topo: Topology, compute: ComputeMap, measured_s: list[float | None]
+) -> list[float | None]:
+    """Each stage's measured compute per micro-batch over the estimator's compute alone
+    (``compute_s``: forward and backward on the group's slowest peer, as mapped). The
+    coordinator's own per-stage figure is a stage's period, replica gradient sends
+    included, so a replicated stage's was not comparable with what its peers computed."""
+    by_id = {p.id: p for p in emulated_peers(topo, compute)}
+    out: list[float | None] = []
+    for (lo, hi), group, got in zip(plan.ranges(costs.num_ops), plan.groups, measured_s, strict=False):
+        est = compute_s(costs, lo, hi, [by_id[x] for x in group])
+        out.append(round(got / est, 3) if got and est > 0 else None)
+    return out
+
+
+def delivered_scale(compute_ratio: list[float | None]) -> float:
+    """How much faster than mapped the peers computed: one over the median of the
+    stages' measured over predicted compute (``compute_ratios``; 1.0: as mapped)."""
+    ratios = [r for r in compute_ratio if r]
     return 1.0 / statistics.median(ratios) if ratios else 1.0
 
 

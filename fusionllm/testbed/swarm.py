@@ -41,9 +41,8 @@ class Measured:
     wire_bytes: list[int] = field(default_factory=list)
     codecs: list[str] = field(default_factory=list)
     final_loss: float = float("nan")
-    #: each stage's compute per micro-batch, measured over the estimator's, as the coordinator's
-    #: summary prints them: whether the peers delivered the FLOP/s they were mapped to
-    compute_ratio: list[float | None] = field(default_factory=list)
+    #: each stage's measured compute per micro-batch (seconds), as the coordinator's summary prints it
+    stage_compute_s: list[float | None] = field(default_factory=list)
 
 
 def parse_summary(lines: list[str]) -> Measured:
@@ -52,8 +51,8 @@ def parse_summary(lines: list[str]) -> Measured:
     for line in lines:
         if m := _ESTIMATE.match(line):
             out.coordinator_predicted_s, out.step_s = float(m.group(1)) / 1e3, float(m.group(2)) / 1e3
-            pairs = [(float(p), float(q)) for p, q in _STAGE.findall(line.split("predicted/measured:")[-1])]
-            out.compute_ratio = [round(q / p, 3) if p > 0 else None for p, q in pairs]
+            pairs = _STAGE.findall(line.split("predicted/measured:")[-1])
+            out.stage_compute_s = [float(q) / 1e3 if float(q) > 0 else None for _, q in pairs]
         elif m := _BOUNDARY.match(line):
             out.codecs.append(m.group(2).rstrip(","))
             out.wire_bytes.append(round(float(m.group(3)) * 1e6))
