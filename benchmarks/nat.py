@@ -206,6 +206,10 @@ def _swarm_tokens(lab: Any, natted: bool, steps: int, tmp: Path) -> float:
             p.kill_all()
 
 
+def _terminate(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--short", action="store_true")
@@ -224,6 +228,7 @@ def main() -> None:
         print(json.dumps({"skipped": why, "short": args.short}))
         return
     frames, steps = (4, 30) if args.short else (16, 150)
+    signal.signal(signal.SIGTERM, _terminate)  # unwinds: the lab's namespaces go with the processes
     lab = NatLab(routers=2, mbps=LINK_MBIT)
     try:
         out: dict[str, Any] = _transfers(lab, frames)

@@ -77,3 +77,35 @@ def test_peers_behind_nats_train_equal_to_one_process(tmp_path: Path, direct: in
     ref = tmp_path / "ref.safetensors"
     assert run_cli("train", "--reference", *common, "--threads", "1", "--save", str(ref)).returncode == 0
     assert compare_checkpoints(save, ref) <= 1e-5
+
+
+def test_the_nat_benchmark_stopped_by_sigterm_removes_its_namespaces() -> None:
+    """``kill PID`` of ``benchmarks/nat.py`` mid-run unwinds it: its lab's namespaces go
+    with its processes (it used to leave them for the next run to remove)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT
+
+    bench = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "nat.py"), "--short"], cwd=ROOT)
+    mine = re.compile(rf"fl(?:pub|r\d+x|h\d+x){bench.pid % 100000}")  # tests/netlab.py's names
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(_namespaces(mine)) < 5:
+            time.sleep(0.1)
+        assert len(_namespaces(mine)) == 5, "the benchmark never built its lab"
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(30) != 0
+        assert _namespaces(mine) == [], "namespaces left behind"
+    finally:
+        bench.kill()
+        bench.wait()
+
+
+def _namespaces(mine: re.Pattern[str]) -> list[str]:
+    import subprocess
+
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    return [n for n in listed if mine.fullmatch(n)]
