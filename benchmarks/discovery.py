@@ -1,17 +1,21 @@
 """Discovery's cost on loopback: N advertising hivemind ``DHTNode``s and one reader (the
 coordinator's node), under the live sharded layout (``<run>:adverts/<i>``, as many
 shards as ``discovery_cost.shard_count(N)``, each node under ``shard_of`` its id) and,
-for comparison, the old one-key layout. Each node stores a signed ~570-byte advert
-every ``REFRESH_S``; the reader polls every key once a second with the coordinator's
-own read (``protocol.net.records.read_node``: the latest of each shard, one lookup).
+for comparison, the old one-key layout. Each node stores a signed ~570-byte advert at
+a peer's pace (``peer.adverts.RefreshPace``: ``REFRESH_S`` from one store's start to
+the next, each copy living ``TTL_S`` from when it is expected to land); the reader
+polls every key once a second with the coordinator's own read
+(``protocol.net.records.read_node``: the latest of each shard, one lookup).
 Measured per N: poll time (p50), completeness (the least over the polls of the adverts
 the coordinator counts, found by this poll or by an earlier one and not yet expired,
 over N, after one read uncounted: a coordinator polls from its start;
 ``lookup_completeness_min``: found by the poll's lookup alone), the busiest node's
 bytes served by ``rpc_find`` per second, the bytes of the replies the reader
-received per poll, the longest gap between two of a node's stores while the polls ran
-(``refresh_gap_max_s``: were the adverts alive?); beside them the formulas' figures
-(``formula_busiest_holder_kB_s``), and the formulas' projections for 1,000 and 10,000.
+received per poll, how long the stores took (``store_p50_s``, ``store_max_s``) and the
+longest a node's advert had expired when its next copy was stored
+(``advert_lapse_max_s``: 0 when every advert stayed alive); beside them the
+formulas' figures (``formula_busiest_holder_kB_s``), and the formulas' projections
+for 1,000 and 10,000.
 
 The advertising nodes run in worker processes of ``NODES_PER_WORKER`` (each node with
 its own p2p daemon), the reader in this one: with all 80 in the reader's event loop it
@@ -47,6 +51,7 @@ from hivemind.utils import get_dht_time  # noqa: E402
 
 from benchmarks import control_plane  # noqa: E402
 from coordinator import discovery_cost as dc  # noqa: E402
+from peer.adverts import RefreshPace  # noqa: E402
 from protocol.net.records import read_node  # noqa: E402
 from protocol.trust.identity import Identity, check_record, sign_record  # noqa: E402
 from protocol.trust.run_records import record_subkey, shard_name, shard_of  # noqa: E402
@@ -54,7 +59,7 @@ from protocol.wire.messages import PROTOCOL_VERSION, Advert, dht_key  # noqa: E4
 
 REFRESH_S = dc.ADVERT_REFRESH_S
 STEP_S = 5.0  # the step the projections assume: each planned peer's step report is its heartbeat
-TTL_S = 3 * REFRESH_S  # an advert's lifetime (peer.config's advert ttl)
+TTL_S = 3 * REFRESH_S  # an advert's lifetime (peer.config's advert ttl), from when its copy lands
 POLL_S = 1.0
 RUN = "bench"
 #: the longest every node's first store may take before the polls start
@@ -70,7 +75,8 @@ P2P_ARGS = {"startup_timeout": 60.0}
 logger = logging.getLogger("discovery")
 SERVED: dict[bytes, int] = defaultdict(int)  # node id -> bytes its rpc_find replies carried
 READ: dict[str, int] = defaultdict(int)  # requester's peer id -> bytes of rpc_find replies it was sent
-GAPS: list[float] = []  # seconds between a node's two stores taken, while the polls run
+STORES: list[float] = []  # seconds each store took, while the polls run
+LAPSES: list[float] = []  # seconds a node's last copy had expired when its next one was stored, while the polls run
 
 
 def _count_served() -> None:
@@ -93,28 +99,35 @@ def _names(layout: str, n: int) -> list[str]:
     return ["adverts"] if layout == "one_key" else [shard_name("adverts", i) for i in range(dc.shard_count(n))]
 
 
-def _advert(who: Identity, peer_id: str) -> dict[str, object]:
+def _advert(who: Identity, peer_id: str, expires: float) -> dict[str, object]:
     """A signed advert of the live swarm's size (~570 bytes)."""
     maddrs = [f"/ip4/127.0.0.1/tcp/{40000 + i}/p2p/{peer_id}" for i in range(2)]
-    ad = Advert(peer_id, maddrs, "cpu", 1e12, 8 << 30, 100.0, 100.0, "2.4.0", PROTOCOL_VERSION, get_dht_time() + TTL_S)
+    ad = Advert(peer_id, maddrs, "cpu", 1e12, 8 << 30, 100.0, 100.0, "2.4.0", PROTOCOL_VERSION, expires)
     return sign_record(who, {**ad.header(), "run_id": RUN})
 
 
 async def _advertise(node: DHTNode, names: list[str], stored: asyncio.Event, stop: asyncio.Event) -> None:
-    """Store this node's advert under its shard every ``REFRESH_S``, as ``peer.adverts`` does."""
+    """Store this node's advert under its shard at ``peer.adverts.RefreshPace``'s pace
+    (what a peer does), noting how long each store took and, while the polls run, how
+    long its last copy had expired when the next one was stored (``LAPSES``)."""
     who, peer_id = Identity.generate(), str(node.peer_id)
     name = "adverts" if names == ["adverts"] else shard_name("adverts", shard_of(peer_id, len(names)))
     subkey = record_subkey("adverts", who.public_hex, peer_id)
-    last = None
+    pace, alive_until = RefreshPace(TTL_S), None
     while not stop.is_set():
-        if await node.store(dht_key(RUN, name), _advert(who, peer_id), get_dht_time() + TTL_S, subkey=subkey):
+        started, expires = time.monotonic(), get_dht_time() + pace.lifetime()
+        ok = await node.store(dht_key(RUN, name), _advert(who, peer_id, expires), expires, subkey=subkey)
+        took = time.monotonic() - started
+        pace.stored(took)
+        if ok:
             stored.set()  # (a loaded machine's first stores may time out: none took it)
-            now = time.monotonic()
-            if last is not None and SERVED:  # counting: the polls are on
-                GAPS.append(now - last)
-            last = now
+            if SERVED:  # counting: the polls are on
+                STORES.append(took)
+                if alive_until is not None:
+                    LAPSES.append(max(0.0, get_dht_time() - alive_until))
+            alive_until = expires
         try:
-            await asyncio.wait_for(stop.wait(), REFRESH_S)
+            await asyncio.wait_for(stop.wait(), pace.wait(took))
         except asyncio.TimeoutError:
             pass
 
@@ -163,9 +176,10 @@ async def _work(conn: Connection, count: int, names: list[str]) -> None:
     await _recv(conn, 600)  # go, once every worker stored
     SERVED.clear()
     READ.clear()
-    GAPS.clear()
+    STORES.clear()
+    LAPSES.clear()
     await _recv(conn, 600)  # stop
-    conn.send((list(SERVED.values()), READ.get(reader_id, 0), max(GAPS, default=0.0)))
+    conn.send((list(SERVED.values()), READ.get(reader_id, 0), list(STORES), max(LAPSES, default=0.0)))
     stop.set()
     await asyncio.gather(*tasks, return_exceptions=True)
     await asyncio.gather(*(node.shutdown() for node in nodes), return_exceptions=True)
@@ -231,14 +245,17 @@ async def _poll(pipes: list[Connection], n: int, names: list[str], seconds: floa
         counts = await asyncio.gather(*(_recv(conn, 60) for conn in pipes))
     finally:
         await reader.shutdown()
-    served = [*SERVED.values(), *(v for node_counts, _, _ in counts for v in node_counts)]
+    served = [*SERVED.values(), *(v for node_counts, _, _, _ in counts for v in node_counts)]
+    stores = sorted(t for _, _, took, _ in counts for t in took) or [0.0]
     return {
         "poll_p50_s": statistics.median(polls),
         "completeness_min": min(kept),
         "lookup_completeness_min": min(found),
         "busiest_holder_kB_s": max(served, default=0) / elapsed / 1e3,
-        "coordinator_kB_per_poll": sum(read for _, read, _ in counts) / len(polls) / 1e3,
-        "refresh_gap_max_s": max(gap for _, _, gap in counts),
+        "coordinator_kB_per_poll": sum(read for _, read, _, _ in counts) / len(polls) / 1e3,
+        "store_p50_s": stores[len(stores) // 2],
+        "store_max_s": stores[-1],
+        "advert_lapse_max_s": max(lapse for _, _, _, lapse in counts),
         "first_stores_s": stored_s,
     }
 

@@ -76,7 +76,7 @@ class _ShardedDHT:
         shards, asked = self.shards, self.asked
 
         class Node:
-            async def get_many(self, keys: list[str], sufficient_expiration_time: float) -> Any:
+            async def get_many(self, keys: list[str], sufficient_expiration_time: float, num_workers: int = 4) -> Any:
                 asked.append(list(keys))
                 out = {}
                 for key in keys:
@@ -168,7 +168,9 @@ def _link(record: CoordinatorRecord, coordinator: Identity, clock: FakeClock) ->
     class DHT:
         def run_coroutine(self, read: Any, return_future: bool) -> Any:
             class Node:
-                async def get_many(self, keys: list[str], sufficient_expiration_time: float) -> Any:
+                async def get_many(
+                    self, keys: list[str], sufficient_expiration_time: float, num_workers: int = 4
+                ) -> Any:
                     signed = sign_record(coordinator, answers[-1].header())
                     item = SimpleNamespace(value=signed, expiration_time=1.0)
                     return {keys[0]: SimpleNamespace(value={coordinator.public_hex: item})}

@@ -198,14 +198,14 @@ def test_a_read_hands_back_only_the_wanted_subkeys_and_at_most_its_limit() -> No
     calls: list[list[str]] = []
 
     class Node:
-        async def get_many(self, asked: list[str], sufficient_expiration_time: float) -> Any:
+        async def get_many(self, asked: list[str], sufficient_expiration_time: float, num_workers: int = 4) -> Any:
             assert sufficient_expiration_time == float("inf")  # the latest of each
             calls.append(asked)
             found = {keys[0]: SimpleNamespace(value=shard0), keys[1]: SimpleNamespace(value=shard1), keys[2]: None}
             return {k: found[k] for k in asked}
 
     class Plain:
-        async def get_many(self, asked: list[str], sufficient_expiration_time: float) -> Any:
+        async def get_many(self, asked: list[str], sufficient_expiration_time: float, num_workers: int = 4) -> Any:
             return {k: SimpleNamespace(value=b"62 bytes of someone else's") for k in asked}
 
     async def main() -> tuple[dict[str, Any], ...]:
@@ -269,7 +269,7 @@ class _FakeDHT:
         found, asked = self.found, self.asked
 
         class Node:
-            async def get_many(self, keys: list[str], sufficient_expiration_time: float) -> Any:
+            async def get_many(self, keys: list[str], sufficient_expiration_time: float, num_workers: int = 4) -> Any:
                 asked.append(list(keys))
                 if found is None:
                     raise TimeoutError("the DHT did not answer")

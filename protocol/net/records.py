@@ -33,6 +33,13 @@ MAX_RECORDS = 1024
 #: reads without blocking, so a call's arguments must stay small (a larger ``wanted`` is
 #: applied in the reader's process, to at most ``limit`` records)
 MAX_WANTED = 256
+#: concurrent requests a read's lookup keeps in flight per key (hivemind's default for a
+#: whole ``get_many`` is 4): a poll of 8 shards with 4 in all took ~25 rounds of requests,
+#: 4 s on a loaded machine, and adverts that had 4 s to live when a holder answered were
+#: dropped as expired when the lookup finished (``benchmarks/discovery.py`` at 80 peers)
+READ_WORKERS_PER_KEY = 4
+#: the most concurrent requests of one read
+MAX_READ_WORKERS = 32
 
 
 class Publisher:
@@ -92,13 +99,14 @@ async def _read(keys: list[str], wanted: frozenset[str] | None, limit: int, _dht
 async def read_node(
     node: Any, keys: list[str], wanted: frozenset[str] | None = None, limit: int = MAX_RECORDS
 ) -> dict[str, Any]:
-    """``read_many`` on a ``DHTNode`` of this process (``keys``: whole DHT keys). A key
-    that a lookup found empty is asked once more: under load a lookup now and then finds
-    nothing where every holder has the value (seen in ``benchmarks/discovery.py``)."""
-    found = dict(await node.get_many(keys, sufficient_expiration_time=math.inf)) if keys else {}
+    """``read_many`` on a ``DHTNode`` of this process (``keys``: whole DHT keys), the
+    keys' lookups side by side (``read_workers``). A key that a lookup found empty is
+    asked once more: under load a lookup now and then finds nothing where every holder
+    has the value (seen in ``benchmarks/discovery.py``)."""
+    found = dict(await _latest(node, keys)) if keys else {}
     empty = [key for key in keys if found.get(key) is None]
     if empty:
-        found.update(await node.get_many(empty, sufficient_expiration_time=math.inf))
+        found.update(await _latest(node, empty))
     out: dict[str, Any] = {}
     expiry: dict[str, float] = {}
     for key in keys:
@@ -113,3 +121,15 @@ async def read_node(
             if item.expiration_time > expiry.get(subkey, -math.inf):
                 out[subkey], expiry[subkey] = item.value, item.expiration_time
     return out
+
+
+def read_workers(keys: int) -> int:
+    """Concurrent requests for a read of ``keys`` keys: ``READ_WORKERS_PER_KEY`` each, at
+    most ``MAX_READ_WORKERS``, so that a poll of several shards takes about as long as
+    the lookup of one."""
+    return max(1, min(MAX_READ_WORKERS, READ_WORKERS_PER_KEY * keys))
+
+
+async def _latest(node: Any, keys: list[str]) -> Any:
+    """The latest value of each of ``keys`` (every holder a lookup meets merged)."""
+    return await node.get_many(keys, sufficient_expiration_time=math.inf, num_workers=read_workers(len(keys)))
