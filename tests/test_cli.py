@@ -306,3 +306,18 @@ def test_plan_and_sim_name_the_model_and_the_peers_left_out(cli, tmp_path: Path)
     assert "opfence" in r.stderr and "6/6" in r.stderr, "progress on stderr"
     r = cli(*sim, "--json")
     assert r.returncode == 0 and r.stderr == "" and json.loads(r.stdout)["workload"]["model"] == "gpt"
+
+
+def test_the_command_freezes_its_objects_before_the_interpreter_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The final collection of a demo's objects took 5-7 s after its last line."""
+    import gc
+
+    from fusionllm import cli
+
+    monkeypatch.setattr(cli, "main", lambda: 3)
+    try:
+        with pytest.raises(SystemExit) as exited:
+            cli.run()
+        assert exited.value.code == 3 and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
