@@ -101,7 +101,10 @@ class Rechecker:
         """What differs ('' if nothing) and, if something does, the fingerprint of what
         this re-execution computed (the coordinator compares it with another checker's)."""
         frames = {role: values for role, (_, values) in found.items()}
-        out, grads_in, params = self.ex.replay(frames["input"], frames.get("grad_out"), self.divisor, msg.backward)
+        # the frames decode on the CPU; the stage runs where its weights are (a GPU), and
+        # what it computed is compared with the frames on the CPU
+        inputs, grad_out = _on(frames["input"], self.ex.device), _on(frames.get("grad_out"), self.ex.device)
+        out, grads_in, params = _on(self.ex.replay(inputs, grad_out, self.divisor, msg.backward), _CPU)
         computed: list[Any] = [out]
         if self.forward is None:
             problem = loss_differs(float(out), msg.loss, msg.tolerance)
@@ -145,16 +148,22 @@ def _through(values: list[Any], codec: Codec) -> list[Any]:
     error feedback, so a deterministic codec encodes them the same on every peer;
     the lossless one carries them unchanged, so they are not encoded at all)."""
     if codec.lossless:
-        return [_on_cpu(v) for v in values]
+        return [_on(v, _CPU) for v in values]
     descs, chunks = encode_values(values, Link(codec))
     return Frame({"values": descs}, memoryview(bytearray(b"".join(bytes(c) for c in chunks)))).values()
 
 
-def _on_cpu(value: Any) -> Any:
+_CPU = torch.device("cpu")
+
+
+def _on(value: Any, device: torch.device) -> Any:
+    """``value`` (tensors, nested in tuples, lists and dicts) detached, on ``device``."""
     if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
+        return value.detach().to(device)
     if type(value) in (tuple, list):
-        return type(value)(_on_cpu(v) for v in value)
+        return type(value)(_on(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _on(v, device) for k, v in value.items()}
     return value
 
 

@@ -111,6 +111,17 @@ def test_a_program_computes_exactly_what_its_stage_computes(job: JobSpec, cut: C
             inputs = list(theirs.evaluate(inputs))
 
 
+def test_a_program_names_no_kernel_of_the_cpu_it_was_traced_on() -> None:
+    """Traced on a CPU, attention records the kernel it picked there
+    (``_scaled_dot_product_flash_attention_for_cpu``), which a peer on a GPU cannot run:
+    on the first GPU run every stage's peer failed on it. The program carries
+    ``scaled_dot_product_attention`` instead, and still computes bit for bit what its
+    stage does (the test above)."""
+    ops = [{node["op"] for node in program.graph["nodes"]} for program in _programs(GPT, Cut((10, 30)))]
+    assert not any(op.endswith("_for_cpu.default") for stage in ops for op in stage), ops
+    assert any("aten.scaled_dot_product_attention.default" in stage for stage in ops), ops
+
+
 def test_a_program_is_data_not_python() -> None:
     """The wire form is JSON of ATen operator names and plain values, and the tensors
     it needs; the state it names is the stage's own, tied names included."""

@@ -19,6 +19,7 @@ from protocol.trust.spotcheck import CROSS_DEVICE_RTOL, SAME_KIND_RTOL, alike, d
 from protocol.wire.codecs import Codec
 from protocol.wire.encoding import Frame, encode_values
 from protocol.wire.envelope import Sealer
+from protocol.wire.gate import signed_frame
 from protocol.wire.messages import Activations, Gradients, Recheck, ReplicaGrads
 
 RUN = "r"
@@ -264,3 +265,33 @@ def test_an_arbiter_asked_to_reuse_weights_it_does_not_hold_cannot_check_and_bla
         arbiter.loaded = held
         verdict = arbiter.verdict(LossScale(1.0), msg, [torch.empty(0), torch.empty(0)], never)
         assert not verdict.checked and not verdict.agree and "holds no weights of stage 0 at step 5" in verdict.detail
+
+
+class _OnAnotherDevice:
+    """A stage whose weights live on another device (``meta`` stands in for a GPU): it
+    notes where the inputs of a re-execution arrive, and computes, from the same
+    values on the CPU, what the stage there would."""
+
+    device = torch.device("meta")
+
+    def __init__(self, ex: StageExecutor, cpu_inputs: list[Any], cpu_grad_out: list[Any]) -> None:
+        self.ex, self.cpu_inputs, self.cpu_grad_out = ex, cpu_inputs, cpu_grad_out
+        self.seen: set[str] = set()
+
+    def replay(self, inputs: list[Any], grad_out: list[Any] | None, divisor: int, backward: bool = True) -> Any:
+        self.seen |= {t.device.type for t in [*inputs, *(grad_out or [])] if isinstance(t, torch.Tensor)}
+        return self.ex.replay(self.cpu_inputs, self.cpu_grad_out, divisor, backward)
+
+
+def test_a_stage_on_a_gpu_re_executes_on_its_own_device_and_compares_on_the_cpu() -> None:
+    """The signed frames decode on the CPU; a peer's stage runs on its GPU: the first
+    GPU run's spot checks fed CPU tensors to a CUDA stage."""
+    msg, evidence, own, checker = _evidence(noise=0.0)
+    keys = {who: ident.public_key for who, ident in IDS.items()}
+    inputs = signed_frame(RUN, "coord", keys["coord"], evidence[0:2])
+    grad_out = signed_frame(RUN, "next", keys["next"], evidence[2:4])
+    assert inputs is not None and grad_out is not None
+    elsewhere = _OnAnotherDevice(checker.ex, inputs[1], grad_out[1])
+    verdict = dataclasses.replace(checker, ex=elsewhere).verdict(msg, evidence, own)  # type: ignore[arg-type]
+    assert verdict.agree, verdict.detail
+    assert elsewhere.seen == {"meta"}

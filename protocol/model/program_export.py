@@ -66,10 +66,58 @@ def export_stage(stage: nn.Module, inputs: Sequence[Any], recipe: Recipe | None 
     except Exception as exc:
         first = (str(exc).strip().split(" - ")[0].splitlines() or [""])[0][:200]
         raise ProgramError(f"the stage cannot be traced to ATen operators: {type(exc).__name__}: {first}") from None
+    device_neutral(gm)
     program = _serialize(gm, stage, names, paths, tensors)
     program.graph["output"] = _sizes_as_returned(program.graph["output"], returned[0])
     _verify(stage, program, inputs, recipe or Recipe())
     return program
+
+
+#: the kernel ``scaled_dot_product_attention`` picks on a CPU, which tracing records in its
+#: place: a peer on a GPU has no such kernel
+_CPU_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+def device_neutral(gm: fx.GraphModule) -> None:
+    """Put ``scaled_dot_product_attention`` back where tracing on a CPU recorded its CPU
+    kernel and used only its output (its log-sum-exp unread): on a CPU it picks that same
+    kernel (the program stays bitwise the stage), on a GPU one of its own."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not _CPU_ATTENTION:
+            continue
+        users = list(node.users)
+        if not all(u.target is operator.getitem and (u.args[1] == 0 or not u.users) for u in users):
+            continue
+        q, k, v, *rest = node.args
+        kwargs = {
+            "attn_mask": node.kwargs.get("attn_mask"),
+            "dropout_p": rest[0] if rest else 0.0,
+            "is_causal": rest[1] if len(rest) > 1 else False,
+            "scale": node.kwargs.get("scale"),
+        }
+        with gm.graph.inserting_before(node):
+            neutral = gm.graph.call_function(torch.ops.aten.scaled_dot_product_attention.default, (q, k, v), kwargs)
+        out = _laid_out_as(gm.graph, neutral, node.meta["val"][0])
+        for u in users:
+            u.replace_all_uses_with(out)
+            gm.graph.erase_node(u)
+        gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def _laid_out_as(graph: fx.Graph, node: fx.Node, like: torch.Tensor) -> fx.Node:
+    """``node``'s value laid out in memory as ``like`` (what the traced kernel returned):
+    the views after it were traced on that layout, and the kernel another device (or the
+    meta device) picks may lay its output out otherwise."""
+    if like.is_contiguous():
+        return node
+    order = sorted(range(like.dim()), key=lambda d: -like.stride(d))  # outermost first
+    with graph.inserting_after(node):
+        first = graph.call_function(torch.ops.aten.permute.default, (node, order))
+    with graph.inserting_after(first):
+        dense = graph.call_function(torch.ops.aten.clone.default, (first,), {"memory_format": torch.contiguous_format})
+    with graph.inserting_after(dense):
+        return graph.call_function(torch.ops.aten.permute.default, (dense, [order.index(d) for d in range(like.dim())]))
 
 
 def _verify(stage: nn.Module, program: Program, inputs: Sequence[Any], recipe: Recipe) -> None:
