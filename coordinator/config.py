@@ -51,6 +51,7 @@ class CoordinatorConfig:
     cert_ttl: float = CERT_TTL_S  # a private swarm's admission certificates hold this long (renewed before)
     spot_check: float = DEFAULT_SPOT_CHECK  # each replicated micro-batch re-executed with this chance (auditing)
     stages_as: str = "program"  # STAGE_FORMS: how peers get their stages
+    ask_links_s: float = 3.0  # the first plan's deciding guessed links probed within this (0: not asked)
 
     def job_fields(self) -> dict[str, Any]:
         """The job as it travels and is stored: JSON (a tuple of betas comes back a list)."""

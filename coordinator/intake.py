@@ -11,6 +11,7 @@ from coordinator.roster import Roster
 from protocol.net.transport import Inbound, Transport
 from protocol.wire.envelope import Envelope
 from protocol.wire.gate import Gate
+from protocol.wire.link_probes import ProbeResult
 from protocol.wire.messages import Evidence, Message, Verdict, kinds_from
 from protocol.wire.reject import Reject, Rejected
 
@@ -57,7 +58,11 @@ class Intake:
 
     def divert(self, inbound: Inbound) -> bool:
         """Spot-check answers from planned peers go to the driver's audit box (spot checks
-        run beside the step that the inbox serves); others are dropped."""
+        run beside the step that the inbox serves); others are dropped. Probe results go
+        to the planner (``coordinator.link_asking``), which keeps only those it asked for."""
+        if isinstance(inbound.message, ProbeResult):
+            self.roster.take_probe(inbound)
+            return True
         if not self.roster.running() or not isinstance(inbound.message, (Evidence, Verdict)):
             return False
         if inbound.sender in self.roster.planned():

@@ -1,14 +1,17 @@
 """Plans for a run: OP-Fence over the peers' adverts (or their measured speeds), with
-the peers behind a NAT and the links probed so far, and the standby pool (admitted
-peers outside the plan)."""
+the peers behind a NAT and the links probed so far; before the run's first plan is
+committed, the guessed links that decide it probed on request (``link_asking``); and
+the standby pool (admitted peers outside the plan)."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from coordinator import pinned
-from coordinator.assign import Assignment, assign
+from coordinator.assign import Assignment, assign, network_from_adverts
 from coordinator.host import Host
+from coordinator.link_asking import LinkAsker, asked_line
 from coordinator.opdag import OpDag
 from coordinator.outcome import SwarmError
 from coordinator.runstate import RunState
@@ -18,11 +21,21 @@ logger = logging.getLogger(__name__)
 
 
 class Planner:
-    def __init__(self, host: Host, st: RunState, dag: OpDag, micro_batches: int) -> None:
+    def __init__(
+        self,
+        host: Host,
+        st: RunState,
+        dag: OpDag,
+        micro_batches: int,
+        asker: LinkAsker | None = None,
+        say: Callable[[str], None] = lambda text: None,
+    ) -> None:
         self.host = host
         self.st = st
         self.dag = dag
         self.micro_batches = micro_batches
+        self.asker = asker  # None: plans are committed on the guesses
+        self.say = say
 
     def plan(self, adverts: list[Advert], keep_out: int = 0, leave_out: bool = False) -> Assignment:
         """OP-Fence over ``adverts``; the ``keep_out`` slowest wait as standby, and with
@@ -43,12 +56,32 @@ class Planner:
             plan = assign(self.dag, use, k, self.micro_batches, leave_out, self.st.link_mbps, nat=nat, compression=auto)
         except ValueError as exc:
             raise SwarmError(f"cannot plan the run: {exc}") from None
-        if plan.deciding:  # no probe on request yet: the epoch's own probes and the rebalancer answer them
+        if plan.deciding:  # asked by plan_asking (the first plan); later, the epochs' own probes answer them
             shown = ", ".join(f"{a[:8]}-{b[:8]}" for a, b in plan.deciding)
             logger.info(
                 "the plan rests on %d guessed links that decide between its finalists: %s", len(plan.deciding), shown
             )
         return plan
+
+    async def plan_asking(self, adverts: list[Advert], keep_out: int = 0) -> Assignment:
+        """``plan``; when it rests on guessed links that decide between its finalists,
+        those are probed (at most ``asker.wait_s``), what was measured joins the links
+        probed so far, and the run is planned once more (no second round). The run's
+        events say which links were probed, what they measured against the guess, and
+        whether the plan changed."""
+        plan = self.plan(adverts, keep_out=keep_out)
+        if not plan.deciding or self.asker is None:
+            return plan
+        nat = self.behind_nat()
+        guessed = network_from_adverts(adverts, self.st.link_mbps, nat)
+        readings = await self.asker.ask(plan.deciding, {a.peer_id: a for a in adverts}, nat)
+        for r in readings:
+            if r.mbps is not None:
+                self.st.learn_links(r.prober, {r.target: r.mbps})
+        again = self.plan(adverts, keep_out=keep_out) if any(r.mbps is not None for r in readings) else plan
+        if readings:
+            self.say(asked_line(readings, guessed, plan.stages, again.stages))
+        return again
 
     def behind_nat(self) -> set[str]:
         """Admitted peers that could not be dialled back."""

@@ -42,6 +42,8 @@ class Driving(Protocol):
 
     def take_answer(self, inbound: Inbound) -> None: ...
 
+    def take_probe(self, inbound: Inbound) -> None: ...
+
     def fail(self, peer: str, why: str) -> None: ...
 
 
@@ -83,6 +85,11 @@ class Roster:
         """A spot-check answer, for the driver's audit box."""
         if self.driver is not None:
             self.driver.take_answer(inbound)
+
+    def take_probe(self, inbound: Inbound) -> None:
+        """A probe's result, for the driver's planner."""
+        if self.driver is not None:
+            self.driver.take_probe(inbound)
 
     def fail(self, peer: str, why: str) -> None:
         """Drop a planned peer from the run (its stage is recovered)."""

@@ -35,6 +35,7 @@ from coordinator.checkpoint import RunDir
 from coordinator.checkpointing import Checkpoints
 from coordinator.dispatch import Dispatcher
 from coordinator.host import Host
+from coordinator.link_asking import LinkAsker
 from coordinator.messaging import Mailbox
 from coordinator.outcome import StepReport, SwarmError
 from coordinator.pipeline import StepPipeline
@@ -79,7 +80,8 @@ class Driver:
         host, st, stages, run_dir, say, job = self.host, self.st, self.stages, self.run_dir, self._say, self.stages.job
         mailbox = Mailbox(host, st, clock, say)
         scales = LossScales(stages.recipe, run_dir)
-        planner = Planner(host, st, stages.dag, job.micro_batches)
+        self.asker = LinkAsker(host, clock, self.cfg.ask_links_s) if self.cfg.ask_links_s > 0 else None
+        planner = Planner(host, st, stages.dag, job.micro_batches, self.asker, say)
         #: seeded from the OS: peers cannot predict which micro-batch is checked
         checker = SpotChecker(host, st, stages, mailbox, run_dir, random.Random(), clock, say)
         auditor = Auditor(st, self.cfg.spot_check, job.micro_batches, checker, mailbox, run_dir, clock, say)
@@ -131,6 +133,11 @@ class Driver:
         """A spot-check answer from a planned peer (the host sets them apart)."""
         self.auditor.checker.take_answer(inbound)
 
+    def take_probe(self, inbound: Inbound) -> None:
+        """A peer's result of a probe the planner asked for (the host sets them apart)."""
+        if self.asker is not None:
+            self.asker.take(inbound)
+
     # ------------------------------------------------------------------ the run
     async def run(self, resume: bool, on_peers: Callable[[int], None] | None = None) -> RunState:
         """Train to the job's last step; returns the final state (``self.final`` holds
@@ -163,7 +170,7 @@ class Driver:
     async def begin(self, on_peers: Callable[[int], None] | None) -> None:
         """A new run: the first plan, once enough peers have joined."""
         adverts = await self.host.wait_for_peers(on_peers)
-        self.st.plan = self.planner.plan(list(adverts.values()), keep_out=self.cfg.standby)
+        self.st.plan = await self.planner.plan_asking(list(adverts.values()), keep_out=self.cfg.standby)
         self.st.restore = self.stages.restore_at(0)
         self.run_dir.set_meta("job", self.cfg.job_fields())
 
@@ -183,7 +190,7 @@ class Driver:
         self.host.board.restore_losses(st.losses)
         self.on_event(f"resuming run '{self.cfg.run_id}' from the checkpoint of step {st.step} in {run_dir.path}")
         adverts = await self.host.wait_for_peers(on_peers)
-        st.plan = self.planner.plan(list(adverts.values()), keep_out=self.cfg.standby)
+        st.plan = await self.planner.plan_asking(list(adverts.values()), keep_out=self.cfg.standby)
 
     async def collect(self) -> None:
         """Wait for the last step's checkpoint (every stage's replica 0 sends it) and

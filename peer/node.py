@@ -27,6 +27,7 @@ from peer.config import JoinError, PeerConfig
 from peer.epoch import EpochEnv, EpochRunner, Poisoned
 from peer.link import CoordinatorLink
 from peer.mailbox import Mailbox
+from peer.probing import LinkProber
 from peer.stage import ForeignCode, HeldStage, RunRefused
 from peer.throttle import Throttle
 from protocol.model.job import ModelError
@@ -37,6 +38,7 @@ from protocol.net.tasks import cancel_and_wait, unless_set
 from protocol.net.transport import Inbound, PeerUnreachable, Transport
 from protocol.trust.identity import Identity, IdentityError, key_hex
 from protocol.wire.gate import Gate
+from protocol.wire.link_probes import ProbeLink
 from protocol.wire.messages import (
     NOT_ADMITTED,
     PROTOCOL_VERSION,
@@ -94,6 +96,7 @@ class PeerNode:
         self.transport: Transport | None = None
         self.link: CoordinatorLink | None = None  # once the DHT and the transport are up
         self.adverts: Adverts | None = None
+        self.prober: LinkProber | None = None  # the coordinator's probe requests (once the transport is up)
         self.identity: Identity | None = None
         self.checks: PlanChecks | None = None
         self.mailbox = Mailbox()
@@ -138,8 +141,9 @@ class PeerNode:
             self.clock,
             shards=lambda: link.shards,  # under its shard of the run's adverts, as the coordinator's record says
         )
+        self.prober = LinkProber(self.transport, cfg.run_id, lambda: link.peer_id, cfg.link_probe_bytes, self.clock)
         await self.transport.start()
-        self._tasks.append(asyncio.create_task(self._dispatch()))
+        self._tasks += [asyncio.create_task(self._dispatch()), asyncio.create_task(self.prober.serve())]
         await self.link.find()
         self.checks = gate.expect = PlanChecks(self.link.peer_id)
         throttle = self.throttle.value
@@ -236,6 +240,9 @@ class PeerNode:
             self.adverts.take_reachability(msg)
         elif isinstance(msg, Release):
             return
+        elif isinstance(msg, ProbeLink):  # of no epoch: asked before a plan is committed
+            assert self.prober is not None
+            self.prober.take(msg)
         elif getattr(msg, "epoch", self.epoch) != self.epoch:
             logger.info("dropping a %s of epoch %d (this peer is at %d)", msg.KIND, msg.epoch, self.epoch)
         elif isinstance(msg, (LinkPlan, StageState, StageProgram)):

@@ -447,7 +447,7 @@ class Transport:
             if self.gate.refuse_stream(sender):
                 return
             await self._admitted_soon(sender)
-            self.gate.check_admitted(sender, "a bandwidth probe")
+            self.gate.check_prober(sender)  # admitted, or let in by the coordinator (gate.allow_probe)
             await probe.answer(reader, writer, sender, self.probes)
         except Rejected as exc:
             self.gate.reject(sender, exc)
@@ -458,10 +458,10 @@ class Transport:
             writer.close()
 
     async def _admitted_soon(self, sender: str) -> bool:
-        """Whether ``sender`` is admitted, allowing its hello (on another stream) a moment
-        to arrive first."""
+        """Whether ``sender`` may probe (``Gate.may_probe``), allowing its hello (on another
+        stream) or the coordinator's word (``ProbeLink``) a moment to arrive first."""
         deadline = time.monotonic() + ADMISSION_WAIT_S
-        while sender not in self.gate.keys:
+        while not self.gate.may_probe(sender):
             if time.monotonic() > deadline or sender in self.gate.refused:
                 return False
             await asyncio.sleep(0.05)

@@ -81,6 +81,8 @@ MUTE_WINDOW_S = 10.0
 MUTE_S = 60.0
 #: per-sender tables hold at most this many senders (fresh identities: they start over)
 MAX_SENDERS = 10_000
+#: senders let in to probe at once without being admitted (``Gate.allow_probe``)
+MAX_PROBERS = 64
 #: the detail of a hello dropped unchecked, over its sender's limit (``hello_limits``; logged there)
 HELLO_DROPPED = "a hello over its sender's limit, dropped unchecked"
 
@@ -99,6 +101,8 @@ class Gate:
         #: the keys of revoked senders (at most MAX_SENDERS, oldest dropped first): what they
         #: signed while admitted is still checked against them (a spot check's evidence)
         self.former: collections.OrderedDict[str, Ed25519PublicKey] = collections.OrderedDict()
+        #: senders the coordinator let probe this receiver's bandwidth, not admitted (-> until, ``clock``)
+        self.probers: dict[str, float] = {}
         #: sender -> when its admission certificate ends (wall-clock seconds; absent: it does not end)
         self.until: dict[str, float] = {}
         self.wall: Callable[[], float] = time.time
@@ -163,6 +167,24 @@ class Gate:
         late = self.expired(sender)
         if late is not None:
             raise Rejected(Reject.EXPIRED, f"{what} from {sender}, whose admission certificate ended {late:.0f} s ago")
+
+    def allow_probe(self, peer_id: str, seconds: float) -> None:
+        """Let ``peer_id`` probe this receiver's bandwidth for ``seconds`` though it is not
+        admitted (the coordinator asked this receiver to answer its probe); at most
+        ``MAX_PROBERS`` at once."""
+        now = self.clock()
+        self.probers = {p: t for p, t in self.probers.items() if t > now}
+        if peer_id in self.probers or len(self.probers) < MAX_PROBERS:
+            self.probers[peer_id] = now + seconds
+
+    def may_probe(self, sender: str) -> bool:
+        """Whether ``sender`` is admitted, or allowed to probe now (``allow_probe``)."""
+        return sender in self.keys or self.probers.get(sender, 0.0) > self.clock()
+
+    def check_prober(self, sender: str) -> None:
+        """Raise ``Rejected`` unless ``sender`` may open a bandwidth probe now."""
+        if self.probers.get(sender, 0.0) <= self.clock():
+            self.check_admitted(sender, "a bandwidth probe")
 
     def reject(self, sender: str, exc: Rejected) -> None:
         """Count and log a rejection (the caller drops the message). The log takes at
