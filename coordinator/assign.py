@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from coordinator.asking import Pair, deciding_links
 from coordinator.estimator import DagCosts, Plan, predict
+from coordinator.host_share import busy_shares, shared
 from coordinator.netmodel import Network, PeerProfile
 from coordinator.opdag import OpDag
 from coordinator.opfence import finalists
@@ -93,11 +94,14 @@ def assign(
     if k is not None and k > len(adverts):
         raise ValueError(f"{k} stages need at least {k} peers, {len(adverts)} joined")
     costs = DagCosts.from_opdag(dag)
-    peers = [live_profile(a) for a in adverts]
+    peers = [live_profile(a) for a in shared(adverts)]  # peers on one machine share its cores
     options = Options(micro_batches=micro_batches, stages=k, standby=standby, compression=compression)
     network = network_from_adverts(adverts, measured, nat)
     try:
         plans = finalists(costs, peers, network, options)
+        shares = [live_profile(a) for a in shared(adverts, busy_shares(plans[0], micro_batches))]
+        if shares != peers:  # peers on one machine that do not all compute at once: planned again
+            peers, plans = shares, finalists(costs, shares, network, options)
     except ScheduleError as exc:
         raise ValueError(str(exc)) from None
     plan, deciding = plans[0], deciding_links(costs, plans, peers, network, options)

@@ -91,7 +91,8 @@ class Rebalancer:
         def speed(a: Advert) -> float:
             return replan.planning_speed(speeds[a.peer_id], levels.get(a.peer_id, []))
 
-        return [dataclasses.replace(a, flops=speed(a)) if a.peer_id in speeds else a for a in adverts]
+        # a measured speed is what the peer's machine delivered: not to be divided again (host_share)
+        return [dataclasses.replace(a, flops=speed(a), host="") if a.peer_id in speeds else a for a in adverts]
 
     def record_levels(self) -> None:
         """Each measured peer's recent speed as seen at this check (``replan.level_changes``)."""

@@ -26,6 +26,7 @@ from peer.compute import Compute
 from peer.config import JoinError, PeerConfig
 from peer.epoch import EpochEnv, EpochRunner, Poisoned
 from peer.link import CoordinatorLink
+from peer.machine import host_digest, machine_cores
 from peer.mailbox import Mailbox
 from peer.probing import LinkProber
 from peer.stage import ForeignCode, HeldStage, RunRefused
@@ -161,6 +162,9 @@ class PeerNode:
             torch_version=str(torch.__version__),
             protocol_version=PROTOCOL_VERSION,
             expires_at=0.0,
+            host=host_digest(cfg.run_id),  # peers on one machine share its cores (coordinator.host_share)
+            cores=torch.get_num_threads() if self.device.type == "cpu" else 0,
+            host_cores=machine_cores(),
         )
         await self.credentials.wait()
         await self.adverts.publish()

@@ -18,6 +18,9 @@ MAX_MEMORY_BYTES = 1 << 50
 #: at most this many listen addresses, each at most this long; device names at most this long
 MAX_MADDRS = 16
 MAX_TEXT = 256
+#: a host digest is at most this many hex digits; a machine has at most this many cores
+MAX_HOST = 64
+MAX_CORES = 1 << 16
 
 
 #: what an advert may say of its reachability (the coordinator plans by its own dial-back)
@@ -42,6 +45,10 @@ def advert_problem(ad: Advert) -> str:
     for text in ad.maddrs:
         if len(text) > MAX_TEXT or not _parses(text):
             return f"the address {text[:64]!r} is not a multiaddr"
+    if len(ad.host) > MAX_HOST or not all(c in "0123456789abcdef" for c in ad.host):
+        return f"a host digest {ad.host[:32]!r} that is not at most {MAX_HOST} hex digits"
+    if not (0 <= ad.cores <= MAX_CORES and 0 <= ad.host_cores <= MAX_CORES):
+        return f"{ad.cores} cores of {ad.host_cores} (each in [0, {MAX_CORES}])"
     if ad.reach not in REACH_KINDS:
         return f"reachability {ad.reach[:32]!r} is not one of {', '.join(map(repr, REACH_KINDS))}"
     return ""

@@ -91,9 +91,10 @@ class Advert(Message):
     expires_at: float  # hivemind DHT time
     pubkey: str = ""  # Ed25519 public key (hex); the record is signed with it
     cert: dict[str, Any] = field(default_factory=dict)  # its admission certificate (a private swarm's DHT checks it)
-    reach: str = (
-        ""  # what the coordinator's dial-back told it: "direct", "nat" ("" before it knows; protocol.net.reach)
-    )
+    reach: str = ""  # the coordinator's dial-back: "direct", "nat" ("" before it knows; protocol.net.reach)
+    host: str = ""  # a digest of its machine salted with the run (peers sharing one share its cores; "" unknown)
+    cores: int = 0  # CPU threads its compute uses (0: unknown)
+    host_cores: int = 0  # CPU cores of its machine (0: unknown)
     run_id: str = ""  # the run it is published for (every node's DHT rule refuses another run's)
     sig: str = ""
 
@@ -303,10 +304,9 @@ class Release(Message, sender="coordinator", early=True):
     run_id: str
 
 
-#: where an assigned stage's state comes from: ``init`` (the seeded initial weights,
-#: only at step 0), ``keep`` (what the peer holds: it must be at ``start_step``, or one
-#: step before it with that step's gradients complete), ``state`` (a ``StageState``
-#: frame from the coordinator follows the assignment)
+#: where an assigned stage's state comes from: ``init`` (the seeded initial weights, only at step 0),
+#: ``keep`` (what the peer holds: it must be at ``start_step``, or one step before it with that
+#: step's gradients complete), ``state`` (a ``StageState`` frame from the coordinator follows)
 RESTORE_MODES = ("init", "keep", "state")
 
 
