@@ -113,8 +113,8 @@ class LinkAsker:
         try:
             await transport.send(target, answer)
             await transport.send(prober, probe)
-        except (ConnectionError, OSError) as exc:  # PeerUnreachable among them
-            self._settle(nonce, Reading(prober, target, None, f"could not ask: {exc}"))
+        except Exception as exc:  # PeerUnreachable, a broken stream: that link stays a guess
+            self._settle(nonce, Reading(prober, target, None, f"could not ask: {exc or type(exc).__name__}"))
 
 
 def asked_line(readings: list[Reading], guessed: Network, before: list[list[str]], after: list[list[str]]) -> str:
