@@ -173,14 +173,19 @@ class _Tcp:
         self.done: asyncio.Queue[int] = asyncio.Queue()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            got = 0
-            while got < self.size:
-                chunk = await reader.read(1 << 22)
-                if not chunk:
-                    return
-                got += len(chunk)
-            await self.done.put(got)
+        try:
+            while True:
+                got = 0
+                while got < self.size:
+                    chunk = await reader.read(1 << 22)
+                    if not chunk:
+                        return
+                    got += len(chunk)
+                await self.done.put(got)
+        finally:
+            # Python 3.12's Server.wait_closed waits for every connection to close: an
+            # open server side hung the first GPU machine's run (3.12.3, plain asyncio)
+            writer.close()
 
     @contextlib.asynccontextmanager
     async def opened(self) -> AsyncIterator[asyncio.StreamWriter]:
