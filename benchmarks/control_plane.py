@@ -80,7 +80,7 @@ async def _load(maddr: str, peers: int, rate: float, seconds: float, pid: int) -
     """The coordinator's CPU-seconds (process ``pid``, and with its children) over a
     quiet window and a loaded one (``seconds`` each), and the heartbeats sent."""
     made = await asyncio.gather(*(_peer(maddr) for _ in range(peers)))
-    await asyncio.sleep(3.0)  # the hellos taken, the dial-backs done
+    await asyncio.sleep(min(3.0, seconds))  # the hellos taken, the dial-backs done
     t0 = _cpu_s(pid)
     await asyncio.sleep(seconds)
     t1 = _cpu_s(pid)

@@ -17,12 +17,17 @@ longest a node's advert had expired when its next copy was stored
 formulas' figures (``formula_busiest_holder_kB_s``), and the formulas' projections
 for 1,000 and 10,000.
 
-The advertising nodes run in worker processes of ``NODES_PER_WORKER`` (each node with
-its own p2p daemon), the reader in this one: with all 80 in the reader's event loop it
-was starved, and its polls found half the adverts or none. Polls start once every
-node's first store was taken. ``coordinator_cpu_per_1k_peers`` comes from a real
-coordinator process under a synthetic load of signed heartbeats
-(``benchmarks/control_plane.py``), at the rates of 1,000 peers.
+One swarm per layout is grown through the sizes, as a swarm grows: at each size the
+new nodes join and the earlier ones move their advert to its shard of the new count,
+as peers follow a re-shard (starting 150 p2p daemons for 10+20+40+80 fresh swarms took
+most of the run). The advertising nodes run in worker processes of
+``NODES_PER_WORKER`` (each node with its own p2p daemon), the reader in this one: with
+all 80 in the reader's event loop it was starved, and its polls found half the adverts
+or none. Polls start once every node's first store at the size was taken (and, where
+nodes of a later worker joined after an earlier one's stores, one refresh later).
+``coordinator_cpu_per_1k_peers`` comes from a real coordinator process under a
+synthetic load of signed heartbeats (``benchmarks/control_plane.py``), at the rates
+of 1,000 peers.
 
     python benchmarks/discovery.py [--short] [--layout both|sharded|one_key] [--n 40 80]
 """
@@ -106,11 +111,13 @@ def _advert(who: Identity, peer_id: str, expires: float) -> dict[str, object]:
     return sign_record(who, {**ad.header(), "run_id": RUN})
 
 
-async def _advertise(node: DHTNode, names: list[str], stored: asyncio.Event, stop: asyncio.Event) -> None:
+async def _advertise(
+    node: DHTNode, who: Identity, names: list[str], stored: asyncio.Event, stop: asyncio.Event
+) -> None:
     """Store this node's advert under its shard at ``peer.adverts.RefreshPace``'s pace
     (what a peer does), noting how long each store took and, while the polls run, how
     long its last copy had expired when the next one was stored (``LAPSES``)."""
-    who, peer_id = Identity.generate(), str(node.peer_id)
+    peer_id = str(node.peer_id)
     name = "adverts" if names == ["adverts"] else shard_name("adverts", shard_of(peer_id, len(names)))
     subkey = record_subkey("adverts", who.public_hex, peer_id)
     pace, alive_until = RefreshPace(TTL_S), None
@@ -132,11 +139,12 @@ async def _advertise(node: DHTNode, names: list[str], stored: asyncio.Event, sto
             pass
 
 
-def _worker(conn: Connection, count: int, names: list[str]) -> None:
-    """A process of ``count`` advertising nodes, told by ``conn`` where the reader is,
-    when to count and when to stop; it answers its counts."""
+def _worker(conn: Connection) -> None:
+    """A process of advertising nodes, told by ``conn`` where the reader is, how many
+    nodes to have and under which keys, when to count and when to stop; it answers its
+    counts."""
     try:
-        asyncio.run(_work(conn, count, names))
+        asyncio.run(_work(conn))
     finally:
         conn.close()
 
@@ -162,89 +170,150 @@ async def _node(initial: list[str], tries: int = 3) -> DHTNode:
     raise AssertionError("unreachable")
 
 
-async def _work(conn: Connection, count: int, names: list[str]) -> None:
-    maddrs, reader_id = await _recv(conn, 600)  # the workers before it start first
-    nodes: list[DHTNode] = []
-    while len(nodes) < count:
-        batch = min(START_BATCH, count - len(nodes))
-        nodes += await asyncio.gather(*(_node(maddrs) for _ in range(batch)))
-    stop, stored = asyncio.Event(), [asyncio.Event() for _ in nodes]
-    tasks = [asyncio.create_task(_advertise(node, names, ev, stop)) for node, ev in zip(nodes, stored)]
-    # every advert stored once before the polls count (a loaded machine's first stores are slow)
-    await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in stored)), STORED_WITHIN_S)
-    conn.send("stored")
-    await _recv(conn, 600)  # go, once every worker stored
-    SERVED.clear()
-    READ.clear()
-    STORES.clear()
-    LAPSES.clear()
-    await _recv(conn, 600)  # stop
-    conn.send((list(SERVED.values()), READ.get(reader_id, 0), list(STORES), max(LAPSES, default=0.0)))
-    stop.set()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    await asyncio.gather(*(node.shutdown() for node in nodes), return_exceptions=True)
+class _Advertisers:
+    """A worker's nodes and their advert loops (one ``stop`` for the loops of a round)."""
+
+    def __init__(self) -> None:
+        self.nodes: list[DHTNode] = []
+        self.keys: list[Identity] = []  # each node's signing key, kept as it moves shards
+        self.tasks: list[asyncio.Task[None]] = []
+        self.stop = asyncio.Event()
+
+    async def grow(self, maddrs: list[str], count: int, names: list[str]) -> None:
+        """Have ``count`` nodes, each advertising under its shard of ``names`` (a grown
+        swarm's new count: its old nodes move, as peers follow a re-shard), every one
+        stored once."""
+        while len(self.nodes) < count:
+            batch = min(START_BATCH, count - len(self.nodes))
+            self.nodes += await asyncio.gather(*(_node(maddrs) for _ in range(batch)))
+        self.keys += [Identity.generate() for _ in range(len(self.nodes) - len(self.keys))]
+        await self.halt()
+        self.stop, stored = asyncio.Event(), [asyncio.Event() for _ in self.nodes]
+        self.tasks = [
+            asyncio.create_task(_advertise(node, who, names, ev, self.stop))
+            for node, who, ev in zip(self.nodes, self.keys, stored)
+        ]
+        # every advert stored once before the polls count (a loaded machine's first stores are slow)
+        await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in stored)), STORED_WITHIN_S)
+
+    async def halt(self) -> None:
+        """End the advert loops, a store under way included (a grown swarm's nodes move)."""
+        self.stop.set()
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    async def aclose(self) -> None:
+        await self.halt()
+        await asyncio.gather(*(node.shutdown() for node in self.nodes), return_exceptions=True)
 
 
-def _measure(n: int, layout: str, seconds: float) -> dict[str, float]:
-    """``n`` advertising nodes in worker processes (``NODES_PER_WORKER`` each), polled
-    from this one."""
-    names, ctx = _names(layout, n), multiprocessing.get_context("fork")
-    workers = -(-n // NODES_PER_WORKER)
-    pipes, procs = [], []
-    for w in range(workers):
+async def _work(conn: Connection) -> None:
+    maddrs, reader_id = await _recv(conn, 600)
+    ads = _Advertisers()
+    try:
+        while True:
+            what, *args = await _recv(conn, 3600)
+            if what == "grow":
+                await ads.grow(maddrs, *args)
+                conn.send("stored")
+            elif what == "go":
+                for counts in (SERVED, READ, STORES, LAPSES):
+                    counts.clear()
+            elif what == "stop":
+                conn.send((list(SERVED.values()), READ.get(reader_id, 0), list(STORES), max(LAPSES, default=0.0)))
+            else:
+                return
+    finally:
+        await ads.aclose()
+
+
+def _shares(n: int) -> list[int]:
+    """Nodes per worker for a swarm of ``n``: workers filled to ``NODES_PER_WORKER`` in
+    turn (a grown swarm adds nodes to the last worker, then new workers)."""
+    return [min(NODES_PER_WORKER, n - i) for i in range(0, n, NODES_PER_WORKER)]
+
+
+def _measure(ns: list[int], layout: str, seconds: float) -> list[dict[str, float]]:
+    """One swarm grown through each size of ``ns`` (ascending), its advertising nodes in
+    worker processes (``NODES_PER_WORKER`` each), polled from this one at each size."""
+    ctx, procs, pipes = multiprocessing.get_context("fork"), [], []
+
+    def add_worker() -> Connection:
         mine, theirs = ctx.Pipe()
-        count = n // workers + (w < n % workers)
-        proc = ctx.Process(target=_worker, args=(theirs, count, names), daemon=True)
+        proc = ctx.Process(target=_worker, args=(theirs,), daemon=True)
         proc.start()
         theirs.close()
-        pipes.append(mine)
         procs.append(proc)
+        pipes.append(mine)
+        return mine
+
     try:
-        return asyncio.run(_poll(pipes, n, names, seconds))
+        return asyncio.run(_grow_and_poll(add_worker, pipes, sorted(ns), layout, seconds))
     finally:
+        for conn in pipes:
+            try:
+                conn.send(("end",))
+            except OSError:
+                pass
         for proc in procs:
             proc.join(30)
             if proc.is_alive():
                 proc.kill()
 
 
-async def _poll(pipes: list[Connection], n: int, names: list[str], seconds: float) -> dict[str, float]:
-    """The reader: polls every key once a second for ``seconds`` once every node stored."""
+async def _grow_and_poll(
+    add_worker: Any, pipes: list[Connection], ns: list[int], layout: str, seconds: float
+) -> list[dict[str, float]]:
+    """The reader: grows the swarm to each size of ``ns`` and polls it."""
     reader = await DHTNode.create(cache_locally=False, **P2P_ARGS)
+    rows = []
     try:
         maddrs = [str(a) for a in await reader.get_visible_maddrs()]
-        t0 = time.monotonic()
-        for conn in pipes:  # one worker at a time: on a loaded machine, 80 bootstraps at once went unanswered
-            conn.send((maddrs, str(reader.peer_id)))
-            await _recv(conn, 3 * STORED_WITHIN_S)
-        stored_s = time.monotonic() - t0
-        # one more refresh of every advert: nodes that joined after a store are nearer some keys
-        # than their holders, and until the next refresh a lookup met them first and missed adverts
-        await asyncio.sleep(REFRESH_S + 1.0)
-        keys = [dht_key(RUN, name) for name in names]
-        SERVED.clear()
-        for conn in pipes:
-            conn.send("go")
-        # the coordinator polls from its start: its count always has the poll before (one read here)
-        seen = {k: float(v.get("expires_at", 0.0)) for k, v in (await read_node(reader, keys)).items()}
-        polls, found, kept, t0 = [], [], [], time.monotonic()
-        while time.monotonic() - t0 < seconds:
-            start = time.monotonic()
-            got = await read_node(reader, keys)
-            polls.append(time.monotonic() - start)
-            found.append(len(got) / n)
-            seen.update({k: float(v.get("expires_at", 0.0)) for k, v in got.items()})
-            now = get_dht_time()
-            kept.append(min(n, sum(1 for e in seen.values() if e > now)) / n)  # as the coordinator's book counts
-            banned = sum(1 for _ in reader.blacklist.banned_peers.items())
-            logger.info("poll %d: %d of %d adverts in %.3f s (%d banned)", len(polls), len(got), n, polls[-1], banned)
-            await asyncio.sleep(max(0.0, POLL_S - polls[-1]))
-        elapsed = time.monotonic() - t0
-        for conn in pipes:
-            conn.send("stop")
-        counts = await asyncio.gather(*(_recv(conn, 60) for conn in pipes))
+        for n in ns:
+            names, t0, shares = _names(layout, n), time.monotonic(), _shares(n)
+            for w, count in enumerate(shares):  # a worker at a time: 80 bootstraps at once went unanswered
+                if w == len(pipes):
+                    add_worker().send((maddrs, str(reader.peer_id)))
+                pipes[w].send(("grow", count, names))
+                await _recv(pipes[w], 3 * STORED_WITHIN_S)
+            stored_s = time.monotonic() - t0
+            if len(shares) > 1:
+                # nodes of a later worker joined after an earlier worker's stores: one more refresh of
+                # every advert (nodes that joined after a store are nearer some keys than their holders,
+                # and until the next refresh a lookup met them first and missed adverts). In one worker,
+                # every store of the size came after every join
+                await asyncio.sleep(REFRESH_S + 1.0)
+            rows.append({**await _poll(reader, pipes, n, names, seconds), "first_stores_s": stored_s})
     finally:
         await reader.shutdown()
+    return rows
+
+
+async def _poll(reader: DHTNode, pipes: list[Connection], n: int, names: list[str], seconds: float) -> dict[str, float]:
+    """Polls every key of ``names`` once a second for ``seconds``; the round's figures."""
+    keys = [dht_key(RUN, name) for name in names]
+    SERVED.clear()
+    for conn in pipes:
+        conn.send(("go",))
+    # the coordinator polls from its start: its count always has the poll before (one read here)
+    seen = {k: float(v.get("expires_at", 0.0)) for k, v in (await read_node(reader, keys)).items()}
+    polls, found, kept, t0 = [], [], [], time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        start = time.monotonic()
+        got = await read_node(reader, keys)
+        polls.append(time.monotonic() - start)
+        found.append(len(got) / n)
+        seen.update({k: float(v.get("expires_at", 0.0)) for k, v in got.items()})
+        now = get_dht_time()
+        kept.append(min(n, sum(1 for e in seen.values() if e > now)) / n)  # as the coordinator's book counts
+        banned = sum(1 for _ in reader.blacklist.banned_peers.items())
+        logger.info("poll %d: %d of %d adverts in %.3f s (%d banned)", len(polls), len(got), n, polls[-1], banned)
+        await asyncio.sleep(max(0.0, POLL_S - polls[-1]))
+    elapsed = time.monotonic() - t0
+    for conn in pipes:
+        conn.send(("stop",))
+    counts = await asyncio.gather(*(_recv(conn, 60) for conn in pipes))
     served = [*SERVED.values(), *(v for node_counts, _, _, _ in counts for v in node_counts)]
     stores = sorted(t for _, _, took, _ in counts for t in took) or [0.0]
     return {
@@ -256,7 +325,6 @@ async def _poll(pipes: list[Connection], n: int, names: list[str], seconds: floa
         "store_p50_s": stores[len(stores) // 2],
         "store_max_s": stores[-1],
         "advert_lapse_max_s": max(lapse for _, _, _, lapse in counts),
-        "first_stores_s": stored_s,
     }
 
 
@@ -275,7 +343,7 @@ def _control_plane(short: bool) -> dict[str, object]:
     (``benchmarks.control_plane``), at the rates of 1,000 peers: with each planned
     peer's step reports as its heartbeat (what ``peer.link`` does), and with a
     heartbeat a second besides (before)."""
-    peers, rate, seconds = (8, 20.0, 3.0) if short else (16, 20.0, 10.0)
+    peers, rate, seconds = (2, 40.0, 2.0) if short else (16, 20.0, 10.0)
     got = control_plane.measure(peers, rate, seconds)
     per_message = got["coordinator_tree_cpu_s_per_message"]
     reports_only = dc.control_cpu(1000, 1000, 0.0, STEP_S, dc.STANDBY_BEAT_S) / dc.CONTROL_MESSAGE_CPU_S
@@ -294,7 +362,7 @@ def _control_plane(short: bool) -> dict[str, object]:
 
 def _layout(layout: str, ns: list[int], seconds: float) -> dict[str, object]:
     """One layout measured at each of ``ns``, with its formula's figures beside."""
-    rows = [_measure(n, layout, seconds) for n in ns]
+    rows = _measure(ns, layout, seconds)
     out: dict[str, object] = {k: [round(r[k], 4) for r in rows] for k in rows[0]}
     loads = [r["busiest_holder_kB_s"] for r in rows]
     out["holder_growth_exponent"] = round(dc.growth_exponent(ns, loads), 3)
@@ -312,13 +380,18 @@ def main() -> None:
     logging.basicConfig(level=logging.ERROR)
     logger.setLevel(logging.INFO if os.environ.get("DISCOVERY_VERBOSE") else logging.ERROR)
     _count_served()
-    ns, seconds = ([10, 20], 2.5) if args.short else ([10, 20, 40, 80], 10.0)
-    ns = args.n or ns
+    ns, seconds = ([10, 20], 2.0) if args.short else ([10, 20, 40, 80], 10.0)
+    ns = sorted(args.n or ns)
     main_layout = "one_key" if args.layout == "one_key" else "sharded"
+    wall, t0 = {}, time.monotonic()
     out: dict[str, object] = {"layout": main_layout, "n": ns, **_layout(main_layout, ns, seconds)}
+    wall[main_layout], t0 = time.monotonic() - t0, time.monotonic()
     if args.layout == "both" and not args.short:
         out["one_key"] = _layout("one_key", ns, seconds)
+        wall["one_key"], t0 = time.monotonic() - t0, time.monotonic()
     out.update(_control_plane(args.short))
+    wall["control_plane"] = time.monotonic() - t0
+    out["wall_s"] = {k: round(v, 1) for k, v in wall.items()}  # where the run's time went
     out["projected"] = {
         str(m): dc.sharded(m, REFRESH_S, dc.control_cpu(m, m, 0.0, STEP_S, dc.STANDBY_BEAT_S)).as_dict()
         for m in (1000, 10_000)

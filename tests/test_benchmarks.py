@@ -73,7 +73,8 @@ BENCHMARKS = [
                       "signature_check_cpu_s_per_1k", "projected", "projected_one_key", "control_messages",
                       "coordinator_cpu_s_per_message", "formula_busiest_holder_kB_s", "lookup_completeness_min",
                       "coordinator_cpu_per_1k_peers_beating", "coordinator_python_cpu_s_per_message",
-                      "formula_cpu_s_per_message", "first_stores_s", "refresh_gap_max_s"}),
+                      "formula_cpu_s_per_message", "first_stores_s", "store_p50_s", "store_max_s",
+                      "advert_lapse_max_s", "wall_s"}),
     ("testbed.py", {"topology", "schedulers", "opfence_vs_best_blind_measured", "opfence_vs_dtfm_measured",
                     "estimator_error_max", "auto_vs_none_measured", "auto_loss_ratio"}),
 ]  # fmt: skip
