@@ -130,7 +130,9 @@ class StageExecutor:
         self._saved: dict[int, tuple[list[Any], Any]] = {}
         self.steps_done = 0
         self.loss_scale = initial_scale(recipe)  # the current step's (the coordinator's word in a swarm)
-        self.device = next((p.device for p in self.params), torch.device("cpu"))
+        # where the stage runs: its weights', or its buffers' (a stage of a GPU peer may
+        # hold no weights, only constants); the CPU for a stage of neither
+        self.device = next((t.device for t in (*module.parameters(), *module.buffers())), torch.device("cpu"))
 
     @property
     def pending(self) -> int:

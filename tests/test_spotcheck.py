@@ -295,3 +295,12 @@ def test_a_stage_on_a_gpu_re_executes_on_its_own_device_and_compares_on_the_cpu(
     verdict = dataclasses.replace(checker, ex=elsewhere).verdict(msg, evidence, own)  # type: ignore[arg-type]
     assert verdict.agree, verdict.detail
     assert elsewhere.seen == {"meta"}
+
+
+def test_a_stage_of_constants_alone_runs_where_its_constants_are() -> None:
+    """A GPU peer's stage may hold no weights, only constants (buffers): it is re-executed
+    on their device, not on the CPU; a stage of neither, on the CPU."""
+    constants = torch.nn.Module()
+    constants.register_buffer("mask", torch.ones(2, device="meta"))
+    assert StageExecutor(constants, JOB.recipe(), False).device == torch.device("meta")
+    assert StageExecutor(torch.nn.Module(), JOB.recipe(), False).device == torch.device("cpu")
