@@ -85,7 +85,9 @@ def device_neutral(gm: fx.GraphModule) -> None:
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not _CPU_ATTENTION:
             continue
-        users = list(node.users)
+        users, traced = list(node.users), node.meta.get("val")
+        if not isinstance(traced, tuple) or not isinstance(traced[0], torch.Tensor):
+            continue  # the layout the rest was traced on is unknown: the CPU kernel stays
         if not all(u.target is operator.getitem and (u.args[1] == 0 or not u.users) for u in users):
             continue
         q, k, v, *rest = node.args
@@ -97,7 +99,7 @@ def device_neutral(gm: fx.GraphModule) -> None:
         }
         with gm.graph.inserting_before(node):
             neutral = gm.graph.call_function(torch.ops.aten.scaled_dot_product_attention.default, (q, k, v), kwargs)
-        out = _laid_out_as(gm.graph, neutral, node.meta["val"][0])
+        out = _laid_out_as(gm.graph, neutral, traced[0])
         for u in users:
             u.replace_all_uses_with(out)
             gm.graph.erase_node(u)
