@@ -5,6 +5,7 @@ micro-batch), and the codec each link gets from the one codec choice
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -53,6 +54,7 @@ def live_codecs(
     fraction: float | None = None,
     rank: int | None = None,
     micro_batches: int = 1,
+    say: Callable[[str], None] = lambda text: None,
 ) -> tuple[list[Codec], list[float]]:
     """The codec of each boundary of the live ``plan`` (``choose_codecs`` in ``mode``),
     and the bandwidth it was chosen for: the slowest link the peers measured between
@@ -60,7 +62,8 @@ def live_codecs(
     compute per micro-batch on its slowest peer (the estimator's, from the adverts).
     ``specs``: each stage's input values (``boundary_specs``). Under ``auto``, a plan
     whose codecs the planner priced runs them, but where a boundary's measured link (per
-    micro-batch, of ``micro_batches``) is far from the planner's (``planned_or_repicked``)."""
+    micro-batch, of ``micro_batches``) is far from the planner's (``planned_or_repicked``);
+    ``say`` tells the run's events which, boundary by boundary."""
     mbps = [
         min(measured.get(p, {}).get(q, UNMEASURED_MBPS) for p in plan.stages[b] for q in plan.stages[b + 1])
         for b in range(len(plan.stages) - 1)
@@ -80,14 +83,10 @@ def live_codecs(
         )
         for b, c in enumerate(codecs):
             how = "picked again for the measured link" if again[b] else "as the planner priced it"
-            logger.info(
-                "boundary %d: %.1f Mbit/s a micro-batch (planned %.1f) -> %s, %s",
-                b,
-                rates[b],
-                priced.edge_mbps[b],
-                c,
-                how,
-            )
+            seen = f"{rates[b]:.1f} Mbit/s a micro-batch measured, {priced.edge_mbps[b]:.1f} planned"
+            text = f"boundary {b}: {c}, {how} ({seen})"
+            logger.info("%s", text)
+            say(text)
         return codecs, mbps
     codecs = choose_codecs(edge_bytes, mbps, seconds, mode, fraction, specs[1:], rank=rank)
     for b, c in enumerate(codecs):

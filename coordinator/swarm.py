@@ -296,6 +296,7 @@ class Coordinator:
             cfg.topk_fraction,
             cfg.lowrank_rank,
             cfg.job.micro_batches,
+            lambda text: self.board.event("codec", text),
         )
 
     async def _abort(self, peers: set[str], reason: str) -> None:

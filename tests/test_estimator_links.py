@@ -88,3 +88,14 @@ def test_the_live_plan_under_auto_carries_the_codecs_the_planner_priced() -> Non
     assert auto.plan.edge_mbps == [pytest.approx(0.05)]
     plain = assign(dag, ads, num_stages=2)
     assert plain.plan is not None and [c.name for c in plain.plan.codecs] == ["none"]
+    # the live swarm runs them on links as the planner assumed, and picks again on a far faster one
+    from coordinator.links import boundary_specs, live_codecs
+
+    specs = boundary_specs(job.build_model(), auto.cut, job.first_micro_batch())
+    said: list[str] = []
+    for mbps, codec, how in ((0.05, auto.plan.codecs[0], "as the planner priced it"), (1e4, Codec(), "picked again")):
+        measured = {"a": {"b": mbps}, "b": {"a": mbps}}
+        codecs, _ = live_codecs(
+            dag, auto, specs, measured, {a.peer_id: a for a in ads}, "auto", None, None, 4, said.append
+        )
+        assert codecs == [codec] and how in said[-1]
