@@ -197,10 +197,9 @@ class _Advertisers:
         await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in stored)), STORED_WITHIN_S)
 
     async def halt(self) -> None:
-        """End the advert loops, a store under way included (a grown swarm's nodes move)."""
+        """End the advert loops once their stores under way end (a cancelled store leaves
+        hivemind's lookup tasks pending: "Task was destroyed but it is pending!")."""
         self.stop.set()
-        for task in self.tasks:
-            task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
     async def aclose(self) -> None:
