@@ -37,8 +37,11 @@ POLL_RECORDS = 128
 #: shard, so every holder its lookup meets answers with its copy (measured:
 #: ``benchmarks/discovery.py``'s reader bytes over the records it found)
 READ_COPIES = 11.3
-#: the busiest node's share of shards over the mean (a hash's imbalance, 5 copies each)
-HOT_HOLDER_FACTOR = 3.0
+#: the busiest node's share of shards over the mean (a hash's imbalance, 5 copies each),
+#: calibrated on ``benchmarks/discovery.py`` at 40-80 peers (112-137 kB/s) with stores
+#: every ``ADVERT_REFRESH_S`` from start to start (``peer.adverts.RefreshPace``; 3.0 fitted
+#: the earlier pace, 2 s after each store returned)
+HOT_HOLDER_FACTOR = 4.5
 #: CPU seconds the coordinator spends on one signed control message: its p2p daemon's
 #: share, decode, the gate, one Ed25519 verify (~66-83 us) and the handler (measured:
 #: ``benchmarks/discovery.py``'s real coordinator under synthetic heartbeats, 301 us
