@@ -4,11 +4,11 @@ those readings assumes each peer has its threads to itself; on the README's demo
 (4 one-thread peers on 2 cores) the estimator said 110 ms a step and the swarm took
 232. So a machine's compute is divided among its CPU peers, which all work at once
 in a pipeline's steady state (or as often as a first plan says they compute,
-``busy_shares``): one thread's speed (the fastest reading per thread of
-the machine's peers: the least disturbed by the others) times the threads each
-uses, times the machine's cores over the threads all of them use, when they ask for
-more than it has. Peers that do not say their machine (an older advert, a GPU) keep
-their reading."""
+``busy_shares``): each peer's reading, times the machine's cores over the threads
+all of them use, when they ask for more than it has (a peer's own reading is kept:
+one throttled with ``join --throttle``, or claiming less, is slower than its
+neighbours for a reason). Peers that do not say their machine (an older advert, a
+GPU) keep their reading."""
 
 from __future__ import annotations
 
@@ -32,11 +32,10 @@ def machine_flops(adverts: list[Advert], busy: dict[str, float] | None = None) -
     out: dict[str, float] = {}
     for peers in machines.values():
         threads = [max(a.cores, 1) for a in peers]
-        per_thread = max(a.flops / t for a, t in zip(peers, threads, strict=True))
         cores = max(a.host_cores for a in peers)
         share = min(1.0, cores / sum(t * (busy or {}).get(a.peer_id, 1.0) for a, t in zip(peers, threads)))
         for a, t in zip(peers, threads, strict=True):
-            out[a.peer_id] = per_thread * min(t, cores) * share
+            out[a.peer_id] = a.flops * min(t, cores) / t * share
     return out
 
 
