@@ -96,33 +96,62 @@ def _wait_all(ranks: list, timeout: float) -> list[int | None]:
     return [r.poll() for r in ranks]
 
 
+#: what a boundary value of an integer dtype (the targets, say) crosses a cut as: torch
+#: 2.11's pipelining asks every received value for gradients, which only floating
+#: tensors can have. The same 8 bytes an element as int64, and exact below 2**53.
+CARRIER = torch.float64
+
+
 class TensorsOnly(torch.nn.Module):
-    """A stage whose boundary values are all tensors, as pipelining requires. The
-    traced model passes some Python ints between stages (a micro-batch's sizes, the
+    """A stage whose boundary values are all floating tensors, as pipelining requires.
+
+    The traced model passes some Python ints between stages (a micro-batch's sizes, the
     same for every micro-batch of the job): a stage leaves them out of what it sends,
     and the next one puts them back from ``ints`` (position: value), found once by
-    running the stages before it on the first micro-batch (:func:`stage_shapes`)."""
+    running the stages before it on the first micro-batch (:func:`stage_shapes`).
 
-    def __init__(self, stage: torch.nn.Module, ints: dict[int, int]) -> None:
+    Tensors of an integer dtype cross as :data:`CARRIER` and are cast back to their
+    own dtype (``carried``: position among the received tensors: dtype) before the
+    stage runs, so it computes on the values it would have had. Where pipelining
+    marks a received carrier as needing a gradient (torch 2.11 marks them all), the
+    stage ties it to what it sends on by adding ``0 * carrier.sum()`` (an exact zero)
+    to its own carriers out, or else to its first floating output (the last stage's
+    loss): every received value then has a gradient (zeros) to send back, as 2.11
+    requires, and no value the stage computes changes."""
+
+    def __init__(self, stage: torch.nn.Module, ints: dict[int, int], carried: dict[int, torch.dtype]) -> None:
         super().__init__()
         self.stage = stage
         self.ints = ints
+        self.carried = carried
 
     def forward(self, *tensors: torch.Tensor) -> object:
-        given = iter(tensors)
+        own = (t.detach().to(self.carried[i]) if i in self.carried else t for i, t in enumerate(tensors))
         count = len(tensors) + len(self.ints)
-        out = self.stage(*(self.ints[i] if i in self.ints else next(given) for i in range(count)))
-        return tuple(v.contiguous() for v in out if not isinstance(v, int)) if isinstance(out, tuple) else out
+        out = self.stage(*(self.ints[i] if i in self.ints else next(own) for i in range(count)))
+        sent = [v for v in out if not isinstance(v, int)] if isinstance(out, tuple) else [out]
+        carriers = [not v.is_floating_point() for v in sent]
+        sent = [v.to(CARRIER) if c else v.contiguous() for v, c in zip(sent, carriers, strict=True)]
+        held = [t for i, t in enumerate(tensors) if i in self.carried and t.requires_grad]
+        if held:
+            zero = 0 * sum(t.sum() for t in held)
+            tied = [i for i, c in enumerate(carriers) if c] or [carriers.index(False)]
+            for i in tied:
+                sent[i] = sent[i] + zero.to(sent[i].dtype)
+        return tuple(sent) if isinstance(out, tuple) else sent[0]
 
 
 @dataclass
 class StageShapes:
     """What one stage takes and gives on the job's micro-batches: the Python ints
-    among its inputs (position: value), and example tensors of its inputs and outputs
-    (shapes, dtypes, whether they need gradients) for pipelining's static mode, since
-    its inference from shapes alone would run the last stage's loss on empty targets."""
+    among its inputs (position: value), the received tensors that cross as
+    :data:`CARRIER` (position: own dtype), and example tensors of its inputs and
+    outputs as :class:`TensorsOnly` takes and gives them (shapes, dtypes, whether they
+    need gradients) for pipelining's static mode, since its inference from shapes alone
+    would run the last stage's loss on empty targets."""
 
     ints: dict[int, int]
+    carried: dict[int, torch.dtype]
     inputs: tuple[torch.Tensor, ...]
     outputs: tuple[torch.Tensor, ...]
 
@@ -133,16 +162,23 @@ def _tensors(values: object) -> tuple[torch.Tensor, ...]:
 
 
 def stage_shapes(modules: list[torch.nn.Module], rank: int, job: JobSpec) -> StageShapes:
-    """Stage ``rank``'s :class:`StageShapes`: the stages up to it, run on the job's first micro-batch."""
+    """Stage ``rank``'s :class:`StageShapes`: the stages up to it, run on the job's first micro-batch.
+
+    A carrier's example does not need a gradient (torch 2.13 then sends none for it;
+    2.11 asks for one anyway, and :class:`TensorsOnly` gives zeros)."""
     batch = next(iter(job.batches()))
     if batch[0].shape[0] % job.micro_batches:
         raise SystemExit(f"a batch of {batch[0].shape[0]} does not split into {job.micro_batches} equal micro-batches")
     values: tuple[object, ...] = split_batch(batch, job.micro_batches)[0]
     for module in modules[:rank]:
         values = module(*values)
-    out = modules[rank](*values)
     ints = {i: v for i, v in enumerate(values) if isinstance(v, int)}
-    return StageShapes(ints, _tensors(values), _tensors(out))
+    inputs = _tensors(values)
+    # the first stage takes the batch itself; the others receive what crossed the cut
+    carried = {i: t.dtype for i, t in enumerate(inputs) if rank and not t.is_floating_point()}
+    inputs = tuple(t.to(CARRIER) if i in carried else t for i, t in enumerate(inputs))
+    out = TensorsOnly(modules[rank], ints, carried)(*inputs)
+    return StageShapes(ints, carried, inputs, _tensors(out))
 
 
 def _rank(rank: int, world: int, cut: list[int], steps: int, where: Path) -> None:
@@ -157,7 +193,7 @@ def _rank(rank: int, world: int, cut: list[int], steps: int, where: Path) -> Non
         recipe = job.recipe()
         _, modules = stage_modules(job_model(job), Cut(tuple(cut)))
         shapes = stage_shapes(modules, rank, job)
-        module = TensorsOnly(modules[rank], shapes.ints)
+        module = TensorsOnly(modules[rank], shapes.ints, shapes.carried)
         stage = PipelineStage(module, rank, world, torch.device("cpu"), shapes.inputs, shapes.outputs)
         schedule = Schedule1F1B(stage, job.micro_batches, loss_fn=lambda loss, _target: loss)
         opt = make_optimizer([p for p in module.parameters() if p.requires_grad], recipe)
