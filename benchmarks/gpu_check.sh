@@ -19,6 +19,12 @@
 # (default /tmp/gpu_check), each part under its own time limit, so a part that hangs
 # or fails leaves the others their time. GPU_CHECK_STEPS sets the demo's steps (40),
 # GPU_CHECK_PARTS the parts to run (default "demo pipeline"; also "gpu_pipeline").
+# The anchor's quiet-machine figures alone (issue 31: pipelining_tokens_per_s,
+# swarm_vs_pipelining, spot_check_cost), pipeline.py's full mode on the CPU and nothing else:
+#   GPU_CHECK_PARTS=pipeline bash benchmarks/gpu_check.sh 240
+# its JSON in $OUT/pipeline_cpu.json, its log in $OUT/pipeline_cpu.err; a run cut short by
+# its limit leaves the JSON empty, and the figures each part logged as it ended are in
+# $OUT/pipeline_cpu.figures (the load average before and after is in the output).
 set -u
 BUDGET=${1:-300}
 START=$SECONDS
@@ -53,6 +59,7 @@ export PATH=$WORK/bin:$PATH
 say "the machine"
 nvidia-smi -L
 nproc
+uptime
 python3 -c 'import sys, torch, hivemind, google.protobuf as pb
 print("python", sys.version.split()[0], "torch", torch.__version__, "hivemind", hivemind.__version__, "protobuf", pb.__version__)
 print("torch.cuda.is_available()", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")'
@@ -78,8 +85,10 @@ pipeline() {  # $1: seconds, $2: CUDA_VISIBLE_DEVICES, $3: the files' name
     say "benchmarks/pipeline.py full mode, CUDA_VISIBLE_DEVICES='$2', ${1}s at most"
     CUDA_VISIBLE_DEVICES=$2 timeout -k 5 "$1" python3 benchmarks/pipeline.py >"$OUT/$3.json" 2>"$OUT/$3.err"
     say "pipeline.py exited $?"
+    uptime
     cat "$OUT/$3.json"
     grep "pipeline.py:\|Error\|error" "$OUT/$3.err" | tail -20
+    grep -o "[a-z0-9]* swarm: SwarmRun(tokens_per_s=[0-9.]*\|reference [0-9.]* tokens/s\|pipelining: [0-9.]* tokens/s, median step [0-9.]* ms\|pipelining failed.*" "$OUT/$3.err" >"$OUT/$3.figures"
 }
 
 for part in $PARTS; do
