@@ -52,15 +52,28 @@ def _cpu_s(pid: int) -> tuple[float, float]:
     return times[0], sum(times)
 
 
-def _start_coordinator(tmp: Path) -> tuple[Proc, str]:
-    """A coordinator that waits for peers forever; its maddr (with ``/p2p/<id>``)."""
-    args = ["--run", RUN, "--min-peers", "100000", "--peer-wait", "3600", "--port", "0", "--status-port", "0"]
-    proc = Proc("coordinator", *args, "--identity", str(tmp / "c.key"), "--run-dir", str(tmp / "run"), *MODEL)
-    try:
-        return proc, proc.wait_line(r"--initial-peers (\S+)", START_S).group(1)
-    except BaseException:
-        proc.kill_all()
-        raise
+class Coordinator:
+    """A coordinator that waits for peers forever, started at once (its start may
+    overlap other work) and measured by ``measure``, which ends it; ``close`` ends it
+    where ``measure`` never ran."""
+
+    def __init__(self) -> None:
+        self._tmp = tempfile.TemporaryDirectory()
+        tmp = Path(self._tmp.name)
+        args = ["--run", RUN, "--min-peers", "100000", "--peer-wait", "3600", "--port", "0", "--status-port", "0"]
+        self.proc = Proc("coordinator", *args, "--identity", str(tmp / "c.key"), "--run-dir", str(tmp / "run"), *MODEL)
+
+    def measure(self, peers: int, rate: float, seconds: float) -> dict[str, float]:
+        """The coordinator's CPU per control message, measured (see the module's text)."""
+        try:
+            maddr = self.proc.wait_line(r"--initial-peers (\S+)", START_S).group(1)  # its maddr, with /p2p/<id>
+            return asyncio.run(_load(maddr, peers, rate, seconds, self.proc.popen.pid))
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self.proc.kill_all()  # with its DHT process and p2p daemons
+        self._tmp.cleanup()
 
 
 async def _peer(maddr: str) -> tuple[Transport, str]:
@@ -109,9 +122,4 @@ async def _load(maddr: str, peers: int, rate: float, seconds: float, pid: int) -
 
 def measure(peers: int, rate: float, seconds: float) -> dict[str, float]:
     """The coordinator's CPU per control message, measured (see the module's text)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        proc, maddr = _start_coordinator(Path(tmp))
-        try:
-            return asyncio.run(_load(maddr, peers, rate, seconds, proc.popen.pid))
-        finally:
-            proc.kill_all()  # with its DHT process and p2p daemons
+    return Coordinator().measure(peers, rate, seconds)

@@ -337,13 +337,13 @@ def _signature_cpu_per_1k() -> float:
     return time.process_time() - start
 
 
-def _control_plane(short: bool) -> dict[str, object]:
+def _control_plane(short: bool, coordinator: control_plane.Coordinator) -> dict[str, object]:
     """The coordinator's CPU per control message under a synthetic load
     (``benchmarks.control_plane``), at the rates of 1,000 peers: with each planned
     peer's step reports as its heartbeat (what ``peer.link`` does), and with a
     heartbeat a second besides (before)."""
     peers, rate, seconds = (2, 40.0, 2.0) if short else (16, 20.0, 10.0)
-    got = control_plane.measure(peers, rate, seconds)
+    got = coordinator.measure(peers, rate, seconds)
     per_message = got["coordinator_tree_cpu_s_per_message"]
     reports_only = dc.control_cpu(1000, 1000, 0.0, STEP_S, dc.STANDBY_BEAT_S) / dc.CONTROL_MESSAGE_CPU_S
     beating = dc.control_cpu(1000, 1000, 1.0, STEP_S, dc.STANDBY_BEAT_S) / dc.CONTROL_MESSAGE_CPU_S
@@ -382,13 +382,18 @@ def main() -> None:
     ns, seconds = ([10, 20], 2.0) if args.short else ([10, 20, 40, 80], 10.0)
     ns = sorted(args.n or ns)
     main_layout = "one_key" if args.layout == "one_key" else "sharded"
-    wall, t0 = {}, time.monotonic()
-    out: dict[str, object] = {"layout": main_layout, "n": ns, **_layout(main_layout, ns, seconds)}
-    wall[main_layout], t0 = time.monotonic() - t0, time.monotonic()
-    if args.layout == "both" and not args.short:
-        out["one_key"] = _layout("one_key", ns, seconds)
-        wall["one_key"], t0 = time.monotonic() - t0, time.monotonic()
-    out.update(_control_plane(args.short))
+    # the control plane's coordinator starts now, its start beside the swarms' (it idles, waiting for peers)
+    wall, t0, coordinator = {}, time.monotonic(), control_plane.Coordinator()
+    try:
+        out: dict[str, object] = {"layout": main_layout, "n": ns, **_layout(main_layout, ns, seconds)}
+        wall[main_layout], t0 = time.monotonic() - t0, time.monotonic()
+        if args.layout == "both" and not args.short:
+            out["one_key"] = _layout("one_key", ns, seconds)
+            wall["one_key"], t0 = time.monotonic() - t0, time.monotonic()
+    except BaseException:
+        coordinator.close()
+        raise
+    out.update(_control_plane(args.short, coordinator))
     wall["control_plane"] = time.monotonic() - t0
     out["wall_s"] = {k: round(v, 1) for k, v in wall.items()}  # where the run's time went
     out["projected"] = {
