@@ -32,8 +32,8 @@ RECENT_STORES = 3
 
 class RefreshPace:
     """When an advert's copies are stored, and for how long each is stamped, so that a
-    copy is still alive when the next one lands however long a store takes (up to
-    ``ttl``). A store on a loaded swarm takes seconds (a lookup of the key's nearest
+    copy is still alive when the next one lands, on a swarm whose stores take seconds.
+    A store on a loaded swarm takes seconds (a lookup of the key's nearest
     nodes, then each of them): stamped ``ttl`` from its start and repeated ``ttl / 3``
     after the previous store *returned*, a copy expired before the next one landed once
     two stores took ``ttl / 3`` each (at 80 nodes on 2 loaded cores they took 3-8 s, and
