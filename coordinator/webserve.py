@@ -17,9 +17,11 @@ Requests are read at most ``CLIENT_REQUESTS_PER_S`` a second from one client add
 and ``REQUESTS_PER_S`` from all together (``RequestBudgets``): past that a connection's
 reading pauses until the budgets allow its requests, so a flood waits in its own
 sockets' buffers instead of costing CPU (the lowest priority does not cover the
-kernel's work on each request), and one client's flood does not delay another's page;
-a connection whose requests would wait over ``MAX_BUDGET_WAIT_S`` is closed unread, so
-a flooder's debt, and its address's wait after the flood, stay that short."""
+kernel's work on each request), and one client's flood does not delay another's page.
+Requests that would wait over ``MAX_BUDGET_WAIT_S`` reserve nothing and ask again after
+it, so a flooder's debt, and its address's wait after the flood, stay that short, and
+its paused connection is closed by the keep-alive timeout (closing it at once had the
+flooder reconnect 17 times a second, 4% of a core in this process)."""
 
 from __future__ import annotations
 
@@ -61,8 +63,9 @@ REQUESTS_PER_S = 200.0
 REQUEST_BURST = 400.0
 CLIENT_REQUESTS_PER_S = 20.0
 CLIENT_REQUEST_BURST = 60.0
-#: the longest a connection's requests wait for the budgets; longer, it is closed unread
-#: (within the keep-alive timeout, and a flooder's debt stays this short)
+#: the longest a connection's requests wait for the budgets with a reservation; longer,
+#: they reserve nothing and are asked again after it (a flooder's debt stays this short,
+#: and its connection, paused, closes at the keep-alive timeout rather than at once)
 MAX_BUDGET_WAIT_S = HEADER_TIMEOUT_S / 2
 #: client addresses whose budgets are kept; past it, refilled ones are forgotten
 MAX_CLIENT_BUDGETS = 1024
@@ -250,7 +253,7 @@ class RequestBudgets:
         self.clock = clock
         self.all = RequestBudget(REQUESTS_PER_S, REQUEST_BURST, clock)
         self.clients: dict[str, RequestBudget] = {}
-        self.refused = 0  # connections closed for being over budget
+        self.deferred = 0  # reads put off without a reservation, for being too far over budget
 
     def of(self, client: str) -> RequestBudget:
         """``client``'s own budget (the refilled ones are forgotten past ``MAX_CLIENT_BUDGETS``)."""
@@ -290,25 +293,33 @@ class _Guarded(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         """Pass ``data`` on once the client's budget and then the common one allow the
-        requests it holds; reading pauses while it waits, and a connection that would
-        wait over ``MAX_BUDGET_WAIT_S`` is closed."""
+        requests it holds; reading pauses while it waits (requests that would wait over
+        ``MAX_BUDGET_WAIT_S`` reserve nothing and ask again after it)."""
         if self._inner is not None:
             self._admit(data, max(1, data.count(b"\r\n\r\n")), self._budgets.of(self._client))
 
     def _admit(self, data: bytes, n: int, budget: RequestBudget) -> None:
         after = self._budgets.all if budget is not self._budgets.all else None
         wait = budget.delay(n, MAX_BUDGET_WAIT_S)
-        if wait is None:  # over budget for longer than a page could wait: refused unread
-            self._budgets.refused += 1
-            self._transport.abort()  # type: ignore[union-attr]
+        if wait is None:  # over budget for longer than that: nothing reserved, asked again later
+            self._budgets.deferred += 1
+            self._pause()
+            asyncio.get_running_loop().call_later(MAX_BUDGET_WAIT_S, self._retry, data, n, budget)
         elif wait > 0:
-            self._paused = True
-            self._transport.pause_reading()  # type: ignore[union-attr]
+            self._pause()
             asyncio.get_running_loop().call_later(wait, self._waited, data, n, after)
         elif after is not None:
             self._admit(data, n, after)
         else:
             self._pass(data)
+
+    def _pause(self) -> None:
+        self._paused = True
+        self._transport.pause_reading()  # type: ignore[union-attr]
+
+    def _retry(self, data: bytes, n: int, budget: RequestBudget) -> None:
+        if self._inner is not None and self._transport is not None and not self._transport.is_closing():
+            self._admit(data, n, budget)
 
     def _waited(self, data: bytes, n: int, after: RequestBudget | None) -> None:
         if self._inner is None or self._transport is None or self._transport.is_closing():

@@ -22,8 +22,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-#: requests a second the status flood offers (the goal's floor is 2,000)
+#: requests a second the status flood offers (the goal's floor is 2,000), and its floods
+#: in the full mode (each between clean windows)
 STATUS_RATE = 2500.0
+STATUS_ROUNDS = 3
 
 
 async def hellos(maddrs: list[str], run_id: str, seconds: float, go_file: str) -> dict[str, Any]:
@@ -83,35 +85,38 @@ def _go(tmp: Path, name: str) -> Path:
 def status_flood_ratio(short: bool) -> dict[str, float]:
     """Steps/s of a 2-peer swarm while an outsider floods its status page (``STATUS_RATE``
     requests/s written whether answered or not, from the last CPU) over steps/s in the
-    clean windows around it; and the requests written and answered a second."""
+    clean windows between the floods (clean, flood, clean, ... clean: ``STATUS_ROUNDS``
+    floods, one with ``short``: one window pair reads within about 15% of 1.0 with no
+    flood at all); and the requests written and answered a second."""
     from tests.flooder import FloodTarget, _clean, _Window
     from tests.swarmproc import Proc
 
-    seconds = 3.0 if short else 10.0
+    seconds, rounds = (3.0, 1) if short else (10.0, STATUS_ROUNDS)
     with tempfile.TemporaryDirectory() as tmp:
         target = FloodTarget(Path(tmp))
         try:
-            go = _go(Path(tmp), "status")
-            args = [target.swarm.url, "--rate", str(STATUS_RATE), "--seconds", str(seconds), "--go-file", str(go)]
-            flooder = Proc(*args, *target.cpu_arg, module="tests.statusflood")
-            target.swarm.procs.append(flooder)
-            flooder.wait_line("^ready$", 30)
-            before = _clean(seconds)
-            go.touch()
-            window = _Window()
-            tally = json.loads(flooder.wait_line(r"^\{.*\}$", seconds + 30).group(0))
-            window.end(window.start + seconds)
-            after = _clean(seconds)
+            cleans, floods, tallies = [_clean(seconds)], [], []
+            for _ in range(rounds):
+                go = _go(Path(tmp), "status")
+                args = [target.swarm.url, "--rate", str(STATUS_RATE), "--seconds", str(seconds), "--go-file", str(go)]
+                flooder = Proc(*args, *target.cpu_arg, module="tests.statusflood")
+                target.swarm.procs.append(flooder)
+                flooder.wait_line("^ready$", 30)
+                go.touch()
+                floods.append(_Window())
+                tallies.append(json.loads(flooder.wait_line(r"^\{.*\}$", seconds + 30).group(0)))
+                floods[-1].end(floods[-1].start + seconds)
+                cleans.append(_clean(seconds))
             coord = target.swarm.coord
             lines, times = list(coord.lines), list(coord.times)
-            clean = (before.rate(lines, times) + after.rate(lines, times)) / 2
-            flooded = window.rate(lines, times)
+            clean = sum(w.rate(lines, times) for w in cleans) / len(cleans)
+            flooded = sum(w.rate(lines, times) for w in floods) / len(floods)
         finally:
             target.close()
     return {
         "status_flood_ratio": round(flooded / clean, 3),
-        "status_flood_requests_per_s": tally["written_per_s"],
-        "status_flood_answers_per_s": tally["answers_per_s"],
+        "status_flood_requests_per_s": min(t["written_per_s"] for t in tallies),
+        "status_flood_answers_per_s": max(t["answers_per_s"] for t in tallies),
         "status_flood_clean_steps_per_s": round(clean, 2),
     }
 
