@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from coordinator.codec_choice import choose_codecs
 from coordinator.codec_price import matrix_spec
 from coordinator.estimator import DagCosts, Plan, predict
-from coordinator.netmodel import Network, PeerProfile
+from coordinator.netmodel import Network, PeerProfile, rounds_of
 from protocol.wire.codecs import Codec
 
 
@@ -77,3 +77,27 @@ def evaluate(
 def rank(p: Plan) -> tuple[bool, float]:
     """How schedulers order plans: valid ones first, then by time to the loss."""
     return (not p.valid, p.to_loss_s)
+
+
+#: a stage whose replicas' gradient sends take at least this share of its time is held by them
+SYNC_BOUND_SHARE = 0.5
+
+
+def bottleneck(p: Plan, micro_batches: int) -> str:
+    """What sets the plan's pace, in words: its slowest link, or its slowest stage and,
+    where the replicas' exact averaging (their all-to-all gradient sends) takes most of
+    the time a replica spends on a micro-batch, that averaging."""
+    if not p.stage_s:
+        return "nothing: no stage"
+    s = max(range(len(p.stage_s)), key=p.stage_s.__getitem__)
+    if p.link_s and max(p.link_s) > p.stage_s[s]:
+        b = p.link_s.index(max(p.link_s))
+        return f"link {b} -> {b + 1}, {p.link_s[b] * 1e3:.2f} ms per micro-batch"
+    per_round = p.stage_s[s] * micro_batches / rounds_of(p.groups, micro_batches)  # a replica's micro-batch
+    sync = p.allreduce_s[s] if s < len(p.allreduce_s) else 0.0
+    if sync >= SYNC_BOUND_SHARE * per_round:
+        return (
+            f"stage {s}'s replica averaging: each replica's all-to-all gradient sends take {sync * 1e3:.2f} of "
+            f"the {per_round * 1e3:.2f} ms it spends on a micro-batch"
+        )
+    return f"stage {s}, {p.stage_s[s] * 1e3:.2f} ms per micro-batch"

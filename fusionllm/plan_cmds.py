@@ -175,7 +175,9 @@ def _left_out_text(out: dict[str, list[str]], indent: str = "  ") -> list[str]:
     return lines
 
 
-def _plan_text(p: Any, costs: Any) -> str:
+def _plan_text(p: Any, costs: Any, micro_batches: int) -> str:
+    from coordinator.plan_eval import bottleneck
+
     lines = [
         f"{p.scheduler}: {len(p.groups)} stages, predicted iteration {p.iteration_s:.4g} s "
         f"(lower bound {p.lower_bound_s:.4g} s); steps factor {p.steps_factor:.3g}: {p.to_loss_s:.4g} s to the "
@@ -192,11 +194,12 @@ def _plan_text(p: Any, costs: Any) -> str:
             f"  link {b} -> {b + 1} (after op {pos - 1}, {costs.cross_bytes[pos] / 1e6:.2f} MB per micro-batch): "
             f"{c}, {t * 1e3:.2f} ms"
         )
+    lines.append(f"  bottleneck: {bottleneck(p, micro_batches)}")
     return "\n".join(lines)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from coordinator.plan_eval import ScheduleError
+    from coordinator.plan_eval import ScheduleError, bottleneck
     from coordinator.scheduler import plan
 
     batch = batch_of(args)
@@ -209,11 +212,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     out = left_out(costs, p, topo.peers, topo.network)
     if args.json:
         head = {"num_ops": costs.num_ops, "topology": topo.name, **_workload_json(batch, costs, args)}
-        print(json.dumps({**head, **p.to_json(costs.num_ops), "left_out": out}))
+        neck = bottleneck(p, batch.micro_batches)
+        print(json.dumps({**head, **p.to_json(costs.num_ops), "bottleneck": neck, "left_out": out}))
     else:
         used = len(topo.peers) - sum(len(ids) for ids in out.values())
         where = f"on {topo.name}: {used} of its {len(topo.peers)} peers planned"
-        print("\n".join([_workload_text(batch, costs, args) + _plan_text(p, costs), where, *_left_out_text(out)]))
+        text = _workload_text(batch, costs, args) + _plan_text(p, costs, batch.micro_batches)
+        print("\n".join([text, where, *_left_out_text(out)]))
     return 0
 
 

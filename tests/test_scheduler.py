@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -255,6 +256,7 @@ def test_plan_and_sim_commands(tmp_path: Path) -> None:
     out = json.loads(r.stdout)
     assert out["scheduler"] == "opfence" and out["iteration_s"] >= out["lower_bound_s"] > 0
     assert out["stages"][0]["first_op"] == 0 and out["stages"][-1]["last_op"] == out["num_ops"] - 1
+    assert re.match(r"(stage|link) \d", out["bottleneck"]), out["bottleneck"]
     plot = tmp_path / "sim.png"
     r = run_cli("sim", "--topology", str(topo), "--model", "gpt", "--iterations", "3", "--json", "--plot", str(plot))
     assert r.returncode == 0, r.stderr
@@ -413,3 +415,26 @@ def test_groupings_the_estimator_cannot_tell_apart_are_cut_once() -> None:
     assert alike(one, net) == alike(other, net)
     net.learn("p0", "p1", net.link("p0", "p1").__class__(8.0, 0.1, True))  # a measured pair: peers differ now
     assert alike(one, net) != alike(other, net)
+
+
+def test_the_plan_names_its_bottleneck_and_says_when_replica_averaging_is_it() -> None:
+    from coordinator.estimator import Plan
+    from coordinator.plan_eval import bottleneck
+
+    def plan(stage_ms: list[float], link_ms: list[float], sync_ms: list[float]) -> Plan:
+        p = Plan(cut=(1,), groups=[["a"], ["b", "c"]], codecs=[])
+        p.stage_s, p.link_s, p.allreduce_s = (
+            [t / 1e3 for t in stage_ms],
+            [t / 1e3 for t in link_ms],
+            [t / 1e3 for t in sync_ms],
+        )
+        return p
+
+    # 4 micro-batches: the lone first stage runs all 4 (rounds), so stage 1's replica spends 30 ms on one
+    assert bottleneck(plan([10, 30], [5], [0, 20]), 4) == (
+        "stage 1's replica averaging: each replica's all-to-all gradient sends take 20.00 of the 30.00 ms it "
+        "spends on a micro-batch"
+    )
+    assert bottleneck(plan([10, 30], [5], [0, 10]), 4) == "stage 1, 30.00 ms per micro-batch"
+    assert bottleneck(plan([10, 30], [40], [0, 20]), 4) == "link 0 -> 1, 40.00 ms per micro-batch"
+    assert bottleneck(plan([], [], []), 4) == "nothing: no stage"
