@@ -353,7 +353,12 @@ class PeerNode:
 
     async def _assigned(self, a: Assign) -> int | None:
         """Start serving an assignment's epoch (or refuse it: exit code 2 if this peer
-        can never serve the run)."""
+        can never serve the run). An assignment overtaken while the loop stopped the last
+        epoch (a newer Assign or Standby was routed: its own control item is next) is
+        not served: the mailbox and checks now belong to the newer epoch."""
+        if a.epoch != self.epoch:
+            logger.info("not serving epoch %d: the coordinator moved on to epoch %d meanwhile", a.epoch, self.epoch)
+            return None
         self.say(
             f"epoch {a.epoch}: serving stage {a.stage} (replica {a.replica}) of {len(a.stages)} "
             f"from step {a.start_step}"

@@ -1,0 +1,177 @@
+"""A peer's hand-over from one plan epoch to the next, driven through ``PeerNode``'s
+routing and serve loop with a stand-in epoch runner and compute: every runner
+started reads its own epoch's messages, and an assignment that a newer one
+overtook is not served.
+
+(The bug: a CI run hung in test_pinning's allowlist test. A replica refused its
+stage and the coordinator re-planned at once; the other replica's next assignment
+arrived while its serve loop was still stopping the last epoch for the first one.
+The first epoch's runner then got the newer epoch's mailbox, took its stage
+program, and the newer epoch's runner waited out its 600 s message timeout for a
+program that had come; the coordinator waited 300 s for its Ready.)"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from peer.checks import PlanChecks
+from peer.config import PeerConfig
+from peer.mailbox import Mailbox
+from peer.node import PeerNode
+from protocol.net.clock import FakeClock
+from protocol.net.transport import Inbound
+from protocol.wire.encoding import Frame
+from protocol.wire.gate import Gate
+from protocol.wire.messages import Assign, Message, StageProgram, Standby
+
+RUN = "r"
+
+
+class _Link:
+    """The coordinator link, quiet: no watch or heartbeat ever fires."""
+
+    peer_id, key, reattaching = "coord", None, False
+
+    async def watch(self, lost: Callable[[str], None]) -> None:
+        await asyncio.Event().wait()
+
+    async def beat(self, beat: Callable[[], Any]) -> None:
+        await asyncio.Event().wait()
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.gate = Gate(RUN)
+
+    async def aclose(self) -> None:
+        pass
+
+
+class _Compute:
+    """The compute thread's calls run at once, on the loop (the test is loop turns only)."""
+
+    async def run(self, fn: Any, *args: Any) -> Any:
+        return fn(*args)
+
+    def shutdown(self) -> None:
+        pass
+
+
+class _Runner:
+    """Reads its epoch's stage program (``read``: (its epoch, the program's)), then serves."""
+
+    read: list[tuple[int, int]] = []
+
+    def __init__(self, host: Any, env: Any, a: Assign, mailbox: Mailbox) -> None:
+        self.a, self.mailbox = a, mailbox
+
+    async def run(self) -> None:
+        inb = await self.mailbox.get("program")
+        _Runner.read.append((self.a.epoch, inb.message.epoch))
+        await asyncio.Event().wait()
+
+
+def _inbound(msg: Message) -> Inbound:
+    return Inbound("coord", msg, Frame({"values": []}, memoryview(b"")))
+
+
+def _assign(epoch: int) -> Inbound:
+    return _inbound(Assign(RUN, 0, 0, {}, [], [["me"]], {}, epoch=epoch, restore="state", program=True))
+
+
+def _program(epoch: int) -> Inbound:
+    return _inbound(StageProgram(RUN, 0, [], epoch))
+
+
+def _node(monkeypatch: Any) -> PeerNode:
+    monkeypatch.setattr("peer.node.EpochRunner", _Runner)
+    _Runner.read = []
+    node = PeerNode(PeerConfig([], RUN), clock=FakeClock())
+    node.transport, node.link, node.checks = _Transport(), _Link(), PlanChecks("coord")  # type: ignore[assignment]
+    node.compute = _Compute()  # type: ignore[assignment]
+    return node
+
+
+async def _turns(n: int = 50) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+def _arriving_while_stopping(node: PeerNode, later: list[Inbound]) -> None:
+    """``later`` arrives while the serve loop stops the last epoch for the first control
+    item (the window: the loop has taken the first assignment, not yet served it)."""
+    stop = node._stop_epoch
+
+    async def stop_then_arrive() -> None:
+        await stop()
+        while later:
+            node._route(later.pop(0))
+
+    node._stop_epoch = stop_then_arrive  # type: ignore[method-assign]
+
+
+def test_an_assignment_overtaken_while_the_last_epoch_stops_is_not_served(monkeypatch: Any) -> None:
+    """Epoch 1's assignment and program arrive while the loop stops for epoch 0's: only
+    epoch 1 is served, and its runner reads epoch 1's program."""
+
+    async def main() -> tuple[list[tuple[int, int]], list[str]]:
+        node = _node(monkeypatch)
+        told: list[str] = []
+        node.on_event = told.append
+        node._route(_assign(0))
+        node._route(_program(0))
+        _arriving_while_stopping(node, [_assign(1), _program(1)])
+        serving = asyncio.create_task(node.serve())
+        await _turns()
+        serving.cancel()
+        await node.aclose()
+        return _Runner.read, told
+
+    read, told = asyncio.run(main())
+    assert read == [(1, 1)], read
+    assert [t for t in told if "serving stage" in t] == ["epoch 1: serving stage 0 (replica 0) of 1 from step 0"]
+
+
+def test_an_assignment_overtaken_by_a_standby_notice_is_not_served(monkeypatch: Any) -> None:
+    """Epoch 1 leaves this peer out (Standby) while the loop stops for epoch 0's
+    assignment: no runner starts, and the peer waits as standby."""
+
+    async def main() -> tuple[list[tuple[int, int]], bool, list[str]]:
+        node = _node(monkeypatch)
+        told: list[str] = []
+        node.on_event = told.append
+        node._route(_assign(0))
+        node._route(_program(0))
+        _arriving_while_stopping(node, [_inbound(Standby(RUN, 1))])
+        serving = asyncio.create_task(node.serve())
+        await _turns()
+        running = node._epoch_task is not None
+        serving.cancel()
+        await node.aclose()
+        return _Runner.read, running, told
+
+    read, running, told = asyncio.run(main())
+    assert read == [] and not running, (read, told)
+    assert told == ["epoch 1: the plan does not use this peer; waiting as standby"], told
+
+
+def test_each_epoch_in_turn_reads_its_own_program(monkeypatch: Any) -> None:
+    """Without an overtaking assignment, epoch 0 is served, then epoch 1 (the runners
+    read their own epochs' programs)."""
+
+    async def main() -> list[tuple[int, int]]:
+        node = _node(monkeypatch)
+        node._route(_assign(0))
+        node._route(_program(0))
+        serving = asyncio.create_task(node.serve())
+        await _turns()
+        node._route(_assign(1))
+        node._route(_program(1))
+        await _turns()
+        serving.cancel()
+        await node.aclose()
+        return _Runner.read
+
+    assert asyncio.run(main()) == [(0, 0), (1, 1)]
