@@ -15,6 +15,7 @@ from coordinator.host_share import busy_shares, shared
 from coordinator.netmodel import Network, PeerProfile
 from coordinator.opdag import OpDag
 from coordinator.opfence import finalists
+from coordinator.overheads import LIVE, Overheads
 from coordinator.plan_eval import Options, ScheduleError
 from protocol.model.graph import Cut
 from protocol.wire.messages import Advert
@@ -112,11 +113,15 @@ def assign(
     return Assignment(cut=Cut(tuple(plan.cut)), stages=plan.groups, plan=plan, deciding=deciding)
 
 
-def live_profile(advert: Advert) -> PeerProfile:
+def live_profile(advert: Advert, overheads: Overheads = LIVE) -> PeerProfile:
     """A live peer as the planner sees it. Its FLOP/s are measured (a benchmark, then
     its stage's steps), and a step's time already holds each kernel's fixed cost:
-    none is added (``PeerProfile.op_overhead_s`` is for topology files and presets)."""
-    return PeerProfile(advert.peer_id, advert.flops, advert.memory_bytes, "swarm", op_overhead_s=0.0)
+    none is added (``PeerProfile.op_overhead_s`` is for topology files and presets).
+    The swarm's own fixed costs (handing work to the compute thread, encoding, the
+    optimizer, the commit) are ``overheads`` (``coordinator.overheads``)."""
+    return PeerProfile(
+        advert.peer_id, advert.flops, advert.memory_bytes, "swarm", op_overhead_s=0.0, overheads=overheads
+    )
 
 
 def _swapped(

@@ -48,6 +48,7 @@ import numpy as np
 from coordinator.codec_price import plan_steps_factor, price
 from coordinator.netmodel import Network, PeerProfile, boundary_models, link_seconds, rate_mbps, rounds_of
 from coordinator.opdag import OpDag, cost_lists
+from coordinator.overheads import Overheads, message_s, pass_s, step_fixed_s
 from protocol.model.schedule import uses_1f1b
 from protocol.wire.codecs import Codec
 
@@ -284,12 +285,14 @@ class Replica:
     in_flight: int  # micro-batches whose activations it holds at once
     send_latency_s: float  # per micro-batch: its gradient sends to the other replicas
     send_s_per_byte: float
+    handoff_s: float = 0.0  # per pass (forward, backward): to the compute thread and back (``overheads.pass_s``)
 
     def seconds(self, costs: DagCosts, lo: int, hi: int, part: str = "FB") -> float:
         """One micro-batch's forward (``F``), backward with its replica gradient sends
-        (``B``) or both (``FB``)."""
+        (``B``) or both (``FB``), each handed to the compute thread and back."""
         compute = costs.stage_flops(lo, hi) / max(self.flops, 1.0) + costs.stage_kernels(lo, hi) * self.overhead_s
-        return compute * (part != "B") + ((PASSES - 1) * compute + self.sends(costs, lo, hi)) * (part != "F")
+        backward = (PASSES - 1) * compute + self.handoff_s + self.sends(costs, lo, hi)
+        return (compute + self.handoff_s) * (part != "B") + backward * (part != "F")
 
     def sends(self, costs: DagCosts, lo: int, hi: int) -> float:
         return self.send_latency_s + costs.stage_params(lo, hi) * self.send_s_per_byte if self.send_s_per_byte else 0.0
@@ -317,7 +320,7 @@ class GroupModel:
         """Per replica kind, a micro-batch's seconds per FLOP, per kernel, per parameter
         byte (its gradient sends) and fixed (their latency)."""
         rows = [
-            [PASSES / max(r.flops, 1.0), PASSES * r.overhead_s, r.send_s_per_byte, r.send_latency_s]
+            [PASSES / max(r.flops, 1.0), PASSES * r.overhead_s, r.send_s_per_byte, r.send_latency_s + 2 * r.handoff_s]
             for r in self.replicas
         ]
         return np.array(rows)
@@ -356,7 +359,7 @@ def group_models(groups: list[list[PeerProfile]], network: Network, micro_batche
     key = (
         "groups",
         micro_batches,
-        tuple((p.id, p.flops, p.memory_bytes, p.op_overhead_s) for g in groups for p in g),
+        tuple((p.id, p.flops, p.memory_bytes, p.op_overhead_s, p.overheads) for g in groups for p in g),
         tuple(len(g) for g in groups),
     )
     got = network._memo.get(key)
@@ -374,7 +377,16 @@ def _group_models(groups: list[list[PeerProfile]], network: Network, micro_batch
     for s, g in enumerate(groups):
         sums = network.slowest_sends(tuple(p.id for p in g)) if len(g) > 1 else [(0.0, 0.0)]
         kinds = {
-            Replica(p.flops, p.op_overhead_s, p.memory_bytes, n, min(n, k - s) if lanes else n, lat, spb)
+            Replica(
+                p.flops,
+                p.op_overhead_s,
+                p.memory_bytes,
+                n,
+                min(n, k - s) if lanes else n,
+                lat,
+                spb,
+                pass_s(p.overheads),
+            )
             for p, n, (lat, spb) in zip(g, dealt(micro_batches, len(g)), sums)
             if n
         }
@@ -399,7 +411,11 @@ def predict(
     rounds = rounds_of(plan.groups, m)
     wires = [wire_pair(costs, pos, c) for pos, c in zip(plan.cut, plan.codecs)]  # (forward, backward)
     one = [g.latency(costs, lo, hi) for g, (lo, hi) in zip(models, ranges)]
-    one_way = {d: [e.latency(w[d]) for e, w in zip(edges, wires)] for d in (0, 1)}
+    ends = boundary_ends(plan.groups, peers)
+    one_way = {
+        d: [e.latency(w[d]) + message_s(*ends[b][d], w[d]) for b, (e, w) in enumerate(zip(edges, wires))]
+        for d in (0, 1)
+    }
     there_and_back = [f + b for f, b in zip(one_way[0], one_way[1])]
     stage_round = [g.period(costs, lo, hi) for g, (lo, hi) in zip(models, ranges)]
     link_round = [max(w) * e.per_byte() for e, w in zip(edges, wires)]
@@ -417,7 +433,7 @@ def predict(
             )
             for d, part in enumerate("FB")
         )
-    plan.iteration_s = pipeline + tied_sync_s(costs, plan, network)
+    plan.iteration_s = pipeline + tied_sync_s(costs, plan, network) + fixed_s(costs, plan, peers)
     plan.stage_s = [t * rounds / m for t in stage_round]
     plan.link_s = [t * rounds / m for t in link_round]
     plan.edge_mbps = edge_rates(plan.groups, network, m)
@@ -432,6 +448,28 @@ def predict(
 def edge_rates(groups: list[list[str]], network: Network, micro_batches: int) -> list[float]:
     """Per boundary: its busiest pair's Mbit/s per micro-batch (``auto`` weighs it against the stages)."""
     return [rate_mbps(e.per_byte() * e.rounds / micro_batches) for e in boundary_models(groups, network, micro_batches)]
+
+
+def slowest(overheads: Iterable[Overheads]) -> Overheads:
+    """Each figure's largest over ``overheads`` (a group's slowest peer, part by part)."""
+    got = list(overheads)
+    if all(o is got[0] for o in got) or len(set(got)) == 1:  # peers share one figure (most often one object)
+        return got[0]
+    return Overheads(*(max(getattr(o, f) for o in got) for f in Overheads.__dataclass_fields__))
+
+
+def boundary_ends(groups: list[list[str]], peers: dict[str, PeerProfile]) -> list[tuple[tuple[Overheads, ...], ...]]:
+    """Per boundary, its (sender, receiver) overheads forward and backward, each its
+    group's slowest (``slowest``): what ``overheads.message_s`` prices a message by."""
+    worst = [slowest(peers[p].overheads for p in g) for g in groups]
+    return [((a, b), (b, a)) for a, b in zip(worst, worst[1:])]
+
+
+def fixed_s(costs: DagCosts, plan: Plan, peers: dict[str, PeerProfile]) -> float:
+    """What a step of ``plan`` costs besides its pipeline (``overheads.step_fixed_s``):
+    the slowest stage's end of step and the commit's round trip."""
+    groups = [[peers[p].overheads for p in g] for g in plan.groups]
+    return step_fixed_s(groups, [costs.stage_params(lo, hi) for lo, hi in plan.ranges(costs.num_ops)])
 
 
 def tied_sync_s(costs: DagCosts, plan: Plan, network: Network) -> float:

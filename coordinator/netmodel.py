@@ -12,6 +12,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
+from coordinator.overheads import NONE, Overheads
+
 #: eager PyTorch's fixed cost per operator kernel on a GPU (launch and dispatch), when
 #: a topology does not say (``op_overhead_us`` per peer)
 OP_OVERHEAD_S = 10e-6
@@ -43,6 +45,7 @@ class PeerProfile:
     memory_bytes: int
     cluster: str = ""
     op_overhead_s: float = OP_OVERHEAD_S  # fixed cost per operator kernel
+    overheads: Overheads = NONE  # the live swarm's fixed costs per compute call, message and step
 
 
 @dataclass(frozen=True)

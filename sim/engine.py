@@ -9,8 +9,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from coordinator.estimator import STATE_PER_PARAM_BYTE, DagCosts, Plan, Replica, predict, tied_sync_s, wire_pair
+from coordinator.estimator import (
+    STATE_PER_PARAM_BYTE,
+    DagCosts,
+    Plan,
+    Replica,
+    fixed_s,
+    predict,
+    tied_sync_s,
+    wire_pair,
+)
 from coordinator.netmodel import Network, PeerProfile, link_seconds, transfer_s
+from coordinator.overheads import message_s, pass_s
 from coordinator.plan_eval import Options, ScheduleError
 from coordinator.plan_options import POLICIES
 from coordinator.replan import JOIN_REPLAN_EVERY, checkpoint_due, rebalance, recover, wants_replan
@@ -79,9 +89,10 @@ def iteration_seconds(
         x, y = p.groups[s][mb % len(p.groups[s])], p.groups[t][mb % len(p.groups[t])]
         link = network.link(x, y)
         start = max(end, channel.get((direction, x, y), 0.0))
-        busy = transfer_s(wires[min(s, t)][direction == "B"], link.mbps)
+        nbytes = wires[min(s, t)][direction == "B"]
+        busy = transfer_s(nbytes, link.mbps)
         channel[(direction, x, y)] = start + busy
-        return start + busy + link.latency_s
+        return start + busy + link.latency_s + message_s(peers[x].overheads, peers[y].overheads, nbytes)
 
     pending = [lane for lane in lanes if lane.acts]
     while pending:
@@ -105,7 +116,7 @@ def iteration_seconds(
         if not progressed:
             raise RuntimeError("the schedule deadlocked in simulation")
         pending = [lane for lane in pending if lane.idx < len(lane.acts)]
-    return max(lane.free for lane in lanes) + tied_sync_s(costs, p, network)
+    return max(lane.free for lane in lanes) + tied_sync_s(costs, p, network) + fixed_s(costs, p, peers)
 
 
 @dataclass
@@ -129,7 +140,9 @@ def _lanes(
         for i, (pid, (lat, spb)) in enumerate(zip(g, sums)):
             mine = list(range(i, m, len(g)))
             peer = peers[pid]
-            one = Replica(peer.flops, peer.op_overhead_s, peer.memory_bytes, len(mine), 0, lat, spb)
+            one = Replica(
+                peer.flops, peer.op_overhead_s, peer.memory_bytes, len(mine), 0, lat, spb, pass_s(peer.overheads)
+            )
             acts = [(kind, mine[j]) for kind, j in schedules.make(schedule, k, len(mine))[s]] if mine else []
             out.append(_Lane(s, acts, one.seconds(costs, lo, hi, "F"), one.seconds(costs, lo, hi, "B")))
     return out

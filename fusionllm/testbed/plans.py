@@ -14,6 +14,7 @@ from typing import Any
 from coordinator.estimator import DagCosts, Plan, compute_s, predict
 from coordinator.netmodel import PeerProfile
 from coordinator.opdag import build_opdag
+from coordinator.overheads import LIVE
 from coordinator.plan_eval import Options, ScheduleError
 from coordinator.scheduler import plan as schedule
 from fusionllm.testbed.topo import ComputeMap, TestbedError, addresses
@@ -79,8 +80,9 @@ def one_thread_flops(job: JobSpec, costs: DagCosts, seconds: float = 1.0, at_lea
 
 def emulated_peers(topo: Topology, compute: ComputeMap) -> list[PeerProfile]:
     """The topology's peers at the FLOP/s they deliver on this machine (no per-kernel
-    cost added: a measured step holds it, as for a live swarm's peers)."""
-    return [replace(p, flops=compute.flops(p.id), op_overhead_s=0.0) for p in topo.peers]
+    cost added: a measured step holds it, as for a live swarm's peers), with a live
+    swarm's fixed costs (``coordinator.overheads.LIVE``): they run the real swarm."""
+    return [replace(p, flops=compute.flops(p.id), op_overhead_s=0.0, overheads=LIVE) for p in topo.peers]
 
 
 def predict_all(

@@ -1,0 +1,132 @@
+"""The live swarm's fixed costs per step that are not compute or the wire: the one
+home of their constants and formulas, for the estimator (``coordinator.estimator``)
+and the simulator (``sim.engine``) alike.
+
+A peer's step (``peer.epoch``) is its micro-batches' forwards and backwards, then the
+gradient norms (and the replicas' sum), ``StepDone`` to the coordinator, waiting for
+its ``Commit`` and the optimizer step; the next step starts after that. Besides the
+compute and the wire, the peers' ``StepDone`` breakdowns (``protocol.wire.step_parts``)
+show four costs the estimator once left out, together 30-40% of the README demo's step
+on the 2-core machine:
+
+- ``handoff``: every piece of compute (each micro-batch's forward, its backward, the
+  norms, the optimizer step) is handed to the peer's compute thread and back;
+- ``encode``: a message is encoded, hashed and signed by its sender and decoded and
+  checked by its receiver (a fixed part and a part per byte on the wire);
+- ``optimizer``: the norms and the update, a fixed part and a part per parameter byte;
+- ``commit``: ``StepDone`` to ``Commit`` on the peer that finishes last (the round trip
+  and the coordinator's own handling of the step).
+
+``NONE`` (no such cost) is what simulated data-centre topologies get; ``LIVE`` is this
+project's measured figure for a CPU swarm, and ``fitted`` takes a running swarm's own
+from its peers' breakdowns. Pure functions; no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+#: compute calls a peer makes per step besides its micro-batches' forwards and
+#: backwards: the gradient norms and the optimizer step (``peer.epoch``)
+STEP_CALLS = 2
+#: one more when the stage has replicas: their gradients' sum
+REPLICA_CALLS = 1
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """A peer's fixed costs (seconds): each figure applies per the unit it names."""
+
+    handoff_s: float = 0.0  # per compute call: handing it to the compute thread and back
+    message_s: float = 0.0  # per message, at each end (encode and sign, or decode and check)
+    byte_s: float = 0.0  # per byte on the wire, at each end
+    optimizer_s: float = 0.0  # per step: the norms and the update, their fixed part
+    param_byte_s: float = 0.0  # per parameter byte of the stage: the update
+    commit_s: float = 0.0  # per step: StepDone to Commit on the peer that finishes last
+
+
+#: no fixed cost (a simulated topology's peers; the estimator's model before these were added)
+NONE = Overheads()
+#: the README demo's peers on the 2-core development machine (4 one-thread CPU peers,
+#: 4 micro-batches; the means of their StepDone breakdowns over 60 steps): handing off
+#: 8.0-13.7 ms a step over 10 calls; encoding 1.8-3.5 ms for 8 messages and 1.06 MB,
+#: 5.7-6.5 ms for 16 and 6.3 MB (0.31 ms a message and 0.19 ms a MB at each end);
+#: the optimizer 0.8 ms on stages of 0.13 and 0.27 MB of parameters, 1.8 on 1.06 MB, 2.4 on 2.04 MB;
+#: StepDone to Commit 8.9 ms on the stage that finished last
+LIVE = Overheads(
+    handoff_s=1.0e-3,
+    message_s=0.31e-3,
+    byte_s=0.19e-9,
+    optimizer_s=0.7e-3,
+    param_byte_s=0.84e-9,
+    commit_s=8.9e-3,
+)
+
+
+def pass_s(o: Overheads) -> float:
+    """A micro-batch's forward, or its backward, handed to the compute thread and back."""
+    return o.handoff_s
+
+
+def message_s(sender: Overheads, receiver: Overheads, nbytes: float) -> float:
+    """A message of ``nbytes`` on the wire: its sender's encoding and its receiver's decoding."""
+    return sender.message_s + receiver.message_s + nbytes * (sender.byte_s + receiver.byte_s)
+
+
+def optimizer_s(o: Overheads, param_bytes: float, replicas: int = 1) -> float:
+    """A stage's end of step on one of its peers: the norms, its replicas' sum (when it
+    has replicas) and the update, each handed to the compute thread."""
+    calls = STEP_CALLS + (REPLICA_CALLS if replicas > 1 else 0)
+    return calls * o.handoff_s + o.optimizer_s + param_bytes * o.param_byte_s
+
+
+def step_fixed_s(groups: Sequence[Sequence[Overheads]], stage_params: Sequence[float]) -> float:
+    """What a step costs besides its pipeline: the slowest stage's end of step
+    (``optimizer_s``) and the commit's round trip (the slowest peer's ``commit_s``)."""
+    ends = [max(optimizer_s(o, p, len(g)) for o in g) for g, p in zip(groups, stage_params, strict=True) if g]
+    commit = max((o.commit_s for g in groups for o in g), default=0.0)
+    return max(ends, default=0.0) + commit
+
+
+@dataclass(frozen=True)
+class StageFacts:
+    """What a stage did in a step, for ``fitted``: its compute calls (micro-batches
+    times two, plus ``STEP_CALLS``), the messages it sent and received, their bytes on
+    the wire, its parameter bytes."""
+
+    calls: int
+    messages: int
+    wire_bytes: float
+    param_bytes: float
+
+
+def fitted(means_ms: Mapping[int, Mapping[str, float]], facts: Mapping[int, StageFacts], prior: Overheads) -> Overheads:
+    """A running swarm's own overheads from its peers' breakdowns (per stage, each part's
+    mean ms per step, ``coordinator.breakdown.StepBreakdown.means_ms``) and what each
+    stage did (``facts``): the handoff per call, the encoding per byte beyond ``prior``'s
+    per-message part, the optimizer beyond ``prior``'s fixed part, the least commit wait
+    (the stage that finished last: the others also wait for it). Parts no stage reports
+    keep ``prior``'s figure."""
+    stages = [s for s in means_ms if s in facts]
+    if not stages:
+        return prior
+
+    def rate(part: str, amount: Iterable[float], fixed: Iterable[float], old: float) -> float:
+        total, spent = 0.0, 0.0
+        for s, a, f in zip(stages, amount, fixed, strict=True):
+            total, spent = total + a, spent + max(means_ms[s].get(part, 0.0) / 1e3 - f, 0.0)
+        return spent / total if total > 0 else old
+
+    handoff = rate("handoff", (facts[s].calls for s in stages), (0.0 for _ in stages), prior.handoff_s)
+    byte = rate(
+        "encode",
+        (facts[s].wire_bytes for s in stages),  # its end of every message it sent or received
+        (facts[s].messages * prior.message_s for s in stages),
+        prior.byte_s,
+    )
+    param = rate(
+        "optimizer", (facts[s].param_bytes for s in stages), (prior.optimizer_s for _ in stages), prior.param_byte_s
+    )
+    commit = min(means_ms[s].get("commit", prior.commit_s * 1e3) for s in stages) / 1e3
+    return Overheads(handoff, prior.message_s, byte, prior.optimizer_s, param, commit)
