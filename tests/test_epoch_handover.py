@@ -16,6 +16,8 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from peer.checks import PlanChecks
 from peer.config import PeerConfig
 from peer.mailbox import Mailbox
@@ -112,17 +114,22 @@ def _arriving_while_stopping(node: PeerNode, later: list[Inbound]) -> None:
     node._stop_epoch = stop_then_arrive  # type: ignore[method-assign]
 
 
-def test_an_assignment_overtaken_while_the_last_epoch_stops_is_not_served(monkeypatch: Any) -> None:
-    """Epoch 1's assignment and program arrive while the loop stops for epoch 0's: only
-    epoch 1 is served, and its runner reads epoch 1's program."""
+@pytest.mark.parametrize("starved", [True, False], ids=["both-queued-before-the-loop-runs", "while-it-stops"])
+def test_an_assignment_overtaken_by_the_next_epochs_is_not_served(monkeypatch: Any, starved: bool) -> None:
+    """Epoch 1's assignment and program arrive before the serve loop served epoch 0's:
+    queued with it (the peer's process starved while the coordinator re-planned: the
+    CI hang), or while the loop stops the last epoch for it. Only epoch 1 is served,
+    and its runner reads epoch 1's program."""
 
     async def main() -> tuple[list[tuple[int, int]], list[str]]:
         node = _node(monkeypatch)
         told: list[str] = []
         node.on_event = told.append
-        node._route(_assign(0))
-        node._route(_program(0))
-        _arriving_while_stopping(node, [_assign(1), _program(1)])
+        later = [_assign(1), _program(1)]
+        for inbound in [_assign(0), _program(0), *(later if starved else [])]:
+            node._route(inbound)
+        if not starved:
+            _arriving_while_stopping(node, later)
         serving = asyncio.create_task(node.serve())
         await _turns()
         serving.cancel()
