@@ -9,7 +9,9 @@ run. Prints one JSON object.
 The anchor: the swarm with spot checks off against ``torch.distributed.pipelining``
 (``Schedule1F1B``, gloo on loopback, a process of one thread per stage;
 ``benchmarks/_pipelining.py``) training the same job split at the swarm's own cut,
-in the same run (``pipelining_tokens_per_s``, ``swarm_vs_pipelining``); what spot
+in the same run (``pipelining_tokens_per_s``, ``swarm_vs_pipelining``;
+``pipelining_loss_gap``: the largest gap between its loss and the whole model's in
+one process at any step, so that both are seen to do the same work); what spot
 checks at their default rate cost in tokens/s (``spot_check_cost``: 1 - the
 default swarm's over the unchecked one's); and where the unchecked swarm's step
 time goes, per stage (``step_breakdown_ms``: each part's mean ms per step, from the
@@ -55,7 +57,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from p2p import transport_pair  # noqa: E402
 
 from benchmarks._pipelining import PipeliningResult, pipelining_run  # noqa: E402
-from fusionllm.local import train_reference, train_staged  # noqa: E402
+from fusionllm.local import TrainResult, train_reference, train_staged  # noqa: E402
 from protocol.model.job import JobSpec  # noqa: E402
 from protocol.net.transport import Transport  # noqa: E402
 from protocol.wire.messages import Activations  # noqa: E402
@@ -120,9 +122,18 @@ def step_breakdown(summary: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def reference_tokens_per_s(sizes: Sizes) -> float:
-    res = train_reference(JobSpec(steps=sizes.steps))
-    return res.tokens / res.seconds
+def reference_run(sizes: Sizes) -> TrainResult:
+    """The whole model in one process (``train --reference``): its speed, and the
+    losses the anchor must reproduce."""
+    return train_reference(JobSpec(steps=sizes.steps))
+
+
+def loss_gap(anchor: PipeliningResult, ref: TrainResult) -> float:
+    """The largest difference between the anchor's and the reference's loss at one
+    step: both train the same job, so a gap means they did not do the same work."""
+    if len(anchor.losses) != len(ref.losses):
+        raise SystemExit(f"the anchor reported {len(anchor.losses)} losses, the reference {len(ref.losses)}")
+    return max(abs(a - r) for a, r in zip(anchor.losses, ref.losses, strict=True))
 
 
 def staged_step_ms(sizes: Sizes) -> dict[str, float]:
@@ -316,7 +327,8 @@ def main() -> None:
     rad = statistics.median(moved.rad) if moved else None
     tcp = statistics.median(moved.tcp) if moved else None
     logger.info("rad %s MB/s, tcp %s MB/s", moved and moved.rad, moved and moved.tcp)
-    ref = reference_tokens_per_s(sizes)
+    reference = reference_run(sizes)
+    ref = reference.tokens / reference.seconds
     logger.info("reference %.1f tokens/s", ref)
     # the anchor's two sides and the default swarm back to back, then the other recipes
     unchecked = swarm_run(sizes, UNCHECKED)
@@ -336,6 +348,7 @@ def main() -> None:
         "swarm_vs_pipelining": anchor and round(unchecked.tokens_per_s / anchor.tokens_per_s, 3),
         "spot_check_cost": round(1 - swarm / unchecked.tokens_per_s, 3),
         "step_ms_pipelining": anchor and round(anchor.median_step_ms, 1),
+        "pipelining_loss_gap": anchor and float(f"{loss_gap(anchor, reference):.3g}"),
         "step_ms_unchecked": ms["unchecked"],
         "cut": unchecked.cut,
         "step_breakdown_ms": unchecked.breakdown_ms,

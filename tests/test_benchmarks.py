@@ -49,7 +49,7 @@ BENCHMARKS = [
                      "clip_vs_fp32", "bf16_vs_fp32", "in_process_bf16_vs_fp32", "code_swarm_vs_reference",
                      "programs_vs_code", "step_ms_code", "cpu_has_bf16", "pipelining_tokens_per_s",
                      "swarm_unchecked_tokens_per_s", "swarm_vs_pipelining", "spot_check_cost", "step_ms_pipelining",
-                     "step_ms_unchecked", "cut", "step_breakdown_ms", "rad_vs_tcp_range"}),
+                     "step_ms_unchecked", "cut", "step_breakdown_ms", "rad_vs_tcp_range", "pipelining_loss_gap"}),
     ("scheduler.py", {"cases", "plan_s_1000peers_1000ops", "sim_s_10000peers_100iters", "cases_needing_4_gpus",
                       "min_opfence_vs_best_blind", "max_opfence_vs_dtfm", "max_opfence_plan_vs_dtfm",
                       "max_opfence_vs_dtfm10k", "max_opfence_plan_vs_dtfm10k",
@@ -74,7 +74,8 @@ BENCHMARKS = [
                       "coordinator_cpu_s_per_message", "formula_busiest_holder_kB_s", "lookup_completeness_min",
                       "coordinator_cpu_per_1k_peers_beating", "coordinator_python_cpu_s_per_message",
                       "formula_cpu_s_per_message", "first_stores_s", "store_p50_s", "store_max_s",
-                      "advert_lapse_max_s", "wall_s"}),
+                      "advert_lapse_max_s", "wall_s", "commit_cpu_s_per_message", "commit_python_cpu_s_per_message",
+                      "commit_in_turn_cpu_s_per_message", "formula_commit_cpu_s", "commits_sent", "wire_10k"}),
     ("testbed.py", {"topology", "schedulers", "opfence_vs_best_blind_measured", "opfence_vs_dtfm_measured",
                     "estimator_error_max", "auto_vs_none_measured", "auto_loss_ratio"}),
 ]  # fmt: skip
@@ -162,6 +163,8 @@ def _pipeline(out: dict[str, Any]) -> None:
     # the anchor: torch.distributed.pipelining on the swarm's own cut, one rank per stage
     _positive(out, "pipelining_tokens_per_s", "swarm_unchecked_tokens_per_s", "step_ms_pipelining")
     assert 0.05 < out["swarm_vs_pipelining"] < 20, out
+    # it trains the same job as the whole model in one process: the same losses, to float32's rounding
+    assert out["pipelining_loss_gap"] < 1e-4, out
     # one minus a ratio of two runs' tokens/s: on a loaded machine the checked run may be the faster one
     assert out["spot_check_cost"] < 1, out
     assert len(out["cut"]) == len(out["step_breakdown_ms"]) - 1, out
@@ -257,8 +260,9 @@ def _discovery(out: dict[str, Any]) -> None:
     at_10k = out["projected"]["10000"]
     assert at_10k["busiest_holder_kB_s"] <= 1000 and at_10k["coordinator_kB_per_poll"] <= 1000, out
     assert at_10k["largest_message_kB"] <= 1024 and at_10k["coordinator_cpu"] <= 1.0, out
-    # a real coordinator process took the synthetic peers' heartbeats
+    # a real coordinator process took the synthetic peers' heartbeats; a real transport sent the commits
     assert out["control_messages"] > 0 and out["coordinator_cpu_per_1k_peers"] >= 0, out
+    assert out["commits_sent"] > 0 and out["wire_10k"]["commit_bytes"] < 1024, out
 
 
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
