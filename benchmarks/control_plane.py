@@ -7,23 +7,40 @@ p2p daemon and DHT process) come from /proc over a quiet window and a loaded one
 the same length; their difference over the messages sent is the CPU one control
 message costs, which ``discovery_cost.control_cpu``'s rates turn into CPU per 1,000
 peers. (A heartbeat and a step report cost the coordinator alike: one small signed
-frame, decoded, gated and verified.)"""
+frame, decoded, gated and verified.)
+
+The outbound side (``measure_outbound``): a real ``Transport`` in this process (its
+p2p daemon beside it) sends a step's ``Commit`` to ``peers`` sinks in a worker process
+(libp2p nodes that drop what they read), ``rate`` steps a second, as the coordinator
+did (each sealed and sent in turn) and as it does (``coordinator.messaging.send_each``:
+in parallel, one frame sealed for all); this process's and its daemon's CPU over each
+window, less a quiet window's, per commit. ``wire_costs`` prices one ``Commit`` and one
+``Assign`` for a plan of ``n`` peers: bytes and the time to seal them."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
+import multiprocessing
+import os
 import tempfile
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import psutil
 from hivemind.p2p import P2P
 
-from protocol.net.transport import Transport
+from coordinator.messaging import send_each
+from protocol.net.transport import MSG_PROTOCOL, Transport
 from protocol.trust.identity import Identity
+from protocol.wire.encoding import MAX_HEADER_BYTES
+from protocol.wire.envelope import Sealer
 from protocol.wire.gate import Gate
-from protocol.wire.messages import Beat, Hello
+from protocol.wire.messages import Assign, Beat, Commit, Hello
 from tests.swarmproc import Proc
 
 RUN = "control-bench"
@@ -123,3 +140,175 @@ async def _load(maddr: str, peers: int, rate: float, seconds: float, pid: int) -
 def measure(peers: int, rate: float, seconds: float) -> dict[str, float]:
     """The coordinator's CPU per control message, measured (see the module's text)."""
     return Coordinator().measure(peers, rate, seconds)
+
+
+def measure_outbound(peers: int, rate: float, seconds: float) -> dict[str, float]:
+    """The coordinator's CPU per commit sent, in turn and each sealed (before) and with
+    ``send_each`` (now), measured (see the module's text)."""
+    ctx = multiprocessing.get_context("fork")
+    mine, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_sinks, args=(peers, theirs), daemon=True)
+    proc.start()
+    theirs.close()
+    try:
+        if not mine.poll(START_S):
+            raise RuntimeError(f"the sinks did not start within {START_S:.0f} s")
+        return asyncio.run(_send_commits(mine.recv(), rate, seconds))
+    finally:
+        mine.send("end")
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+
+
+def _sinks(count: int, conn: Connection) -> None:
+    """A worker of ``count`` libp2p nodes that read and drop every frame sent to them
+    (the peers' side, not measured); it answers their ids and addresses, then waits
+    for word to end."""
+
+    async def drop(_info: Any, reader: asyncio.StreamReader, _writer: asyncio.StreamWriter) -> None:
+        while await reader.read(1 << 16):
+            pass
+
+    async def run() -> None:
+        nodes = [await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"]) for _ in range(count)]
+        for node in nodes:
+            await node.add_binary_stream_handler(MSG_PROTOCOL, drop)
+        conn.send([(n.peer_id.to_base58(), [str(m) for m in await n.get_visible_maddrs()]) for n in nodes])
+        await asyncio.get_running_loop().run_in_executor(None, conn.recv)
+        for node in nodes:
+            await node.shutdown()
+
+    try:
+        asyncio.run(run())
+    finally:
+        conn.close()
+
+
+async def _send_commits(sinks: list[tuple[str, list[str]]], rate: float, seconds: float) -> dict[str, float]:
+    """This process's CPU (and with its p2p daemon) over a quiet window and a window of
+    each way of sending a step's commits to ``sinks``, ``rate`` steps a second."""
+    p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    tp = Transport(p2p, Identity.generate(), Gate(RUN))
+    try:
+        for peer, maddrs in sinks:
+            tp.learn(peer, maddrs)
+        peers = [peer for peer, _ in sinks]
+        daemon = p2p._child.pid  # the daemon's CPU is the coordinator's too
+        await send_each(tp, dict.fromkeys(peers, Commit(RUN, 0)), START_S, len(peers))  # the streams opened
+        await asyncio.sleep(min(3.0, seconds))  # the daemon settles (0.4 CPU-s in 4 s when measured at once)
+        quiet = [await _idle(daemon, seconds)]
+        out: dict[str, float] = {}
+        for way in ("in_turn", "send_each"):
+            t0, sent = _own_cpu_s(daemon), await _steps(tp, peers, rate, seconds, way)
+            out[f"commits_{way}"], used = sent, _cpu_delta(t0, _own_cpu_s(daemon))
+            out[f"_{way}_py"], out[f"_{way}_all"] = used
+        quiet.append(await _idle(daemon, seconds))
+        base = min(quiet, key=lambda q: q[1])  # the quieter of the windows before and after
+        out["outbound_quiet_cpu"] = base[1] / seconds
+        for way in ("in_turn", "send_each"):
+            sent = max(out[f"commits_{way}"], 1)
+            out[f"commit_{way}_python_cpu_s"] = max(0.0, out.pop(f"_{way}_py") - base[0]) / sent
+            out[f"commit_{way}_cpu_s"] = max(0.0, out.pop(f"_{way}_all") - base[1]) / sent
+        return out
+    finally:
+        await tp.aclose()
+        await p2p.shutdown()
+
+
+async def _steps(tp: Transport, peers: list[str], rate: float, seconds: float, way: str) -> int:
+    """Send a step's commits to every peer ``rate`` times a second for ``seconds`` (a
+    third of them keeping the step's weights, as a spot-checked stage's peers do); the
+    commits sent."""
+    start, step, sent = time.monotonic(), 0, 0
+    while time.monotonic() - start < seconds:
+        plain = Commit(RUN, step, 1, False, 0.97, False, 65536.0)
+        kept = dataclasses.replace(plain, audit=True)
+        sends = {p: kept if i % 3 == 0 else plain for i, p in enumerate(peers)}
+        if way == "in_turn":
+            for p, msg in sends.items():  # each built and sealed for its peer, bounded (``Mailbox.send``)
+                await asyncio.wait_for(tp.send(p, dataclasses.replace(msg)), START_S)
+        else:
+            missed = await send_each(tp, sends, START_S, 64)
+            if missed:
+                raise RuntimeError(f"commits not taken: {missed}")
+        sent, step = sent + len(sends), step + 1
+        await asyncio.sleep(max(0.0, start + step / rate - time.monotonic()))
+    return sent
+
+
+async def _idle(daemon: int, seconds: float) -> tuple[float, float]:
+    """This process's CPU-seconds (and with its daemon's) over ``seconds`` of sending nothing."""
+    t0 = _own_cpu_s(daemon)
+    await asyncio.sleep(seconds)
+    return _cpu_delta(t0, _own_cpu_s(daemon))
+
+
+def _own_cpu_s(daemon: int) -> tuple[float, float]:
+    """This process's CPU-seconds so far, and with its p2p daemon's (process ``daemon``)."""
+    mine = time.process_time()
+    try:
+        t = psutil.Process(daemon).cpu_times()
+        return mine, mine + t.user + t.system
+    except psutil.Error:
+        return mine, mine
+
+
+def _cpu_delta(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:
+    return b[0] - a[0], b[1] - a[1]
+
+
+def wire_costs(n: int, stages: int = 8, repeat: int = 1000) -> dict[str, float]:
+    """One ``Commit``'s signed head (bytes, microseconds to build and seal), and one
+    ``Assign``'s header for a plan of ``n`` peers in ``stages`` stages (bytes, whether
+    it fits ``MAX_HEADER_BYTES``, milliseconds to encode and sign): today every planned
+    peer gets one at each plan epoch, and each names every planned peer."""
+    who = Identity.generate()
+    sealer = Sealer(who, _peer_id(0))
+    t0 = time.process_time()
+    for step in range(repeat):
+        head, _ = sealer.seal(Commit(RUN, step, 1, False, 0.97, False, 65536.0, 0, step % 2 == 0), [], [])
+    commit_us = (time.process_time() - t0) / repeat * 1e6
+    assign = _assign(n, stages)
+    t0 = time.process_time()
+    data = json.dumps(assign.header(), separators=(",", ":")).encode()
+    who.sign(data)
+    assign_ms = (time.process_time() - t0) * 1e3
+    return {
+        "commit_bytes": len(head),
+        "commit_seal_us": round(commit_us, 1),
+        "assign_bytes": len(data),
+        "assign_fits": len(data) <= MAX_HEADER_BYTES,
+        "assign_seal_ms": round(assign_ms, 2),
+        "assign_bytes_per_replan": len(data) * n,
+    }
+
+
+def _peer_id(i: int) -> str:
+    """A libp2p peer id's length (52 characters, as ``12D3KooW...``)."""
+    return f"12D3KooW{i:044d}"
+
+
+def _assign(n: int, stages: int) -> Assign:
+    """The assignment of replica 0 of stage 0 in a plan of ``n`` peers, with the fields
+    the coordinator fills for every planned peer (``coordinator.dispatch._assign_msg``)."""
+    ids = [_peer_id(i) for i in range(n)]
+    per = -(-n // stages)
+    groups = [ids[s * per : (s + 1) * per] for s in range(stages)]
+    maddrs = {p: [f"/ip4/198.51.{i % 250}.{i % 200}/tcp/{30000 + i % 30000}/p2p/{p}"] for i, p in enumerate(ids)}
+    return Assign(
+        RUN,
+        0,
+        0,
+        {"model": "gpt", "model_args": "n_layer=48,n_embd=1600,n_head=25", "steps": 100000, "micro_batches": 64},
+        [6 * (s + 1) for s in range(stages - 1)],
+        groups,
+        maddrs,
+        keys={p: os.urandom(32).hex() for p in ids},
+        specs=[[{"shape": [8, 1024, 1600], "dtype": "float32"}] for _ in range(stages)],
+        link_mbps=[0.0] * (stages - 1),
+        epoch=3,
+        start_step=1200,
+        certs={p: 1.8e9 + i for i, p in enumerate(ids)},
+        nat=ids[::10],
+    )

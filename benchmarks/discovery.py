@@ -26,8 +26,10 @@ all 80 in the reader's event loop it was starved, and its polls found half the a
 or none. Polls start once every node's first store at the size was taken (and, where
 nodes of a later worker joined after an earlier one's stores, one refresh later).
 ``coordinator_cpu_per_1k_peers`` comes from a real coordinator process under a
-synthetic load of signed heartbeats (``benchmarks/control_plane.py``), at the rates
-of 1,000 peers.
+synthetic load of signed heartbeats (``benchmarks/control_plane.py``) and from a real
+transport sending a step's commits (``commit_cpu_s_per_message``; each sealed and sent
+in turn, as before: ``commit_in_turn_cpu_s_per_message``), at the rates of 1,000
+peers; ``wire_10k``: one commit's and one assignment's size and sealing at 10,000.
 
     python benchmarks/discovery.py [--short] [--layout both|sharded|one_key] [--n 40 80]
 """
@@ -345,16 +347,26 @@ def _control_plane(short: bool, coordinator: control_plane.Coordinator) -> dict[
     peers, rate, seconds = (2, 40.0, 2.0) if short else (16, 20.0, 10.0)
     got = coordinator.measure(peers, rate, seconds)
     per_message = got["coordinator_tree_cpu_s_per_message"]
-    reports_only = dc.control_cpu(1000, 1000, 0.0, STEP_S, dc.STANDBY_BEAT_S) / dc.CONTROL_MESSAGE_CPU_S
-    beating = dc.control_cpu(1000, 1000, 1.0, STEP_S, dc.STANDBY_BEAT_S) / dc.CONTROL_MESSAGE_CPU_S
+    sent = control_plane.measure_outbound(peers, rate, seconds / 2 if short else seconds)
+    per_commit = sent["commit_send_each_cpu_s"]
+    commits = 1000 / STEP_S  # a step's commit to each planned peer
+    inbound = dc.control_cpu(1000, 1000, 0.0, STEP_S, dc.STANDBY_BEAT_S) - commits * dc.COMMIT_CPU_S
+    beating = dc.control_cpu(1000, 1000, 1.0, STEP_S, dc.STANDBY_BEAT_S) - commits * dc.COMMIT_CPU_S
+    reports_only, beats = inbound / dc.CONTROL_MESSAGE_CPU_S, beating / dc.CONTROL_MESSAGE_CPU_S
     verify_1k = _signature_cpu_per_1k()
     return {
-        "coordinator_cpu_per_1k_peers": round(reports_only * per_message, 4),
-        "coordinator_cpu_per_1k_peers_beating": round(beating * per_message, 4),
+        "coordinator_cpu_per_1k_peers": round(reports_only * per_message + commits * per_commit, 4),
+        "coordinator_cpu_per_1k_peers_beating": round(beats * per_message + commits * per_commit, 4),
         "coordinator_cpu_s_per_message": round(per_message, 6),
         "coordinator_python_cpu_s_per_message": round(got["coordinator_cpu_s_per_message"], 6),
         "formula_cpu_s_per_message": dc.CONTROL_MESSAGE_CPU_S,
         "control_messages": got["control_messages"],
+        "commit_cpu_s_per_message": round(per_commit, 6),
+        "commit_python_cpu_s_per_message": round(sent["commit_send_each_python_cpu_s"], 6),
+        "commit_in_turn_cpu_s_per_message": round(sent["commit_in_turn_cpu_s"], 6),
+        "formula_commit_cpu_s": dc.COMMIT_CPU_S,
+        "commits_sent": sent["commits_send_each"] + sent["commits_in_turn"],
+        "wire_10k": control_plane.wire_costs(10_000),
         "signature_check_cpu_s_per_1k": round(verify_1k, 4),
     }
 
@@ -396,10 +408,7 @@ def main() -> None:
     out.update(_control_plane(args.short, coordinator))
     wall["control_plane"] = time.monotonic() - t0
     out["wall_s"] = {k: round(v, 1) for k, v in wall.items()}  # where the run's time went
-    out["projected"] = {
-        str(m): dc.sharded(m, REFRESH_S, dc.control_cpu(m, m, 0.0, STEP_S, dc.STANDBY_BEAT_S)).as_dict()
-        for m in (1000, 10_000)
-    }
+    out["projected"] = {str(m): dc.swarm_cost(m, m, STEP_S).as_dict() for m in (1000, 10_000)}
     out["projected_one_key"] = {str(m): dc.one_key(m, REFRESH_S).as_dict() for m in (1000, 10_000)}
     out["short"] = args.short
     print(json.dumps(out))

@@ -15,6 +15,7 @@ watched through their own messages, not the DHT)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -47,6 +48,20 @@ HOT_HOLDER_FACTOR = 4.5
 #: ``benchmarks/discovery.py``'s real coordinator under synthetic heartbeats, 301 us
 #: with its daemon, 228 us its Python process alone, on the loaded 2-core machine)
 CONTROL_MESSAGE_CPU_S = 300e-6
+#: CPU seconds the coordinator spends on one step's ``Commit`` to one planned peer: its
+#: share of the frame sealed once for all, the write and its p2p daemon's share
+#: (measured: ``benchmarks/control_plane.py``'s ``measure_outbound`` with
+#: ``coordinator.messaging.send_each``; each sealed and sent in turn, as before: 233 us)
+COMMIT_CPU_S = 175e-6
+#: bytes an ``Assign`` takes per planned peer it names: each names every planned peer
+#: (id in its stage, addresses, public key, certificate's end; measured:
+#: ``control_plane.wire_costs``), so each of a plan's assignments grows with the plan
+ASSIGN_BYTES_PER_PEER = 396
+#: CPU seconds to encode and sign an assignment, per byte (``control_plane.wire_costs``:
+#: 44.6 ms for one of 10,000 peers, 3.96 MB); its write is not counted
+ASSIGN_CPU_S_PER_BYTE = 11.3e-9
+#: the largest frame header a receiver takes (``protocol.wire.encoding.MAX_HEADER_BYTES``)
+HEADER_CAP_BYTES = 1 << 20
 #: the largest DHT message hivemind's daemon passes (replies over it never arrive)
 DAEMON_CAP_BYTES = 4 << 20
 
@@ -62,6 +77,8 @@ class DiscoveryCost:
     coordinator_kB_per_poll: float  # what one coordinator poll reads
     largest_message_kB: float  # the largest DHT reply
     coordinator_cpu: float  # CPU seconds per second the control plane costs the coordinator
+    assign_kB: float = 0.0  # one planned peer's assignment (over HEADER_CAP_BYTES: it cannot be sent)
+    replan_cpu_s: float = 0.0  # CPU seconds a re-plan's assignments cost the coordinator
 
     def as_dict(self) -> dict[str, float]:
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in self.__dict__.items()}
@@ -77,13 +94,25 @@ def shard_count(n: int) -> int:
 
 def control_cpu(n: int, planned: int, beat_s: float, step_s: float, standby_beat_s: float) -> float:
     """The coordinator's CPU seconds per second: each planned peer's step report every
-    ``step_s`` (its heartbeat too), and each standby peer's heartbeat every ``standby_beat_s``
-    (``beat_s``: the planned peers' heartbeat when no step is running; 0: none)."""
+    ``step_s`` (its heartbeat too) and the step's commit to it, and each standby peer's
+    heartbeat every ``standby_beat_s`` (``beat_s``: the planned peers' heartbeat when no
+    step is running; 0: none). Re-plans are apart: ``replan_cpu``."""
     planned = min(planned, n)
     beats = planned / beat_s if beat_s > 0 else 0.0
     reports = planned / step_s if step_s > 0 else 0.0
     standby = (n - planned) / standby_beat_s if standby_beat_s > 0 else 0.0
-    return (beats + reports + standby) * CONTROL_MESSAGE_CPU_S
+    return (beats + reports + standby) * CONTROL_MESSAGE_CPU_S + reports * COMMIT_CPU_S
+
+
+def assign_bytes(planned: int) -> float:
+    """One planned peer's assignment in a plan of ``planned`` peers (each names all)."""
+    return planned * ASSIGN_BYTES_PER_PEER
+
+
+def replan_cpu(planned: int) -> float:
+    """CPU seconds a re-plan's assignments cost the coordinator: one to each planned
+    peer, each encoded and signed for it (quadratic in the plan's size)."""
+    return planned * assign_bytes(planned) * ASSIGN_CPU_S_PER_BYTE
 
 
 def one_key(n: int, refresh_s: float, cpu: float = 0.0) -> DiscoveryCost:
@@ -122,4 +151,10 @@ def swarm_cost(n: int, planned: int, step_s: float) -> DiscoveryCost:
     """The sharded layout's cost for ``n`` peers of which ``planned`` serve a plan whose
     step takes ``step_s``, their step reports serving as their heartbeats (what
     ``fusionllm sim`` reports)."""
-    return sharded(n, ADVERT_REFRESH_S, control_cpu(n, planned, 0.0, step_s, STANDBY_BEAT_S))
+    cost = sharded(n, ADVERT_REFRESH_S, control_cpu(n, planned, 0.0, step_s, STANDBY_BEAT_S))
+    return with_assignments(cost, min(planned, n))
+
+
+def with_assignments(cost: DiscoveryCost, planned: int) -> DiscoveryCost:
+    """``cost`` with what a plan of ``planned`` peers' assignments cost."""
+    return dataclasses.replace(cost, assign_kB=assign_bytes(planned) / 1e3, replan_cpu_s=replan_cpu(planned))

@@ -7,8 +7,9 @@ heard, failures found between phases, peers that lost their stage, evictions."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-from collections.abc import Callable, Collection, Coroutine
+from collections.abc import Callable, Collection, Coroutine, Mapping
 from typing import Any, TypeVar
 
 from coordinator import replan
@@ -16,6 +17,7 @@ from coordinator.host import Host
 from coordinator.outcome import SwarmError
 from coordinator.runstate import EXCLUDED, PeerLost, RunState
 from protocol.net.clock import Clock
+from protocol.net.outgoing import Outgoing
 from protocol.net.tasks import cancel_all, every, log_failure, wait_until
 from protocol.net.transport import Inbound, PeerUnreachable, Transport
 from protocol.trust.text import clean
@@ -53,6 +55,33 @@ async def get_within(queue: asyncio.Queue[T], seconds: float, clock: Clock) -> T
         if not get.done():
             get.cancel()  # an item not taken stays in the queue
     return get.result() if get.done() and not get.cancelled() else None
+
+
+async def send_each(
+    transport: Transport, messages: Mapping[str, Message], within: float, at_once: int
+) -> dict[str, str]:
+    """Send each peer of ``messages`` its message (no payload), ``at_once`` sends at a
+    time, started in the mapping's order, each given ``within`` seconds; each distinct
+    message object is sealed (signed) once and the same frame goes to every peer it is
+    for (a frame names no receiver; each receiver's replay window sees it once). The
+    peers it did not reach (gone, stopped or too slow), with why."""
+    slots = asyncio.Semaphore(at_once)
+    missed: dict[str, str] = {}
+    sealed: dict[int, Outgoing] = {}
+
+    async def one(peer: str, msg: Message) -> None:
+        async with slots:
+            try:
+                frame = sealed.get(id(msg))
+                if frame is None:
+                    frame = sealed[id(msg)] = transport.prepare(peer, msg)
+                async with asyncio.timeout(within):  # no task of its own, as wait_for makes
+                    await transport.transmit(dataclasses.replace(frame, peer_id=peer))
+            except (PeerUnreachable, ConnectionError, asyncio.TimeoutError) as exc:
+                missed[peer] = str(exc) or "send timed out"
+
+    await asyncio.gather(*(one(p, m) for p, m in messages.items()))
+    return missed
 
 
 class Mailbox:
@@ -101,19 +130,10 @@ class Mailbox:
     async def tell(self, peers: Collection[str], msg: Message, within: float, at_once: int) -> set[str]:
         """Send ``msg`` to each of ``peers``, ``at_once`` sends at a time, each given
         ``within`` seconds; the peers it did not reach (gone, stopped or too slow: skipped)."""
-        slots = asyncio.Semaphore(at_once)
-        missed: set[str] = set()
-
-        async def one(peer: str) -> None:
-            async with slots:
-                try:
-                    await asyncio.wait_for(self.transport.send(peer, msg), within)
-                except (PeerUnreachable, ConnectionError, asyncio.TimeoutError) as exc:
-                    logger.info("could not tell %s the %s: %s", peer, msg.KIND, exc or "timed out")
-                    missed.add(peer)
-
-        await asyncio.gather(*(one(p) for p in peers))
-        return missed
+        missed = await send_each(self.transport, dict.fromkeys(peers, msg), within, at_once)
+        for peer, why in missed.items():
+            logger.info("could not tell %s the %s: %s", peer, msg.KIND, why)
+        return set(missed)
 
     def background(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run ``coro`` on the side; its failure is logged, never lost."""

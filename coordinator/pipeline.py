@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Iterator
@@ -18,7 +19,7 @@ from coordinator.breakdown import BOARD_EVERY, breakdown_table
 from coordinator.checkpoint import RunDir
 from coordinator.checkpointing import Checkpoints
 from coordinator.host import Host
-from coordinator.messaging import Mailbox
+from coordinator.messaging import Mailbox, send_each
 from coordinator.outcome import StepReport, SwarmError
 from coordinator.rebalancing import Rebalancer
 from coordinator.runstate import EXCLUDED, PeerLost, RunState
@@ -34,6 +35,9 @@ from protocol.wire.messages import Activations, Commit, EvalActivations, EvalDon
 from protocol.wire.reject import Rejected
 
 logger = logging.getLogger(__name__)
+
+#: a step's commits under way at once (each bounded by the config's ``send_timeout_s``)
+COMMITS_AT_ONCE = 64
 
 
 class StepPipeline:
@@ -185,18 +189,20 @@ class StepPipeline:
             self.on_step(StepReport(step, loss, seconds, tokens))
 
     async def _commit(self, step: int, update: Update, checkpoint: bool, evaluate: int, checks: list[Check]) -> None:
-        """Tell every planned peer to apply step ``step``'s update."""
-        st, scale, run_id = self.st, self.scales.scale, self.cfg.run_id
+        """Tell every planned peer to apply step ``step``'s update: ``COMMITS_AT_ONCE``
+        sends at a time, the first stage's first (its commit starts the next step), one
+        signed frame for the peers that keep this step's weights and one for the rest."""
+        st, scale = self.st, self.scales.scale
         assert st.plan is not None
         keep = {p for s, _, _ in checks for p in st.plan.stages[s]}  # they keep this step's weights
-        try:
-            for p in _first_stage_first(st.plan.stages, st.planned):
-                msg = Commit(
-                    run_id, step, st.epoch, checkpoint, update.factor, update.skip, scale.scale, evaluate, p in keep
-                )
-                await self.mailbox.send(p, msg)
-        except PeerLost as exc:  # a peer gone before its commit (a cheat leaving?) cannot dodge the checks
-            raise PeerLost(exc.lost, rollback_to=step if checks else None) from None
+        plain = Commit(self.cfg.run_id, step, st.epoch, checkpoint, update.factor, update.skip, scale.scale, evaluate)
+        kept = dataclasses.replace(plain, audit=True)
+        order = _first_stage_first(st.plan.stages, st.planned)
+        sends = {p: kept if p in keep else plain for p in order}
+        missed = await send_each(self.mailbox.transport, sends, self.cfg.send_timeout_s, COMMITS_AT_ONCE)
+        if missed:  # a peer gone before its commit (a cheat leaving?) cannot dodge the checks
+            lost = {p: f"unreachable: {why}" for p, why in missed.items()}
+            raise PeerLost(lost, rollback_to=step if checks else None)
 
     async def await_done(self, step: int, micro_batches: int, began: float) -> tuple[float, dict[str, float]]:
         """The step's mean loss, and the gradient norms of every stage's replica 0 (the

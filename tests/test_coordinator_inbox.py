@@ -10,6 +10,7 @@ time themselves."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import random
 import time
@@ -61,6 +62,12 @@ def _advert(pid: str, flops: float = 1e10) -> Advert:
     return Advert(pid, [], "cpu", flops, 1 << 30, 100.0, 100.0, "2", 1, time.time() + 60)
 
 
+@dataclasses.dataclass(frozen=True)
+class FakeFrame:
+    peer_id: str
+    message: Message
+
+
 class FakeTransport:
     """What the driver uses of a transport: an inbox, sends (recorded), activity."""
 
@@ -73,6 +80,13 @@ class FakeTransport:
     async def send(self, peer: str, msg: Message, values: list[Any] | None = None) -> int:
         self.sent.append((peer, msg, values or []))
         return 0
+
+    def prepare(self, peer: str, msg: Message) -> FakeFrame:
+        """A frame sealed once and sent to several peers (``coordinator.messaging.send_each``)."""
+        return FakeFrame(peer, msg)
+
+    async def transmit(self, frame: FakeFrame) -> int:
+        return await self.send(frame.peer_id, frame.message)
 
     def forget(self, peer: str) -> None:
         pass
