@@ -25,7 +25,7 @@ from its peers' breakdowns. Pure functions; no I/O.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 #: compute calls a peer makes per step besides its micro-batches' forwards and
 #: backwards: the gradient norms and the optimizer step (``peer.epoch``)
@@ -62,6 +62,13 @@ LIVE = Overheads(
     param_byte_s=0.84e-9,
     commit_s=8.9e-3,
 )
+
+
+def slowed(o: Overheads, factor: float) -> Overheads:
+    """``o`` on a peer whose compute takes ``factor`` times as long (``join --throttle``
+    idles after every compute call, the norms and the update included): the optimizer's
+    parts scale, handing off and encoding do not (they are not compute calls)."""
+    return replace(o, optimizer_s=o.optimizer_s * factor, param_byte_s=o.param_byte_s * factor)
 
 
 def pass_s(o: Overheads) -> float:

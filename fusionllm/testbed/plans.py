@@ -14,7 +14,7 @@ from typing import Any
 from coordinator.estimator import DagCosts, Plan, compute_s, predict
 from coordinator.netmodel import PeerProfile
 from coordinator.opdag import build_opdag
-from coordinator.overheads import LIVE
+from coordinator.overheads import LIVE, slowed
 from coordinator.plan_eval import Options, ScheduleError
 from coordinator.scheduler import plan as schedule
 from fusionllm.testbed.topo import ComputeMap, TestbedError, addresses
@@ -81,8 +81,12 @@ def one_thread_flops(job: JobSpec, costs: DagCosts, seconds: float = 1.0, at_lea
 def emulated_peers(topo: Topology, compute: ComputeMap) -> list[PeerProfile]:
     """The topology's peers at the FLOP/s they deliver on this machine (no per-kernel
     cost added: a measured step holds it, as for a live swarm's peers), with a live
-    swarm's fixed costs (``coordinator.overheads.LIVE``): they run the real swarm."""
-    return [replace(p, flops=compute.flops(p.id), op_overhead_s=0.0, overheads=LIVE) for p in topo.peers]
+    swarm's fixed costs (``coordinator.overheads.LIVE``): they run the real swarm, and
+    the throttle idles after the optimizer's compute as after the rest (``slowed``)."""
+    return [
+        replace(p, flops=compute.flops(p.id), op_overhead_s=0.0, overheads=slowed(LIVE, 1 / compute.throttles[p.id]))
+        for p in topo.peers
+    ]
 
 
 def predict_all(
@@ -137,7 +141,10 @@ def repredict(
 ) -> tuple[float, float]:
     """The estimator's and the simulator's time for ``p``'s plan with every peer's
     FLOP/s times ``scale``: the prediction for the compute the peers delivered."""
-    peers = [replace(q, flops=q.flops * scale) for q in emulated_peers(topo, compute)]
+    peers = [
+        replace(q, flops=q.flops * scale, overheads=slowed(q.overheads, 1 / scale))
+        for q in emulated_peers(topo, compute)
+    ]
     by_id = {q.id: q for q in peers}
     est = predict(costs, p.plan, by_id, topo.network, micro_batches).iteration_s
     return est, iteration_seconds(costs, p.plan, by_id, topo.network, micro_batches)
