@@ -12,7 +12,7 @@ import pytest
 from coordinator.assign import live_profile
 from coordinator.estimator import DagCosts, PeerTable, Plan, predict
 from coordinator.netmodel import Network, PeerProfile
-from coordinator.overheads import LIVE, NONE, STEP_CALLS, Overheads, StageFacts, fitted, optimizer_s
+from coordinator.overheads import LIVE, NONE, STEP_CALLS, Overheads, StageFacts, fitted, optimizer_s, slowed
 from protocol.wire.codecs import Codec
 from protocol.wire.messages import Advert
 from sim.engine import iteration_seconds
@@ -91,3 +91,11 @@ def test_live_peers_carry_the_live_swarms_figures() -> None:
     ad = Advert("p", [], "cpu", 1e10, 1 << 30, 100.0, 100.0, "2", 1, 60.0)
     assert live_profile(ad).overheads == LIVE
     assert PeerProfile("q", 1e10, 1 << 30).overheads == NONE
+
+
+def test_a_throttled_peer_pays_its_slow_down_on_the_optimizer_only() -> None:
+    """``join --throttle`` idles after every compute call: the norms and the update take
+    ``factor`` times as long; handing off, encoding and the commit do not."""
+    got = slowed(COSTS, 10.0)
+    assert optimizer_s(got, 1e6) == pytest.approx(STEP_CALLS * 1e-3 + 10 * (0.7e-3 + 1e-3))
+    assert (got.handoff_s, got.message_s, got.byte_s, got.commit_s) == (1e-3, 0.3e-3, 2e-9, 9e-3)
