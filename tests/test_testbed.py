@@ -142,10 +142,13 @@ def test_the_prediction_is_made_again_for_the_compute_the_peers_delivered() -> N
     m = topo.map_compute(two, 10e9, cores=2)
     (p,) = plans.predict_all(["opfence"], costs, two, m, 2)
     # a replicated stage is compared on its compute alone (its gradient sends are not compute)
-    replicated = Plan((), [["a0", "b0"]], [])
+    replicated = Plan((), [["b0", "b1"]], [])
     alone = compute_s(costs, 0, costs.num_ops, [m_peer for m_peer in plans.emulated_peers(two, m) if m_peer.id == "b0"])
     assert plans.compute_ratios(replicated, costs, two, m, [2 * alone]) == [pytest.approx(2.0, rel=1e-3)]
     assert plans.compute_ratios(replicated, costs, two, m, [None]) == [None]
+    # as the coordinator measures it: the median replica (a0, twice as fast; b1 dealt no micro-batch)
+    idle = Plan((), [["a0", "b0", "b1"]], [])
+    assert plans.compute_ratios(idle, costs, two, m, [2 * alone], 2) == [pytest.approx(4.0, rel=1e-3)]
     same = plans.repredict(p, costs, two, m, 2, 1.0)
     assert same[0] == pytest.approx(p.estimated_s) and same[1] == pytest.approx(p.simulated_s)
     faster = plans.repredict(p, costs, two, m, 2, 4.0)

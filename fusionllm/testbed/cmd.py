@@ -109,7 +109,7 @@ def _calibrated(bed: _Bed, costs: Any, compute: topo.ComputeMap, scheduler: str,
     it delivers beside the swarm's processes (it read 3 to 50 GFLOP/s)."""
     (first,) = plans.predict_all([scheduler], costs, bed.topology, compute, mb)
     m = bed.run(first, "none", CALIBRATION_STEPS, compute, name="calibration")
-    scale = plans.delivered_scale(plans.compute_ratios(first.plan, costs, bed.topology, compute, m.stage_compute_s))
+    scale = plans.delivered_scale(plans.compute_ratios(first.plan, costs, bed.topology, compute, m.stage_compute_s, mb))
     say(
         f"calibration: the peers delivered x{scale:.2f} the one-thread reading ({compute.base_flops / 1e9:.2f} GFLOP/s)"
     )
@@ -158,7 +158,7 @@ def _result(
     ran = {_key(p): p.scheduler for p in predicted if (p.scheduler, "none") in runs}
     for p in predicted:
         m = runs[(ran[_key(p)], "none")]
-        ratios = plans.compute_ratios(p.plan, costs, t, compute, m.stage_compute_s)
+        ratios = plans.compute_ratios(p.plan, costs, t, compute, m.stage_compute_s, mb)
         scale = plans.delivered_scale(ratios)
         est, sim = plans.repredict(p, costs, t, compute, mb, scale)
         rows[p.scheduler] = report.row(m.step_s, est, sim, m.wire_bytes, p.plan.groups)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from coordinator.estimator import DagCosts, Plan, compute_s, predict
+from coordinator.estimator import DagCosts, Plan, compute_s, dealt, predict
 from coordinator.netmodel import PeerProfile
 from coordinator.opdag import build_opdag
 from coordinator.overheads import LIVE, slowed
@@ -115,16 +115,26 @@ def predict_all(
 
 
 def compute_ratios(
-    plan: Plan, costs: DagCosts, topo: Topology, compute: ComputeMap, measured_s: list[float | None]
+    plan: Plan,
+    costs: DagCosts,
+    topo: Topology,
+    compute: ComputeMap,
+    measured_s: list[float | None],
+    micro_batches: int = 0,
 ) -> list[float | None]:
     """Each stage's measured compute per micro-batch over the estimator's compute alone
-    (``compute_s``: forward and backward on the group's slowest peer, as mapped). The
-    coordinator's own per-stage figure is a stage's period, replica gradient sends
-    included, so a replicated stage's was not comparable with what its peers computed."""
+    (``compute_s``: forward and backward, as mapped), both as the coordinator's
+    per-stage line takes it: the median over the stage's replicas of each one's compute
+    per micro-batch it ran, a replica dealt none counting its step's compute (the norms,
+    the sum: 0 to the estimator) whole. With ``micro_batches`` 0, every replica runs
+    some. (The coordinator's own per-stage prediction is a period with a replicated
+    stage's gradient sends in it: not comparable with what its peers computed; nor is
+    the group's slowest peer, where the median replica is faster, or idle.)"""
     by_id = {p.id: p for p in emulated_peers(topo, compute)}
     out: list[float | None] = []
     for (lo, hi), group, got in zip(plan.ranges(costs.num_ops), plan.groups, measured_s, strict=False):
-        est = compute_s(costs, lo, hi, [by_id[x] for x in group])
+        runs = dealt(micro_batches, len(group)) if micro_batches else [1] * len(group)
+        est = statistics.median(compute_s(costs, lo, hi, [by_id[x]]) if n else 0.0 for x, n in zip(group, runs))
         out.append(round(got / est, 3) if got and est > 0 else None)
     return out
 
