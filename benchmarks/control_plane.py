@@ -312,3 +312,22 @@ def _assign(n: int, stages: int) -> Assign:
         certs={p: 1.8e9 + i for i, p in enumerate(ids)},
         nat=ids[::10],
     )
+
+
+def main() -> None:
+    """The outbound side alone (``discovery.py`` runs it with the inbound side): one JSON object."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description="the coordinator's outbound control plane: commits and assignments")
+    ap.add_argument("--short", action="store_true", help="2 sinks for 1 s a window (the full mode: 16 for 10 s)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.ERROR)
+    peers, seconds = (2, 1.0) if args.short else (16, 10.0)
+    out: dict[str, Any] = measure_outbound(peers, 40.0 if args.short else 20.0, seconds)
+    out.update({f"wire_{n}": wire_costs(n) for n in (1000, 10_000)})
+    out["short"] = args.short
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

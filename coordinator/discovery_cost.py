@@ -51,14 +51,16 @@ CONTROL_MESSAGE_CPU_S = 300e-6
 #: CPU seconds the coordinator spends on one step's ``Commit`` to one planned peer: its
 #: share of the frame sealed once for all, the write and its p2p daemon's share
 #: (measured: ``benchmarks/control_plane.py``'s ``measure_outbound`` with
-#: ``coordinator.messaging.send_each``; each sealed and sent in turn, as before: 233 us)
+#: ``coordinator.messaging.send_each``, 169-175 us at load average 15-20 on the 2-core
+#: machine, 124 us at 6-11; each sealed and sent in turn, as before: 233 and 172 us)
 COMMIT_CPU_S = 175e-6
 #: bytes an ``Assign`` takes per planned peer it names: each names every planned peer
 #: (id in its stage, addresses, public key, certificate's end; measured:
 #: ``control_plane.wire_costs``), so each of a plan's assignments grows with the plan
 ASSIGN_BYTES_PER_PEER = 396
 #: CPU seconds to encode and sign an assignment, per byte (``control_plane.wire_costs``:
-#: 44.6 ms for one of 10,000 peers, 3.96 MB); its write is not counted
+#: 44.6 ms for one of 10,000 peers, 3.96 MB, at load average 16; 29 ms at 8); its write
+#: is not counted
 ASSIGN_CPU_S_PER_BYTE = 11.3e-9
 #: the largest frame header a receiver takes (``protocol.wire.encoding.MAX_HEADER_BYTES``)
 HEADER_CAP_BYTES = 1 << 20
@@ -79,6 +81,11 @@ class DiscoveryCost:
     coordinator_cpu: float  # CPU seconds per second the control plane costs the coordinator
     assign_kB: float = 0.0  # one planned peer's assignment (over HEADER_CAP_BYTES: it cannot be sent)
     replan_cpu_s: float = 0.0  # CPU seconds a re-plan's assignments cost the coordinator
+
+    @property
+    def assign_sendable(self) -> bool:
+        """Whether an assignment fits a frame's header (``HEADER_CAP_BYTES``)."""
+        return self.assign_kB * 1e3 <= HEADER_CAP_BYTES
 
     def as_dict(self) -> dict[str, float]:
         return {k: round(v, 4) if isinstance(v, float) else v for k, v in self.__dict__.items()}

@@ -352,6 +352,9 @@ def _sim_text(
     lines.append(
         f"  discovery: {d.shards} advert shard(s), busiest DHT node {d.busiest_holder_kB_s:.4g} kB/s "
         f"({d.holder_rpc_s:.3g} lookups/s), coordinator {d.coordinator_kB_per_poll:.4g} kB per poll, largest "
-        f"DHT reply {d.largest_message_kB:.4g} kB, control plane {d.coordinator_cpu:.3g} coordinator CPU-s/s"
+        f"DHT reply {d.largest_message_kB:.4g} kB, control plane {d.coordinator_cpu:.3g} coordinator CPU-s/s "
+        f"(step reports and commits); a re-plan sends each planned peer a {d.assign_kB:.4g} kB assignment"
+        f"{'' if d.assign_sendable else ' (over the frame header cap: it cannot be sent)'}, "
+        f"{d.replan_cpu_s:.3g} CPU-s to seal them"
     )
     return "\n".join(lines)

@@ -145,3 +145,22 @@ def test_assignments_name_every_planned_peer_and_outgrow_a_frame_near_2650_peers
     assert dc.assign_bytes(2600) < dc.HEADER_CAP_BYTES < dc.assign_bytes(2700)
     cost = dc.swarm_cost(10_000, 10_000, 5.0)
     assert cost.assign_kB * 1e3 > dc.HEADER_CAP_BYTES and cost.replan_cpu_s > 100
+
+
+def test_sim_says_what_a_replan_sends_and_when_an_assignment_cannot_be_sent(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from fusionllm.plan_cmds import _sim_text
+
+    monkeypatch.setattr("fusionllm.plan_cmds._sim_left_out", lambda *a: {})
+    topo = SimpleNamespace(name="t", peers=[SimpleNamespace(id=f"p{i}") for i in range(10_000)])
+
+    def text(planned: int) -> str:
+        plan = SimpleNamespace(groups=[[f"p{i}" for i in range(planned)]])
+        run = SimpleNamespace(first_plan=plan, mean_s=2.0, replans=[], redone=0, goodput=0.5, probes_asked=0)
+        run.predicted_s = run.lower_bound_s = 1.0
+        results = {"even": (run, 0.1)}
+        return _sim_text(SimpleNamespace(iterations=1), topo, SimpleNamespace(num_ops=3), results, set())
+
+    assert "a 39.6 kB assignment, 0.0447 CPU-s to seal them" in text(100)
+    assert "1188 kB assignment (over the frame header cap: it cannot be sent)" in text(3000)
