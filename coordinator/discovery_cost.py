@@ -99,16 +99,20 @@ def shard_count(n: int) -> int:
     return min(MAX_SHARDS, 1 << (need - 1).bit_length())
 
 
-def control_cpu(n: int, planned: int, beat_s: float, step_s: float, standby_beat_s: float) -> float:
+def control_cpu(
+    n: int, planned: int, beat_s: float, step_s: float, standby_beat_s: float, replan_s: float = 0.0
+) -> float:
     """The coordinator's CPU seconds per second: each planned peer's step report every
-    ``step_s`` (its heartbeat too) and the step's commit to it, and each standby peer's
+    ``step_s`` (its heartbeat too) and the step's commit to it, each standby peer's
     heartbeat every ``standby_beat_s`` (``beat_s``: the planned peers' heartbeat when no
-    step is running; 0: none). Re-plans are apart: ``replan_cpu``."""
+    step is running; 0: none), and a re-plan's assignments (``replan_cpu``) every
+    ``replan_s`` (0: none)."""
     planned = min(planned, n)
     beats = planned / beat_s if beat_s > 0 else 0.0
     reports = planned / step_s if step_s > 0 else 0.0
     standby = (n - planned) / standby_beat_s if standby_beat_s > 0 else 0.0
-    return (beats + reports + standby) * CONTROL_MESSAGE_CPU_S + reports * COMMIT_CPU_S
+    replans = replan_cpu(planned) / replan_s if replan_s > 0 else 0.0
+    return (beats + reports + standby) * CONTROL_MESSAGE_CPU_S + reports * COMMIT_CPU_S + replans
 
 
 def assign_bytes(planned: int) -> float:
@@ -154,11 +158,11 @@ ADVERT_REFRESH_S = 2.0
 STANDBY_BEAT_S = 10.0
 
 
-def swarm_cost(n: int, planned: int, step_s: float) -> DiscoveryCost:
+def swarm_cost(n: int, planned: int, step_s: float, replan_s: float = 0.0) -> DiscoveryCost:
     """The sharded layout's cost for ``n`` peers of which ``planned`` serve a plan whose
-    step takes ``step_s``, their step reports serving as their heartbeats (what
-    ``fusionllm sim`` reports)."""
-    cost = sharded(n, ADVERT_REFRESH_S, control_cpu(n, planned, 0.0, step_s, STANDBY_BEAT_S))
+    step takes ``step_s``, their step reports serving as their heartbeats, re-planned
+    every ``replan_s`` (0: never; what ``fusionllm sim`` reports)."""
+    cost = sharded(n, ADVERT_REFRESH_S, control_cpu(n, planned, 0.0, step_s, STANDBY_BEAT_S, replan_s))
     return with_assignments(cost, min(planned, n))
 
 

@@ -155,12 +155,25 @@ def test_sim_says_what_a_replan_sends_and_when_an_assignment_cannot_be_sent(monk
     monkeypatch.setattr("fusionllm.plan_cmds._sim_left_out", lambda *a: {})
     topo = SimpleNamespace(name="t", peers=[SimpleNamespace(id=f"p{i}") for i in range(10_000)])
 
-    def text(planned: int) -> str:
+    def text(planned: int, replans: int = 0) -> str:
         plan = SimpleNamespace(groups=[[f"p{i}" for i in range(planned)]])
-        run = SimpleNamespace(first_plan=plan, mean_s=2.0, replans=[], redone=0, goodput=0.5, probes_asked=0)
+        run = SimpleNamespace(first_plan=plan, mean_s=2.0, replans=[(0, "x")] * replans, redone=0, goodput=0.5)
         run.predicted_s = run.lower_bound_s = 1.0
+        run.probes_asked, run.iteration_s = 0, [2.0] * 50  # 100 simulated seconds
         results = {"even": (run, 0.1)}
-        return _sim_text(SimpleNamespace(iterations=1), topo, SimpleNamespace(num_ops=3), results, set())
+        return _sim_text(SimpleNamespace(iterations=50), topo, SimpleNamespace(num_ops=3), results, set())
 
     assert "a 39.6 kB assignment, 0.0447 CPU-s to seal them" in text(100)
     assert "1188 kB assignment (over the frame header cap: it cannot be sent)" in text(3000)
+    # 3,000 planned peers' reports and commits every 2 s, and 4 re-plans in 100 s of 40.3 CPU-s each
+    steady = dc.control_cpu(10_000, 3000, 0.0, 2.0, dc.STANDBY_BEAT_S)
+    assert f"control plane {steady:.3g} coordinator CPU-s/s" in text(3000)
+    assert f"control plane {steady + 4 * dc.replan_cpu(3000) / 100:.3g} coordinator CPU-s/s" in text(3000, 4)
+
+
+def test_replans_are_amortised_over_the_time_between_them() -> None:
+    steady = dc.control_cpu(1000, 1000, 0.0, 5.0, 10.0)
+    assert dc.control_cpu(1000, 1000, 0.0, 5.0, 10.0, replan_s=600.0) == pytest.approx(
+        steady + dc.replan_cpu(1000) / 600
+    )
+    assert dc.swarm_cost(1000, 1000, 5.0, 600.0).coordinator_cpu > dc.swarm_cost(1000, 1000, 5.0).coordinator_cpu
