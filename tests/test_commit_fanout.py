@@ -177,3 +177,33 @@ def test_replans_are_amortised_over_the_time_between_them() -> None:
         steady + dc.replan_cpu(1000) / 600
     )
     assert dc.swarm_cost(1000, 1000, 5.0, 600.0).coordinator_cpu > dc.swarm_cost(1000, 1000, 5.0).coordinator_cpu
+
+
+def test_a_real_transport_writes_one_sealed_frame_to_each_peer_it_is_for() -> None:
+    """``send_each`` on the live ``Transport`` (its writes to the p2p daemon captured):
+    the peers of one body get the same bytes, each counted as sent to it, and each
+    receiver's gate opens them."""
+    from types import SimpleNamespace
+
+    from protocol.net.transport import Transport
+
+    who = Identity.generate()
+    p2p = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "coordinator"))
+    transport = Transport(p2p, who, Gate("r"))  # type: ignore[arg-type]
+    written: dict[str, bytes] = {}
+
+    async def write(key: str, peer: str, protocol: str, buffers: list[bytes]) -> int:
+        written[peer] = b"".join(bytes(b) for b in buffers)
+        return len(written[peer])
+
+    transport._write = write  # type: ignore[method-assign]
+    plain = Commit("r", 3, 1)
+    kept = Commit("r", 3, 1, audit=True)
+    assert asyncio.run(send_each(transport, {"a": plain, "b": plain, "c": kept}, 1.0, 2)) == {}
+    assert written["a"] == written["b"] != written["c"]
+    assert dict(transport.bytes_sent) == {p: len(written[p]) for p in "abc"}
+    for peer, frame in written.items():
+        gate = Gate("r")
+        gate.admit("coordinator", who.public_key)
+        gate.epoch = 1
+        assert gate.open(frame, "coordinator").message == (kept if peer == "c" else plain)
