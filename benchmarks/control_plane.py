@@ -14,7 +14,8 @@ p2p daemon beside it) sends a step's ``Commit`` to ``peers`` sinks in a worker p
 (libp2p nodes that drop what they read), ``rate`` steps a second, as the coordinator
 did (each sealed and sent in turn) and as it does (``coordinator.messaging.send_each``:
 in parallel, one frame sealed for all); this process's and its daemon's CPU over each
-window, less a quiet window's, per commit. ``wire_costs`` prices one ``Commit`` and one
+window, less a quiet window's, per commit, and the median time from a step's first
+send to its last write (``commit_<way>_fanout_ms``: what the last peer's commit waits). ``wire_costs`` prices one ``Commit`` and one
 ``Assign`` for a plan of ``n`` peers: bytes and the time to seal them."""
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import json
 import logging
 import multiprocessing
 import os
+import statistics
 import tempfile
 import time
 from multiprocessing.connection import Connection
@@ -200,8 +202,9 @@ async def _send_commits(sinks: list[tuple[str, list[str]]], rate: float, seconds
         quiet = [await _idle(daemon, seconds)]
         out: dict[str, float] = {}
         for way in ("in_turn", "send_each"):
-            t0, sent = _own_cpu_s(daemon), await _steps(tp, peers, rate, seconds, way)
+            t0, (sent, fanout) = _own_cpu_s(daemon), await _steps(tp, peers, rate, seconds, way)
             out[f"commits_{way}"], used = sent, _cpu_delta(t0, _own_cpu_s(daemon))
+            out[f"commit_{way}_fanout_ms"] = round(fanout * 1e3, 3)
             out[f"_{way}_py"], out[f"_{way}_all"] = used
         quiet.append(await _idle(daemon, seconds))
         base = min(quiet, key=lambda q: q[1])  # the quieter of the windows before and after
@@ -216,15 +219,17 @@ async def _send_commits(sinks: list[tuple[str, list[str]]], rate: float, seconds
         await p2p.shutdown()
 
 
-async def _steps(tp: Transport, peers: list[str], rate: float, seconds: float, way: str) -> int:
+async def _steps(tp: Transport, peers: list[str], rate: float, seconds: float, way: str) -> tuple[int, float]:
     """Send a step's commits to every peer ``rate`` times a second for ``seconds`` (a
     third of them keeping the step's weights, as a spot-checked stage's peers do); the
-    commits sent."""
-    start, step, sent = time.monotonic(), 0, 0
+    commits sent, and the median seconds from a step's first send to its last write
+    to the daemon."""
+    start, step, sent, fanouts = time.monotonic(), 0, 0, []
     while time.monotonic() - start < seconds:
         plain = Commit(RUN, step, 1, False, 0.97, False, 65536.0)
         kept = dataclasses.replace(plain, audit=True)
         sends = {p: kept if i % 3 == 0 else plain for i, p in enumerate(peers)}
+        t0 = time.perf_counter()
         if way == "in_turn":
             for p, msg in sends.items():  # each built and sealed for its peer, bounded (``Mailbox.send``)
                 await asyncio.wait_for(tp.send(p, dataclasses.replace(msg)), START_S)
@@ -232,9 +237,10 @@ async def _steps(tp: Transport, peers: list[str], rate: float, seconds: float, w
             missed = await send_each(tp, sends, START_S, 64)
             if missed:
                 raise RuntimeError(f"commits not taken: {missed}")
+        fanouts.append(time.perf_counter() - t0)
         sent, step = sent + len(sends), step + 1
         await asyncio.sleep(max(0.0, start + step / rate - time.monotonic()))
-    return sent
+    return sent, statistics.median(fanouts)
 
 
 async def _idle(daemon: int, seconds: float) -> tuple[float, float]:
