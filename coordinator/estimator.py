@@ -48,7 +48,7 @@ import numpy as np
 from coordinator.codec_price import plan_steps_factor, price
 from coordinator.netmodel import Network, PeerProfile, boundary_models, link_seconds, rate_mbps, rounds_of
 from coordinator.opdag import OpDag, cost_lists
-from coordinator.overheads import Overheads, message_s, pass_s, step_fixed_s
+from coordinator.overheads import REPLICA_CALLS, STEP_CALLS, Overheads, StageFacts, message_s, pass_s, step_fixed_s
 from protocol.model.schedule import uses_1f1b
 from protocol.wire.codecs import Codec
 
@@ -470,6 +470,23 @@ def fixed_s(costs: DagCosts, plan: Plan, peers: dict[str, PeerProfile]) -> float
     the slowest stage's end of step and the commit's round trip."""
     groups = [[peers[p].overheads for p in g] for g in plan.groups]
     return step_fixed_s(groups, [costs.stage_params(lo, hi) for lo, hi in plan.ranges(costs.num_ops)])
+
+
+def stage_facts(costs: DagCosts, plan: Plan, micro_batches: int) -> dict[int, StageFacts]:
+    """What each stage of ``plan`` does in a step, on its average replica (what
+    ``overheads.fitted`` reads its breakdown against): its compute calls, the messages it
+    sends and receives (a micro-batch each way per neighbouring stage, and its replicas'
+    gradients: its own micro-batches' to every other replica, theirs to it), their bytes
+    on the wire, its parameter bytes."""
+    out = {}
+    for s, ((lo, hi), g) in enumerate(zip(plan.ranges(costs.num_ops), plan.groups)):
+        r, params = len(g), costs.stage_params(lo, hi)
+        runs = micro_batches / r
+        near = [sum(wire_pair(costs, plan.cut[b], plan.codecs[b])) for b in (s - 1, s) if 0 <= b < len(plan.cut)]
+        grads = runs * (r - 1) + micro_batches - runs if r > 1 else 0.0  # sent and received
+        calls = 2 * runs + STEP_CALLS + (REPLICA_CALLS if r > 1 else 0)
+        out[s] = StageFacts(calls, 2 * runs * len(near) + grads, runs * sum(near) + grads * params, params)
+    return out
 
 
 def tied_sync_s(costs: DagCosts, plan: Plan, network: Network) -> float:

@@ -102,8 +102,8 @@ class StageFacts:
     times two, plus ``STEP_CALLS``), the messages it sent and received, their bytes on
     the wire, its parameter bytes."""
 
-    calls: int
-    messages: int
+    calls: float
+    messages: float
     wire_bytes: float
     param_bytes: float
 

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from coordinator.assign import live_profile
-from coordinator.estimator import DagCosts, PeerTable, Plan, predict
+from coordinator.estimator import DagCosts, PeerTable, Plan, predict, stage_facts
 from coordinator.netmodel import Network, PeerProfile
 from coordinator.overheads import LIVE, NONE, STEP_CALLS, Overheads, StageFacts, fitted, optimizer_s, slowed
 from protocol.wire.codecs import Codec
@@ -99,3 +99,25 @@ def test_a_throttled_peer_pays_its_slow_down_on_the_optimizer_only() -> None:
     got = slowed(COSTS, 10.0)
     assert optimizer_s(got, 1e6) == pytest.approx(STEP_CALLS * 1e-3 + 10 * (0.7e-3 + 1e-3))
     assert (got.handoff_s, got.message_s, got.byte_s, got.commit_s) == (1e-3, 0.3e-3, 2e-9, 9e-3)
+
+
+def test_stage_facts_count_what_each_stage_does_in_a_step() -> None:
+    """Two stages of 4 ops (1 MB of parameters each, 1 MB across the cut each way), the
+    second with two replicas, 4 micro-batches: the first makes 8 + 2 calls and exchanges
+    8 messages of 1 MB; each replica of the second runs 2 micro-batches (4 + 3 calls),
+    exchanges 4 messages with the first stage and 2 + 2 gradient messages of 1 MB."""
+    plan = Plan((4,), [["p0"], ["p1", "p2"]], [Codec()])
+    facts = stage_facts(_chain(), plan, 4)
+    assert facts[0] == StageFacts(10, 8, 8e6, 1e6)
+    assert facts[1] == StageFacts(7, 8, 8e6, 1e6)
+
+
+def test_fitted_on_stage_facts_reads_back_the_figures_a_swarm_ran_with() -> None:
+    """Breakdowns made from ``COSTS`` and what ``stage_facts`` says each stage did give
+    ``COSTS`` back: the rebalancer plans on these (``Rebalancer.overheads``)."""
+    facts = stage_facts(_chain(), Plan((4,), [["p0"], ["p1", "p2"]], [Codec()]), 4)
+    means = {s: _breakdown(COSTS, f, 9.0 + s) for s, f in facts.items()}
+    got = fitted(means, facts, replace(COSTS, handoff_s=0.0, byte_s=0.0, param_byte_s=0.0))
+    assert (got.handoff_s, got.byte_s, got.param_byte_s, got.commit_s) == pytest.approx(
+        (COSTS.handoff_s, COSTS.byte_s, COSTS.param_byte_s, COSTS.commit_s)
+    )
