@@ -5,6 +5,12 @@ import os
 import subprocess
 from pathlib import Path
 
+# hypothesis' pytest plugin imports hypothesis only when it writes the run's summary; in a
+# run none of whose tests had imported it, pytest parsed its modules then (to rewrite them)
+# and CPython 3.11.7's parser failed with "SystemError: AST constructor recursion depth
+# mismatch" (its depth count left off by something a test ran): every test passed and
+# pytest exited 1 (tests/test_coordinator_inbox.py alone). Imported here, before any test.
+import hypothesis  # noqa: F401
 import pytest
 
 from fusionllm.launcher import Launcher
