@@ -1,18 +1,19 @@
 """The volunteer peer: joins the DHT, measures itself, advertises, and serves the
 stage the coordinator assigns until the run ends.
 
-``PeerNode`` is the shell: it builds the network (DHT, transport), routes each
-inbound message, and runs the serve loop across epochs. Its parts own their
-state: ``peer.link.CoordinatorLink`` (finding the coordinator, hello, heartbeats,
-watching, reattaching), ``peer.admission.Credentials`` (a private swarm's proof and
-certificate), ``peer.adverts.Adverts`` (publishing and refreshing the advert),
-``peer.epoch.EpochRunner`` (one plan epoch) and ``peer.spotcheck`` (its spot checks)."""
+``PeerNode`` is the shell: it builds the network (DHT, transport: ``peer.joining``),
+routes each inbound message, and runs the serve loop across epochs. Its parts own
+their state: ``peer.link.CoordinatorLink`` (finding the coordinator, hello,
+heartbeats, watching, reattaching), ``peer.admission.Credentials`` (a private
+swarm's proof and certificate), ``peer.adverts.Adverts`` (publishing and refreshing
+the advert), ``peer.epoch.EpochRunner`` (one plan epoch) and ``peer.spotcheck`` (its
+spot checks)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import hivemind
@@ -25,6 +26,7 @@ from peer.checks import PlanChecks
 from peer.compute import Compute
 from peer.config import JoinError, PeerConfig
 from peer.epoch import EpochEnv, EpochRunner, Poisoned
+from peer.joining import TransportFactory, dht_transport, join_dht
 from peer.link import CoordinatorLink
 from peer.machine import host_digest, machine_cores
 from peer.mailbox import Mailbox
@@ -34,7 +36,6 @@ from peer.throttle import Throttle
 from protocol.model.job import ModelError
 from protocol.model.program import DEFAULT_NAMESPACES
 from protocol.net.clock import SYSTEM_CLOCK, Clock
-from protocol.net.reach import why_unreachable
 from protocol.net.tasks import cancel_and_wait, unless_set
 from protocol.net.transport import Inbound, PeerUnreachable, Transport
 from protocol.trust.identity import Identity, IdentityError, key_hex
@@ -71,15 +72,7 @@ logger = logging.getLogger(__name__)
 #: the longest a peer waits for a cancelled epoch to end before it goes on without it
 STOP_EPOCH_S = 10.0
 
-#: builds the peer's transport from its DHT (the default: over the DHT's own libp2p daemon)
-TransportFactory = Callable[[hivemind.DHT, Identity, Gate], Awaitable[Transport]]
-
 __all__ = ["PeerNode", "TransportFactory"]
-
-
-async def dht_transport(dht: hivemind.DHT, identity: Identity, gate: Gate) -> Transport:
-    """A transport over the DHT's own libp2p daemon."""
-    return Transport(await dht.replicate_p2p(), identity, gate)
 
 
 class PeerNode:
@@ -126,7 +119,7 @@ class PeerNode:
             self.identity = Identity.from_option(cfg.identity)
         except IdentityError as exc:
             raise JoinError(str(exc)) from None
-        self.dht = await self._join_dht()
+        self.dht = await join_dht(cfg, self.credentials.validators())
         gate = Gate(cfg.run_id)
         self.transport = await self._make_transport(self.dht, self.identity, gate)
         self.link = link = CoordinatorLink(
@@ -172,31 +165,6 @@ class PeerNode:
         logger.info(
             "joined as %s: %.2f GFLOP/s, up %.0f / down %.0f Mbit/s", self.transport.peer_id, flops / 1e9, up, down
         )
-
-    async def _join_dht(self) -> hivemind.DHT:
-        """This peer's DHT node, joined through the initial peers (JoinError, one line, if not)."""
-        cfg = self.config
-
-        def join() -> hivemind.DHT:
-            return hivemind.DHT(
-                initial_peers=cfg.initial_peers,
-                host_maddrs=cfg.host_maddrs,
-                announce_maddrs=cfg.announce_maddrs or None,
-                record_validators=self.credentials.validators(),
-                start=True,
-            )
-
-        try:
-            return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, join), cfg.join_timeout)
-        except asyncio.TimeoutError:
-            why = await why_unreachable(cfg.initial_peers)
-            raise JoinError(f"could not join the DHT within {cfg.join_timeout:.0f} s: {why}") from None
-        except Exception as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            if "bootstrap" in first:  # the p2p daemon's "failed to connect to bootstrap peers", hivemind's own
-                why = await why_unreachable(cfg.initial_peers)
-                raise JoinError(f"could not reach any initial peer: {why}") from None
-            raise JoinError(f"could not join the DHT through {', '.join(cfg.initial_peers)}: {first}") from None
 
     @property
     def advert(self) -> Advert | None:
@@ -295,10 +263,10 @@ class PeerNode:
             done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             if getter not in done:
                 getter.cancel()
-                code = await self._epoch_ended()
-            else:
-                kind, item = getter.result()
-                code = await self._control(kind, item)
+            # both at once: the epoch's end first (its failure is reported, a refusal to run its code ends serving)
+            code = await self._epoch_ended() if self._epoch_task in done else None
+            if code is None and getter in done:
+                code = await self._control(*getter.result())
             if code is not None:
                 return code
 
@@ -326,6 +294,8 @@ class PeerNode:
             raise JoinError(item)
         if kind == "abort" and item.message.reason.startswith(NOT_ADMITTED):
             raise JoinError(f"the coordinator no longer admits this peer: {item.message.reason[len(NOT_ADMITTED) :]}")
+        if kind == "evict" and self._overtaken(item.message):  # leave the newer epoch's runner be
+            return None
         await self._stop_epoch()
         if kind == "assign":
             return await self._assigned(item.message)
@@ -334,6 +304,8 @@ class PeerNode:
             self.say(f"epoch {item.message.epoch}: the plan does not use this peer; waiting as standby")
         elif kind == "evict":
             assert self.checks is not None and self.link is not None
+            if self._overtaken(item.message):  # routed while the last epoch stopped: its Assign is next
+                return None
             self.held = self.checks.assign = None
             self.say(f"dropped from the run: {item.message.reason}; joining again as a standby peer")
             try:
@@ -350,6 +322,15 @@ class PeerNode:
         elif kind == "lost":
             return await self._reattach(item)
         return None
+
+    def _overtaken(self, evict: Evict) -> bool:
+        """An Assign of an epoch after the eviction's was routed: the coordinator took this
+        peer back, and the eviction is void (a hello again would drop it from that plan)."""
+        a = self.checks.assign if self.checks is not None else None
+        if a is None or a.epoch <= evict.epoch:
+            return False
+        logger.info("epoch %d's assignment overtook the eviction of epoch %d", a.epoch, evict.epoch)
+        return True
 
     async def _assigned(self, a: Assign) -> int | None:
         """Start serving an assignment's epoch (or refuse it: exit code 2 if this peer

@@ -1,7 +1,8 @@
 """A peer's hand-over from one plan epoch to the next, driven through ``PeerNode``'s
 routing and serve loop with a stand-in epoch runner and compute: every runner
-started reads its own epoch's messages, and an assignment that a newer one
-overtook is not served.
+started reads its own epoch's messages, an assignment that a newer one overtook is
+not served, an eviction leaves a newer epoch's assignment (and its heartbeats) in
+place, and an epoch that fails just as a control item arrives is still reported.
 
 (The bug: a CI run hung in test_pinning's allowlist test. A replica refused its
 stage and the coordinator re-planned at once; the other replica's next assignment
@@ -22,19 +23,31 @@ from peer.checks import PlanChecks
 from peer.config import PeerConfig
 from peer.mailbox import Mailbox
 from peer.node import PeerNode
+from peer.stage import ForeignCode, RunRefused
 from protocol.net.clock import FakeClock
 from protocol.net.transport import Inbound
 from protocol.wire.encoding import Frame
 from protocol.wire.gate import Gate
-from protocol.wire.messages import Assign, Message, StageProgram, Standby
+from protocol.wire.messages import Assign, Beat, Evict, Message, PeerFailure, StageProgram, Standby
 
 RUN = "r"
 
 
 class _Link:
-    """The coordinator link, quiet: no watch or heartbeat ever fires."""
+    """The coordinator link, quiet: no watch or heartbeat ever fires; it keeps the
+    failures reported and counts the hellos said again."""
 
     peer_id, key, reattaching = "coord", None, False
+
+    def __init__(self) -> None:
+        self.reports: list[PeerFailure] = []
+        self.hellos = 0
+
+    async def hello(self, again: bool = True) -> None:
+        self.hellos += 1
+
+    async def report(self, failure: PeerFailure, evidence: Any = None) -> None:
+        self.reports.append(failure)
 
     async def watch(self, lost: Callable[[str], None]) -> None:
         await asyncio.Event().wait()
@@ -62,9 +75,11 @@ class _Compute:
 
 
 class _Runner:
-    """Reads its epoch's stage program (``read``: (its epoch, the program's)), then serves."""
+    """Reads its epoch's stage program (``read``: (its epoch, the program's)), then
+    serves, or refuses the stage (raises ``refuse[its epoch]``)."""
 
     read: list[tuple[int, int]] = []
+    refuse: dict[int, Exception] = {}
 
     def __init__(self, host: Any, env: Any, a: Assign, mailbox: Mailbox) -> None:
         self.a, self.mailbox = a, mailbox
@@ -72,6 +87,8 @@ class _Runner:
     async def run(self) -> None:
         inb = await self.mailbox.get("program")
         _Runner.read.append((self.a.epoch, inb.message.epoch))
+        if self.a.epoch in _Runner.refuse:
+            raise _Runner.refuse[self.a.epoch]
         await asyncio.Event().wait()
 
 
@@ -89,7 +106,7 @@ def _program(epoch: int) -> Inbound:
 
 def _node(monkeypatch: Any) -> PeerNode:
     monkeypatch.setattr("peer.node.EpochRunner", _Runner)
-    _Runner.read = []
+    _Runner.read, _Runner.refuse = [], {}
     node = PeerNode(PeerConfig([], RUN), clock=FakeClock())
     node.transport, node.link, node.checks = _Transport(), _Link(), PlanChecks("coord")  # type: ignore[assignment]
     node.compute = _Compute()  # type: ignore[assignment]
@@ -182,3 +199,94 @@ def test_each_epoch_in_turn_reads_its_own_program(monkeypatch: Any) -> None:
         return _Runner.read
 
     assert asyncio.run(main()) == [(0, 0), (1, 1)]
+
+
+@pytest.mark.parametrize("when", ["queued-with-the-eviction", "while-it-stops", "served-before-it"])
+def test_an_eviction_overtaken_by_a_newer_assignment_leaves_it_in_place(monkeypatch: Any, when: str) -> None:
+    """Epoch 0's peer is evicted (the run is at epoch 1); epoch 2's assignment is routed
+    before the eviction is handled, while it stops epoch 0, or even served before it.
+    The coordinator took the peer back: the eviction leaves epoch 2's assignment and
+    runner in place (the peer beats for epoch 2, which it serves) and says no hello
+    again (that would drop it from epoch 2)."""
+
+    async def main() -> tuple[list[tuple[int, int]], int, Beat | None, int]:
+        node = _node(monkeypatch)
+        node._route(_assign(0))
+        node._route(_program(0))
+        serving = asyncio.create_task(node.serve())
+        await _turns()
+        evict, later = _inbound(Evict(RUN, "stalled", 1)), [_assign(2), _program(2)]
+        if when == "while-it-stops":
+            _arriving_while_stopping(node, later)
+            node._route(evict)
+        else:
+            for inbound in [*later, evict] if when == "served-before-it" else [evict, *later]:
+                node._route(inbound)
+                await _turns(50 if when == "served-before-it" else 0)
+        await _turns()
+        serving_epoch = node._task_epoch if node._epoch_task is not None and not node._epoch_task.done() else -1
+        beat = node._beat()
+        serving.cancel()
+        await node.aclose()
+        return _Runner.read, serving_epoch, beat, node.link.hellos  # type: ignore[union-attr]
+
+    read, serving_epoch, beat, hellos = asyncio.run(main())
+    assert read == [(0, 0), (2, 2)] and serving_epoch == 2, (read, serving_epoch)
+    assert beat == Beat(RUN, 0, 2) and hellos == 0, (beat, hellos)
+
+
+def test_an_eviction_drops_the_assignment_it_is_about(monkeypatch: Any) -> None:
+    """Without a newer assignment the evicted peer stops serving, sends no heartbeats,
+    and says hello again."""
+
+    async def main() -> tuple[bool, Beat | None, int, list[str]]:
+        node = _node(monkeypatch)
+        told: list[str] = []
+        node.on_event = told.append
+        node._route(_assign(0))
+        node._route(_program(0))
+        serving = asyncio.create_task(node.serve())
+        await _turns()
+        node._route(_inbound(Evict(RUN, "stalled", 1)))
+        await _turns()
+        running, beat = node._epoch_task is not None, node._beat()
+        serving.cancel()
+        await node.aclose()
+        return running, beat, node.link.hellos, told  # type: ignore[union-attr]
+
+    running, beat, hellos, told = asyncio.run(main())
+    assert not running and beat is None and hellos == 1, (running, beat, hellos)
+    assert told[-1] == "dropped from the run: stalled; joining again as a standby peer", told
+
+
+@pytest.mark.parametrize(
+    ("refusal", "reason"),
+    [(ForeignCode("no opt-in"), "refused the stage: no opt-in"), (RunRefused("a bad codec"), "a bad codec")],
+    ids=["foreign", "other"],
+)
+def test_a_failure_ending_with_a_control_item_is_reported(monkeypatch: Any, refusal: Exception, reason: str) -> None:
+    """Epoch 0 refuses its stage just as epoch 1's assignment arrives (the serve loop
+    finds both at once): the refusal is reported for epoch 0; code this peer never
+    runs ends its serving (exit code 2), any other refusal lets it serve epoch 1."""
+
+    async def main() -> tuple[list[PeerFailure], int | None, list[tuple[int, int]]]:
+        node = _node(monkeypatch)
+        _Runner.refuse[0] = refusal
+        node._route(_assign(0))
+        serving = asyncio.create_task(node.serve())
+        await _turns()
+        node._route(_program(0))
+        node._route(_assign(1))
+        node._route(_program(1))
+        await _turns()
+        code = serving.result() if serving.done() else None
+        serving.cancel()
+        await node.aclose()
+        return node.link.reports, code, _Runner.read  # type: ignore[union-attr]
+
+    reports, code, read = asyncio.run(main())
+    assert [(r.epoch, r.reason) for r in reports] == [(0, reason)], reports
+    if isinstance(refusal, ForeignCode):
+        assert code == 2 and read == [(0, 0)], (code, read)
+    else:
+        assert code is None and read == [(0, 0), (1, 1)], (code, read)

@@ -1,0 +1,53 @@
+"""A peer's way into the swarm's network: its DHT node, joined through the initial
+peers (a one-line ``JoinError`` where it cannot), and the transport over that node's
+libp2p daemon."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+
+import hivemind
+from hivemind.dht.validation import RecordValidatorBase
+
+from peer.config import JoinError, PeerConfig
+from protocol.net.reach import why_unreachable
+from protocol.net.transport import Transport
+from protocol.trust.identity import Identity
+from protocol.wire.gate import Gate
+
+#: builds the peer's transport from its DHT (the default: over the DHT's own libp2p daemon)
+TransportFactory = Callable[[hivemind.DHT, Identity, Gate], Awaitable[Transport]]
+
+__all__ = ["TransportFactory", "dht_transport", "join_dht"]
+
+
+async def dht_transport(dht: hivemind.DHT, identity: Identity, gate: Gate) -> Transport:
+    """A transport over the DHT's own libp2p daemon."""
+    return Transport(await dht.replicate_p2p(), identity, gate)
+
+
+async def join_dht(cfg: PeerConfig, validators: Sequence[RecordValidatorBase]) -> hivemind.DHT:
+    """This peer's DHT node (with the run's record ``validators``), joined through the
+    initial peers (JoinError, one line, if not)."""
+
+    def join() -> hivemind.DHT:
+        return hivemind.DHT(
+            initial_peers=cfg.initial_peers,
+            host_maddrs=cfg.host_maddrs,
+            announce_maddrs=cfg.announce_maddrs or None,
+            record_validators=validators,
+            start=True,
+        )
+
+    try:
+        return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, join), cfg.join_timeout)
+    except asyncio.TimeoutError:
+        why = await why_unreachable(cfg.initial_peers)
+        raise JoinError(f"could not join the DHT within {cfg.join_timeout:.0f} s: {why}") from None
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if "bootstrap" in first:  # the p2p daemon's "failed to connect to bootstrap peers", hivemind's own
+            why = await why_unreachable(cfg.initial_peers)
+            raise JoinError(f"could not reach any initial peer: {why}") from None
+        raise JoinError(f"could not join the DHT through {', '.join(cfg.initial_peers)}: {first}") from None
