@@ -261,3 +261,20 @@ def test_opfence_trains_faster_than_bw_blind_on_two_clusters(tmp_path: Path) -> 
     assert rows["opfence"]["measured_s"] < rows["bw-blind"]["measured_s"]
     assert abs(rows["opfence"]["estimator_error"]) <= 0.25
     assert all(r["wire_bytes"] and min(r["wire_bytes"]) > 0 for r in rows.values())
+
+
+def test_on_slow_link_auto_puts_a_codec_where_every_plan_crosses_the_slow_link() -> None:
+    """``slow-link``: every peer is used, so a plan crosses the 5 Mbit/s link between the
+    sites, where a micro-batch's activations take longer than any stage computes one:
+    planned with ``auto``'s codecs, OP-Fence's plan carries one and is predicted faster."""
+    from fusionllm.testbed import DEFAULT_MODEL_ARGS, plans
+    from protocol.model.job import JobSpec
+
+    costs = plans.costs_of(JobSpec(model="gpt", model_args=DEFAULT_MODEL_ARGS, micro_batches=4))
+    slow = topo.load_topology("slow-link")
+    m = topo.map_compute(slow, 20e9, cores=2)
+    (none,) = plans.predict_all(["opfence"], costs, slow, m, 4)
+    (auto,) = plans.predict_all(["opfence"], costs, slow, m, 4, compression=True)
+    assert all(c.name == "none" for c in none.plan.codecs)
+    assert any(c.name != "none" for c in auto.plan.codecs)
+    assert auto.plan.to_loss_s < none.plan.to_loss_s

@@ -60,7 +60,17 @@ def mixed_seven() -> dict[str, Any]:
     return {"peers": peers, "clusters": clusters}
 
 
-PRESETS = {"two-clusters": two_clusters, "mixed-7": mixed_seven}
+def slow_link() -> dict[str, Any]:
+    """``two-clusters`` with 5 Mbit/s between the sites: every peer is used, so some
+    boundary (or replica pair) crosses the slow link, and with the default model a
+    micro-batch's activations take longer on it than any stage computes one (``auto``
+    must put a codec there)."""
+    topo = two_clusters()
+    topo["clusters"]["A"]["B"] = _link(5, 10)
+    return topo
+
+
+PRESETS = {"two-clusters": two_clusters, "mixed-7": mixed_seven, "slow-link": slow_link}
 
 
 def load_topology(spec: str) -> Topology:
