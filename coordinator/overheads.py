@@ -48,19 +48,20 @@ class Overheads:
 
 #: no fixed cost (a simulated topology's peers; the estimator's model before these were added)
 NONE = Overheads()
-#: the README demo's peers on the 2-core development machine (4 one-thread CPU peers,
-#: 4 micro-batches; the means of their StepDone breakdowns over 60 steps): handing off
-#: 8.0-13.7 ms a step over 10 calls; encoding 1.8-3.5 ms for 8 messages and 1.06 MB,
-#: 5.7-6.5 ms for 16 and 6.3 MB (0.31 ms a message and 0.19 ms a MB at each end);
-#: the optimizer 0.8 ms on stages of 0.13 and 0.27 MB of parameters, 1.8 on 1.06 MB, 2.4 on 2.04 MB;
-#: StepDone to Commit 8.9 ms on the stage that finished last
+#: the README demo's peers on the 2-core development machine, quiet (load average 2;
+#: 4 one-thread CPU peers, 4 micro-batches; the means of their StepDone breakdowns over
+#: 60 steps, three runs, fitted by ``fitted``): handing off 0.52-0.70 ms a call (10 a
+#: step a stage); encoding 1.8-3.5 ms for 8 messages and 1.06 MB, 5.7-6.5 ms for 16
+#: and 6.3 MB (0.31 ms a message and 0.19 ms a MB at each end, an earlier run); the
+#: optimizer 0.7 ms and 0.72-0.80 ms a MB of the stage's parameters; StepDone to Commit
+#: 3.4-5.5 ms on the stage that finished last (commits sent in parallel)
 LIVE = Overheads(
-    handoff_s=1.0e-3,
+    handoff_s=0.6e-3,
     message_s=0.31e-3,
     byte_s=0.19e-9,
     optimizer_s=0.7e-3,
-    param_byte_s=0.84e-9,
-    commit_s=8.9e-3,
+    param_byte_s=0.76e-9,
+    commit_s=4.3e-3,
 )
 
 
