@@ -15,8 +15,9 @@ p2p daemon beside it) sends a step's ``Commit`` to ``peers`` sinks in a worker p
 did (each sealed and sent in turn) and as it does (``coordinator.messaging.send_each``:
 in parallel, one frame sealed for all); this process's and its daemon's CPU over each
 window, less a quiet window's, per commit, and the median time from a step's first
-send to its last write (``commit_<way>_fanout_ms``: what the last peer's commit waits). ``wire_costs`` prices one ``Commit`` and one
-``Assign`` for a plan of ``n`` peers: bytes and the time to seal them."""
+send to its last write (``commit_<way>_fanout_ms``: what the last peer's commit
+waits). ``wire_costs`` prices one ``Commit`` and one ``Assign`` for a plan of ``n``
+peers: bytes and the time to seal them."""
 
 from __future__ import annotations
 
