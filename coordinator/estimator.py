@@ -48,7 +48,7 @@ import numpy as np
 from coordinator.codec_price import plan_steps_factor, price
 from coordinator.netmodel import Network, PeerProfile, boundary_models, link_seconds, rate_mbps, rounds_of
 from coordinator.opdag import OpDag, cost_lists
-from coordinator.overheads import REPLICA_CALLS, STEP_CALLS, Overheads, StageFacts, message_s, pass_s, step_fixed_s
+from coordinator.overheads import REPLICA_CALLS, STEP_CALLS, StageFacts, boundary_ends, message_s, pass_s, step_fixed_s
 from protocol.model.schedule import uses_1f1b
 from protocol.wire.codecs import Codec
 
@@ -448,21 +448,6 @@ def predict(
 def edge_rates(groups: list[list[str]], network: Network, micro_batches: int) -> list[float]:
     """Per boundary: its busiest pair's Mbit/s per micro-batch (``auto`` weighs it against the stages)."""
     return [rate_mbps(e.per_byte() * e.rounds / micro_batches) for e in boundary_models(groups, network, micro_batches)]
-
-
-def slowest(overheads: Iterable[Overheads]) -> Overheads:
-    """Each figure's largest over ``overheads`` (a group's slowest peer, part by part)."""
-    got = list(overheads)
-    if all(o is got[0] for o in got) or len(set(got)) == 1:  # peers share one figure (most often one object)
-        return got[0]
-    return Overheads(*(max(getattr(o, f) for o in got) for f in Overheads.__dataclass_fields__))
-
-
-def boundary_ends(groups: list[list[str]], peers: dict[str, PeerProfile]) -> list[tuple[tuple[Overheads, ...], ...]]:
-    """Per boundary, its (sender, receiver) overheads forward and backward, each its
-    group's slowest (``slowest``): what ``overheads.message_s`` prices a message by."""
-    worst = [slowest(peers[p].overheads for p in g) for g in groups]
-    return [((a, b), (b, a)) for a, b in zip(worst, worst[1:])]
 
 
 def fixed_s(costs: DagCosts, plan: Plan, peers: dict[str, PeerProfile]) -> float:

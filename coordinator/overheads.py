@@ -26,6 +26,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from coordinator.netmodel import PeerProfile
 
 #: compute calls a peer makes per step besides its micro-batches' forwards and
 #: backwards: the gradient norms and the optimizer step (``peer.epoch``)
@@ -80,6 +84,21 @@ def pass_s(o: Overheads) -> float:
 def message_s(sender: Overheads, receiver: Overheads, nbytes: float) -> float:
     """A message of ``nbytes`` on the wire: its sender's encoding and its receiver's decoding."""
     return sender.message_s + receiver.message_s + nbytes * (sender.byte_s + receiver.byte_s)
+
+
+def slowest(overheads: Iterable[Overheads]) -> Overheads:
+    """Each figure's largest over ``overheads`` (a group's slowest peer, part by part)."""
+    got = list(overheads)
+    if all(o is got[0] for o in got) or len(set(got)) == 1:  # peers share one figure (most often one object)
+        return got[0]
+    return Overheads(*(max(getattr(o, f) for o in got) for f in Overheads.__dataclass_fields__))
+
+
+def boundary_ends(groups: list[list[str]], peers: Mapping[str, PeerProfile]) -> list[tuple[tuple[Overheads, ...], ...]]:
+    """Per boundary, its (sender, receiver) overheads forward and backward, each its
+    group's slowest (``slowest``): what ``overheads.message_s`` prices a message by."""
+    worst = [slowest(peers[p].overheads for p in g) for g in groups]
+    return [((a, b), (b, a)) for a, b in zip(worst, worst[1:])]
 
 
 def optimizer_s(o: Overheads, param_bytes: float, replicas: int = 1) -> float:
