@@ -15,11 +15,21 @@ from coordinator.estimator import (
     GroupModel,
     boundary_positions,
     group_models,
-    nearest_allowed,
 )
 from coordinator.netmodel import BoundaryModel, Network, PeerProfile, boundary_models
 from coordinator.plan_eval import Options, ScheduleError
 from protocol.wire.codecs import Codec
+
+
+def nearest_allowed(allowed: list[int], goal: int, lo: int, hi: int) -> int | None:
+    """The allowed position closest to ``goal`` within [lo, hi]."""
+    i = bisect.bisect_left(allowed, goal)
+    best = None
+    for j in (i - 1, i):
+        if 0 <= j < len(allowed) and lo <= allowed[j] <= hi:
+            if best is None or abs(allowed[j] - goal) < abs(best - goal):
+                best = allowed[j]
+    return best
 
 
 def cut_for(
@@ -84,7 +94,7 @@ class _Cutter:
 
     A 1F1B stage ``s`` holds ``w_s`` micro-batches and the next ``w_s - gap``: the
     round trip from ``s`` to ``s + 1`` and back (both stages' work and both ways of
-    the link) carries ``gap + 1`` micro-batches (the estimator's ``_round_trips``),
+    the link) carries ``gap + 1`` micro-batches (``pipeline_latency.round_trips``),
     so with the next stage as busy, keeping up needs ``2 * latency_s + link both ways
     <= (gap + 1) * bound``. A boundary where fewer bytes cross may end a stage earlier.
 

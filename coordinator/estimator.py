@@ -35,8 +35,6 @@ the per-op costs of a traced model come from ``coordinator.opdag.cost_lists``.
 
 from __future__ import annotations
 
-import bisect
-import functools
 import math
 import random
 from collections.abc import Iterable
@@ -49,6 +47,7 @@ from coordinator.codec_price import plan_steps_factor, price
 from coordinator.netmodel import Network, PeerProfile, boundary_models, link_seconds, rate_mbps, rounds_of
 from coordinator.opdag import OpDag, cost_lists
 from coordinator.overheads import REPLICA_CALLS, STEP_CALLS, StageFacts, boundary_ends, message_s, pass_s, step_fixed_s
+from coordinator.pipeline_latency import round_trips, windows
 from protocol.model.schedule import uses_1f1b
 from protocol.wire.codecs import Codec
 
@@ -420,7 +419,7 @@ def predict(
     stage_round = [g.period(costs, lo, hi) for g, (lo, hi) in zip(models, ranges)]
     link_round = [max(w) * e.per_byte() for e, w in zip(edges, wires)]
     if uses_1f1b(plan.groups):
-        steady = max(stage_round + link_round + _round_trips(one, there_and_back, rounds))
+        steady = max(stage_round + link_round + round_trips(one, there_and_back, rounds))
         pipeline = sum(one) + sum(there_and_back) + (rounds - 1) * steady
     else:  # GPipe: every forward, then every backward
         pipeline = sum(
@@ -490,46 +489,6 @@ def tied_sync_s(costs: DagCosts, plan: Plan, network: Network) -> float:
     return out
 
 
-def windows(k: int, rounds: int) -> np.ndarray:
-    """Micro-batches each of ``k`` stages holds in flight under 1F1B."""
-    return np.minimum(k - np.arange(k), rounds)
-
-
-def _round_trips(one: list[float], there_and_back: list[float], rounds: int) -> list[float]:
-    """Under 1F1B stage ``s`` starts a forward only after a backward once it holds
-    ``w_s = min(k - s, rounds)`` micro-batches: the round trip from stage ``s`` to a
-    later stage ``t`` and back carries only ``w_s - w_t + 1`` micro-batches (two across
-    one link), so its latency shows unless the steady period is at least that round
-    trip divided by that count. (Counting the fill's round trip again overstates a
-    latency-bound pipeline by up to about 10%; the simulator has the exact figure.)"""
-    k = len(one)
-    if k < 2:
-        return []
-    stages = np.concatenate([[0.0], np.cumsum(one)])
-    links = np.concatenate([[0.0], np.cumsum(there_and_back)])
-    window = windows(k, rounds)
-    s, t = _pairs_after(k)
-    trips = stages[t + 1] - stages[s] + links[t] - links[s]
-    return [float((trips / np.maximum(1, window[s] - window[t] + 1)).max())]
-
-
-@functools.lru_cache(maxsize=256)
-def _pairs_after(k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Every pair of stages ``s < t`` of ``k`` (as two index arrays)."""
-    return np.triu_indices(k, 1)
-
-
 def boundary_positions(costs: DagCosts) -> list[int]:
     """Positions a cut may use (tied weights excluded); the list is shared, not to be changed."""
     return costs.cached("positions", lambda: [p for p in range(1, costs.num_ops) if p not in costs.forbidden])
-
-
-def nearest_allowed(allowed: list[int], goal: int, lo: int, hi: int) -> int | None:
-    """The allowed position closest to ``goal`` within [lo, hi]."""
-    i = bisect.bisect_left(allowed, goal)
-    best = None
-    for j in (i - 1, i):
-        if 0 <= j < len(allowed) and lo <= allowed[j] <= hi:
-            if best is None or abs(allowed[j] - goal) < abs(best - goal):
-                best = allowed[j]
-    return best
