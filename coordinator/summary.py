@@ -8,8 +8,11 @@ from typing import Any
 
 import torch
 
-from coordinator.assign import Assignment
+from coordinator.assign import Assignment, live_profile, network_from_adverts
 from coordinator.breakdown import breakdown_table
+from coordinator.delivered import for_delivered
+from coordinator.estimator import DagCosts
+from coordinator.opdag import OpDag
 from coordinator.outcome import LinkReport, RunSummary
 from coordinator.runstate import RunState
 from protocol.trust.spotcheck import step_overhead
@@ -24,8 +27,11 @@ def summarize(
     connections: dict[str, str],
     forwarded_bytes: int,
     micro_batches: int,
+    dag: OpDag | None = None,
 ) -> RunSummary:
-    """The summary of a run that ended in ``st`` with the trained ``final`` state."""
+    """The summary of a run that ended in ``st`` with the trained ``final`` state; with
+    the model's ``dag``, the plan is also predicted again for the compute its peers
+    delivered (``delivered_step``)."""
     assert st.plan is not None
     links = {f"{src[-6:]}->{dst[-6:]}": n for src, sent in st.link_bytes.items() for dst, n in sent.items()}
     wire = traffic(st.plan, st.link_bytes, st.raw_bytes)
@@ -39,7 +45,7 @@ def summarize(
         links,
         final,
         reports,
-        _with_breakdown(estimate(st.plan, st.compute, st.step_seconds, micro_batches), st, micro_batches),
+        _with_breakdown(_estimate(st, adverts, micro_batches, dag), st, micro_batches),
         epochs=st.epoch + 1,
         failures=len(st.lost),
         steps_redone=st.redone,
@@ -54,6 +60,44 @@ def summarize(
         connections={p: connections.get(p, "direct") for p in st.planned},
         forwarded_bytes=forwarded_bytes,
     )
+
+
+def _estimate(st: RunState, adverts: dict[str, Advert], micro_batches: int, dag: OpDag | None) -> dict[str, Any]:
+    """``estimate`` with, where it can be made, ``delivered_step_s``: ``delivered_step``."""
+    est = estimate(st.plan, st.compute, st.step_seconds, micro_batches)
+    if est and dag is not None and st.plan is not None and st.plan.plan is not None:
+        got = delivered_step(DagCosts.from_opdag(dag), st, adverts, micro_batches)
+        if got is not None:
+            est["delivered_step_s"] = round(got, 5)
+    return est
+
+
+def delivered_step(costs: DagCosts, st: RunState, adverts: dict[str, Advert], micro_batches: int) -> float | None:
+    """The run's plan predicted again (``coordinator.delivered.for_delivered``) with each
+    peer at the compute it delivered (the median of its steps' compute over the
+    micro-batches dealt to it) over the links as last measured; None when a planned
+    peer's advert or compute is missing."""
+    plan = st.plan.plan if st.plan else None
+    peers = [p for group in st.plan.stages for p in group] if st.plan else []
+    if plan is None or any(p not in adverts or not st.compute.get(p) for p in peers):
+        return None
+    live = [adverts[p] for p in peers]
+    profiles = {a.peer_id: live_profile(a) for a in live}
+    network = network_from_adverts(live, st.link_mbps)
+    per_mb = per_micro_batch(st.plan, st.compute, micro_batches)
+    return for_delivered(costs, plan, profiles, network, micro_batches, per_mb).iteration_s
+
+
+def per_micro_batch(plan: Assignment, compute: dict[str, list[float]], mbs: int) -> dict[str, float]:
+    """Each planned peer's compute per micro-batch: the median of its steps' forward
+    plus backward compute over the micro-batches dealt to it (a peer with none yet is
+    left out)."""
+    return {
+        p: statistics.median(compute[p]) / max(len(range(r, mbs, len(group))), 1)
+        for group in plan.stages
+        for r, p in enumerate(group)
+        if compute.get(p)
+    }
 
 
 def _with_breakdown(est: dict[str, Any], st: RunState, micro_batches: int) -> dict[str, Any]:
@@ -85,12 +129,9 @@ def estimate(plan: Assignment, compute: dict[str, list[float]], step_seconds: li
     if plan.plan is None or not step_seconds:
         return {}
     stages = []
+    each = per_micro_batch(plan, compute, mbs)
     for s, group in enumerate(plan.stages):
-        per_mb = [
-            statistics.median(compute[p]) / max(len(range(r, mbs, len(group))), 1)
-            for r, p in enumerate(group)
-            if compute.get(p)
-        ]
+        per_mb = [each[p] for p in group if p in each]
         stages.append(
             {
                 "stage": s,

@@ -266,7 +266,9 @@ class Coordinator:
         self.board.finish(True, f"{len(st.losses)} steps in {seconds:.0f} s")
         forwarded = sum(self.transport.forwarded.values())
         mbs = self.config.job.micro_batches
-        return summarize(st, driver.final, seconds, self.adverts, self.board.connections, forwarded, mbs)
+        return summarize(
+            st, driver.final, seconds, self.adverts, self.board.connections, forwarded, mbs, driver.stages.dag
+        )
 
     async def _poll_adverts(self) -> None:
         """Keep the status board's peers fresh while training (joins, leaves, health),

@@ -143,6 +143,12 @@ def _summary(summary: Any, save: str | None) -> str:
             f"{est['measured_step_s'] * 1e3:.1f} ms (median); per micro-batch, stage by stage, predicted/measured: "
             + ", ".join(f"{s['predicted_ms']:.2f}/{s['measured_ms']:.2f} ms" for s in est["stages"])
         )
+        if est.get("delivered_step_s"):
+            again, measured = est["delivered_step_s"], est["measured_step_s"]
+            lines.append(
+                f"estimator: for the compute the peers delivered, predicted {again * 1e3:.1f} ms per step, "
+                f"measured {measured * 1e3:.1f} ms ({again / measured - 1:+.0%})"
+            )
         if est.get("breakdown"):
             from coordinator.breakdown import breakdown_lines
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from coordinator.estimator import DagCosts, Plan, compute_s, dealt, predict
+from coordinator.delivered import again
+from coordinator.estimator import DagCosts, Plan, compute_s, dealt
 from coordinator.netmodel import PeerProfile
 from coordinator.opdag import build_opdag
 from coordinator.overheads import LIVE, slowed
@@ -150,11 +151,8 @@ def repredict(
     p: Predicted, costs: DagCosts, topo: Topology, compute: ComputeMap, micro_batches: int, scale: float
 ) -> tuple[float, float]:
     """The estimator's and the simulator's time for ``p``'s plan with every peer's
-    FLOP/s times ``scale``: the prediction for the compute the peers delivered."""
-    peers = [
-        replace(q, flops=q.flops * scale, overheads=slowed(q.overheads, 1 / scale))
-        for q in emulated_peers(topo, compute)
-    ]
-    by_id = {q.id: q for q in peers}
-    est = predict(costs, p.plan, by_id, topo.network, micro_batches).iteration_s
-    return est, iteration_seconds(costs, p.plan, by_id, topo.network, micro_batches)
+    FLOP/s times ``scale``: the prediction for the compute the peers delivered
+    (``coordinator.delivered.again``; throttled peers: their optimizer's too)."""
+    peers = {q.id: q for q in emulated_peers(topo, compute)}
+    plan, by_id = again(costs, p.plan, peers, topo.network, micro_batches, dict.fromkeys(peers, scale), throttled=True)
+    return plan.iteration_s, iteration_seconds(costs, p.plan, by_id, topo.network, micro_batches)

@@ -1,0 +1,84 @@
+"""The plan predicted again for the compute its peers delivered (``coordinator.delivered``):
+the live summary's second ``estimator:`` line, and the testbed's re-prediction, share it."""
+
+from __future__ import annotations
+
+from coordinator.assign import Assignment, live_profile, network_from_adverts
+from coordinator.delivered import delivered_flops, for_delivered
+from coordinator.estimator import PASSES, DagCosts, Plan, predict
+from coordinator.outcome import RunSummary
+from coordinator.runstate import RunState
+from coordinator.summary import delivered_step, per_micro_batch
+from fusionllm.swarm_cmds import _summary
+from protocol.model.graph import Cut
+from protocol.wire.codecs import Codec
+from protocol.wire.messages import Advert
+
+COSTS = DagCosts.synthetic(12, seed=3)
+MB = 4
+
+
+def _advert(name: str, gflops: float) -> Advert:
+    return Advert(name, [], "cpu", gflops * 1e9, 1 << 34, 500.0, 500.0, "2", 1, 0.0)
+
+
+def _state(adverts: dict[str, Advert], slow: dict[str, float]) -> RunState:
+    """A run on a 3-stage plan (the middle one replicated) whose peers' compute per
+    step is what their adverts predict, times ``slow``."""
+    peers = {a.peer_id: live_profile(a) for a in adverts.values()}
+    network = network_from_adverts(list(adverts.values()))
+    plan = predict(COSTS, Plan((4, 8), [["a"], ["b", "c"], ["d"]], [Codec(), Codec()]), peers, network, MB)
+    st = RunState(plan=Assignment(Cut((4, 8)), plan.groups, plan))
+    for (lo, hi), group in zip(plan.ranges(COSTS.num_ops), plan.groups, strict=True):
+        for r, p in enumerate(group):
+            runs = len(range(r, MB, len(group)))
+            st.compute[p] = [PASSES * COSTS.stage_flops(lo, hi) / peers[p].flops * runs * slow.get(p, 1.0)] * 3
+    st.step_seconds = [0.5, 0.4, 0.6]
+    return st
+
+
+ADVERTS = {n: _advert(n, g) for n, g in (("a", 20), ("b", 10), ("c", 10), ("d", 30))}
+
+
+def test_peers_that_deliver_their_reading_get_the_plans_own_prediction() -> None:
+    st = _state(ADVERTS, {})
+    assert st.plan is not None and st.plan.plan is not None
+    flops = delivered_flops(COSTS, st.plan.plan, per_micro_batch(st.plan, st.compute, MB))
+    assert all(abs(flops[n] / a.flops - 1) < 1e-9 for n, a in ADVERTS.items())
+    got = delivered_step(COSTS, st, ADVERTS, MB)
+    assert got is not None and abs(got / st.plan.plan.iteration_s - 1) < 1e-9
+
+
+def test_a_peer_that_computed_slower_than_its_reading_slows_the_prediction_made_again() -> None:
+    even = delivered_step(COSTS, _state(ADVERTS, {}), ADVERTS, MB)
+    slow = delivered_step(COSTS, _state(ADVERTS, {"d": 8.0}), ADVERTS, MB)
+    assert even is not None and slow is not None and slow > 1.5 * even
+    st = _state(ADVERTS, {"d": 8.0})
+    assert st.plan is not None and st.plan.plan is not None
+    peers = {a.peer_id: live_profile(a) for a in ADVERTS.values()}
+    per_mb = per_micro_batch(st.plan, st.compute, MB)
+    again = for_delivered(COSTS, st.plan.plan, peers, network_from_adverts(list(ADVERTS.values())), MB, per_mb)
+    assert again.iteration_s == slow  # one function: the summary's figure is the shared re-prediction
+
+
+def test_no_prediction_made_again_while_a_planned_peer_has_no_compute() -> None:
+    st = _state(ADVERTS, {})
+    del st.compute["c"]
+    assert delivered_step(COSTS, st, ADVERTS, MB) is None
+
+
+def _printed(estimate: dict[str, object]) -> list[str]:
+    summary = RunSummary([3.0, 2.0], 10.0, 100, Assignment(Cut(()), []), {}, {}, {}, estimate=estimate)
+    return [line for line in _summary(summary, None).splitlines() if line.startswith("estimator:")]
+
+
+def test_the_demo_summary_prints_the_prediction_for_the_delivered_compute_beside_the_plans() -> None:
+    est = {"predicted_step_s": 0.0972, "measured_step_s": 0.1041, "stages": [], "delivered_step_s": 0.1013}
+    lines = _printed(est)
+    assert lines[0].startswith("estimator: predicted 97.2 ms per step, measured 104.1 ms (median)")
+    assert (
+        lines[1]
+        == "estimator: for the compute the peers delivered, predicted 101.3 ms per step, measured 104.1 ms (-3%)"
+    )
+    del est["delivered_step_s"]
+    assert len(_printed(est)) == 1
