@@ -51,7 +51,15 @@ Prints one JSON object:
   coordinator's, goal <= 50) and ``public_junk_flood_log_lines_per_min`` (its lines
   about refused records; ``tests/dht_attacks.py``)
 
-``--short`` runs each smaller, for the test suite."""
+``--short`` runs each smaller, for the test suite: one flood of each kind in 2 s
+(frames) or 3 s (status page, hellos) or 4 s (junk records) windows, measured once
+however busy the machine is; the three floods on a public swarm (frames, status page,
+junk records) share one swarm, each flood still between clean windows of its own (the
+full mode starts one for each); 2 claims and 4 over-asking probes (8 and 16), each
+attack's write given 3 s (10), and a probe read for 1 s past its whole answer (until
+the answerer closes); one pair of 50-step spot-check runs (five of 300); a cheater
+run of 15 steps of 32 micro-batches (60 of 64). Both modes end the cheater's run
+once it is excluded."""
 
 from __future__ import annotations
 
@@ -86,13 +94,16 @@ CHEAT_FRACTION = 0.1
 
 
 # ---------------------------------------------------------------- memory and probes
-async def _probe(a: object, peer: str, up: int, down: int) -> tuple[int, int]:
-    """One raw probe: (bytes sent, bytes that came back)."""
+async def _probe(a: object, peer: str, up: int, down: int, short: bool) -> tuple[int, int]:
+    """One raw probe: (bytes sent, bytes that came back), read until the answerer closes
+    or sends nothing for 15 s. ``short``: for 1 s once the acknowledgement and the
+    ``down`` bytes asked have come (an honest answer then lingers, open, for the prober
+    to close it: ``PROBE_LINGER_S``, 5 s)."""
     reader, writer = await a._open(peer, BW_PROTOCOL)  # type: ignore[attr-defined]
     await write_frame(writer, {"down_bytes": down}, [torch.zeros(up, dtype=torch.uint8)])
     got = 0
     try:
-        while chunk := await asyncio.wait_for(reader.read(1 << 20), 15):
+        while chunk := await asyncio.wait_for(reader.read(1 << 20), 1 if short and got > down else 15):
             got += len(chunk)
     except (asyncio.TimeoutError, ConnectionError):
         pass
@@ -127,11 +138,11 @@ async def _attacks(short: bool) -> dict[str, float]:
         peak = max(peak, me.memory_info().rss)
         ratios = []
         for up, down in [(1 << 10, 256 << 20)] * (4 if short else 16) + [(1 << 20, 1 << 20)]:
-            sent, got = await _probe(a, b.peer_id, up, down)  # admitted: over-asking, then honest
+            sent, got = await _probe(a, b.peer_id, up, down, short)  # admitted: over-asking, then honest
             ratios.append(got / sent)
             peak = max(peak, me.memory_info().rss)
         b.gate.keys.pop(a.peer_id, None)
-        sent, got = await _probe(a, b.peer_id, 1 << 10, 256 << 20)  # not admitted
+        sent, got = await _probe(a, b.peer_id, 1 << 10, 256 << 20, short)  # not admitted
         ratios.append(got / sent)
         peak = max(peak, me.memory_info().rss)
     return {
@@ -196,7 +207,10 @@ def cheater_caught(short: bool) -> tuple[int, float, float]:
         try:
             cheater = swarm.add_hostile("noisy", "x.key", {"FUSIONLLM_CHEAT_FRACTION": str(CHEAT_FRACTION)})
             join_together(swarm, [[], []])
-            swarm.coord.wait(600)
+            try:  # its exclusion ends the measurement: the run's later steps are not waited for
+                swarm.coord.wait_line(rf"peer {cheater} .*failed: excluded: ", 600)
+            except AssertionError:  # the run ended, and the cheater was never excluded
+                assert swarm.coord.popen.poll() is not None, "the cheater's run did not end within 600 s"
             out = swarm.coord.output
         finally:
             swarm.close()
@@ -226,14 +240,38 @@ def _part(name: str) -> None:
     print(f"adversary: {name} (at {time.monotonic() - START:.0f} s)", file=sys.stderr, flush=True)
 
 
-def page_and_hello_floods(short: bool) -> dict[str, float]:
-    """Issue 35: a status-page flood's cost in steps/s, and a hello flood's in coordinator CPU."""
-    from helloflood import hello_flood_cpu, status_flood_ratio
+def public_floods(short: bool) -> dict[str, object]:
+    """The floods on a public training swarm (frames, its status page, junk DHT records)
+    and the outsider's shadowing store. ``short``: the three floods share one swarm (its
+    clean windows are measured around each flood all the same; the junk flood last, as its
+    records stay in the DHT); the full mode starts one swarm for each."""
+    from dht_attacks import public_shadow_store_trains
+    from flooder import on_own_target
 
+    if short:
+        _part("a public swarm, for three floods")
+    out = on_own_target(_floods) if short else _floods(None)
+    _part("an outsider's shadowing DHT store")
+    out["public_shadow_store_trains"] = public_shadow_store_trains(short)
+    return out
+
+
+def _floods(shared: Any) -> dict[str, object]:
+    """The figures of the three floods, on ``shared`` (a ``FloodTarget``: short) or each
+    on a swarm of its own (``None``: the full mode)."""
+    from dht_attacks import public_junk_flood
+    from flooder import flood_ratios
+    from helloflood import status_flood_ratio
+
+    short = shared is not None
+    _part("a flood, then a sustained flood")
+    burst, sustained = flood_ratios(short, shared)
+    out: dict[str, object] = {"flood_throughput_ratio": round(burst, 3)}
+    out["flood_sustained_throughput_ratio"] = round(sustained, 3)
     _part("a status-page flood")
-    out = status_flood_ratio(short)
-    _part("a hello flood on a private swarm")
-    out.update(hello_flood_cpu(short))
+    out.update(status_flood_ratio(short, shared))
+    _part("an outsider's junk DHT records")  # tests/dht_attacks.py
+    out.update(public_junk_flood(short, shared))
     return out
 
 
@@ -241,16 +279,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--short", action="store_true", help="smaller runs, for the test suite")
     short = ap.parse_args().short
-    from dht_attacks import dht_attack_figures
-    from flooder import flood_ratios
+    from helloflood import hello_flood_cpu
 
-    _part("a flood, then a sustained flood")
-    burst, sustained = flood_ratios(short)
-    out: dict[str, object] = {"flood_throughput_ratio": round(burst, 3)}
-    out["flood_sustained_throughput_ratio"] = round(sustained, 3)
-    out.update(page_and_hello_floods(short))
-    _part("an outsider's DHT records: a shadowing store, a junk flood")  # tests/dht_attacks.py
-    out.update(dht_attack_figures(short))
+    out = public_floods(short)
+    _part("a hello flood on a private swarm")
+    out.update(hello_flood_cpu(short))
     _part("allocation attacks and probes")
     out.update(asyncio.run(_attacks(short)))
     t0 = time.perf_counter()

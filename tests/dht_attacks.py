@@ -124,52 +124,47 @@ def _rss_mb(pid: int) -> float:
         return 0.0
 
 
-def public_junk_flood(short: bool) -> dict[str, float]:
-    """A public 2-peer swarm trains; an outsider (on its own CPU) stores ``FLOOD_JUNK``
+def public_junk_flood(short: bool, target: Any = None) -> dict[str, float]:
+    """A public 2-peer swarm (``target``, a :class:`tests.flooder.FloodTarget`, or one of
+    its own) trains; an outsider (on its own CPU) stores ``FLOOD_JUNK``
     junk and ``FLOOD_WRONG`` wrongly signed subkeys under the adverts key. Steps/s in
     the window from the flood's start over that of the clean windows before and after
     (goal >= 0.9), the coordinator's RSS growth over its clean value (goal <= 50 MB),
     and the coordinator's lines about refused records, per minute of flood (goal: at
     most one per sender and minute; here the refusing node knows no sender, so one
     per key)."""
-    from tests.flooder import FLOOD_S, FloodTarget, _clean, _Window
+    from tests.flooder import FLOOD_S, _clean, _Window, on_own_target
 
+    if target is None:
+        return on_own_target(lambda own: public_junk_flood(short, own))
     seconds = FLOOD_S / 2 if short else 3 * FLOOD_S
-    with tempfile.TemporaryDirectory() as tmp:
-        target = FloodTarget(Path(tmp))
-        outsider = None
+    outsider = None
+    try:
+        coord = target.swarm.coord
+        mine = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, set(target.flood_cpus))  # its DHT process inherits it
         try:
-            coord = target.swarm.coord
-            mine = os.sched_getaffinity(0)
-            os.sched_setaffinity(0, set(target.flood_cpus))  # its DHT process inherits it
-            try:
-                outsider = Outsider(target.swarm.join_args, "fusionllm")
-            finally:
-                os.sched_setaffinity(0, mine)
-            before = _clean(seconds)
-            rss0, lines0 = _rss_mb(coord.popen.pid), len(coord.lines)
-            window, peak = _Window(), rss0
-            outsider.junk(FLOOD_JUNK, FLOOD_WRONG)
-            while time.monotonic() < window.start + seconds:
-                peak = max(peak, _rss_mb(coord.popen.pid))
-                time.sleep(0.25)
-            window.end()
-            refusals = sum(1 for line in coord.lines[lines0:] if _REFUSAL.search(line))
-            after = _clean(seconds)
-            lines, times = list(coord.lines), list(coord.times)
-            clean = (before.rate(lines, times) + after.rate(lines, times)) / 2
-            flood_s = window.stop - window.start
-            return {
-                "public_junk_flood_ratio": round(window.rate(lines, times) / clean, 3),
-                "public_junk_flood_rss_growth_mb": round(max(0.0, peak - rss0), 1),
-                "public_junk_flood_log_lines_per_min": round(refusals * 60.0 / max(flood_s, 60.0), 2),
-            }
+            outsider = Outsider(target.swarm.join_args, "fusionllm")
         finally:
-            if outsider is not None:
-                outsider.close()
-            target.close()
-
-
-def dht_attack_figures(short: bool) -> dict[str, object]:
-    """``benchmarks/adversary.py``'s figures of this module's attacks."""
-    return {"public_shadow_store_trains": public_shadow_store_trains(short), **public_junk_flood(short)}
+            os.sched_setaffinity(0, mine)
+        before = _clean(seconds)
+        rss0, lines0 = _rss_mb(coord.popen.pid), len(coord.lines)
+        window, peak = _Window(), rss0
+        outsider.junk(FLOOD_JUNK, FLOOD_WRONG)
+        while time.monotonic() < window.start + seconds:
+            peak = max(peak, _rss_mb(coord.popen.pid))
+            time.sleep(0.25)
+        window.end()
+        refusals = sum(1 for line in coord.lines[lines0:] if _REFUSAL.search(line))
+        after = _clean(seconds)
+        lines, times = list(coord.lines), list(coord.times)
+        clean = (before.rate(lines, times) + after.rate(lines, times)) / 2
+        flood_s = window.stop - window.start
+        return {
+            "public_junk_flood_ratio": round(window.rate(lines, times) / clean, 3),
+            "public_junk_flood_rss_growth_mb": round(max(0.0, peak - rss0), 1),
+            "public_junk_flood_log_lines_per_min": round(refusals * 60.0 / max(flood_s, 60.0), 2),
+        }
+    finally:
+        if outsider is not None:
+            outsider.close()

@@ -27,9 +27,10 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 #: the frames of one flood, and how long it lasts at least
 FRAMES = 100_000
@@ -37,6 +38,7 @@ FLOOD_S = 8.0
 #: a flood ends after this long even if not all its frames got through (within one mute)
 MAX_FLOOD_S = 45.0
 _STEP = re.compile(r"\|\s*(\d+)/\d+ \[")
+T = TypeVar("T")
 
 
 async def flood(
@@ -303,7 +305,7 @@ class FloodTarget:
     often as asked (each time with flooders of its own), ended by :meth:`close`."""
 
     def __init__(self, tmp: Path, split_cpus: bool = True) -> None:
-        from tests.swarmproc import SMALL, Swarm, wait_for
+        from tests.swarmproc import SMALL, Swarm, join_together, wait_for
 
         self.tmp = tmp
         cpus = sorted(os.sched_getaffinity(0))
@@ -314,7 +316,12 @@ class FloodTarget:
         try:
             training = ["--steps", "100000", "--seed", "0", *SMALL, "--min-peers", "2"]
             quiet = ["--checkpoint-every", "0", "--step-timeout", "60", "--spot-check", "0"]
-            self.swarm = Swarm(tmp, [*training, *quiet, "--run-dir", str(tmp / "run")], peers=2)
+            self.swarm = Swarm(tmp, [*training, *quiet, "--run-dir", str(tmp / "run")], peers=0)
+            try:
+                join_together(self.swarm, [[], []])  # the two peers' start-ups overlap
+            except BaseException:
+                self.close()
+                raise
         finally:
             os.sched_setaffinity(0, set(cpus))
         self.split = f"swarm on CPUs {self.swarm_cpus}, flooder on {self.flood_cpus}" if self.flood_cpus != cpus else ""
@@ -357,22 +364,30 @@ class FloodTarget:
         self.swarm.close()
 
 
-def flood_ratios(short: bool) -> tuple[float, float]:
-    """Training throughput during a flood of ``FRAMES`` frames over throughput without,
-    and the same while the outsider floods for the whole window (not only ``FRAMES``
-    frames), measured on one swarm: the goal is >= 0.9 for both (``short``: one flood
-    each, 2-second windows instead of 8 (a flood's own lasts as long as the flood),
-    measured once however busy the machine is)."""
+def on_own_target(measure: Callable[[FloodTarget], T]) -> T:
+    """What ``measure`` returns on a :class:`FloodTarget` of its own (in a temporary
+    directory), closed after."""
     import tempfile
 
-    seconds, attempts, rounds = (FLOOD_S / 4, 1, 1) if short else (FLOOD_S, ATTEMPTS, BENCH_ROUNDS)
     with tempfile.TemporaryDirectory() as tmp:
         target = FloodTarget(Path(tmp))
         try:
-            burst = target.measure(FRAMES, seconds, "wrong_run", False, attempts, rounds)
-            sustained = target.measure(FRAMES, seconds, "wrong_run", True, attempts, rounds)
+            return measure(target)
         finally:
             target.close()
+
+
+def flood_ratios(short: bool, target: FloodTarget | None = None) -> tuple[float, float]:
+    """Training throughput during a flood of ``FRAMES`` frames over throughput without,
+    and the same while the outsider floods for the whole window (not only ``FRAMES``
+    frames), measured on one swarm (``target``, or one of its own): the goal is >= 0.9
+    for both (``short``: one flood each, 2-second windows instead of 8 (a flood's own
+    lasts as long as the flood), measured once however busy the machine is)."""
+    seconds, attempts, rounds = (FLOOD_S / 4, 1, 1) if short else (FLOOD_S, ATTEMPTS, BENCH_ROUNDS)
+    if target is None:
+        return on_own_target(lambda own: flood_ratios(short, own))
+    burst = target.measure(FRAMES, seconds, "wrong_run", False, attempts, rounds)
+    sustained = target.measure(FRAMES, seconds, "wrong_run", True, attempts, rounds)
     return burst.ratio, sustained.ratio
 
 

@@ -82,43 +82,49 @@ def _go(tmp: Path, name: str) -> Path:
     return tmp / f"go-{name}-{time.monotonic_ns()}"
 
 
-def status_flood_ratio(short: bool) -> dict[str, float]:
-    """Steps/s of a 2-peer swarm while an outsider floods its status page (``STATUS_RATE``
+def status_flood_ratio(short: bool, target: Any = None) -> dict[str, float]:
+    """Steps/s of a 2-peer swarm (``target``, a :class:`tests.flooder.FloodTarget`, or
+    one of its own) while an outsider floods its status page (``STATUS_RATE``
     requests/s written whether answered or not, from the last CPU) over steps/s in the
     clean windows between the floods (clean, flood, clean, ... clean: ``STATUS_ROUNDS``
     floods, one with ``short``: one window pair reads within about 15% of 1.0 with no
     flood at all); and the requests written and answered a second."""
-    from tests.flooder import FloodTarget, _clean, _Window
-    from tests.swarmproc import Proc
+    from tests.flooder import on_own_target
 
-    seconds, rounds = (3.0, 1) if short else (10.0, STATUS_ROUNDS)
-    with tempfile.TemporaryDirectory() as tmp:
-        target = FloodTarget(Path(tmp))
-        try:
-            cleans, floods, tallies = [_clean(seconds)], [], []
-            for _ in range(rounds):
-                go = _go(Path(tmp), "status")
-                args = [target.swarm.url, "--rate", str(STATUS_RATE), "--seconds", str(seconds), "--go-file", str(go)]
-                flooder = Proc(*args, *target.cpu_arg, module="tests.statusflood")
-                target.swarm.procs.append(flooder)
-                flooder.wait_line("^ready$", 30)
-                go.touch()
-                floods.append(_Window())
-                tallies.append(json.loads(flooder.wait_line(r"^\{.*\}$", seconds + 30).group(0)))
-                floods[-1].end(floods[-1].start + seconds)
-                cleans.append(_clean(seconds))
-            coord = target.swarm.coord
-            lines, times = list(coord.lines), list(coord.times)
-            clean = sum(w.rate(lines, times) for w in cleans) / len(cleans)
-            flooded = sum(w.rate(lines, times) for w in floods) / len(floods)
-        finally:
-            target.close()
+    if target is None:
+        return on_own_target(lambda own: status_flood_ratio(short, own))
+    cleans, floods, tallies = _status_windows(target, *((3.0, 1) if short else (10.0, STATUS_ROUNDS)))
+    coord = target.swarm.coord
+    lines, times = list(coord.lines), list(coord.times)
+    clean = sum(w.rate(lines, times) for w in cleans) / len(cleans)
+    flooded = sum(w.rate(lines, times) for w in floods) / len(floods)
     return {
         "status_flood_ratio": round(flooded / clean, 3),
         "status_flood_requests_per_s": min(t["written_per_s"] for t in tallies),
         "status_flood_answers_per_s": max(t["answers_per_s"] for t in tallies),
         "status_flood_clean_steps_per_s": round(clean, 2),
     }
+
+
+def _status_windows(target: Any, seconds: float, rounds: int) -> tuple[list[Any], list[Any], list[dict[str, Any]]]:
+    """Clean, flood, clean, ... clean windows of ``seconds`` on ``target``'s swarm, each
+    flood from a status flooder of its own: (clean windows, flood windows, the floods' tallies)."""
+    from tests.flooder import _clean, _Window
+    from tests.swarmproc import Proc
+
+    cleans, floods, tallies = [_clean(seconds)], [], []
+    for _ in range(rounds):
+        go = _go(target.tmp, "status")
+        args = [target.swarm.url, "--rate", str(STATUS_RATE), "--seconds", str(seconds), "--go-file", str(go)]
+        flooder = Proc(*args, *target.cpu_arg, module="tests.statusflood")
+        target.swarm.procs.append(flooder)
+        flooder.wait_line("^ready$", 30)
+        go.touch()
+        floods.append(_Window())
+        tallies.append(json.loads(flooder.wait_line(r"^\{.*\}$", seconds + 30).group(0)))
+        floods[-1].end(floods[-1].start + seconds)
+        cleans.append(_clean(seconds))
+    return cleans, floods, tallies
 
 
 def hello_flood_cpu(short: bool) -> dict[str, float]:
