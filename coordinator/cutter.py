@@ -127,7 +127,8 @@ class _Cutter:
         """A bound every cut that fits memory meets."""
         n = self.costs.num_ops
         worst_link = max(float(bytes_.max()) + float(trip.max()) for per in self.links for bytes_, trip, _ in per)
-        return max(st.latency(self.costs, 0, n) + st.period(self.costs, 0, n) for st in self.stages) + worst_link
+        whole = [st.reach(self.costs, 0) for st in self.stages]  # the periods as ``row`` sees them
+        return max(float(latency[n] + periods[n]) for periods, _, latency in whole) + worst_link
 
     def row(self, s: int, lo: int) -> tuple[np.ndarray, int, list[np.ndarray]]:
         """Stage s's period for every end, the furthest end whose memory fits, and

@@ -44,10 +44,10 @@ from typing import Any
 import numpy as np
 
 from coordinator.codec_price import plan_steps_factor, price
-from coordinator.netmodel import Network, PeerProfile, boundary_models, link_seconds, rate_mbps, rounds_of
+from coordinator.netmodel import Network, PeerProfile, boundary_models, rate_mbps, rounds_of
 from coordinator.opdag import OpDag, cost_lists
 from coordinator.overheads import REPLICA_CALLS, STEP_CALLS, StageFacts, boundary_ends, message_s, pass_s, step_fixed_s
-from coordinator.pipeline_latency import round_trips, windows
+from coordinator.pipeline_latency import exposed_sends, round_trips, tied_sync_s, windows
 from protocol.model.schedule import uses_1f1b
 from protocol.wire.codecs import Codec
 
@@ -287,11 +287,18 @@ class Replica:
     handoff_s: float = 0.0  # per pass (forward, backward): to the compute thread and back (``overheads.pass_s``)
 
     def seconds(self, costs: DagCosts, lo: int, hi: int, part: str = "FB") -> float:
-        """One micro-batch's forward (``F``), backward with its replica gradient sends
-        (``B``) or both (``FB``), each handed to the compute thread and back."""
+        """One micro-batch's forward (``F``), backward (``B``) or both (``FB``), each
+        handed to the compute thread and back. Its replica gradient sends are not in
+        it: they leave beside the next micro-batch's compute (``occupied``)."""
         compute = costs.stage_flops(lo, hi) / max(self.flops, 1.0) + costs.stage_kernels(lo, hi) * self.overhead_s
-        backward = (PASSES - 1) * compute + self.handoff_s + self.sends(costs, lo, hi)
-        return (compute + self.handoff_s) * (part != "B") + backward * (part != "F")
+        return (compute + self.handoff_s) * (part != "B") + ((PASSES - 1) * compute + self.handoff_s) * (part != "F")
+
+    def occupied(self, costs: DagCosts, lo: int, hi: int, part: str = "FB") -> float:
+        """A micro-batch's share of the replica's steady period: its compute, or its
+        gradient sends' transfer where that is longer (the peer starts them after the
+        backward and awaits them at the step's end: they overlap the next compute)."""
+        busy = costs.stage_params(lo, hi) * self.send_s_per_byte * (part != "F")
+        return max(self.seconds(costs, lo, hi, part), busy)
 
     def sends(self, costs: DagCosts, lo: int, hi: int) -> float:
         return self.send_latency_s + costs.stage_params(lo, hi) * self.send_s_per_byte if self.send_s_per_byte else 0.0
@@ -317,9 +324,10 @@ class GroupModel:
 
     def _rows(self) -> np.ndarray:
         """Per replica kind, a micro-batch's seconds per FLOP, per kernel, per parameter
-        byte (its gradient sends) and fixed (their latency)."""
+        byte (its gradient sends' transfer, beside its compute: ``Replica.occupied``)
+        and fixed (the handoffs; the sends' latency is in no period)."""
         rows = [
-            [PASSES / max(r.flops, 1.0), PASSES * r.overhead_s, r.send_s_per_byte, r.send_latency_s + 2 * r.handoff_s]
+            [PASSES / max(r.flops, 1.0), PASSES * r.overhead_s, r.send_s_per_byte, 2 * r.handoff_s]
             for r in self.replicas
         ]
         return np.array(rows)
@@ -333,7 +341,7 @@ class GroupModel:
 
     def period(self, costs: DagCosts, lo: int, hi: int, part: str = "FB") -> float:
         """The stage's steady-state time per round of micro-batches (its busiest replica's work)."""
-        return max(r.runs * r.seconds(costs, lo, hi, part) for r in self.replicas) / self.rounds
+        return max(r.runs * r.occupied(costs, lo, hi, part) for r in self.replicas) / self.rounds
 
     def sends(self, costs: DagCosts, lo: int, hi: int) -> float:
         return max(r.sends(costs, lo, hi) for r in self.replicas)
@@ -343,13 +351,20 @@ class GroupModel:
 
     def reach(self, costs: DagCosts, lo: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``period``, ``fits`` and ``latency`` of ``(costs, lo, hi)`` for every ``hi``
-        at once (entries below ``lo`` mean nothing): what a cut search asks most."""
+        at once (entries below ``lo`` mean nothing): what a cut search asks most. The
+        period here carries the stage's last gradient sends (``exposed_sends``) spread
+        over the rounds after the first, as the iteration does: where a cut puts
+        replicated parameters weighs, which the steady period alone cannot see."""
         flops, kernels, params, acts = costs.arrays_from(lo)
-        each = self._rows() @ np.stack([flops, kernels, params, np.ones_like(flops)])  # a micro-batch, per kind
+        rows = self._rows()
+        sends = rows[:, 2:3] * params[None, :]  # beside the compute (``Replica.occupied``)
+        each = rows[:, [0, 1, 3]] @ np.stack([flops, kernels, np.ones_like(flops)])  # a micro-batch's compute
+        last = (sends + np.array([[r.send_latency_s * (r.send_s_per_byte > 0)] for r in self.replicas])).max(axis=0)
         runs = np.array([r.runs for r in self.replicas], dtype=np.float64)[:, None]
         limits = np.array([[r.in_flight, r.memory] for r in self.replicas], dtype=np.float64)
         need = STATE_PER_PARAM_BYTE * params[None, :] + limits[:, :1] * acts[None, :]
-        return (runs * each).max(axis=0) / self.rounds, (need <= limits[:, 1:]).all(axis=0), each.max(axis=0)
+        busy = (runs * np.maximum(each, sends)).max(axis=0) / self.rounds + last / max(self.rounds - 1, 1)
+        return busy, (need <= limits[:, 1:]).all(axis=0), each.max(axis=0)
 
 
 def group_models(groups: list[list[PeerProfile]], network: Network, micro_batches: int) -> list[GroupModel]:
@@ -432,11 +447,13 @@ def predict(
             )
             for d, part in enumerate("FB")
         )
-    plan.iteration_s = pipeline + tied_sync_s(costs, plan, network) + fixed_s(costs, plan, peers)
+    sends = [g.sends(costs, lo, hi) for g, (lo, hi) in zip(models, ranges)]
+    tail = exposed_sends(sends, [g.latency(costs, lo, hi, "B") for g, (lo, hi) in zip(models, ranges)], one_way[1])
+    plan.iteration_s = pipeline + tail + tied_sync_s(costs, plan, network) + fixed_s(costs, plan, peers)
     plan.stage_s = [t * rounds / m for t in stage_round]
     plan.link_s = [t * rounds / m for t in link_round]
     plan.edge_mbps = edge_rates(plan.groups, network, m)
-    plan.allreduce_s = [g.sends(costs, lo, hi) for g, (lo, hi) in zip(models, ranges)]
+    plan.allreduce_s = sends
     plan.lower_bound_s = lower_bound(costs, peers, m)
     plan.fits_memory = all(g.fits(costs, lo, hi) for g, (lo, hi) in zip(models, ranges))
     plan.empty_stage = any(costs.stage_flops(lo, hi) < costs.min_stage_flops(k) for lo, hi in ranges)
@@ -470,22 +487,6 @@ def stage_facts(costs: DagCosts, plan: Plan, micro_batches: int) -> dict[int, St
         grads = runs * (r - 1) + micro_batches - runs if r > 1 else 0.0  # sent and received
         calls = 2 * runs + STEP_CALLS + (REPLICA_CALLS if r > 1 else 0)
         out[s] = StageFacts(calls, 2 * runs * len(near) + grads, runs * sum(near) + grads * params, params)
-    return out
-
-
-def tied_sync_s(costs: DagCosts, plan: Plan, network: Network) -> float:
-    """Summing the gradients of tied weights that sit in two stages, once an iteration
-    after the pipeline drains: each stage's first peer sends its copy's to the other."""
-    ranges = plan.ranges(costs.num_ops)
-
-    def stage_of(op: int) -> int:
-        return next(s for s, (lo, hi) in enumerate(ranges) if lo <= op < hi)
-
-    out = 0.0
-    for first, last, nbytes in costs.tied:
-        a, b = stage_of(first), stage_of(last)
-        if a != b:
-            out = max(out, link_seconds(nbytes, network.link(plan.groups[a][0], plan.groups[b][0])))
     return out
 
 

@@ -251,7 +251,22 @@ def _cut_and_evaluate(
     costs: DagCosts, groups: list[list[PeerProfile]], by_id: PeerTable, network: Network, options: Options
 ) -> Plan | None:
     cut = cut_for(costs, groups, network, options)
-    return None if cut is None else evaluate(costs, cut, [[p.id for p in g] for g in groups], by_id, network, options)
+    if cut is None:
+        return None
+    ids = [[p.id for p in g] for g in groups]
+    best = evaluate(costs, cut, ids, by_id, network, options)
+    if all(len(g) == 1 for g in groups):
+        return best
+    # a replicated stage's last gradient sends show at the step's end, which the
+    # bottleneck cut cannot see: each boundary one allowed position either way too
+    allowed = set(boundary_positions(costs))
+    for b, here in enumerate(cut):
+        for pos in (here - 1, here + 1):
+            moved = cut[:b] + (pos,) + cut[b + 1 :]
+            if pos in allowed and all(x < y for x, y in zip((0, *moved), (*moved, costs.num_ops))):
+                cand = evaluate(costs, moved, ids, by_id, network, options)
+                best = cand if _better(cand, best) else best
+    return best
 
 
 def _tiny_candidates(

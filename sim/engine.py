@@ -16,11 +16,11 @@ from coordinator.estimator import (
     Replica,
     fixed_s,
     predict,
-    tied_sync_s,
     wire_pair,
 )
 from coordinator.netmodel import Network, PeerProfile, link_seconds, transfer_s
 from coordinator.overheads import message_s, pass_s
+from coordinator.pipeline_latency import tied_sync_s
 from coordinator.plan_eval import Options, ScheduleError
 from coordinator.plan_options import POLICIES
 from coordinator.replan import JOIN_REPLAN_EVERY, checkpoint_due, rebalance, recover, wants_replan
@@ -75,8 +75,9 @@ def iteration_seconds(
     way the live swarm runs it: micro-batch ``mb`` on replica ``mb mod r`` of each stage,
     each replica running ``schedule`` over its own micro-batches when every stage has as
     many replicas (GPipe otherwise), a replica's backward followed by its gradient
-    sends to the other replicas, and one transfer at a time per direction on every
-    pair of peers."""
+    sends to the other replicas (beside its next compute, one micro-batch's after
+    another, the step's end waiting for the last), and one transfer at a time per
+    direction on every pair of peers."""
     lanes = _lanes(costs, p, peers, network, m, schedules.effective(schedule, p.groups))
     k = len(p.groups)
     ready_f: list[dict[int, float]] = [dict.fromkeys(range(m), 0.0)] + [{} for _ in range(k - 1)]
@@ -111,12 +112,16 @@ def iteration_seconds(
                     ready_f[s + 1][mb] = send("F", s, s + 1, mb, end)
                 elif kind == "F":
                     ready_b[s][mb] = end
-                elif s > 0:
+                if kind == "B":
+                    lane.replicate(end)
+                if kind == "B" and s > 0:
                     ready_b[s - 1][mb] = send("B", s, s - 1, mb, end)
         if not progressed:
             raise RuntimeError("the schedule deadlocked in simulation")
         pending = [lane for lane in pending if lane.idx < len(lane.acts)]
-    return max(lane.free for lane in lanes) + tied_sync_s(costs, p, network) + fixed_s(costs, p, peers)
+    return (
+        max(max(lane.free, lane.landed) for lane in lanes) + tied_sync_s(costs, p, network) + fixed_s(costs, p, peers)
+    )
 
 
 @dataclass
@@ -126,9 +131,19 @@ class _Lane:
     stage: int
     acts: list[tuple[str, int]]  # (F or B, global micro-batch)
     f: float  # seconds of a forward
-    b: float  # seconds of a backward and its replica gradient sends
+    b: float  # seconds of a backward
+    send_busy: float = 0.0  # its gradient sends to the other replicas: on the link
+    send_latency: float = 0.0  # and in flight
     idx: int = 0
     free: float = 0.0
+    sending: float = 0.0  # when its link is free of the sends queued so far
+    landed: float = 0.0  # when its last sends arrived
+
+    def replicate(self, end: float) -> None:
+        """A backward done at ``end``: its gradient sends leave once the earlier ones have."""
+        if self.send_busy or self.send_latency:
+            self.sending = max(self.sending, end) + self.send_busy
+            self.landed = self.sending + self.send_latency
 
 
 def _lanes(
@@ -144,7 +159,10 @@ def _lanes(
                 peer.flops, peer.op_overhead_s, peer.memory_bytes, len(mine), 0, lat, spb, pass_s(peer.overheads)
             )
             acts = [(kind, mine[j]) for kind, j in schedules.make(schedule, k, len(mine))[s]] if mine else []
-            out.append(_Lane(s, acts, one.seconds(costs, lo, hi, "F"), one.seconds(costs, lo, hi, "B")))
+            busy = costs.stage_params(lo, hi) * spb
+            out.append(
+                _Lane(s, acts, one.seconds(costs, lo, hi, "F"), one.seconds(costs, lo, hi, "B"), busy, lat * (spb > 0))
+            )
     return out
 
 

@@ -60,18 +60,48 @@ def test_link_latency_shows_when_1f1b_cannot_cover_it() -> None:
 
 
 def test_replicas_run_whole_micro_batches_and_send_their_gradients() -> None:
-    """Two replicas of one stage, four micro-batches: each runs two, and after each
-    backward sends that micro-batch's 8 MB of gradients to the other at 800 Mbit/s
-    (80 ms) plus 1 ms latency: per micro-batch 24 ms + 81 ms, two rounds."""
+    """Two replicas of one stage, four micro-batches: each runs two (24 ms each), and
+    after each backward sends that micro-batch's 8 MB of gradients to the other at
+    800 Mbit/s (80 ms) plus 1 ms latency. The sends of the first overlap the second's
+    compute and the second's queue behind them on the link: 24 + 2 x 80 + 1 ms, where
+    compute and sends in series would take 2 x (24 + 81)."""
     costs, peers = _chain(params=10**6), _peers(2)
     plan = Plan((), [["p0", "p1"]], [])
     est, sim = _both(costs, plan, peers, _net(peers, mbps=800, latency=1e-3), 4)
-    per_mb = 3 * 8e-3 + 1e-3 + 8 * 10**6 * 8 / 800e6
-    assert est == pytest.approx(2 * per_mb)
+    assert est == pytest.approx(24e-3 + 2 * 80e-3 + 1e-3)
     assert sim == pytest.approx(est)
     assert predict(costs, plan, PeerTable(peers), _net(peers, mbps=800, latency=1e-3), 4).allreduce_s == [
-        pytest.approx(per_mb - 24e-3)
+        pytest.approx(81e-3)
     ]
+
+
+def test_a_replicas_sends_faster_than_its_compute_hide_behind_it_but_the_last() -> None:
+    """As above at 8 Gbit/s (8 ms sends, 1 ms latency): each micro-batch's sends leave
+    beside the next one's compute, so the stage takes its compute plus the last sends,
+    2 x 24 + 9 ms, not 2 x (24 + 9): max(compute, sends) per micro-batch, not their sum."""
+    costs, peers = _chain(params=10**6), _peers(2)
+    plan = Plan((), [["p0", "p1"]], [])
+    est, sim = _both(costs, plan, peers, _net(peers, mbps=8000, latency=1e-3), 4)
+    assert est == pytest.approx(2 * 24e-3 + 9e-3)
+    assert sim == pytest.approx(est)
+
+
+def test_a_replicated_stage_over_a_slow_link_costs_the_slower_of_compute_and_sends() -> None:
+    """A fast first stage, then a stage of two replicas 80 Mbit/s apart, 16 micro-batches
+    (8 per replica): each micro-batch's 80 kB of gradients takes 8 ms on that link, as
+    long as its backward. The sends run beside the next micro-batch's compute, so the
+    stage costs its compute plus the last sends (about 8 x 12 + 9 ms), as event by
+    event, not compute and sends in series (8 x (12 + 9) ms)."""
+    costs = _chain(params=2 * 10**4)  # 20 kB of parameters per op
+    peers = [PeerProfile("p0", 1e14, 1 << 40, "c", 0.0), *_peers(3)[1:]]
+    slow = {("p1", "p2"): (80.0, 1e-3), ("p2", "p1"): (80.0, 1e-3)}
+    net = Network({p.id: "c" for p in peers}, {("c", "c"): (1e6, 0.0)}, slow)
+    plan = Plan((4,), [["p0"], ["p1", "p2"]], [Codec()])
+    est, sim = _both(costs, plan, peers, net, 16)
+    compute, sends = 3 * 4e-3, 4 * 2 * 10**4 * 8 / 80e6 + 1e-3  # stage 1, per micro-batch
+    assert sim == pytest.approx(8 * compute + sends, rel=0.01)
+    assert est == pytest.approx(sim, rel=0.07)  # GPipe's fill: a replica's first micro-batch counted whole
+    assert est < 0.75 * 8 * (compute + sends)
 
 
 def test_a_slow_replica_takes_its_whole_share() -> None:
