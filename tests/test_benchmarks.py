@@ -219,7 +219,11 @@ def _rebalance(out: dict[str, Any]) -> None:
 
 
 def _adversary(out: dict[str, Any]) -> None:
-    assert 0 < out["flood_throughput_ratio"] < 2 and 0 < out["flood_sustained_throughput_ratio"] < 2, out
+    # the floods' ratios divide a flood window's steps/s by its clean neighbours' (2-3 s windows
+    # in the short mode): training went on under each flood. Not bounded above: beside the other
+    # test worker a short window read 2.1-2.3 with nothing wrong (the clean windows were the slow
+    # ones); their values are read from the full mode, whose goals (>= 0.9) docs/benchmarks.md holds
+    assert out["flood_throughput_ratio"] > 0 and out["flood_sustained_throughput_ratio"] > 0, out
     # nothing is allocated on a claim: the attacks leave RSS near idle, and no probe draws back more than it sent
     assert out["max_rss_mb_under_alloc_attack"] <= 2 * out["idle_rss_mb"] and out["probe_amplification"] <= 1, out
     # overheads are ratios of measured times, so noise can make them a little negative
@@ -231,10 +235,10 @@ def _adversary(out: dict[str, Any]) -> None:
     _positive(out, "spot_check_step_ms_off", "spot_check_step_ms_on")
     assert out["cheater_caught_within_steps"] >= 1, out
     # an outsider's plain values under a public run's DHT keys stop nothing; its junk costs no memory
-    assert out["public_shadow_store_trains"] is True and 0 < out["public_junk_flood_ratio"] < 2, out
+    assert out["public_shadow_store_trains"] is True and out["public_junk_flood_ratio"] > 0, out
     assert out["public_junk_flood_rss_growth_mb"] <= 50, out
     # the status page's flood reached the page, and training went on beside it
-    assert 0 < out["status_flood_ratio"] < 2 and out["status_flood_requests_per_s"] > 100, out
+    assert out["status_flood_ratio"] > 0 and out["status_flood_requests_per_s"] > 100, out
     # the hellos were sent and some reached the coordinator's gate, which refused and counted them
     assert out["hello_flood_rejections_counted"] >= 1 and out["hello_flood_coordinator_cpu_per_1k"] >= 0, out
 
