@@ -83,6 +83,11 @@ class Network:
             got = self.clusters.get((ca, cb)) or self.clusters.get((cb, ca)) or self.default
         return LinkInfo(got[0], got[1], (a, b) in self.measured or (b, a) in self.measured)
 
+    def inferred_mbps(self, a: str, b: str) -> float:
+        """The Mbit/s the view gives peers ``a`` and ``b`` by their clusters alone,
+        whatever was measured between the two."""
+        return self._cluster_link(self.cluster_of.get(a, ""), self.cluster_of.get(b, ""))[0]
+
     def _cluster_link(self, ca: str, cb: str) -> tuple[float, float]:
         return self.clusters.get((ca, cb)) or self.clusters.get((cb, ca)) or self.default
 

@@ -253,7 +253,7 @@ LINK_SIZES = (2, 3, 4, 6, 8)
 def link_pools(peers: list[PeerProfile], network: Network) -> list[dict[str, list[PeerProfile]]]:
     """Pools of peers joined by fast links, whatever their clusters: from each of the
     ``LINK_SEEDS`` fastest measured pairs (at least ``LINK_FAST`` times the median
-    measured link) and of the fastest pairs among the ``LINK_STRONG`` peers of most
+    measured link or the link their clusters have) and of the fastest pairs among the ``LINK_STRONG`` peers of most
     FLOP/s (of two clusters: the cluster pools hold the others), grown one peer at
     a time by the fastest link from the pool to a peer outside it (measured, or to
     a strong peer), to each of ``LINK_SIZES`` peers. A pair of homes on one fibre
@@ -267,7 +267,11 @@ def link_pools(peers: list[PeerProfile], network: Network) -> list[dict[str, lis
     links = [(v[0], a, b) for a, row in index.items() for b, v in row.items() if a < b and b in by_id and known(a, b)]
     links = [x for x in links if x[1] in by_id]
     median = sorted(m for m, *_ in links)[len(links) // 2] if links else math.inf
-    fast = sorted((x for x in links if x[0] >= LINK_FAST * median), key=lambda x: (-x[0], x[1], x[2]))
+    # fast beside the other measured links, or beside what the view says of the two
+    # peers' clusters (homes-30: its four measured pairs all run at 1 Gbit/s, so none
+    # was twice their median, and the 100 Mbit/s homes they join were never paired)
+    fast = [x for x in links if x[0] >= LINK_FAST * min(median, network.inferred_mbps(x[1], x[2]))]
+    fast.sort(key=lambda x: (-x[0], x[1], x[2]))
     strong = [p.id for p in fastest(peers)[:LINK_STRONG]]
     home = {p.id: network.cluster_of.get(p.id, p.cluster) for p in peers}
     among = [(network.link(a, b).mbps, a, b) for i, a in enumerate(strong) for b in strong[i + 1 :]]

@@ -83,6 +83,19 @@ def test_link_pools_hold_the_pair_no_cluster_holds() -> None:
     assert all(len(p) >= 2 for p in pools)
 
 
+def test_a_pair_as_fast_as_every_other_measured_pair_still_seeds_a_pool() -> None:
+    """Twelve homes at 100 Mbit/s; the only measured pairs, r-s and t-u, both run at
+    1 Gbit/s, and none of them is among the strongest peers. Neither pair is twice the
+    median measured link (the two are the median), yet each is ten times what the view
+    says of its homes: homes-30's GPT-2 XL plan missed its 2.4x faster pair this way."""
+    peers = [_peer(f"h{i}", 100, f"h{i}") for i in range(8)]
+    peers += [_peer(pid, 50, pid) for pid in ("r", "s", "t", "u")]
+    fast = {("r", "s"): (1000.0, 0.001), ("t", "u"): (1000.0, 0.001)}
+    network = Network({p.id: p.cluster for p in peers}, {}, fast, measured=set(fast), default=(100.0, 0.001))
+    pools = [sorted(p.id for members in pool.values() for p in members) for pool in link_pools(peers, network)]
+    assert ["r", "s"] in pools and ["t", "u"] in pools
+
+
 def _four_homes() -> tuple[list[PeerProfile], Network, Network]:
     """Four homes, each its own cluster. The view knows no link and takes every one at
     100 Mbit/s; in truth every link is 10 Mbit/s but r-s (1 Gbit/s). p and q compute
