@@ -75,11 +75,14 @@ def _estimate(st: RunState, adverts: dict[str, Advert], micro_batches: int, dag:
 def delivered_step(costs: DagCosts, st: RunState, adverts: dict[str, Advert], micro_batches: int) -> float | None:
     """The run's plan predicted again (``coordinator.delivered.for_delivered``) with each
     peer at the compute it delivered (the median of its steps' compute over the
-    micro-batches dealt to it) over the links as last measured; None when a planned
-    peer's advert or compute is missing."""
+    micro-batches dealt to it) over the links as last measured; None when a peer of the
+    plan's groups has no advert or compute, or when the stages no longer are those groups
+    (a recovery dropped a replica without planning again: the plan names a peer gone)."""
     plan = st.plan.plan if st.plan else None
-    peers = [p for group in st.plan.stages for p in group] if st.plan else []
-    if plan is None or any(p not in adverts or not st.compute.get(p) for p in peers):
+    if plan is None or st.plan is None or [list(g) for g in plan.groups] != [list(g) for g in st.plan.stages]:
+        return None
+    peers = [p for group in plan.groups for p in group]
+    if any(p not in adverts or not st.compute.get(p) for p in peers):
         return None
     live = [adverts[p] for p in peers]
     profiles = {a.peer_id: live_profile(a) for a in live}

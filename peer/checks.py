@@ -7,10 +7,10 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocol.wire.codecs import Codec
+from protocol.wire.codecs import Codec, CodecError
 from protocol.wire.envelope import Envelope
 from protocol.wire.expect import match_values
-from protocol.wire.messages import Assign, Message, kinds_from
+from protocol.wire.messages import Assign, LinkPlan, Message, kinds_from
 from protocol.wire.reject import Reject, Rejected
 
 #: control messages only the coordinator sends
@@ -38,6 +38,8 @@ class PlanChecks:
             # the dispatcher has taken the assignment in (the two are in order on one stream)
             if a is None and env.kind not in _BEFORE_ASSIGN:
                 raise Rejected(Reject.UNEXPECTED, f"{env.kind} before an assignment")
+            if isinstance(message, LinkPlan) and a is not None and message.epoch == a.epoch:
+                self._take_codecs(message, len(a.stages) - 1)
             return
         if a is None:
             raise Rejected(Reject.UNEXPECTED, f"{env.kind} from {sender} before an assignment")
@@ -78,6 +80,19 @@ class PlanChecks:
                 )
         else:
             raise Rejected(Reject.UNEXPECTED, f"{env.kind} from {sender}")
+
+    def _take_codecs(self, links: LinkPlan, boundaries: int) -> None:
+        """The link plan's codecs, as its frame is let in: the upstream stage may send
+        this epoch's first activations in them before this peer's epoch has taken the
+        plan from its mailbox, and they were refused against an empty list (the step
+        then waited out its 300 s). A plan that does not parse is left to the epoch,
+        which refuses the run."""
+        try:
+            codecs = [Codec.from_json(c) for c in links.codecs]
+        except CodecError:
+            return
+        if len(codecs) == boundaries:
+            self.codecs = codecs
 
     @property
     def peer_id(self) -> str:

@@ -67,6 +67,18 @@ def test_no_prediction_made_again_while_a_planned_peer_has_no_compute() -> None:
     assert delivered_step(COSTS, st, ADVERTS, MB) is None
 
 
+def test_no_prediction_made_again_once_a_recovery_dropped_a_planned_replica() -> None:
+    """A recovery that drops a lost replica keeps the planner's plan: its groups still
+    name the peer, whose advert is gone. Every run that lost a replica ended with a
+    KeyError traceback in the summary (CI: the pinning, elastic and hostile tests)."""
+    st = _state(ADVERTS, {})
+    assert st.plan is not None
+    st.plan = Assignment(st.plan.cut, [["a"], ["b"], ["d"]], st.plan.plan)
+    adverts = {n: a for n, a in ADVERTS.items() if n != "c"}
+    del st.compute["c"]
+    assert delivered_step(COSTS, st, adverts, MB) is None
+
+
 def _printed(estimate: dict[str, object]) -> list[str]:
     summary = RunSummary([3.0, 2.0], 10.0, 100, Assignment(Cut(()), []), {}, {}, {}, estimate=estimate)
     return [line for line in _summary(summary, None).splitlines() if line.startswith("estimator:")]

@@ -21,7 +21,7 @@ from protocol.wire.encoding import Frame, Link, encode_values
 from protocol.wire.envelope import HEAD, Sealer, head_length
 from protocol.wire.expect import describe
 from protocol.wire.gate import Gate
-from protocol.wire.messages import Activations, Assign, Gradients, Ready, StepDone
+from protocol.wire.messages import Activations, Assign, Gradients, LinkPlan, Ready, StepDone
 from protocol.wire.reject import Reject, Rejected
 
 RUN = "run-1"
@@ -170,6 +170,26 @@ def test_shapes_dtypes_and_codecs_must_match_the_plan() -> None:
     sealer = Sealer(carol, "carol")
     assert _code(gate, _frame(sealer, Gradients(RUN, 4, 1, 1), grads, Link(Codec("adatopk", 0.1))), "carol") is None
     assert _code(gate, _frame(sealer, Gradients(RUN, 4, 1, 1), grads), "carol") is Reject.BAD_TENSORS
+
+
+def test_the_link_plans_codecs_count_from_the_moment_its_frame_is_let_in() -> None:
+    """Stage 0 may send its first activations in the link plan's codec before this
+    peer's epoch has taken the plan from its mailbox: the gate takes the codecs as the
+    plan's frame passes (CI: activations in fp16 refused against an empty list, and the
+    run waited out its 300 s). A plan of another epoch or length changes nothing."""
+    gate = _assigned_gate()
+    assert isinstance(gate.expect, PlanChecks)
+    gate.expect.codecs = []  # the epoch has not taken its link plan in yet
+    alice, coord = Sealer(KEY_A, ALICE), Sealer(KEY_C, COORD)
+    values = [torch.randn(4, 8, 16), torch.zeros(4, 8, dtype=torch.long)]
+    fp16 = _frame(alice, Activations(RUN, 4, 0, 1), values, Link(Codec("fp16")))
+    assert _code(gate, fp16) is Reject.BAD_TENSORS
+    for stale in (LinkPlan(RUN, [Codec("fp16").to_json()] * 2, epoch=1), LinkPlan(RUN, [Codec("fp16").to_json()])):
+        assert _code(gate, _frame(coord, stale), COORD) is None
+        assert _code(gate, fp16) is Reject.BAD_TENSORS
+    assert _code(gate, _frame(coord, LinkPlan(RUN, [Codec("fp16").to_json()] * 2)), COORD) is None
+    assert _code(gate, fp16) is None
+    assert _code(gate, _frame(alice, Activations(RUN, 4, 1, 1), values)) is Reject.BAD_TENSORS  # not the plan's
 
 
 def test_a_codec_pair_is_checked_per_direction() -> None:
