@@ -28,6 +28,7 @@ from coordinator.assign import Assignment, network_from_adverts
 from coordinator.auditing import sample_checks
 from coordinator.checkpoint import RunDir
 from coordinator.config import CoordinatorConfig
+from coordinator.overheads import NONE
 from coordinator.pipeline import reported_seconds
 from coordinator.rebalancing import signature
 from coordinator.run import Driver
@@ -429,6 +430,33 @@ def test_a_lying_advert_is_corrected_by_measurement(tmp_path: Path) -> None:
     rebalancer.check()  # what it decided, shown on the page (CI could not tell why a check declined)
     checks = [e["text"] for e in host.board.state()["events"] if e["kind"] == "check"]
     assert len(checks) == 1 and checks[0].startswith("rebalance check at step 5: "), checks
+
+
+def test_the_rebalance_bar_is_set_on_plans_priced_without_the_fixed_costs(tmp_path: Path) -> None:
+    """Every plan pays the swarm's fixed costs (handoffs, encoding, optimizer, commit)
+    alike; in both sides of the 20% comparison they shrank a real gain under the bar
+    (CI: a lying peer's first check declined). The gain a move must deliver keeps them."""
+    driver = _driver(tmp_path, [["p0"], ["p1"]], rebalance_every=5)
+    host, st, rebalancer = _host(driver), driver.st, driver.rebalancer
+    host.adverts["p1"] = _advert("p1", 1e13)
+    assert st.plan is not None
+    costs = driver.stages.dag.stage_costs(st.plan.cut)
+    for _ in range(5):
+        for s, p in enumerate(["p0", "p1"]):
+            rebalancer.measure(p, StepDone("r", 0, s, 0, compute_s=0.1 * costs[s]["flops"] / costs[0]["flops"]))
+    st.step = st.epoch_start + 5
+    compared: list[tuple[float, float]] = []
+    real = replan.rebalance
+
+    def spy(current_s: float, candidate_s: float, *rest: Any) -> replan.Rebalance:
+        compared.append((current_s, candidate_s))
+        return real(current_s, candidate_s, *rest)
+
+    with patch.object(replan, "rebalance", spy):
+        rebalancer.check()
+    ads = rebalancer.measured(list(host.adverts.values()))
+    assert compared and compared[0][0] == pytest.approx(rebalancer._predicted(ads, overheads=NONE))
+    assert compared[0][0] < rebalancer._predicted(ads)  # the fixed costs are not in the bar
 
 
 def test_rebalances_that_do_not_deliver_raise_the_bar() -> None:
