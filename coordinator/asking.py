@@ -54,7 +54,7 @@ def _scaled(network: Network, pairs: set[Pair], factor: float) -> Network:
 
 
 def _time(costs: DagCosts, p: Plan, by_id: PeerTable, network: Network, options: Options) -> float:
-    return predict(costs, _bare(p), by_id, network, options.micro_batches).to_loss_s
+    return predict(costs, p.bare(), by_id, network, options.micro_batches).to_loss_s
 
 
 def deciding_links(
@@ -138,10 +138,5 @@ def plan_asking(
     if not probed:
         return Asked(plans[0], [], plans[0], seen)
     by_id = PeerTable(peers)
-    again = [predict(costs, _bare(p), by_id, network, options.micro_batches) for p in seen]
+    again = [predict(costs, p.bare(), by_id, network, options.micro_batches) for p in seen]
     return Asked(min(again, key=rank), probed, seen[0], seen)
-
-
-def _bare(p: Plan) -> Plan:
-    """``p``'s cut, groups and codecs, to be predicted again."""
-    return Plan(p.cut, p.groups, p.codecs, p.scheduler)

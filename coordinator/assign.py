@@ -122,10 +122,7 @@ def _deciding(
     the pipeline by 18%)."""
     bare = [replace(p, overheads=NONE) for p in peers]
     by_id = {p.id: p for p in bare}
-    again = [
-        predict(costs, Plan(p.cut, p.groups, p.codecs, p.scheduler), by_id, network, options.micro_batches)
-        for p in plans
-    ]
+    again = [predict(costs, p.bare(), by_id, network, options.micro_batches) for p in plans]
     return deciding_links(costs, again, bare, network, options)
 
 

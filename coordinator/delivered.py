@@ -53,8 +53,7 @@ def again(
     """``plan`` (its cut, groups and codecs) priced again by the estimator on the
     ``rescaled`` peers, and those peers (for the simulator)."""
     by_id = rescaled(peers, scale, throttled)
-    bare = Plan(tuple(plan.cut), [list(g) for g in plan.groups], list(plan.codecs), plan.scheduler)
-    return predict(costs, bare, by_id, network, micro_batches), by_id
+    return predict(costs, plan.bare(), by_id, network, micro_batches), by_id
 
 
 def for_delivered(

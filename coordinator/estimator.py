@@ -39,6 +39,7 @@ import math
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -99,8 +100,9 @@ class DagCosts:
             self.cross_cols = [DEFAULT_COLS] * n
         if len(self.kernels) != n:
             raise ValueError("kernels needs one entry per op")
-        self._pf, self._pp, self._pa = _prefix(self.flops), _prefix(self.param_bytes), _prefix(self.act_bytes)
-        self._pk = _prefix(self.kernels)
+        self._pf, self._pp, self._pa, self._pk = (
+            list(accumulate(xs, initial=0)) for xs in (self.flops, self.param_bytes, self.act_bytes, self.kernels)
+        )
 
     @property
     def num_ops(self) -> int:
@@ -172,13 +174,6 @@ class DagCosts:
         return cls(flops, params, [act_bytes] * num_ops, cross, list(cross))
 
 
-def _prefix(xs: Iterable[int]) -> list[int]:
-    out = [0]
-    for x in xs:
-        out.append(out[-1] + x)
-    return out
-
-
 @dataclass
 class Plan:
     """Stage boundaries, the peers of each stage (replica order), the codec of each
@@ -197,6 +192,10 @@ class Plan:
     fits_memory: bool = True
     empty_stage: bool = False  # a stage computes (almost) nothing: never chosen
     steps_factor: float = 1.0  # its codecs' statistical price (coordinator.codec_price)
+
+    def bare(self) -> Plan:
+        """The same cut, groups, codecs and scheduler, unpriced: to be predicted again."""
+        return Plan(tuple(self.cut), [list(g) for g in self.groups], list(self.codecs), self.scheduler)
 
     @property
     def to_loss_s(self) -> float:

@@ -207,7 +207,7 @@ class Rebalancer:
         bounds = tuple(st.plan.cut.boundaries)
         plan = Plan(bounds, st.plan.stages, [Codec()] * len(bounds))
         if other is not None:
-            plan = Plan(tuple(other.cut), other.groups, list(other.codecs), other.scheduler)
+            plan = other.bare()
         network = network_from_adverts(ads, st.link_mbps, self.planner.behind_nat())
         return predict(self._costs, plan, by_id, network, self.job.micro_batches).iteration_s
 

@@ -272,8 +272,7 @@ class _Swarm:
 
     def predicted(self, p: Plan) -> float:
         """``p``'s step time on what the coordinator sees now."""
-        again = Plan(p.cut, p.groups, p.codecs)
-        return predict(self.costs, again, self.view, self.network, self.options.micro_batches).iteration_s
+        return predict(self.costs, p.bare(), self.view, self.network, self.options.micro_batches).iteration_s
 
     def checkpoint_s(self, p: Plan, network: Network) -> float:
         return checkpoint_seconds(self.costs, p, network, self.home)
