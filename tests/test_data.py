@@ -88,6 +88,7 @@ def test_prepare_trains_a_tokenizer_and_writes_shards(bpe: Path, corpus: tuple[P
 def test_a_given_tokenizer_json_makes_the_same_shards(tmp_path: Path, bpe: Path, corpus: tuple[Path, Any]) -> None:
     """The copy in DIR is the tokenizer: preparing again with it gives the same ids."""
     out = tmp_path / "again"
+    # a flag beside its value, as on a command line (fmt: skip below)
     r = run_cli("data", "prepare", str(corpus[0] / "text"), "-o", str(out), "--tokenizer", str(bpe / "tokenizer.json"),
                 "--val-fraction", "0.1")  # fmt: skip
     assert r.returncode == 0, r.stderr
@@ -157,6 +158,7 @@ def _one_line_exit_2(args: list[str], needle: str) -> None:
     assert "Traceback" not in r.stderr and needle in lines[0], lines[0]
 
 
+# the cases' ids wrapped to a few lines, not one to a line (fmt: skip below)
 @pytest.mark.parametrize(
     ("extra", "needle"),
     [
@@ -183,6 +185,7 @@ def test_bad_inputs_are_one_line_exit_2(
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{not json\n')
     (tmp_path / "cache").mkdir()
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "cache"))  # empty: GPT-2's files are not here
+    # a small table kept on two lines (fmt: skip below)
     where = {"MISSING": tmp_path / "missing.txt", "EMPTY": tmp_path / "empty", "ONE": tmp_path / "one.txt",
              "TEXT": corpus[0] / "text", "BADJSON": tmp_path / "bad.jsonl"}  # fmt: skip
     args = [str(where.get(a, a)) for a in extra]
@@ -329,6 +332,7 @@ def hf_folders(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+# the cases' ids wrapped to a few lines, not one to a line (fmt: skip below)
 @pytest.mark.parametrize(
     ("spec", "needle"),
     [

@@ -204,6 +204,7 @@ def test_a_failed_run_leaves_no_namespace_or_process(tmp_path: Path) -> None:
     (tmp_path / "pair.json").write_text(json.dumps(pair))
     before = set(lab.namespaces())
     with pytest.raises(UsageError, match="took over") as err:
+        # the call kept on two lines rather than one argument to a line (fmt: skip below)
         run_testbed(str(tmp_path / "pair.json"), ["opfence"], model_args="n_layer=1,n_embd=32,n_head=2", steps=2,
                     work=tmp_path / "work", say=lambda text: None, timeout_s=3.0)  # fmt: skip
     assert "\n" not in str(err.value)

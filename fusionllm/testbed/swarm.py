@@ -133,6 +133,7 @@ class Swarm:
         spec, lab = self.spec, self.lab
         peers = [h for h in lab.hosts if h != self.coordinator]
         ip = lab.hosts[self.coordinator]
+        # a flag beside its value, a few to a line, reads as a command line (fmt: skip below)
         coord_cmd = [
             *lab.prefix(self.coordinator), sys.executable, "-m", "fusionllm", "coordinator", *spec.job_args,
             "--run", "testbed", "--min-peers", str(len(peers)), "--host-maddrs", f"/ip4/{ip}/tcp/0",
@@ -145,6 +146,7 @@ class Swarm:
         self.procs.append(coord)
         join = coord.wait_line(_JOIN, 180).group(1).split()
         for h in peers:
+            # a flag beside its value, as on a command line (fmt: skip below)
             cmd = [
                 *lab.prefix(h), sys.executable, "-m", "fusionllm", "join", *join, "--threads", "1",
                 "--throttle", f"{spec.throttles[h]:.4f}", "--identity", str(spec.work / f"{h}.key"),
