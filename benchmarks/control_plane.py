@@ -37,6 +37,8 @@ from typing import Any
 import psutil
 from hivemind.p2p import P2P
 
+from coordinator.assignments import assignments, header_bytes
+from coordinator.discovery_cost import even_plan
 from coordinator.messaging import send_each
 from protocol.net.transport import MSG_PROTOCOL, Transport
 from protocol.trust.identity import Identity
@@ -265,18 +267,20 @@ def _cpu_delta(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, f
     return b[0] - a[0], b[1] - a[1]
 
 
-def wire_costs(n: int, stages: int = 8, repeat: int = 1000) -> dict[str, float]:
-    """One ``Commit``'s signed head (bytes, microseconds to build and seal), and one
-    ``Assign``'s header for a plan of ``n`` peers in ``stages`` stages (bytes, whether
-    it fits ``MAX_HEADER_BYTES``, milliseconds to encode and sign): today every planned
-    peer gets one at each plan epoch, and each names every planned peer."""
+def wire_costs(n: int, repeat: int = 1000) -> dict[str, float]:
+    """One ``Commit``'s signed head (bytes, microseconds to build and seal), and the
+    ``Assign`` of a peer in the middle of a plan of ``n`` peers shaped as
+    ``discovery_cost.even_plan`` (stages of at most 64 replicas; bytes, whether it fits
+    ``MAX_HEADER_BYTES``, milliseconds to encode and sign, and every planned peer's
+    together: what a re-plan sends)."""
     who = Identity.generate()
     sealer = Sealer(who, _peer_id(0))
     t0 = time.process_time()
     for step in range(repeat):
         head, _ = sealer.seal(Commit(RUN, step, 1, False, 0.97, False, 65536.0, 0, step % 2 == 0), [], [])
     commit_us = (time.process_time() - t0) / repeat * 1e6
-    assign = _assign(n, stages)
+    stages, assigns = _assigns(n)
+    assign = assigns[stages[len(stages) // 2][0]]
     t0 = time.process_time()
     data = json.dumps(assign.header(), separators=(",", ":")).encode()
     who.sign(data)
@@ -284,10 +288,12 @@ def wire_costs(n: int, stages: int = 8, repeat: int = 1000) -> dict[str, float]:
     return {
         "commit_bytes": len(head),
         "commit_seal_us": round(commit_us, 1),
+        "stages": len(stages),
         "assign_bytes": len(data),
         "assign_fits": len(data) <= MAX_HEADER_BYTES,
         "assign_seal_ms": round(assign_ms, 2),
-        "assign_bytes_per_replan": len(data) * n,
+        # a stage's replicas' assignments differ by their replica number alone
+        "assign_bytes_per_replan": sum(len(g) * header_bytes(assigns[g[0]]) for g in stages),
     }
 
 
@@ -296,29 +302,26 @@ def _peer_id(i: int) -> str:
     return f"12D3KooW{i:044d}"
 
 
-def _assign(n: int, stages: int) -> Assign:
-    """The assignment of replica 0 of stage 0 in a plan of ``n`` peers, with the fields
-    the coordinator fills for every planned peer (``coordinator.dispatch._assign_msg``)."""
-    ids = [_peer_id(i) for i in range(n)]
-    per = -(-n // stages)
-    groups = [ids[s * per : (s + 1) * per] for s in range(stages)]
-    maddrs = {p: [f"/ip4/198.51.{i % 250}.{i % 200}/tcp/{30000 + i % 30000}/p2p/{p}"] for i, p in enumerate(ids)}
-    return Assign(
-        RUN,
-        0,
-        0,
-        {"model": "gpt", "model_args": "n_layer=48,n_embd=1600,n_head=25", "steps": 100000, "micro_batches": 64},
-        [6 * (s + 1) for s in range(stages - 1)],
-        groups,
-        maddrs,
-        keys={p: os.urandom(32).hex() for p in ids},
-        specs=[[{"shape": [8, 1024, 1600], "dtype": "float32"}] for _ in range(stages)],
-        link_mbps=[0.0] * (stages - 1),
-        epoch=3,
-        start_step=1200,
-        certs={p: 1.8e9 + i for i, p in enumerate(ids)},
-        nat=ids[::10],
-    )
+def _assigns(n: int) -> tuple[list[list[str]], dict[str, Assign]]:
+    """A plan of ``n`` peers (``even_plan``) and every planned peer's assignment, with
+    the fields the coordinator fills (``coordinator.dispatch._assign_msgs``)."""
+    ids = iter([_peer_id(i) for i in range(n)])
+    stages = [[next(ids) for _ in range(size)] for size in even_plan(n)]
+    k = len(stages)
+    peers = [p for g in stages for p in g]
+    maddrs = {p: [f"/ip4/198.51.{i % 250}.{i % 200}/tcp/{30000 + i % 30000}/p2p/{p}"] for i, p in enumerate(peers)}
+    shared = {
+        "run_id": RUN,
+        "job": {"model": "gpt", "model_args": "n_layer=48,n_embd=1600,n_head=25", "steps": 100000, "micro_batches": 64},
+        "cut": [6 * (s + 1) for s in range(k - 1)],
+        "specs": [[{"shape": [8, 1024, 1600], "dtype": "float32"}] for _ in range(k)],
+        "link_mbps": [0.0] * (k - 1),
+        "epoch": 3,
+        "start_step": 1200,
+    }
+    keys = {p: os.urandom(32).hex() for p in peers}
+    certs = {p: 1.8e9 + i for i, p in enumerate(peers)}
+    return stages, assignments(stages, shared, maddrs, keys, certs, set(peers[::10]))
 
 
 def main() -> None:

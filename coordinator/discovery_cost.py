@@ -54,14 +54,23 @@ CONTROL_MESSAGE_CPU_S = 300e-6
 #: ``coordinator.messaging.send_each``, 169-175 us at load average 15-20 on the 2-core
 #: machine, 124 us at 6-11; each sealed and sent in turn, as before: 233 and 172 us)
 COMMIT_CPU_S = 175e-6
-#: bytes an ``Assign`` takes per planned peer it names: each names every planned peer
-#: (id in its stage, addresses, public key, certificate's end; measured:
-#: ``control_plane.wire_costs``), so each of a plan's assignments grows with the plan
-ASSIGN_BYTES_PER_PEER = 396
+#: bytes an ``Assign`` takes per peer it names: its neighbourhood's (stages ``s - 1`` to
+#: ``s + 1``: id in its stage, addresses, public key, certificate's end; measured with
+#: ``coordinator.assignments`` on ``control_plane.wire_costs``' fields: 395 a peer)
+ASSIGN_BYTES_PER_PEER = 395
+#: bytes it takes per stage of the plan (its replica count, an empty id list, its
+#: boundary in the cut, its input spec; ``wire_costs``: 57 with one tensor's spec)
+ASSIGN_BYTES_PER_STAGE = 57
+#: bytes of what every assignment carries alike (the job, the epoch's fields)
+ASSIGN_BASE_BYTES = 420
 #: CPU seconds to encode and sign an assignment, per byte (``control_plane.wire_costs``:
-#: 44.6 ms for one of 10,000 peers, 3.96 MB, at load average 16; 29 ms at 8); its write
-#: is not counted
+#: 44.6 ms for one of 3.96 MB, at load average 16; 29 ms at 8); its write is not counted
 ASSIGN_CPU_S_PER_BYTE = 11.3e-9
+#: the replicas a stage is priced with where a plan's shape is not given: a replica
+#: serves the micro-batches ``m`` with ``m % replicas == its index``, so a stage has at
+#: most its step's micro-batches (more would idle; 64 is a large step), and a plan of
+#: more peers has more stages
+PRICED_REPLICAS = 64
 #: the largest frame header a receiver takes (``protocol.wire.encoding.MAX_HEADER_BYTES``)
 HEADER_CAP_BYTES = 1 << 20
 #: the largest DHT message hivemind's daemon passes (replies over it never arrive)
@@ -79,7 +88,7 @@ class DiscoveryCost:
     coordinator_kB_per_poll: float  # what one coordinator poll reads
     largest_message_kB: float  # the largest DHT reply
     coordinator_cpu: float  # CPU seconds per second the control plane costs the coordinator
-    assign_kB: float = 0.0  # one planned peer's assignment (over HEADER_CAP_BYTES: it cannot be sent)
+    assign_kB: float = 0.0  # the plan's largest assignment (over HEADER_CAP_BYTES: the plan is refused)
     replan_cpu_s: float = 0.0  # CPU seconds a re-plan's assignments cost the coordinator
 
     @property
@@ -100,30 +109,56 @@ def shard_count(n: int) -> int:
 
 
 def control_cpu(
-    n: int, planned: int, beat_s: float, step_s: float, standby_beat_s: float, replan_s: float = 0.0
+    n: int,
+    planned: int,
+    beat_s: float,
+    step_s: float,
+    standby_beat_s: float,
+    replan_s: float = 0.0,
+    sizes: list[int] | None = None,
 ) -> float:
     """The coordinator's CPU seconds per second: each planned peer's step report every
     ``step_s`` (its heartbeat too) and the step's commit to it, each standby peer's
     heartbeat every ``standby_beat_s`` (``beat_s``: the planned peers' heartbeat when no
-    step is running; 0: none), and a re-plan's assignments (``replan_cpu``) every
-    ``replan_s`` (0: none)."""
+    step is running; 0: none), and a re-plan's assignments (``replan_cpu`` of the plan's
+    replica counts ``sizes``, by default ``even_plan(planned)``) every ``replan_s`` (0: none)."""
     planned = min(planned, n)
     beats = planned / beat_s if beat_s > 0 else 0.0
     reports = planned / step_s if step_s > 0 else 0.0
     standby = (n - planned) / standby_beat_s if standby_beat_s > 0 else 0.0
-    replans = replan_cpu(planned) / replan_s if replan_s > 0 else 0.0
+    replans = replan_cpu(sizes or even_plan(planned)) / replan_s if replan_s > 0 else 0.0
     return (beats + reports + standby) * CONTROL_MESSAGE_CPU_S + reports * COMMIT_CPU_S + replans
 
 
-def assign_bytes(planned: int) -> float:
-    """One planned peer's assignment in a plan of ``planned`` peers (each names all)."""
-    return planned * ASSIGN_BYTES_PER_PEER
+def even_plan(planned: int, replicas: int = PRICED_REPLICAS) -> list[int]:
+    """Replica counts of ``planned`` peers in as few stages of at most ``replicas`` as
+    hold them, spread evenly: the shape priced where a plan's own is not given."""
+    k = max(1, math.ceil(planned / replicas))
+    return [planned // k + (s < planned % k) for s in range(k)]
 
 
-def replan_cpu(planned: int) -> float:
+def neighbourhoods(sizes: list[int]) -> list[int]:
+    """How many peers each stage's assignment names: its own stage's and its neighbours'."""
+    return [sum(sizes[max(0, s - 1) : s + 2]) for s in range(len(sizes))]
+
+
+def assign_bytes(named: int, stages: int) -> float:
+    """One assignment that names ``named`` peers in a plan of ``stages`` stages."""
+    return ASSIGN_BASE_BYTES + stages * ASSIGN_BYTES_PER_STAGE + named * ASSIGN_BYTES_PER_PEER
+
+
+def largest_assign_bytes(sizes: list[int]) -> float:
+    """The largest assignment of a plan with these replica counts (over
+    ``HEADER_CAP_BYTES``: ``coordinator.assignments`` refuses the plan)."""
+    return assign_bytes(max(neighbourhoods(sizes), default=0), len(sizes))
+
+
+def replan_cpu(sizes: list[int]) -> float:
     """CPU seconds a re-plan's assignments cost the coordinator: one to each planned
-    peer, each encoded and signed for it (quadratic in the plan's size)."""
-    return planned * assign_bytes(planned) * ASSIGN_CPU_S_PER_BYTE
+    peer, each encoded and signed for it, sized by its neighbourhood (linear in the
+    plan's peers for a given shape)."""
+    k = len(sizes)
+    return sum(n * assign_bytes(near, k) for n, near in zip(sizes, neighbourhoods(sizes))) * ASSIGN_CPU_S_PER_BYTE
 
 
 def one_key(n: int, refresh_s: float, cpu: float = 0.0) -> DiscoveryCost:
@@ -158,14 +193,18 @@ ADVERT_REFRESH_S = 2.0
 STANDBY_BEAT_S = 10.0
 
 
-def swarm_cost(n: int, planned: int, step_s: float, replan_s: float = 0.0) -> DiscoveryCost:
+def swarm_cost(
+    n: int, planned: int, step_s: float, replan_s: float = 0.0, sizes: list[int] | None = None
+) -> DiscoveryCost:
     """The sharded layout's cost for ``n`` peers of which ``planned`` serve a plan whose
-    step takes ``step_s``, their step reports serving as their heartbeats, re-planned
-    every ``replan_s`` (0: never; what ``fusionllm sim`` reports)."""
-    cost = sharded(n, ADVERT_REFRESH_S, control_cpu(n, planned, 0.0, step_s, STANDBY_BEAT_S, replan_s))
-    return with_assignments(cost, min(planned, n))
+    step takes ``step_s`` (its replica counts ``sizes``, by default ``even_plan``), their
+    step reports serving as their heartbeats, re-planned every ``replan_s`` (0: never;
+    what ``fusionllm sim`` reports)."""
+    shape = sizes or even_plan(min(planned, n))
+    cost = sharded(n, ADVERT_REFRESH_S, control_cpu(n, planned, 0.0, step_s, STANDBY_BEAT_S, replan_s, shape))
+    return with_assignments(cost, shape)
 
 
-def with_assignments(cost: DiscoveryCost, planned: int) -> DiscoveryCost:
-    """``cost`` with what a plan of ``planned`` peers' assignments cost."""
-    return dataclasses.replace(cost, assign_kB=assign_bytes(planned) / 1e3, replan_cpu_s=replan_cpu(planned))
+def with_assignments(cost: DiscoveryCost, sizes: list[int]) -> DiscoveryCost:
+    """``cost`` with what the assignments of a plan with these replica counts cost."""
+    return dataclasses.replace(cost, assign_kB=largest_assign_bytes(sizes) / 1e3, replan_cpu_s=replan_cpu(sizes))

@@ -9,15 +9,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import Any
 
+from coordinator.assignments import PlanTooLarge, assignments
 from coordinator.checkpoint import RunDir
 from coordinator.checkpointing import Checkpoints
 from coordinator.host import Host
 from coordinator.links import boundary_specs
-from coordinator.messaging import Mailbox
+from coordinator.messaging import Mailbox, send_each
 from coordinator.outcome import SwarmError
 from coordinator.planning import Planner
-from coordinator.runstate import EXCLUDED, RunState
+from coordinator.runstate import EXCLUDED, PeerLost, RunState
 from coordinator.scaling import LossScales
 from coordinator.stages import Stages
 from protocol.net.clock import Clock
@@ -29,6 +31,8 @@ logger = logging.getLogger(__name__)
 #: takes longer is skipped), and how many are under way at once
 END_NOTICE_S = 3.0
 END_NOTICE_AT_ONCE = 64
+#: an epoch's assignments and link plan under way at once (each bounded by the config's ``send_timeout_s``)
+SETUP_AT_ONCE = 64
 
 
 class Dispatcher:
@@ -98,18 +102,30 @@ class Dispatcher:
             board.peer_state(p, "standby")
 
     async def _send_stages(self) -> None:
-        """Each planned peer's assignment, and its stage's program and state where due."""
+        """Each planned peer's assignment, and its stage's program and state where due.
+        Assignments alone go out in bounded parallel (``send_each``), each sealed once:
+        no order between peers matters (each waits for its own, ``_await_ready`` for
+        all). A program and a state must follow their peer's assignment at once (its
+        epoch waits for them from then, ``message_timeout``): with them, each peer's
+        three go in turn, peer after peer, as before (a state may be gigabytes)."""
         st, cfg = self.st, self.cfg
         assert st.plan is not None
         plan, loop = st.plan, asyncio.get_running_loop()
+        try:
+            assigns = self._assign_msgs()
+        except PlanTooLarge as exc:
+            raise SwarmError(str(exc)) from None
         states = programs = None
         if st.restore == "state":
             states = await loop.run_in_executor(None, self.checkpoints.stage_states, plan.cut)
         if self.stages.as_programs and st.restore != "keep":
             programs = await loop.run_in_executor(None, self.stages.programs, plan.cut)
+        if programs is None and states is None:
+            await self._send_all(assigns)
+            return
         for s, group in enumerate(plan.stages):
-            for r, p in enumerate(group):
-                await self.mailbox.send(p, self._assign_msg(s, r))
+            for p in group:
+                await self.mailbox.send(p, assigns[p])
                 if programs is not None:
                     await self.mailbox.send(p, StageProgram(cfg.run_id, s, plan.cut.to_list(), st.epoch), programs[s])
                 if states is not None:
@@ -126,32 +142,36 @@ class Dispatcher:
             for p in nat & set(group):
                 self.host.board.set_connection(p, "forwarded" if (nat & partners) - {p} else "dial-out")
 
-    def _assign_msg(self, s: int, r: int) -> Assign:
+    def _assign_msgs(self) -> dict[str, Assign]:
+        """Each planned peer's assignment (``coordinator.assignments``: its neighbourhood only)."""
         st, cfg, plan, host = self.st, self.cfg, self.st.plan, self.host
         assert plan is not None
+        shared = {
+            "run_id": cfg.run_id,
+            "job": cfg.job_fields(),
+            "cut": plan.cut.to_list(),
+            "schedule": cfg.schedule,
+            "specs": st.specs,
+            "link_mbps": list(cfg.link_mbps),
+            "epoch": st.epoch,
+            "start_step": st.step,
+            "restore": st.restore,
+            "loss_scale": self.scales.scale.scale,
+            "pending_factor": self.scales.last.factor,
+            "pending_skip": self.scales.last.skip,
+            "program": self.stages.as_programs,
+        }
         maddrs = {p: host.adverts[p].maddrs for p in st.planned if p in host.adverts}
-        return Assign(
-            cfg.run_id,
-            s,
-            r,
-            cfg.job_fields(),
-            plan.cut.to_list(),
-            plan.stages,
-            maddrs,
-            cfg.schedule,
-            keys=host.keys_of(st.planned),
-            specs=st.specs,
-            link_mbps=list(cfg.link_mbps),
-            epoch=st.epoch,
-            start_step=st.step,
-            restore=st.restore,
-            loss_scale=self.scales.scale.scale,
-            pending_factor=self.scales.last.factor,
-            pending_skip=self.scales.last.skip,
-            program=self.stages.as_programs,
-            certs={p: host.gate.until[p] for p in st.planned if p in host.gate.until},
-            nat=sorted(p for p in st.planned if not host.reached.get(p, True)),
-        )
+        certs = {p: host.gate.until[p] for p in st.planned if p in host.gate.until}
+        nat = {p for p in st.planned if not host.reached.get(p, True)}
+        return assignments(plan.stages, shared, maddrs, host.keys_of(st.planned), certs, nat)
+
+    async def _send_all(self, messages: dict[str, Any]) -> None:
+        """``messages`` (peer -> its message, no payload) in bounded parallel; the peers
+        not reached are lost, together."""
+        missed = await send_each(self.mailbox.transport, messages, self.cfg.send_timeout_s, SETUP_AT_ONCE)
+        if missed:
+            raise PeerLost({p: f"unreachable: {why}" for p, why in missed.items()})
 
     async def _await_ready(self) -> None:
         st, cfg = self.st, self.cfg
@@ -164,8 +184,8 @@ class Dispatcher:
             st.learn_links(inbound.sender, {p: v for p, v in inbound.message.next_mbps.items() if p in st.planned})
         st.codecs, st.mbps = self.host.choose_codecs(self.stages.dag, st.plan, st.specs, measured)
         self.host.board.set_links([str(c) for c in st.codecs], st.mbps)
-        for p in st.planned:
-            await self.mailbox.send(p, LinkPlan(cfg.run_id, [c.to_json() for c in st.codecs], st.epoch))
+        links = LinkPlan(cfg.run_id, [c.to_json() for c in st.codecs], st.epoch)  # sealed once for all
+        await self._send_all(dict.fromkeys(st.planned, links))
 
     async def release(self) -> None:
         """Tell every peer admitted during the run that it is over: the plan's, the standby

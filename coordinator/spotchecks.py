@@ -388,6 +388,7 @@ class SpotChecker:
             grads=grads,
             backward=backward,
             same_weights=same,
+            keys={} if shown is None else self.host.keys_of({signers[r] for r in roles}),  # beyond its neighbourhood
         )
         await self.mailbox.send(checker, msg, [*evidence, *weights, *program])
         deadline = self.deadline()

@@ -307,9 +307,10 @@ def _discovery(topo: Any, results: dict[str, tuple[Any, float]]) -> Any:
     from coordinator.discovery_cost import swarm_cost
 
     r = next(iter(results.values()))[0]
-    planned = len({q for g in r.first_plan.groups for q in g}) if r.first_plan is not None else len(topo.peers)
+    sizes = [len(g) for g in r.first_plan.groups] if r.first_plan is not None else None
+    planned = sum(sizes) if sizes else len(topo.peers)
     replan_s = sum(r.iteration_s) / len(r.replans) if r.replans else 0.0  # simulated seconds between re-plans
-    return swarm_cost(len(topo.peers), planned, r.mean_s, replan_s)
+    return swarm_cost(len(topo.peers), planned, r.mean_s, replan_s, sizes)
 
 
 def _sim_json(
@@ -354,8 +355,9 @@ def _sim_text(
         f"  discovery: {d.shards} advert shard(s), busiest DHT node {d.busiest_holder_kB_s:.4g} kB/s "
         f"({d.holder_rpc_s:.3g} lookups/s), coordinator {d.coordinator_kB_per_poll:.4g} kB per poll, largest "
         f"DHT reply {d.largest_message_kB:.4g} kB, control plane {d.coordinator_cpu:.3g} coordinator CPU-s/s "
-        f"(step reports, commits and re-plans); a re-plan sends each planned peer a {d.assign_kB:.4g} kB assignment"
-        f"{'' if d.assign_sendable else ' (over the frame header cap: it cannot be sent)'}, "
-        f"{d.replan_cpu_s:.3g} CPU-s to seal them"
+        f"(step reports, commits and re-plans); a re-plan sends each planned peer its neighbourhood's assignment, "
+        f"the largest {d.assign_kB:.4g} kB"
+        f"{'' if d.assign_sendable else ' (over the frame header cap: the plan is refused)'}, "
+        f"{d.replan_cpu_s:.3g} CPU-s to seal them all"
     )
     return "\n".join(lines)

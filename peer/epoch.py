@@ -163,9 +163,9 @@ class EpochRunner:
         if tp.peer_id not in a.nat:
             return
         tp.forward_via = {p: self.env.coordinator for p in tp.dials_in}  # neither can dial the other
-        peers = sorted({p for group in a.stages for p in group} - set(a.nat))
+        peers = sorted({p for group in a.stages for p in group} - set(a.nat))  # its neighbourhood's
         failed = await tp.dial_out(peers)
-        self.host.say(f"dialled out to {len(peers) - len(failed)} of the plan's {len(peers)} reachable peers")
+        self.host.say(f"dialled out to {len(peers) - len(failed)} of its {len(peers)} reachable neighbours")
         if failed:
             logger.warning("could not dial out to %s", ", ".join(failed))
 
@@ -181,7 +181,7 @@ class EpochRunner:
             keys = {pid: public_key(k) for pid, k in a.keys.items() if pid != tp.peer_id}
         except IdentityError as exc:
             raise RunRefused(f"the assignment holds a bad key: {exc}") from None
-        # the plan's peers and the coordinator only: a peer dropped (or banned) since is refused now
+        # its neighbourhood's peers and the coordinator only: a peer dropped (or banned) since is refused now
         tp.gate.keys = {self.env.coordinator: self.env.coordinator_key, **keys}
         tp.gate.until = {p: end for p, end in a.certs.items() if p in keys and math.isfinite(end)}
         checks.my_mbs = frozenset(self.my_mbs)
@@ -273,7 +273,8 @@ class EpochRunner:
     async def _step(self, held: HeldStage, step: int) -> None:
         a, tp = self.a, self.env.transport
         self.env.checks.step = self.host.step = step
-        order = schedules.make(schedules.effective(a.schedule, a.stages), self.k, len(self.my_mbs))[self.s]
+        lanes = [range(n) for n in a.sizes]  # the schedule compares the stages' replica counts
+        order = schedules.make(schedules.effective(a.schedule, lanes), self.k, len(self.my_mbs))[self.s]
         sends: list[asyncio.Task[int]] = []
         losses: dict[str, float] = {}
         self.busy_s, self.replica_sends = 0.0, []

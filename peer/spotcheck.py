@@ -23,6 +23,7 @@ from protocol.model.program import ProgramError
 from protocol.model.recipe import LossScale
 from protocol.net.tasks import honour_cancel
 from protocol.net.transport import Inbound, Transport
+from protocol.trust.identity import IdentityError, public_key
 from protocol.trust.spotcheck import differs, fingerprint, loss_differs, seed_of, wrong_frame
 from protocol.wire.codecs import Codec
 from protocol.wire.encoding import Frame, Link, encode_values
@@ -210,7 +211,11 @@ class Arbiter:
         self.loaded: tuple[int, int] | None = None  # (stage, step) of the weights last loaded
 
     def verdict(
-        self, scale: LossScale, msg: Recheck, values: list[Any], rechecker: Callable[[StageExecutor, int], Rechecker]
+        self,
+        scale: LossScale,
+        msg: Recheck,
+        values: list[Any],
+        rechecker: Callable[[StageExecutor, int, dict[str, str]], Rechecker],
     ) -> Verdict:
         """Re-execute ``msg``'s micro-batch of its stage with the weights shown (or,
         ``same_weights``, those loaded for its last arbitration)."""
@@ -236,7 +241,7 @@ class Arbiter:
                 return _cannot(msg, f"the weights: {exc}", checked=True)
         self.loaded = (msg.stage, msg.step)
         other.loss_scale = scale
-        return rechecker(other, msg.stage).verdict(msg, evidence, None)
+        return rechecker(other, msg.stage, msg.keys).verdict(msg, evidence, None)
 
 
 class SpotChecks:
@@ -347,10 +352,20 @@ class SpotChecks:
         with ex.holding(*at):
             return self.rechecker(ex, self.a.stage).verdict(msg, values, own)
 
-    def rechecker(self, ex: StageExecutor, s: int) -> Rechecker:
-        """A re-executor of stage ``s`` (held in ``ex``) with this epoch's codecs and keys."""
+    def rechecker(self, ex: StageExecutor, s: int, signers: dict[str, str] | None = None) -> Rechecker:
+        """A re-executor of stage ``s`` (held in ``ex``) with this epoch's codecs and keys:
+        its gate's (the coordinator and its neighbourhood), its own (an arbiter may have
+        signed the input itself), and for an arbiter of another stage the keys of the
+        evidence's signers that the coordinator's ``Recheck`` carries (``signers``, hex;
+        one that does not parse is left out: its frame then counts as not signed)."""
         forward = self.codecs[s].forward if s < self.arbiter.num_stages - 1 else None
         backward = self.codecs[s - 1].backward if s > 0 else None
         tp = self.transport
-        keys = {**tp.gate.keys, tp.peer_id: tp.identity.public_key}  # an arbiter may have signed the input itself
+        keys: dict[str, Any] = {}
+        for peer, hex_key in (signers or {}).items():
+            try:
+                keys[peer] = public_key(hex_key)
+            except IdentityError:
+                logger.warning("a spot check names a bad key for %s", peer[:60])
+        keys |= {**tp.gate.keys, tp.peer_id: tp.identity.public_key}
         return Rechecker(ex, s, keys, forward, backward, self.micro_batches)

@@ -137,17 +137,30 @@ def test_the_outbound_side_is_priced_and_fits_one_core_at_ten_thousand() -> None
     assert dc.swarm_cost(10_000, 10_000, 5.0).coordinator_cpu <= 1.0
 
 
-def test_assignments_name_every_planned_peer_and_outgrow_a_frame_near_2650_peers() -> None:
-    """Not sized by what changed (yet): each re-plan sends every planned peer one that
-    names them all, so a re-plan costs the square of the plan, and past a frame's
-    header cap the coordinator cannot send one at all."""
-    assert dc.replan_cpu(2000) == pytest.approx(4 * dc.replan_cpu(1000))
-    assert dc.assign_bytes(2600) < dc.HEADER_CAP_BYTES < dc.assign_bytes(2700)
-    cost = dc.swarm_cost(10_000, 10_000, 5.0)
-    assert cost.assign_kB * 1e3 > dc.HEADER_CAP_BYTES and cost.replan_cpu_s > 100
+@pytest.mark.parametrize("planned", [10_000, 100_000])
+def test_an_assignment_is_bounded_by_its_neighbourhood_at_any_plan_size(planned: int) -> None:
+    """Each planned peer's assignment names its own and the neighbouring stages' peers
+    (before: every planned peer, over a frame header's cap from ~2,650): on a plan as
+    the planner shapes it (a stage of at most 64 replicas, its step's micro-batches) the
+    largest stays far under the cap at 10,000 and 100,000 planned peers, and a re-plan
+    costs each peer its neighbourhood's bytes (linear in the peers for a given shape)."""
+    sizes = dc.even_plan(planned)
+    assert max(sizes) <= 64 and sum(sizes) == planned
+    assert dc.largest_assign_bytes(sizes) < dc.HEADER_CAP_BYTES / 4
+    assert dc.largest_assign_bytes(sizes) == dc.assign_bytes(3 * 64, len(sizes))
+    cost = dc.swarm_cost(planned, planned, 5.0)
+    assert cost.assign_sendable and cost.assign_kB < 200
+    assert dc.replan_cpu(dc.even_plan(2 * 6400, 64)) < 2.2 * dc.replan_cpu(dc.even_plan(6400, 64))
 
 
-def test_sim_says_what_a_replan_sends_and_when_an_assignment_cannot_be_sent(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_absurd_plan_is_priced_as_not_sendable() -> None:
+    """Three stages of 1,000 replicas: the middle peer would name 3,000 (the
+    coordinator refuses such a plan: ``tests/test_assign_neighbourhood.py``)."""
+    assert dc.largest_assign_bytes([1000, 1000, 1000]) > dc.HEADER_CAP_BYTES
+    assert not dc.with_assignments(dc.swarm_cost(3000, 3000, 5.0), [1000, 1000, 1000]).assign_sendable
+
+
+def test_sim_says_what_a_replan_sends_and_when_a_plan_cannot_be_sent(monkeypatch: pytest.MonkeyPatch) -> None:
     from types import SimpleNamespace
 
     from fusionllm.plan_cmds import _sim_text
@@ -155,26 +168,30 @@ def test_sim_says_what_a_replan_sends_and_when_an_assignment_cannot_be_sent(monk
     monkeypatch.setattr("fusionllm.plan_cmds._sim_left_out", lambda *a: {})
     topo = SimpleNamespace(name="t", peers=[SimpleNamespace(id=f"p{i}") for i in range(10_000)])
 
-    def text(planned: int, replans: int = 0) -> str:
-        plan = SimpleNamespace(groups=[[f"p{i}" for i in range(planned)]])
+    def text(sizes: list[int], replans: int = 0) -> str:
+        ids = iter(range(sum(sizes)))
+        plan = SimpleNamespace(groups=[[f"p{next(ids)}" for _ in range(n)] for n in sizes])
         run = SimpleNamespace(first_plan=plan, mean_s=2.0, replans=[(0, "x")] * replans, redone=0, goodput=0.5)
         run.predicted_s = run.lower_bound_s = 1.0
         run.probes_asked, run.iteration_s = 0, [2.0] * 50  # 100 simulated seconds
         results = {"even": (run, 0.1)}
         return _sim_text(SimpleNamespace(iterations=50), topo, SimpleNamespace(num_ops=3), results, set())
 
-    assert "a 39.6 kB assignment, 0.0447 CPU-s to seal them" in text(100)
-    assert "1188 kB assignment (over the frame header cap: it cannot be sent)" in text(3000)
-    # 3,000 planned peers' reports and commits every 2 s, and 4 re-plans in 100 s of 40.3 CPU-s each
+    wide = dc.even_plan(10_000)  # 157 stages of at most 64
+    assert f"the largest {dc.largest_assign_bytes(wide) / 1e3:.4g} kB, {dc.replan_cpu(wide):.3g} CPU-s" in text(wide)
+    assert "the largest 85.21 kB" in text(wide)  # at 10,000 planned peers
+    assert "(over the frame header cap: the plan is refused)" in text([1000, 1000, 1000])
+    # 3,000 planned peers' reports and commits every 2 s, and 4 re-plans in 100 s
+    shape = [1000, 1000, 1000]
     steady = dc.control_cpu(10_000, 3000, 0.0, 2.0, dc.STANDBY_BEAT_S)
-    assert f"control plane {steady:.3g} coordinator CPU-s/s" in text(3000)
-    assert f"control plane {steady + 4 * dc.replan_cpu(3000) / 100:.3g} coordinator CPU-s/s" in text(3000, 4)
+    assert f"control plane {steady:.3g} coordinator CPU-s/s" in text(shape)
+    assert f"control plane {steady + 4 * dc.replan_cpu(shape) / 100:.3g} coordinator CPU-s/s" in text(shape, 4)
 
 
 def test_replans_are_amortised_over_the_time_between_them() -> None:
     steady = dc.control_cpu(1000, 1000, 0.0, 5.0, 10.0)
     assert dc.control_cpu(1000, 1000, 0.0, 5.0, 10.0, replan_s=600.0) == pytest.approx(
-        steady + dc.replan_cpu(1000) / 600
+        steady + dc.replan_cpu(dc.even_plan(1000)) / 600
     )
     assert dc.swarm_cost(1000, 1000, 5.0, 600.0).coordinator_cpu > dc.swarm_cost(1000, 1000, 5.0).coordinator_cpu
 

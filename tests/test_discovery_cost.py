@@ -53,7 +53,7 @@ def test_sim_reports_discovery_and_control_plane_cost(monkeypatch: pytest.Monkey
     plan = SimpleNamespace(groups=[[f"p{i}" for i in range(100)]])
     run = SimpleNamespace(first_plan=plan, mean_s=2.0, replans=[], redone=0, goodput=0.5, probes_asked=0)
     got = _discovery(topo, {"even": (run, 0.1)})
-    assert got == dc.swarm_cost(10_000, 100, 2.0) and got.shards == 1024
+    assert got == dc.swarm_cost(10_000, 100, 2.0, sizes=[100]) and got.shards == 1024
     args = SimpleNamespace(iterations=1)
     costs = SimpleNamespace(num_ops=3)
     run.predicted_s = run.lower_bound_s = 1.0

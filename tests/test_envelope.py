@@ -124,7 +124,8 @@ def _assigned_gate(stage: int = 1, boundary1: Codec | None = None) -> Gate:
     for name, key in ((ALICE, KEY_A), (BOB, KEY_B), (COORD, KEY_C)):
         gate.admit(name, key.public_key)
     spec_act = describe(encode_values([torch.zeros(4, 8, 16), torch.zeros(4, 8, dtype=torch.long)])[0])
-    a = Assign(RUN, stage, 0, {}, [5, 9], [[ALICE], [BOB], ["carol"]], {}, keys={}, specs=[[], spec_act, spec_act])
+    view = [[p] if abs(i - stage) <= 1 else [] for i, p in enumerate((ALICE, BOB, "carol"))]  # its neighbourhood
+    a = Assign(RUN, stage, 0, {}, [5, 9], view, [1, 1, 1], {}, keys={}, specs=[[], spec_act, spec_act])
     second = boundary1 or Codec("adatopk", 0.1)
     checks = PlanChecks(COORD, a, [Codec(), second], 4, frozenset({0, 1, 2, 3}))
     gate.expect = checks

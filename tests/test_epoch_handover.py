@@ -97,7 +97,7 @@ def _inbound(msg: Message) -> Inbound:
 
 
 def _assign(epoch: int) -> Inbound:
-    return _inbound(Assign(RUN, 0, 0, {}, [], [["me"]], {}, epoch=epoch, restore="state", program=True))
+    return _inbound(Assign(RUN, 0, 0, {}, [], [["me"]], [1], {}, epoch=epoch, restore="state", program=True))
 
 
 def _program(epoch: int) -> Inbound:

@@ -1,12 +1,10 @@
-"""Every message that crosses between FusionLLM processes, one frozen dataclass
-each. Headers are JSON objects: ``{"kind": ..., "v": PROTOCOL_VERSION, ...fields}``.
-Decoding ignores unknown fields (newer senders) and checks the types of known ones.
-
-Each class says who sends it (``class Ready(Message, sender="peer")``): ``peer`` (a
-peer to the coordinator), ``coordinator`` (to a peer; ``early``: it may reach a peer
-before the peer holds an assignment) or ``stage`` (a step's values between stages,
-and from the coordinator into stage 0). Receivers take their allowed kinds from
-:func:`kinds_from`, never from lists of their own."""
+"""Every message that crosses between FusionLLM processes, one frozen dataclass each.
+Headers are JSON objects ``{"kind": ..., "v": PROTOCOL_VERSION, ...fields}``; decoding
+ignores unknown fields (newer senders) and checks the known ones' types. Each class
+says who sends it (``class Ready(Message, sender="peer")``): ``peer`` (to the
+coordinator), ``coordinator`` (to a peer; ``early``: it may come before the peer holds
+an assignment) or ``stage`` (a step's values between stages, and from the coordinator
+into stage 0). Receivers take their kinds from :func:`kinds_from`, never their own lists."""
 
 from __future__ import annotations
 
@@ -14,13 +12,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from protocol.wire.assign_shape import check_assign
 from protocol.wire.schema import MessageError, check_field, fields_and_types, fields_of
 
-#: 2: a spot check may re-execute the forward only (``Recheck.backward``). 3: an
-#: arbitration may come without weights (``Recheck.same_weights``). 4: DHT records are
-#: stored under their signer's key (hex) as the subkey, adverts name their run (a peer of
-#: 3 would store where every node of 4 refuses it). An older peer would fail each of these
-PROTOCOL_VERSION = 4
+#: 2: ``Recheck.backward``. 3: ``Recheck.same_weights``. 4: DHT records under their signer's
+#: key (hex) as the subkey, adverts name their run. 5: an ``Assign`` names its neighbourhood
+#: only (``assign_shape``), a ``Recheck`` the keys of its signers. An older peer fails each
+PROTOCOL_VERSION = 5
 #: who may send a message in a frame (a class that names none is a DHT record)
 SENDERS = ("peer", "coordinator", "stage")
 
@@ -101,7 +99,7 @@ class Advert(Message):
 
 @dataclass(frozen=True)
 class Assign(Message, sender="coordinator", early=True):
-    """Coordinator -> peer: serve ``stage`` (as replica ``replica``) of the run."""
+    """Coordinator -> peer: serve ``stage`` as replica ``replica``; names its neighbourhood (``assign_shape``)."""
 
     KIND: ClassVar[str] = "assign"
     run_id: str
@@ -109,10 +107,11 @@ class Assign(Message, sender="coordinator", early=True):
     replica: int
     job: dict[str, Any]  # JobSpec fields
     cut: list[int]
-    stages: list[list[str]]  # peer ids serving each stage, replica order
-    maddrs: dict[str, list[str]]  # peer id -> addresses
+    stages: list[list[str]]  # per stage: its peer ids in replica order, for the neighbourhood only ([] elsewhere)
+    sizes: list[int]  # per stage: how many replicas serve it
+    maddrs: dict[str, list[str]]  # peer id -> addresses (the neighbourhood's)
     schedule: str = "1f1b"
-    keys: dict[str, str] = field(default_factory=dict)  # peer id -> Ed25519 public key (hex): the admitted peers
+    keys: dict[str, str] = field(default_factory=dict)  # peer id -> Ed25519 public key (hex): the neighbourhood's
     specs: list[list[Any]] = field(default_factory=list)  # per stage: descriptions of its input values
     link_mbps: list[float] = field(default_factory=list)  # per stage boundary: pace sends to this rate (0: no pacing)
     epoch: int = 0  # the plan epoch this assignment starts
@@ -123,7 +122,10 @@ class Assign(Message, sender="coordinator", early=True):
     pending_skip: bool = False
     program: bool = False  # the stage comes as a StageProgram (ATen operators), not from the job's model code
     certs: dict[str, float] = field(default_factory=dict)  # peer id -> when its admission certificate ends
-    nat: list[str] = field(default_factory=list)  # planned peers no one can dial: they dial out (protocol.net.reach)
+    nat: list[str] = field(default_factory=list)  # neighbours no one can dial: they dial out (protocol.net.reach)
+
+    def __post_init__(self) -> None:
+        check_assign(self)
 
 
 @dataclass(frozen=True)
@@ -329,10 +331,9 @@ class Commit(Message, sender="coordinator"):
 
 @dataclass(frozen=True)
 class Audit(Message, sender="coordinator"):
-    """Coordinator -> peer, after its ``StepDone`` of ``step`` (before that step's
-    ``Commit``, or while the next step trains): send back the signed frames you
-    received for micro-batch ``mb`` of ``step`` (``kinds``: ``act``, ``grad``,
-    ``rgrad``), as they arrived: evidence for a spot check (see ``Recheck``)."""
+    """Coordinator -> peer, after its ``StepDone`` of ``step`` (before that step's ``Commit``,
+    or while the next step trains): send back the signed frames you received for micro-batch
+    ``mb`` of it (``kinds``: ``act``, ``grad``, ``rgrad``) as they came: a spot check's evidence."""
 
     KIND: ClassVar[str] = "audit"
     run_id: str
@@ -344,9 +345,8 @@ class Audit(Message, sender="coordinator"):
 
 @dataclass(frozen=True)
 class Evidence(Message, sender="peer"):
-    """Peer -> coordinator: the frames an ``Audit`` asked for; the payload holds each
-    one's signed head and payload (two uint8 tensors per kind, in ``kinds`` order).
-    The kind ``weights`` is the stage's weights and buffers instead, by ``names``."""
+    """Peer -> coordinator: the frames an ``Audit`` asked for, each one's signed head and payload (two
+    uint8 tensors per kind, in ``kinds`` order); the kind ``weights``: the stage's, by ``names``."""
 
     KIND: ClassVar[str] = "evidence"
     run_id: str
@@ -363,8 +363,8 @@ class Recheck(Message, sender="coordinator"):
     of ``step`` from the signed frames in the payload (``roles`` of
     ``protocol.trust.spotcheck``; head and payload each) with this step's weights, and
     compare with what ``suspect`` signed and reported (``loss``, last stage), within
-    ``tolerance`` (relative). An arbiter of another stage gets ``stage`` and the
-    ``weights`` (by name, after the evidence) to rebuild it."""
+    ``tolerance`` (relative). An arbiter of another stage gets ``stage``, the ``weights``
+    (by name, after the evidence) to rebuild it, and the signers' ``keys`` it may not hold."""
 
     KIND: ClassVar[str] = "recheck"
     run_id: str
@@ -382,6 +382,7 @@ class Recheck(Message, sender="coordinator"):
     grads: bool = True  # compare parameter gradients (False: a stage of one peer, whose gradients no one else saw)
     backward: bool = True  # re-execute the backward too (False: the forward only; ``roles`` hold no gradients)
     same_weights: bool = False  # an arbiter's: no weights follow; those of its last arbitration (this stage and step)
+    keys: dict[str, str] = field(default_factory=dict)  # an arbiter's: signer -> its Ed25519 public key (hex)
 
 
 @dataclass(frozen=True)
@@ -439,9 +440,8 @@ class Reachability(Message, sender="coordinator", early=True):
 
 @dataclass(frozen=True)
 class Certificate(Message, sender="coordinator", early=True):
-    """Coordinator -> an admitted peer, on admission and every renewal period: its own
-    signed admission certificate (``protocol.trust.admission``; it goes into its advert),
-    and when each planned peer's certificate now ends (senders past theirs are refused)."""
+    """Coordinator -> an admitted peer, on admission and each renewal: its signed admission certificate
+    (``protocol.trust.admission``), and when planned peers' certificates now end (later senders are refused)."""
 
     KIND: ClassVar[str] = "cert"
     run_id: str
