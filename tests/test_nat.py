@@ -72,7 +72,7 @@ def test_peers_behind_nats_train_equal_to_one_process(tmp_path: Path, direct: in
     forwarded = re.search(r"forwarded ([\d.]+) MB between peers behind NATs", out)
     assert forwarded and float(forwarded.group(1)) > 0, out[-2000:]
     for p in procs[1:3]:
-        assert re.search(r"dialled out to (\d+) of the plan's \1 reachable peers", p.output), p.output[-2000:]
+        assert re.search(r"dialled out to (\d+) of its \1 reachable neighbours", p.output), p.output[-2000:]
         assert "Traceback" not in p.output and p.popen.returncode == 0, p.output[-2000:]
     ref = tmp_path / "ref.safetensors"
     assert run_cli("train", "--reference", *common, "--threads", "1", "--save", str(ref)).returncode == 0
