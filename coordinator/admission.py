@@ -208,8 +208,8 @@ class Admission:
 
     async def certify(self, peers: list[str]) -> None:
         """Issue ``peers`` fresh admission certificates (their senders are refused past
-        the end of the last one), and send each its own with when every planned peer's
-        ends (for their gates)."""
+        the end of the last one), and send each its own with when the planned peers of its
+        neighbourhood's end (for its gate)."""
         assert self.endpoint.identity is not None
         now, run_id, ttl = time.time(), self.config.run_id, self.config.cert_ttl
         certs = {}
@@ -218,8 +218,11 @@ class Admission:
             if key is not None:
                 certs[p] = issue_certificate(self.endpoint.identity, run_id, p, key_hex(key), now, ttl)
                 self.gate.until[p] = certs[p]["expires_at"]
-        ends = {p: self.gate.until[p] for p in self.roster.planned() if p in self.gate.until}
-        await asyncio.gather(*(self._send_certificate(p, Certificate(run_id, c, ends)) for p, c in certs.items()))
+        # each planned peer's gate admits its neighbourhood only: when those end, not the whole plan's
+        # (a message that grew with the plan, over a frame's cap from ~15,000 planned peers)
+        near = self.roster.neighbourhoods()
+        ends = {p: {q: self.gate.until[q] for q in near.get(p, []) if q in self.gate.until} for p in certs}
+        await asyncio.gather(*(self._send_certificate(p, Certificate(run_id, c, ends[p])) for p, c in certs.items()))
 
     async def _send_certificate(self, peer: str, msg: Certificate) -> None:
         assert self.endpoint.transport is not None

@@ -15,6 +15,7 @@ import hivemind
 from coordinator.runstate import EXCLUDED, RunState
 from protocol.net.transport import Inbound, Transport
 from protocol.trust.identity import Identity
+from protocol.wire.assign_shape import neighbourhood
 
 
 @dataclass
@@ -60,6 +61,16 @@ class Roster:
     def planned(self) -> set[str]:
         """The peers of the current plan."""
         return self.driver.st.planned if self.driver is not None else set()
+
+    def neighbourhoods(self) -> dict[str, list[str]]:
+        """Each planned peer's neighbourhood: the peers of its stage and the stages beside
+        it, those its gate admits (``protocol.wire.assign_shape``); one list a stage."""
+        plan = self.driver.st.plan if self.driver is not None else None
+        stages = plan.stages if plan is not None else []
+        out: dict[str, list[str]] = {}
+        for s, group in enumerate(stages):
+            out.update(dict.fromkeys(group, [q for i in neighbourhood(s, len(stages)) for q in stages[i]]))
+        return out
 
     def lost(self) -> dict[str, str]:
         """Dropped peers and why (one line each)."""

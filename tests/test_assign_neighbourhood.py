@@ -294,3 +294,39 @@ def test_the_coordinator_gives_an_arbiter_the_signers_keys_and_a_replica_none(tm
     asyncio.run(checker.recheck(3, 1, 0, ["input", "output"], signers, [], "p0"))  # a replica of the stage
     rechecks = [m for _, m, _ in _host(driver).transport.sent if isinstance(m, Recheck)]
     assert [r.keys for r in rechecks] == [{"p0": "key of p0", "p1": "key of p1"}, {}]
+
+
+def test_a_certificate_renewal_tells_each_peer_when_its_neighbourhood_ends_not_the_plan() -> None:
+    """Renewals told every admitted peer when every planned peer's certificate ends (a
+    message that grew with the plan, over a frame's cap from ~15,000 planned peers);
+    a peer's gate takes only its neighbourhood's, so only those are sent."""
+    from coordinator.admission import Admission
+    from coordinator.assign import Assignment
+    from coordinator.config import CoordinatorConfig
+    from coordinator.roster import Endpoint, Roster
+    from coordinator.status import StatusBoard
+    from protocol.model.graph import Cut
+    from protocol.wire.messages import Certificate
+    from tests.test_coordinator_inbox import JOB as INBOX_JOB
+    from tests.test_coordinator_inbox import FakeTransport
+
+    stages = [["a"], ["b", "c"], ["d"], ["e"]]
+    gate = Gate(RUN)
+    for p in "abcdef":  # f: a standby peer
+        gate.admit(p, Identity.generate().public_key)
+    transport = FakeTransport()
+    roster = Roster()
+    roster.driver = SimpleNamespace(st=SimpleNamespace(plan=Assignment(Cut((10, 20, 30)), stages)))  # type: ignore[assignment]
+    config = CoordinatorConfig(job=INBOX_JOB, run_id=RUN)
+    admission = Admission(config, gate, StatusBoard(RUN, 1), Endpoint(Identity.generate(), None, transport), roster)  # type: ignore[arg-type]
+    asyncio.run(admission.certify(list("abcdef")))
+    told = {p: m.expires for p, m, _ in transport.sent if isinstance(m, Certificate)}
+    assert {p: sorted(e) for p, e in told.items()} == {
+        "a": ["a", "b", "c"],
+        "b": ["a", "b", "c", "d"],
+        "c": ["a", "b", "c", "d"],
+        "d": ["b", "c", "d", "e"],
+        "e": ["d", "e"],
+        "f": [],
+    }
+    assert told["d"]["e"] == gate.until["e"]

@@ -340,8 +340,9 @@ def test_forged_and_run_out_certificates_are_refused_by_every_receiver(tmp_path:
         refused = _rejects(api(swarm.url))  # its heartbeats stopped here
         (tmp_path / "go-lapsed").touch()  # and now it sends
         again = member.wait_line(r"lapsed (\w+) sent to \d+ receivers: (.*)", 120)
-        assert set(again.group(2).split()) == set(honest)
-        for p in honest:
+        receivers = set(again.group(2).split())  # its last assignment's peers: its neighbourhood's alone
+        assert receivers and receivers <= set(honest), receivers
+        for p in receivers:
             _refuses(swarm.peers[p], lapsed, after=seen[p])
         _refuses(swarm.coord, lapsed, after=seen_coord)
         wait_for(swarm.url, lambda s: _rejects(s) >= refused + 2, 60)  # its activations, its probe
