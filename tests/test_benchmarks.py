@@ -267,6 +267,8 @@ def _discovery(out: dict[str, Any]) -> None:
     # a real coordinator process took the synthetic peers' heartbeats; a real transport sent the commits
     assert out["control_messages"] > 0 and out["coordinator_cpu_per_1k_peers"] >= 0, out
     assert out["commits_sent"] > 0 and out["wire_10k"]["commit_bytes"] < 1024, out
+    # no message over 1 MiB: an assignment at 10,000 planned peers names its neighbourhood only
+    assert out["wire_10k"]["assign_fits"] and at_10k["assign_kB"] < 1024 / 4, out
 
 
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
