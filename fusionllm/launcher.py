@@ -214,10 +214,11 @@ class Launcher:
                 if not self._replied.wait_for(lambda: self._pid_reply or not self._alive, self._fork_wait_s):
                     self._give_up()
                 reply = self._pid_reply.pop(0) if self._pid_reply else {}
-        pid = reply.get("pid")
-        if not isinstance(pid, int):
+        child = reply.get("child")
+        if not isinstance(child, Child):
             return None
-        return self._children.setdefault(pid, Child(pid, [module, *args], None))
+        child.args = [module, *args]
+        return child
 
     def _give_up(self) -> None:
         """A stuck zygote (stopped, swapping) is ended (one this process was forked from is
@@ -262,9 +263,12 @@ class Launcher:
             if "ready" in reply:
                 self._ready.set()
             elif "exit" in reply:
-                child = self._children.setdefault(reply["exit"], Child(reply["exit"], [], None))
-                child._exited(int(reply["code"]))
+                child = self._children.pop(reply["exit"], None)
+                if child is not None:
+                    child._exited(int(reply["code"]))
             else:
+                if isinstance(reply.get("pid"), int):  # registered before the next reply (its exit) is read
+                    reply["child"] = self._children[reply["pid"]] = Child(reply["pid"], [], None)
                 with self._replied:
                     self._pid_reply.append(reply)
                     self._replied.notify_all()

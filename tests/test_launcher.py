@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -208,3 +209,41 @@ def test_a_stale_zygote_variable_is_not_trusted(tmp_path: Path, monkeypatch: pyt
         assert _inherited(_env()) is None  # it imported with other thread settings
     other.close()
     mine.close()
+
+
+def test_a_reused_pid_is_a_new_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pids wrap (``pid_max`` is 32768 here): a command forked with the pid of one that
+    already ended is a new command, not the old one with its exit code (CI saw a
+    coordinator's ``wait`` return at once with an earlier command's code while it ran on,
+    and a benchmark fail on it). A fake zygote answers over a socket pair."""
+    import fusionllm.launcher as launcher_module
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    monkeypatch.setattr(launcher_module, "_inherited", lambda env: ours)
+    fake = Launcher(dict(os.environ))
+
+    def fork_as(pid: int) -> Child:
+        def answer() -> None:
+            _, fds, _, _ = socket.recv_fds(theirs, 65536, 4)
+            for fd in fds:
+                os.close(fd)
+            theirs.send(json.dumps({"pid": pid}).encode())
+
+        zygote = threading.Thread(target=answer)
+        zygote.start()
+        child = fake.spawn(["--version"])
+        zygote.join(5)
+        assert isinstance(child, Child) and child.pid == pid
+        return child
+
+    try:
+        first = fork_as(4242)
+        theirs.send(json.dumps({"exit": 4242, "code": 9}).encode())
+        assert first.wait(5) == 9
+        second = fork_as(4242)
+        assert second is not first and second.poll() is None, "the pid's earlier exit is not this command's"
+        theirs.send(json.dumps({"exit": 4242, "code": 0}).encode())
+        assert second.wait(5) == 0 and first.returncode == 9
+    finally:
+        theirs.close()
+        fake.close()
