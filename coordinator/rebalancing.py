@@ -103,7 +103,7 @@ class Rebalancer:
         for p, samples in m.speeds.items():
             levels = m.levels.setdefault(p, [])
             levels.extend([None, replan.robust_speed(samples)] if epoch_began else [replan.robust_speed(samples)])
-            del levels[: -replan.LEVEL_CHECKS]
+            del levels[: -replan.LEVEL_HISTORY]
             if p in st.planned and replan.new_level(levels) and m.doubt:
                 logger.info("peer %s changed speed for good: the doubt of earlier moves is cleared", p)
                 m.doubt = 0.0

@@ -168,20 +168,39 @@ def level_changes(levels: list[float | None]) -> int:
     return sum(1 for a, b in pairs if a is not None and b is not None and max(a, b) > LEVEL_CHANGE * min(a, b))
 
 
+#: levels kept per peer: enough to see a volatile peer hold one level for ``LEVEL_CHECKS`` checks
+LEVEL_HISTORY = 2 * LEVEL_CHECKS
+
+
 def volatile(levels: list[float | None]) -> bool:
-    return level_changes(levels[-LEVEL_CHECKS:]) >= VOLATILE_CHANGES
+    """Whether a peer's speed is volatile: it changed level ``VOLATILE_CHANGES`` times
+    within ``LEVEL_CHECKS`` checks, and has not held one level for ``LEVEL_CHECKS``
+    checks since. The hysteresis matters: without it a peer flipping every few seconds
+    went in and out of volatility as single changes left the window, was planned at its
+    latest speed each time it went out, and the plan chased it (CI saw four moves in 30 s
+    of random speed changes, against a bound of three)."""
+    for end in range(len(levels), 1, -1):
+        changes = level_changes(levels[max(0, end - LEVEL_CHECKS) : end])
+        if changes != 1:  # two or more: volatile; none: a level held (or nothing seen yet)
+            return changes >= VOLATILE_CHANGES
+    return False
 
 
 def new_level(levels: list[float | None]) -> bool:
-    """Whether the last check saw a lasting change: a new level of a peer that is not volatile
-    (it clears the doubt that earlier moves left: ``next_doubt`` speaks of other conditions)."""
-    return level_changes(levels[-2:]) == 1 and not volatile(levels)
+    """Whether the last checks saw a lasting change: a peer that is not volatile reached a
+    new level at the check before the last and held it at the last (it clears the doubt
+    that earlier moves left: ``next_doubt`` speaks of other conditions). One check is not
+    enough: CI saw a peer's one-check blip clear the doubt of a move that had not
+    delivered, and the next move follow it within the cool-down."""
+    last = levels[-3:]
+    held = len(last) == 3 and None not in last[1:] and level_changes(last[1:]) == 0
+    return held and level_changes(last[:2]) == 1 and not volatile(levels)
 
 
 def planning_speed(samples: list[float], levels: list[float | None]) -> float:
     """The speed to plan a peer with: its recent median while its speed holds a level
     (a slow-down that lasts is acted on within two checks), else, once it changed level
-    ``VOLATILE_CHANGES`` times in the last ``LEVEL_CHECKS`` checks, its long-run
+    ``VOLATILE_CHANGES`` times in the last ``LEVEL_CHECKS`` checks (``volatile``), its long-run
     throughput (the harmonic mean of the kept measurements: work over time). A GPU shared
     with its owner's games is planned at what it delivers on average, not chased."""
     if volatile(levels):

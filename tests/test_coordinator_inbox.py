@@ -542,9 +542,25 @@ def test_a_peer_whose_speed_keeps_changing_is_planned_at_its_average() -> None:
     assert replan.level_changes(volatile) == 4
     mixed = [1.0, 0.5] * 10
     assert replan.planning_speed(mixed, volatile) == pytest.approx(2 / 3), "work over time: the harmonic mean"
-    assert replan.new_level(steady[:3]) and not replan.new_level(steady) and not replan.new_level(volatile)
+    assert replan.new_level(steady) and not replan.new_level(steady[:3]), "a new level, once it held a check"
+    assert not replan.new_level([*steady, 0.25]) and not replan.new_level(volatile)
     long_ago = [1.0, 0.35, 1.0] + [1.0] * replan.LEVEL_CHECKS
     assert replan.planning_speed(mixed, long_ago) == replan.robust_speed(mixed), "old changes are forgotten"
+
+
+def test_a_volatile_peer_stays_volatile_until_it_holds_a_level() -> None:
+    """Hysteresis: two changes within ``LEVEL_CHECKS`` checks make a peer volatile, and
+    it stays so while changes keep coming, however far apart, until it holds one level
+    for ``LEVEL_CHECKS`` checks (CI saw the plan chase a peer that left volatility each
+    time one of its two changes slid out of the window)."""
+    gap = [0.35] * (replan.LEVEL_CHECKS - 3)
+    levels = [1.0, 0.35, 1.0, *([1.0] * (replan.LEVEL_CHECKS - 3)), 0.35, *gap]
+    assert replan.level_changes(levels[-replan.LEVEL_CHECKS :]) == 1, "one change in the last window"
+    assert replan.volatile(levels), "still changing: still volatile"
+    held = [*levels, *([0.35] * replan.LEVEL_CHECKS)]
+    assert not replan.volatile(held), "a level held for a full window ends it"
+    assert not replan.volatile([1.0, 0.35, *([0.35] * 12), 1.0]), "changes far apart never made it volatile"
+    assert not replan.volatile([]) and not replan.volatile([1.0])
 
 
 def test_a_move_is_not_a_level_change_of_the_peers(tmp_path: Path) -> None:
@@ -562,7 +578,9 @@ def test_a_move_is_not_a_level_change_of_the_peers(tmp_path: Path) -> None:
     rebalancer.record_levels()
     record.doubt, record.speeds["p0"] = 0.4, [0.5] * 9  # then it is throttled
     rebalancer.record_levels()
-    assert record.levels["p0"] == [None, 1.0, None, 2.0, 0.5]
+    assert record.doubt == 0.4, "one check of a new level is not yet lasting"
+    rebalancer.record_levels()
+    assert record.levels["p0"] == [None, 1.0, None, 2.0, 0.5, 0.5]
     assert not replan.volatile(record.levels["p0"]) and record.doubt == 0.0
 
 
