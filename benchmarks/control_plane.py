@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import logging
 import multiprocessing
-import os
 import statistics
 import tempfile
 import time
@@ -37,7 +37,7 @@ from typing import Any
 import psutil
 from hivemind.p2p import P2P
 
-from coordinator.assignments import assignments, header_bytes
+from coordinator.assignments import assignments, header_bytes, reassignments
 from coordinator.discovery_cost import even_plan
 from coordinator.messaging import send_each
 from protocol.net.transport import MSG_PROTOCOL, Transport
@@ -294,6 +294,27 @@ def wire_costs(n: int, repeat: int = 1000) -> dict[str, float]:
         "assign_seal_ms": round(assign_ms, 2),
         # a stage's replicas' assignments differ by their replica number alone
         "assign_bytes_per_replan": sum(len(g) * header_bytes(assigns[g[0]]) for g in stages),
+        **_replan_by_changes(n, stages, assigns),
+    }
+
+
+def _replan_by_changes(n: int, stages: list[list[str]], held: dict[str, Assign]) -> dict[str, Any]:
+    """What the next epoch sends (``reassignments``) when one peer of the middle stage
+    was replaced by a standby peer: the peers of its neighbourhood get their changed
+    ids, addresses and keys, every other peer only the epoch's own fields; and the time
+    the coordinator takes to work that out (seconds of CPU)."""
+    replaced = stages[len(stages) // 2][0]
+    _, new = _assigns(n, epoch=held[replaced].epoch + 1, swap=replaced)
+    t0 = time.process_time()
+    outgoing = reassignments(new, held)
+    diff_s = time.process_time() - t0
+    sizes = [header_bytes(m) for m in outgoing.values()]
+    far = outgoing[stages[0][0]]
+    return {
+        "replan_bytes_one_replaced": sum(sizes),
+        "replan_whole_assignments": sum(isinstance(m, Assign) for m in outgoing.values()),
+        "reassign_bytes_far_peer": header_bytes(far),
+        "reassign_diff_cpu_s": round(diff_s, 3),
     }
 
 
@@ -302,11 +323,13 @@ def _peer_id(i: int) -> str:
     return f"12D3KooW{i:044d}"
 
 
-def _assigns(n: int) -> tuple[list[list[str]], dict[str, Assign]]:
+def _assigns(n: int, epoch: int = 3, swap: str = "") -> tuple[list[list[str]], dict[str, Assign]]:
     """A plan of ``n`` peers (``even_plan``) and every planned peer's assignment, with
-    the fields the coordinator fills (``coordinator.dispatch._assign_msgs``)."""
+    the fields the coordinator fills (``coordinator.dispatch._assign_msgs``), for plan
+    ``epoch`` (its first step 400 steps an epoch); peer ``swap`` replaced by a new one."""
     ids = iter([_peer_id(i) for i in range(n)])
     stages = [[next(ids) for _ in range(size)] for size in even_plan(n)]
+    stages = [[_peer_id(n) if p == swap else p for p in g] for g in stages]
     k = len(stages)
     peers = [p for g in stages for p in g]
     maddrs = {p: [f"/ip4/198.51.{i % 250}.{i % 200}/tcp/{30000 + i % 30000}/p2p/{p}"] for i, p in enumerate(peers)}
@@ -316,10 +339,10 @@ def _assigns(n: int) -> tuple[list[list[str]], dict[str, Assign]]:
         "cut": [6 * (s + 1) for s in range(k - 1)],
         "specs": [[{"shape": [8, 1024, 1600], "dtype": "float32"}] for _ in range(k)],
         "link_mbps": [0.0] * (k - 1),
-        "epoch": 3,
-        "start_step": 1200,
+        "epoch": epoch,
+        "start_step": 400 * epoch,
     }
-    keys = {p: os.urandom(32).hex() for p in peers}
+    keys = {p: hashlib.sha256(p.encode()).hexdigest() for p in peers}  # the same peer's in every epoch
     certs = {p: 1.8e9 + i for i, p in enumerate(peers)}
     return stages, assignments(stages, shared, maddrs, keys, certs, set(peers[::10]))
 

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from coordinator.assignments import PlanTooLarge, assignments
+from coordinator.assignments import PlanTooLarge, assignments, header_bytes, reassignments
 from coordinator.checkpoint import RunDir
 from coordinator.checkpointing import Checkpoints
 from coordinator.host import Host
@@ -23,7 +23,17 @@ from coordinator.runstate import EXCLUDED, PeerLost, RunState
 from coordinator.scaling import LossScales
 from coordinator.stages import Stages
 from protocol.net.clock import Clock
-from protocol.wire.messages import Assign, Finish, LinkPlan, Ready, Release, StageProgram, StageState, Standby
+from protocol.wire.messages import (
+    Assign,
+    Finish,
+    LinkPlan,
+    Ready,
+    Release,
+    StageProgram,
+    StageState,
+    Standby,
+)
+from protocol.wire.reassign import Reassign, Resend
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +70,9 @@ class Dispatcher:
         self.run_dir = run_dir
         self.clock = clock
         self.say = say
+        self.held: dict[str, Assign] = {}  # each peer's assignment of the last epoch it was ready for
+        self._whole: dict[str, Assign] = {}  # this epoch's, whole (for a peer that asks: ``Resend``)
+        self._extras: dict[int, list[tuple[Any, Any]]] = {}  # per stage: its program, its state
 
     async def dispatch(self) -> None:
         """Set the current plan epoch up; ``st.dispatched`` once every peer is ready."""
@@ -102,36 +115,62 @@ class Dispatcher:
             board.peer_state(p, "standby")
 
     async def _send_stages(self) -> None:
-        """Each planned peer's assignment, and its stage's program and state where due.
+        """Each planned peer's assignment (what changed, to a peer that served the last
+        epoch: ``reassignments``), and its stage's program and state where due.
         Assignments alone go out in bounded parallel (``send_each``), each sealed once:
         no order between peers matters (each waits for its own, ``_await_ready`` for
         all). A program and a state must follow their peer's assignment at once (its
         epoch waits for them from then, ``message_timeout``): with them, each peer's
         three go in turn, peer after peer, as before (a state may be gigabytes)."""
-        st, cfg = self.st, self.cfg
+        st = self.st
         assert st.plan is not None
-        plan, loop = st.plan, asyncio.get_running_loop()
         try:
-            assigns = self._assign_msgs()
+            self._whole = self._assign_msgs()
         except PlanTooLarge as exc:
             raise SwarmError(str(exc)) from None
+        outgoing = reassignments(self._whole, self.held)
+        changes = [m for m in outgoing.values() if isinstance(m, Reassign)]
+        if changes:
+            kb = sum(map(header_bytes, changes)) / 1e3
+            told = f"{len(changes)} of {len(outgoing)} peers"
+            self.say(f"{told} told only what changed in their assignment ({kb:.1f} kB)")
+        self.held = {}  # until each is ready again (a peer may fail to apply what changed)
+        self._extras = await self._stage_extras()
+        if not self._extras:
+            await self._send_all(outgoing)
+            return
+        for p in (p for group in st.plan.stages for p in group):
+            await self._send_peer(p, outgoing[p])
+
+    async def _stage_extras(self) -> dict[int, list[tuple[Any, Any]]]:
+        """Per stage, what must follow its peers' assignments: its program (a private
+        swarm's, unless the stages keep theirs) and its state (an epoch restored from a
+        checkpoint); none where nothing must."""
+        st, cfg, loop = self.st, self.cfg, asyncio.get_running_loop()
+        assert st.plan is not None
+        plan, extras = st.plan, {}
         states = programs = None
         if st.restore == "state":
             states = await loop.run_in_executor(None, self.checkpoints.stage_states, plan.cut)
         if self.stages.as_programs and st.restore != "keep":
             programs = await loop.run_in_executor(None, self.stages.programs, plan.cut)
         if programs is None and states is None:
-            await self._send_all(assigns)
-            return
-        for s, group in enumerate(plan.stages):
-            for p in group:
-                await self.mailbox.send(p, assigns[p])
-                if programs is not None:
-                    await self.mailbox.send(p, StageProgram(cfg.run_id, s, plan.cut.to_list(), st.epoch), programs[s])
-                if states is not None:
-                    names = sorted(states[s])
-                    msg = StageState(cfg.run_id, s, names, st.epoch, st.step)
-                    await self.mailbox.send(p, msg, [states[s][n] for n in names])
+            return {}
+        for s in range(plan.cut.num_stages):
+            extras[s] = []
+            if programs is not None:
+                extras[s].append((StageProgram(cfg.run_id, s, plan.cut.to_list(), st.epoch), programs[s]))
+            if states is not None:
+                names = sorted(states[s])
+                extras[s].append((StageState(cfg.run_id, s, names, st.epoch, st.step), [states[s][n] for n in names]))
+        return extras
+
+    async def _send_peer(self, peer: str, assign: Assign | Reassign) -> None:
+        """A peer's assignment, then its stage's program and state where due."""
+        assert self.st.plan is not None
+        await self.mailbox.send(peer, assign)
+        for msg, values in self._extras.get(self.st.plan.stage_of(peer)[0], []):
+            await self.mailbox.send(peer, msg, values)
 
     def _show_paths(self, stages: list[list[str]]) -> None:
         """On the page, how each planned peer behind a NAT is reached: it dials out, or
@@ -176,16 +215,30 @@ class Dispatcher:
     async def _await_ready(self) -> None:
         st, cfg = self.st, self.cfg
         assert st.plan is not None
-        pending, measured = set(st.planned), {}
+        pending, measured, resent = set(st.planned), {}, set()
         while pending:
-            inbound = await self.mailbox.next((Ready,), pending)
+            inbound = await self.mailbox.next((Ready, Resend), pending)
+            if isinstance(inbound.message, Resend):  # it did not hold what the changes build on
+                await self._resend(inbound.sender, resent)
+                continue
             pending.discard(inbound.sender)
+            self.held[inbound.sender] = self._whole[inbound.sender]
             measured[inbound.sender] = inbound.message.next_mbps
             st.learn_links(inbound.sender, {p: v for p, v in inbound.message.next_mbps.items() if p in st.planned})
         st.codecs, st.mbps = self.host.choose_codecs(self.stages.dag, st.plan, st.specs, measured)
         self.host.board.set_links([str(c) for c in st.codecs], st.mbps)
         links = LinkPlan(cfg.run_id, [c.to_json() for c in st.codecs], st.epoch)  # sealed once for all
         await self._send_all(dict.fromkeys(st.planned, links))
+
+    async def _resend(self, peer: str, resent: set[str]) -> None:
+        """A peer's whole assignment (with its stage's program and state), once an epoch:
+        a peer asking again is not sent a state again (a small frame must not buy gigabytes)."""
+        if peer in resent:
+            logger.warning("peer %s asked again for its whole assignment of epoch %d", peer, self.st.epoch)
+            return
+        resent.add(peer)
+        logger.info("peer %s asked for its whole assignment", peer)
+        await self._send_peer(peer, self._whole[peer])
 
     async def release(self) -> None:
         """Tell every peer admitted during the run that it is over: the plan's, the standby

@@ -23,6 +23,7 @@ from protocol.trust.identity import Identity, check_record, key_hex, public_key
 from protocol.trust.run_records import FOLLOW_S, MAX_SHARDS
 from protocol.trust.text import clean
 from protocol.wire.messages import PROTOCOL_VERSION, Beat, CoordinatorRecord, Hello, PeerFailure
+from protocol.wire.reassign import Resend
 
 logger = logging.getLogger(__name__)
 
@@ -219,6 +220,14 @@ class CoordinatorLink:
             await asyncio.wait_for(self.transport.send(self.peer_id, failure, evidence), 30)
         except (PeerUnreachable, asyncio.TimeoutError):
             pass
+
+    async def ask_whole(self, run_id: str, epoch: int) -> None:
+        """Ask the coordinator for the whole assignment of ``epoch`` (its ``Reassign`` builds
+        on one this peer does not hold); unanswered, the coordinator's wait for this peer ends it."""
+        try:
+            await asyncio.wait_for(self.transport.send(self.peer_id, Resend(run_id, epoch)), 30)
+        except (PeerUnreachable, asyncio.TimeoutError) as exc:
+            logger.warning("could not ask for the whole assignment of epoch %d: %s", epoch, exc)
 
     async def beat(self, beat: Callable[[], Beat | None]) -> None:
         """Heartbeats (``beat()``; None: this peer is in no plan) while not reattaching:

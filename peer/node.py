@@ -12,6 +12,7 @@ spot checks)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -66,6 +67,8 @@ from protocol.wire.messages import (
     StageState,
     Standby,
 )
+from protocol.wire.reassign import Reassign
+from protocol.wire.schema import MessageError
 
 logger = logging.getLogger(__name__)
 
@@ -192,6 +195,11 @@ class PeerNode:
 
     def _route(self, inbound: Inbound) -> None:
         msg = inbound.message
+        if isinstance(msg, Reassign):
+            whole = self._reassigned(msg)
+            if whole is None:
+                return
+            inbound, msg = dataclasses.replace(inbound, message=whole), whole
         if isinstance(msg, (Assign, Standby)):
             if msg.epoch <= self.epoch and self.epoch >= 0:
                 logger.warning("ignoring a repeated %s of epoch %d", msg.KIND, msg.epoch)
@@ -233,6 +241,23 @@ class PeerNode:
             self.audits.put_nowait(inbound)
         else:
             logger.warning("unexpected %s from %s", msg.KIND, inbound.sender)
+
+    def _reassigned(self, msg: Reassign) -> Assign | None:
+        """The assignment a ``Reassign`` describes, built on the one this peer holds; None for
+        a repeat, and for one that does not build on it (the whole is asked for: ``Resend``)."""
+        assert self.link is not None
+        if msg.epoch <= self.epoch and self.epoch >= 0:
+            logger.warning("ignoring a repeated reassign of epoch %d", msg.epoch)
+            return None
+        held = self.checks.assign if self.checks is not None else None
+        try:
+            if held is None:
+                raise MessageError("this peer holds no assignment")
+            return msg.apply(held)
+        except MessageError as exc:
+            logger.info("asking for the whole assignment of epoch %d: %s", msg.epoch, exc)
+            self._tasks.append(asyncio.create_task(self.link.ask_whole(msg.run_id, msg.epoch)))
+            return None
 
     def _enter_epoch(self, epoch: int, a: Assign | None) -> None:
         """From now on frames of older epochs are refused, and this epoch's messages go

@@ -162,7 +162,7 @@ def test_an_assignment_without_counts_or_of_version_4_is_refused() -> None:
     del header["sizes"]
     with pytest.raises(MessageError, match="assign lacks field 'sizes'"):
         Message.from_header(header)
-    with pytest.raises(MessageError, match="protocol version 4, this peer speaks 5"):
+    with pytest.raises(MessageError, match="protocol version 4, this peer speaks 6"):
         Message.from_header(_header(v=4))
     assert Message.from_header(_header()) == _assigns(_plan([2, 2, 2, 2]))[_id(3)]
 

@@ -45,16 +45,19 @@ from protocol.wire.encoding import Frame
 from protocol.wire.gate import Gate
 from protocol.wire.messages import (
     Advert,
+    Assign,
     Beat,
     Finish,
     Hello,
     Message,
     PeerFailure,
+    Ready,
     Recheck,
     State,
     StepDone,
     Verdict,
 )
+from protocol.wire.reassign import Resend
 
 JOB = JobSpec(model_args="n_layer=2,n_embd=64,n_head=4", steps=50)
 
@@ -860,5 +863,27 @@ def test_a_peer_cannot_claim_more_compute_than_the_time_that_went_by(tmp_path: P
         await driver.pipeline.await_done(0, 1, began)
         assert driver.st.train_compute_s == pytest.approx(0.25 + 0.001)  # each report at most the time gone by
         assert driver.st.audit_compute_s == pytest.approx(0.25)
+
+    asyncio.run(go())
+
+
+def test_a_peer_that_asks_gets_its_whole_assignment_once(tmp_path: Path) -> None:
+    """A peer that could not build its assignment from what changed (issue 33: it
+    restarted, or was dropped since) asks for the whole (``Resend``) and gets it, once
+    an epoch: a second ask buys nothing (with a state, it would buy gigabytes). Each
+    peer's assignment is held as it answers ``Ready``: the next epoch builds on it."""
+
+    async def go() -> None:
+        driver = _driver(tmp_path, [["p0"], ["p1"]])
+        host, dispatcher, epoch = _host(driver), driver.dispatcher, driver.st.epoch
+        host.choose_codecs = lambda *args: ([], [])  # type: ignore[method-assign]
+        dispatcher._whole = dispatcher._assign_msgs()
+        asks = [_inbound("p1", Resend("r", epoch)), _inbound("p1", Resend("r", epoch))]
+        readies = [_inbound(p, Ready("r", s, 0, 0.1, epoch=epoch)) for s, p in enumerate(["p0", "p1"])]
+        await _put(driver, *asks, *readies)
+        await dispatcher._await_ready()
+        sent = [(p, m) for p, m, _ in host.transport.sent if isinstance(m, Assign)]
+        assert sent == [("p1", dispatcher._whole["p1"])]
+        assert dispatcher.held == dispatcher._whole
 
     asyncio.run(go())

@@ -29,6 +29,7 @@ from protocol.net.transport import Inbound
 from protocol.wire.encoding import Frame
 from protocol.wire.gate import Gate
 from protocol.wire.messages import Assign, Beat, Evict, Message, PeerFailure, StageProgram, Standby
+from protocol.wire.reassign import Reassign
 
 RUN = "r"
 
@@ -42,6 +43,10 @@ class _Link:
     def __init__(self) -> None:
         self.reports: list[PeerFailure] = []
         self.hellos = 0
+        self.asked: list[int] = []  # the epochs whose whole assignment this peer asked for
+
+    async def ask_whole(self, run_id: str, epoch: int) -> None:
+        self.asked.append(epoch)
 
     async def hello(self, again: bool = True) -> None:
         self.hellos += 1
@@ -290,3 +295,58 @@ def test_a_failure_ending_with_a_control_item_is_reported(monkeypatch: Any, refu
         assert code == 2 and read == [(0, 0)], (code, read)
     else:
         assert code is None and read == [(0, 0), (1, 1)], (code, read)
+
+
+def test_an_epoch_told_as_what_changed_is_served_as_its_whole_assignment(monkeypatch: Any) -> None:
+    """Epoch 1 comes as what changed since epoch 0's assignment (issue 33): the peer
+    serves the assignment it builds, its runner reads epoch 1's program, and a repeat
+    of it is ignored."""
+
+    async def main() -> tuple[list[tuple[int, int]], Assign | None, list[int]]:
+        node = _node(monkeypatch)
+        node._route(_assign(0))
+        node._route(_program(0))
+        serving = asyncio.create_task(node.serve())
+        await _turns()
+        changed = _inbound(Reassign(RUN, 1, 0, {"start_step": 40, "restore": "keep"}))
+        node._route(changed)
+        node._route(_program(1))
+        node._route(changed)
+        await _turns()
+        serving.cancel()
+        await node.aclose()
+        return _Runner.read, node.checks.assign if node.checks else None, node.link.asked  # type: ignore[union-attr]
+
+    read, held, asked = asyncio.run(main())
+    assert read == [(0, 0), (1, 1)] and asked == []
+    assert held == Assign(RUN, 0, 0, {}, [], [["me"]], [1], {}, epoch=1, start_step=40, restore="keep", program=True)
+
+
+@pytest.mark.parametrize(
+    "before,reassign",
+    [
+        ([], Reassign(RUN, 1, 0, {})),  # nothing held (a restarted peer)
+        ([_assign(0)], Reassign(RUN, 2, 1, {})),  # built on an epoch this peer did not serve
+        ([_assign(0)], Reassign(RUN, 1, 0, {"sizes": [2]})),  # inconsistent once applied
+        ([_assign(0), _inbound(Evict(RUN, "stalled", 0))], Reassign(RUN, 1, 0, {})),  # dropped since
+    ],
+    ids=["nothing-held", "another-base", "inconsistent", "evicted-since"],
+)
+def test_what_cannot_be_built_is_asked_for_whole(monkeypatch: Any, before: list[Inbound], reassign: Reassign) -> None:
+    """A ``Reassign`` that does not build on what the peer holds enters no epoch: the
+    peer asks for the whole assignment (``Resend``), which the coordinator sends."""
+
+    async def main() -> tuple[list[int], int]:
+        node = _node(monkeypatch)
+        serving = asyncio.create_task(node.serve())
+        for inbound in before:
+            node._route(inbound)
+            await _turns()
+        node._route(_inbound(reassign))
+        await _turns()
+        serving.cancel()
+        await node.aclose()
+        return node.link.asked, node.epoch  # type: ignore[union-attr]
+
+    asked, epoch = asyncio.run(main())
+    assert asked == [reassign.epoch] and epoch < reassign.epoch

@@ -75,6 +75,8 @@ def test_a_peer_slowed_down_gets_less_work(tmp_path: Path) -> None:
         epoch = state["training"]["epoch"] + 1
         after = wait_for(swarm.url, lambda s: s["training"]["epoch"] > epoch - 1 and s["phase"] == "training", 60)
         assert _ops(after, slow) < before, f"the slowed peer still has {_ops(after, slow)} of {before} ops: {told}"
+        # the peers kept their stages' neighbours: each was told only what changed (issue 33)
+        swarm.coord.wait_line(r"4 of 4 peers told only what changed in their assignment \(\d+\.\d kB\)", 5, after=seen)
         _still_training(swarm)
     finally:
         swarm.close()

@@ -135,11 +135,12 @@ def test_allowed_kinds_come_from_the_message_classes() -> None:
     from protocol.wire.messages import kinds_from
 
     peer = {"hello", "ready", "done", "state", "failure", "beat", "evaldone", "evidence", "verdict", "proberesult"}
-    assert kinds_from("peer") == peer
+    assert kinds_from("peer") == peer | {"resend"}
     coordinator = {"assign", "links", "finish", "release", "abort", "commit", "stagestate", "program", "evict"}
-    assert kinds_from("coordinator") == coordinator | {"standby", "audit", "recheck", "cert", "reach", "probelink"}
+    others = {"standby", "audit", "recheck", "cert", "reach", "probelink", "reassign"}
+    assert kinds_from("coordinator") == coordinator | others
     early = {"assign", "stagestate", "program", "abort", "evict", "standby", "finish", "release", "cert", "reach"}
-    assert kinds_from("coordinator", early=True) == early | {"probelink"}
+    assert kinds_from("coordinator", early=True) == early | {"probelink", "reassign"}
     assert kinds_from("stage") == {"act", "grad", "rgrad", "evalact"}
     with pytest.raises(ValueError, match="no sender"):
         kinds_from("outsider")

@@ -5,3 +5,4 @@ Importing any part of ``protocol.wire`` registers every message kind: the classe
 a module it imported back would close an import cycle)."""
 
 from protocol.wire import link_probes as link_probes  # noqa: F401  (registers ProbeLink, ProbeResult)
+from protocol.wire import reassign as reassign  # noqa: F401  (registers Reassign, Resend)

@@ -17,8 +17,8 @@ from protocol.wire.schema import MessageError, check_field, fields_and_types, fi
 
 #: 2: ``Recheck.backward``. 3: ``Recheck.same_weights``. 4: DHT records under their signer's
 #: key (hex) as the subkey, adverts name their run. 5: an ``Assign`` names its neighbourhood
-#: only (``assign_shape``), a ``Recheck`` the keys of its signers. An older peer fails each
-PROTOCOL_VERSION = 5
+#: only (``assign_shape``), a ``Recheck`` the keys of its signers. 6: ``reassign``, ``resend``.
+PROTOCOL_VERSION = 6
 #: who may send a message in a frame (a class that names none is a DHT record)
 SENDERS = ("peer", "coordinator", "stage")
 
