@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable, Collection, Coroutine, Mapping
+from collections.abc import Callable, Collection, Coroutine, Iterable, Mapping
 from typing import Any, TypeVar
 
 from coordinator import replan
@@ -271,17 +271,20 @@ class Mailbox:
         failed = self.failed_among(st.planned)
         if failed:
             raise PeerLost(failed)
-        bound = replan.stall_seconds(st.step_seconds, self.cfg.stall_floor_s)
-        now = self.clock.now()
-        activity = self.transport.last_activity
-        heard = {p: max(self.last_heard.get(p, now), activity.get(p, 0.0)) for p in st.planned}
-        stalled = {
-            p: f"stalled: silent for {now - heard[p]:.0f} s (limit {bound:.0f} s)"
-            for p in st.planned
-            if now - heard[p] > bound
-        }
+        stalled = self.stalled_among(st.planned)
         if stalled:
             raise PeerLost(stalled)
+
+    def stalled_among(self, peers: Iterable[str]) -> dict[str, str]:
+        """The peers of ``peers`` silent (no message read, no byte received) for longer
+        than the stall bound (``replan.stall_seconds``), with why. Bytes count as they
+        arrive, read or not: a wait that does not read the inbox (a spot check's) may ask."""
+        bound = replan.stall_seconds(self.st.step_seconds, self.cfg.stall_floor_s)
+        now, activity = self.clock.now(), self.transport.last_activity
+        heard = {p: max(self.last_heard.get(p, now), activity.get(p, 0.0)) for p in peers}
+        return {
+            p: f"stalled: silent for {now - t:.0f} s (limit {bound:.0f} s)" for p, t in heard.items() if now - t > bound
+        }
 
     async def watch_links(self) -> None:
         """Planned peers whose connection dropped and who cannot be reached again."""

@@ -110,9 +110,11 @@ class SpotChecker:
 
     async def answer_of(self, kinds: tuple[type[Message], ...], peers: set[str], deadline: float) -> Inbound:
         """The next answer of ``kinds`` of this epoch from one of ``peers``, by
-        ``deadline`` (a peer known to have failed meanwhile is lost at once)."""
+        ``deadline`` (a peer known to have failed meanwhile is lost at once, and so is one
+        that stalled: the coordinator's step waits for its checks, reading no inbox, so this
+        is where a stall shows; CI saw a SIGSTOPped peer unnoticed for the 120 s deadline)."""
         while True:
-            failed = self.mailbox.failed_among(peers)
+            failed = self.mailbox.failed_among(peers) or self.mailbox.stalled_among(peers)
             if failed:
                 raise PeerLost(failed)
             left = deadline - self.clock.now()

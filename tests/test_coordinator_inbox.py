@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import functools
 import random
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -885,5 +886,33 @@ def test_a_peer_that_asks_gets_its_whole_assignment_once(tmp_path: Path) -> None
         sent = [(p, m) for p, m, _ in host.transport.sent if isinstance(m, Assign)]
         assert sent == [("p1", dispatcher._whole["p1"])]
         assert dispatcher.held == dispatcher._whole
+
+    asyncio.run(go())
+
+
+def test_a_spot_check_notices_a_peer_that_stalled_while_it_waits(tmp_path: Path) -> None:
+    """The step waits for the last step's spot checks without reading the inbox, so the
+    check's own wait must notice a peer that stopped (CI twice saw a SIGSTOPped peer go
+    unnoticed for the whole step timeout): it is lost as stalled once silent past the
+    stall bound, long before the step timeout; a peer whose bytes keep arriving is not."""
+
+    async def go() -> None:
+        driver = _driver(tmp_path, [["p0"], ["p1"]])
+        checker, clock, transport = driver.auditor.checker, _clock(driver), _host(driver).transport
+        driver.mailbox.heard_all({"p0", "p1"})
+
+        async def p0_beats() -> None:
+            while True:
+                transport.last_activity["p0"] = clock.now()
+                await clock.sleep(1.0)
+
+        beats = asyncio.ensure_future(p0_beats())
+        with pytest.raises(PeerLost) as lost:
+            waiting = checker.answer_of((Verdict,), {"p0", "p1"}, checker.deadline())
+            await asyncio.wait_for(_after(driver, 10.0, waiting), 10)  # real seconds: unnoticed, it would hang
+        beats.cancel()
+        assert list(lost.value.lost) == ["p1"]
+        assert re.fullmatch(r"stalled: silent for \d+ s \(limit 8 s\)", lost.value.lost["p1"])
+        assert clock.now() < driver.cfg.step_timeout_s
 
     asyncio.run(go())
