@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from peer import epoch, spotcheck
+from peer.adverts import Adverts
 from peer.config import PeerConfig
 from peer.executor import StageExecutor
 from peer.node import PeerNode
@@ -65,6 +66,20 @@ def lie() -> None:
         return reply, values
 
     spotcheck.evidence_for = tampered  # type: ignore[assignment]
+
+
+def garble_addresses() -> None:
+    """Every advert this process publishes names addresses that do not parse, its first
+    too (it once published a good one at its start and the bad one after: under load the
+    coordinator read the good one first and planned the peer, and CI failed on it)."""
+    honest = Adverts.publish
+
+    async def garbled(self: Adverts) -> None:
+        assert self.advert is not None
+        self.advert = dataclasses.replace(self.advert, maddrs=["/ip4/999.1.2.3/tcp/x", "\x1b[31mgarbage"])
+        await honest(self)
+
+    Adverts.publish = garbled  # type: ignore[method-assign]
 
 
 def poison() -> None:
@@ -111,6 +126,8 @@ async def main() -> None:
         poison()
     if args.mode == "liar":
         lie()
+    if args.mode == "maddr":
+        garble_addresses()
     if args.mode in ("noisy", "fakeloss"):
         cheat(args.mode)
     claim = CLAIMS[args.mode] or float(os.environ.get("FUSIONLLM_CLAIM_FLOPS", "0")) or None
@@ -119,9 +136,6 @@ async def main() -> None:
         frame_others(node)
     await node.start()
     assert node.adverts is not None and node.advert is not None
-    if args.mode == "maddr":
-        node.adverts.advert = dataclasses.replace(node.advert, maddrs=["/ip4/999.1.2.3/tcp/x", "\x1b[31mgarbage"])
-        await node.adverts.publish()
     print(f"joined run '{args.run}' as {node.advert.peer_id} claiming {args.mode}", flush=True)
     await node.serve()
 

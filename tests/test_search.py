@@ -19,7 +19,7 @@ from coordinator.plan_eval import Options
 from protocol.model.job import JobSpec
 from protocol.wire.messages import Advert
 from sim.asking import view_error
-from sim.engine import iteration_seconds, simulate
+from sim.engine import Churn, iteration_seconds, simulate
 from sim.topology import Topology
 
 GB = 1 << 30
@@ -164,6 +164,17 @@ def test_the_simulator_asks_before_it_commits_and_picks_the_faster_pair() -> Non
     assert iteration == 0 and report.changed and report.unasked.groups == [["p"], ["q"]]
     assert 0 < report.probed == asked.probes_asked <= 16
     assert report.error_before > 1.3 and report.error_after == 1.0
+
+
+def test_the_simulator_asks_for_its_first_plan_only_as_the_live_coordinator_does() -> None:
+    """Churn re-plans (a planned peer leaves, then one slows down) rest on what the
+    running plans measured, as the live coordinator's recoveries and rebalances do:
+    the only asking is the first plan's."""
+    topo, options = _seven_homes(), Options(micro_batches=8, compression=False, seed=5)
+    churn = [Churn(2, "leave", "p"), Churn(4, "slow", "r", 0.25)]
+    run = simulate(_model(), topo, "opfence", options, 6, churn, probes_per_peer=1)
+    assert [it for it, _ in run.replans if it in (2, 4)], run.replans
+    assert [it for it, _ in run.asks] == [0], run.asks
 
 
 def test_the_live_plan_names_the_guessed_links_that_decide() -> None:
