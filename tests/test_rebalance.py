@@ -145,11 +145,14 @@ def test_a_peer_joining_mid_run_is_put_to_work(tmp_path: Path) -> None:
     as standby and is taken in at a rebalance. (The first peer lends 0.3 of its speed,
     so the newcomer is the better choice even if an earlier check has already dropped
     to one peer, as it may on a 2-core machine where one process beats a pipeline.
-    The first two start together.)"""
+    The first two start together, the second at 0.3 too (from its file, so it says so in
+    its advert): the run must outlast the newcomer's join, and at full speed CI once
+    finished its 400 steps in 15 s, before the newcomer was standby.)"""
     steps = 400
     swarm = Swarm(tmp_path, _args(tmp_path, steps, 2), peers=0)
     try:
         slow_file = tmp_path / "throttle1"
+        slow_file.write_text("0.3")
         join_together(swarm, [["--throttle", "0.3"], ["--throttle-file", str(slow_file)]])
         wait_for(swarm.url, lambda s: s["training"]["step"] >= 10, 300)
         late = swarm.add_peer(2)
