@@ -17,8 +17,9 @@ one JSON object.
 
 ``--short`` runs the same paths smaller, for the test suite: the demo's GPT at 2
 layers of width 64, a check every 10 steps instead of 20 (the plan settles after 40),
-200 steps; the simulation with 1 seed, 3 churn events and a 2-layer model on 200
-volunteers instead of 1,000 (``sim_1000_peers.peers`` says how many)."""
+200 steps, the slowed peer at a tenth of its speed (``SHORT_SLOW``); the simulation
+with 1 seed, 3 churn events and a 2-layer model on 200 volunteers instead of 1,000
+(``sim_1000_peers.peers`` says how many)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,11 @@ NEAR_END = 40
 #: steps between two rebalance checks (the short mode's: ``SHORT_EVERY``)
 EVERY = [20]
 SHORT_EVERY = 10
+#: the slowed peer's throttle (the short mode's: ``SHORT_SLOW``: on two cores shared with
+#: another test a quarter-speed peer frees CPU for the other three, and CI once measured
+#: the slowed swarm 10% faster than before; a tenth is slower whatever the contention)
+SLOW = ["0.25"]
+SHORT_SLOW = "0.1"
 SIM_MODEL = "n_layer=24,n_embd=1024,n_head=16"
 #: the short mode's: 2 layers on 200 volunteers in 10 regions (the same generator as
 #: internet-1k's), so that its plans take a fraction of a second, not five
@@ -82,7 +88,7 @@ def _slowed_run(tmp: Path, steps: int) -> dict[str, Any]:
         state = wait_for(swarm.url, lambda s: s["training"]["step"] >= _settled() and s["phase"] == "training", 300)
         before = _rate(swarm.url)
         slow = max(files, key=lambda p: _ops(state, p))
-        files[slow].write_text("0.25")
+        files[slow].write_text(SLOW[0])
         m = _rebalanced_or_near_the_end(swarm, steps)
         if m is not None:
             decided, slowed = time.monotonic(), float(m.group(2).replace(",", ""))
@@ -127,7 +133,7 @@ def _ideal(tmp: Path, steps: int, slow_index: int) -> float:
     """A fresh run whose peer ``slow_index`` is slow from its start (and says so)."""
     swarm = Swarm(tmp, _args(tmp, steps), peers=0)
     try:
-        join_together(swarm, [["--throttle", "0.25"] if i == slow_index else [] for i in range(4)])
+        join_together(swarm, [["--throttle", SLOW[0]] if i == slow_index else [] for i in range(4)])
         wait_for(swarm.url, lambda s: s["training"]["step"] >= _settled() + 25, 600)
         rate = _rate(swarm.url)
         assert swarm.coord.wait(600) == 0, swarm.coord.output[-3000:]
@@ -177,6 +183,7 @@ def main() -> None:
     steps = 200 if args.short else 1000
     MODEL[:] = SMALL if args.short else []
     EVERY[:] = [SHORT_EVERY] if args.short else EVERY
+    SLOW[:] = [SHORT_SLOW] if args.short else SLOW
     with tempfile.TemporaryDirectory(prefix="fusionllm-rebalance-") as d:
         run = _slowed_run(Path(d) / "slowed", steps)
         ideal = _ideal(Path(d) / "ideal", _settled() + 40, int(run["slow_index"]))
