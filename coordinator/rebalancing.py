@@ -44,6 +44,10 @@ class RebalanceRecord:
     doubt: float = 0.0  # what the next rebalance must gain on top of REPLAN_GAIN (replan.next_doubt)
     before: Assignment | None = None  # the plan the last rebalance left (a revert goes back to it)
     reverted: set[str] = dataclasses.field(default_factory=set)  # plans a revert undid: not proposed again
+    # each peer's level at the last check before the last move: an undo restores those
+    # operators, so the levels it measures compare with these (``record_levels``)
+    before_move: dict[str, float | None] = dataclasses.field(default_factory=dict)
+    undo_epoch: int = -1  # the plan epoch that undid the last move
 
 
 class Rebalancer:
@@ -102,11 +106,25 @@ class Rebalancer:
         m.levels_epoch = st.epoch
         for p, samples in m.speeds.items():
             levels = m.levels.setdefault(p, [])
-            levels.extend([None, replan.robust_speed(samples)] if epoch_began else [replan.robust_speed(samples)])
+            levels.extend(
+                [*self._epoch_mark(p), replan.robust_speed(samples)] if epoch_began else [replan.robust_speed(samples)]
+            )
             del levels[: -replan.LEVEL_HISTORY]
-            if p in st.planned and replan.new_level(levels) and m.doubt:
-                logger.info("peer %s changed speed for good: the doubt of earlier moves is cleared", p)
+            if p in st.planned and replan.new_level(levels) and (m.doubt or m.reverted):
+                logger.info(
+                    "peer %s changed speed for good: the doubt and the undone plans of earlier moves are cleared", p
+                )
                 m.doubt = 0.0
+                m.reverted.clear()  # undone on speeds that no longer hold
+
+    def _epoch_mark(self, p: str) -> list[float | None]:
+        """What starts a new epoch's levels of peer ``p``: ``None`` (its operators
+        changed), then, after an undo, its level before the undone move (it runs those
+        operators again: a slow-down right after the undo is then seen as one; CI saw
+        one waited out for 230 steps, the doubt and the ban of the undone plan kept)."""
+        m = self.record
+        before = m.before_move.get(p) if m.undo_epoch == self.st.epoch else None
+        return [None] if before is None else [None, before]
 
     def check(self) -> Assignment | None:
         """Every ``rebalance_every`` steps (a full period into the epoch, and not within
@@ -235,7 +253,10 @@ class Rebalancer:
             {"step": st.step, "why": m.why, "moved": moved, "tokens_per_s_before": before, "revert": revert}
         )
         m.before = None if revert else st.plan
+        if not revert:
+            m.before_move = {p: levels[-1] for p, levels in m.levels.items() if levels}
         st.next_epoch(candidate)
+        m.undo_epoch = st.epoch if revert else -1
         st.restore, st.reason = "state", f"rebalanced: {m.why}"
         m.last_rebalance = st.step
         self.host.gate.epoch = st.epoch

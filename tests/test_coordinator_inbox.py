@@ -588,6 +588,32 @@ def test_a_move_is_not_a_level_change_of_the_peers(tmp_path: Path) -> None:
     assert not replan.volatile(record.levels["p0"]) and record.doubt == 0.0
 
 
+def test_a_slow_down_right_after_an_undo_clears_the_doubt_and_the_ban(tmp_path: Path) -> None:
+    """An undo restores the operators a peer ran before the undone move, so its first
+    level after the undo compares with its level before the move: a slow-down that
+    came with the undo is a lasting change two checks later, and it clears the doubt
+    and the undone plan's ban (CI saw a noise move at step 20 undone at 40, a throttle
+    at 47, and the rebalance wait until step 280 against a bound of 107)."""
+    driver = _driver(tmp_path, [["p0"], ["p1"]])
+    st, rebalancer = driver.st, driver.rebalancer
+    record = rebalancer.record
+    record.speeds = {"p0": [1.0] * 9}
+    rebalancer.record_levels()  # the check that decided the (noise) move
+    record.before_move = {p: levels[-1] for p, levels in record.levels.items()}
+    st.epoch, record.speeds["p0"] = 1, [1.5] * 9  # the moved plan: other operators
+    rebalancer.record_levels()
+    st.epoch, record.undo_epoch = 2, 2  # undone; the peer is throttled at once
+    record.doubt, record.reverted, record.speeds["p0"] = 0.33, {"the moved plan"}, [0.2] * 9
+    rebalancer.record_levels()
+    assert record.levels["p0"][-3:] == [None, 1.0, 0.2], "compared with the level before the move"
+    assert record.doubt == 0.33 and record.reverted, "not yet held"
+    rebalancer.record_levels()
+    assert record.doubt == 0.0 and not record.reverted, "held a check: a lasting change"
+    record.undo_epoch, st.epoch = 2, 3  # a move that is not an undo starts afresh
+    rebalancer.record_levels()
+    assert record.levels["p0"][-2:] == [None, 0.2]
+
+
 def test_the_end_of_the_run_reaches_peers_the_dht_did_not_return(tmp_path: Path) -> None:
     """Every admitted peer is told the run is finished, also a standby peer whose advert
     the last DHT read missed (CI once saw such a peer wait two minutes for a gone
