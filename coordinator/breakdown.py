@@ -11,6 +11,8 @@ import math
 import statistics
 from typing import TYPE_CHECKING, Any
 
+from coordinator.estimator import DagCosts, Plan, wire_pair
+from coordinator.overheads import REPLICA_CALLS, STEP_CALLS, StageFacts, replica_messages
 from protocol.wire.messages import StepDone
 from protocol.wire.step_parts import BREAKDOWN_V, STEP_PARTS
 
@@ -107,3 +109,19 @@ def breakdown_table(st: RunState, micro_batches: int) -> list[dict[str, Any]]:
     if plan is None:
         return st.breakdown.table([], [], math.inf, micro_batches)
     return st.breakdown.table(plan.stage_s, plan.link_s, plan.iteration_s, micro_batches)
+
+
+def stage_facts(costs: DagCosts, plan: Plan, micro_batches: int) -> dict[int, StageFacts]:
+    """What each stage of ``plan`` does in a step, on its average replica (what
+    ``overheads.fitted`` reads its breakdown against): its compute calls, the messages it
+    sends and receives (a micro-batch each way per neighbouring stage, and its replicas'
+    gradients: ``overheads.replica_messages``), their bytes on the wire, its parameter bytes."""
+    out = {}
+    for s, ((lo, hi), g) in enumerate(zip(plan.ranges(costs.num_ops), plan.groups)):
+        r, params = len(g), costs.stage_params(lo, hi)
+        runs = micro_batches / r
+        near = [sum(wire_pair(costs, plan.cut[b], plan.codecs[b])) for b in (s - 1, s) if 0 <= b < len(plan.cut)]
+        grads = replica_messages(r, runs, micro_batches)  # sent and received
+        calls = 2 * runs + STEP_CALLS + (REPLICA_CALLS if r > 1 else 0)
+        out[s] = StageFacts(calls, 2 * runs * len(near) + grads, runs * sum(near) + grads * params, params)
+    return out

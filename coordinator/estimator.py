@@ -47,7 +47,7 @@ import numpy as np
 from coordinator.codec_price import plan_steps_factor, price
 from coordinator.netmodel import Network, PeerProfile, boundary_models, rate_mbps, rounds_of
 from coordinator.opdag import OpDag, cost_lists
-from coordinator.overheads import REPLICA_CALLS, STEP_CALLS, StageFacts, boundary_ends, message_s, pass_s, step_fixed_s
+from coordinator.overheads import boundary_ends, message_s, pass_s, replica_grads_s, step_fixed_s
 from coordinator.pipeline_latency import exposed_sends, round_trips, tied_sync_s, windows
 from protocol.model.schedule import uses_1f1b
 from protocol.wire.codecs import Codec
@@ -284,13 +284,20 @@ class Replica:
     send_latency_s: float  # per micro-batch: its gradient sends to the other replicas
     send_s_per_byte: float
     handoff_s: float = 0.0  # per pass (forward, backward): to the compute thread and back (``overheads.pass_s``)
+    # per backward: encoding its gradients for the other replicas and decoding theirs (its
+    # share: ``overheads.replica_messages``), fixed and per parameter byte of the stage
+    grads_s: float = 0.0
+    grads_s_per_byte: float = 0.0
 
     def seconds(self, costs: DagCosts, lo: int, hi: int, part: str = "FB") -> float:
         """One micro-batch's forward (``F``), backward (``B``) or both (``FB``), each
-        handed to the compute thread and back. Its replica gradient sends are not in
-        it: they leave beside the next micro-batch's compute (``occupied``)."""
+        handed to the compute thread and back; the backward with this replica's CPU for
+        the replicas' gradient messages. Their transfer is not in it: it goes on beside
+        the next micro-batch's compute (``occupied``)."""
         compute = costs.stage_flops(lo, hi) / max(self.flops, 1.0) + costs.stage_kernels(lo, hi) * self.overhead_s
-        return (compute + self.handoff_s) * (part != "B") + ((PASSES - 1) * compute + self.handoff_s) * (part != "F")
+        grads = self.grads_s + costs.stage_params(lo, hi) * self.grads_s_per_byte
+        forward = (compute + self.handoff_s) * (part != "B")
+        return forward + ((PASSES - 1) * compute + self.handoff_s + grads) * (part != "F")
 
     def occupied(self, costs: DagCosts, lo: int, hi: int, part: str = "FB") -> float:
         """A micro-batch's share of the replica's steady period: its compute, or its
@@ -323,10 +330,12 @@ class GroupModel:
 
     def _rows(self) -> np.ndarray:
         """Per replica kind, a micro-batch's seconds per FLOP, per kernel, per parameter
-        byte (its gradient sends' transfer, beside its compute: ``Replica.occupied``)
-        and fixed (the handoffs; the sends' latency is in no period)."""
+        byte (its gradient sends' transfer, beside its compute: ``Replica.occupied``),
+        fixed (the handoffs and the gradient messages' CPU; the sends' latency is in no
+        period) and per parameter byte of compute (the gradient messages' CPU)."""
         rows = [
-            [PASSES / max(r.flops, 1.0), PASSES * r.overhead_s, r.send_s_per_byte, 2 * r.handoff_s]
+            [PASSES / max(r.flops, 1.0), PASSES * r.overhead_s, r.send_s_per_byte, 2 * r.handoff_s + r.grads_s]
+            + [r.grads_s_per_byte]
             for r in self.replicas
         ]
         return np.array(rows)
@@ -335,8 +344,9 @@ class GroupModel:
         """The period's most seconds per FLOP, kernel and parameter byte of the stage,
         and its fixed part, each over its replicas (``period`` is at least each of them
         times the stage's amount)."""
-        runs = np.array([r.runs for r in self.replicas], dtype=np.float64)[:, None]
-        return (runs * self._rows()).max(axis=0) / self.rounds
+        runs, rows = np.array([r.runs for r in self.replicas], dtype=np.float64)[:, None], self._rows()
+        rows[:, 2] = rows[:, [2, 4]].max(axis=1)  # a parameter byte's transfer, or its CPU beside the compute
+        return (runs * rows[:, :4]).max(axis=0) / self.rounds
 
     def period(self, costs: DagCosts, lo: int, hi: int, part: str = "FB") -> float:
         """The stage's steady-state time per round of micro-batches (its busiest replica's work)."""
@@ -357,7 +367,7 @@ class GroupModel:
         flops, kernels, params, acts = costs.arrays_from(lo)
         rows = self._rows()
         sends = rows[:, 2:3] * params[None, :]  # beside the compute (``Replica.occupied``)
-        each = rows[:, [0, 1, 3]] @ np.stack([flops, kernels, np.ones_like(flops)])  # a micro-batch's compute
+        each = rows[:, [0, 1, 3, 4]] @ np.stack([flops, kernels, np.ones_like(flops), params])  # a micro-batch's CPU
         last = (sends + np.array([[r.send_latency_s * (r.send_s_per_byte > 0)] for r in self.replicas])).max(axis=0)
         runs = np.array([r.runs for r in self.replicas], dtype=np.float64)[:, None]
         limits = np.array([[r.in_flight, r.memory] for r in self.replicas], dtype=np.float64)
@@ -399,6 +409,7 @@ def _group_models(groups: list[list[PeerProfile]], network: Network, micro_batch
                 lat,
                 spb,
                 pass_s(p.overheads),
+                *replica_grads_s(p.overheads, len(g), n, micro_batches),
             )
             for p, n, (lat, spb) in zip(g, dealt(micro_batches, len(g)), sums)
             if n
@@ -470,23 +481,6 @@ def fixed_s(costs: DagCosts, plan: Plan, peers: dict[str, PeerProfile]) -> float
     the slowest stage's end of step and the commit's round trip."""
     groups = [[peers[p].overheads for p in g] for g in plan.groups]
     return step_fixed_s(groups, [costs.stage_params(lo, hi) for lo, hi in plan.ranges(costs.num_ops)])
-
-
-def stage_facts(costs: DagCosts, plan: Plan, micro_batches: int) -> dict[int, StageFacts]:
-    """What each stage of ``plan`` does in a step, on its average replica (what
-    ``overheads.fitted`` reads its breakdown against): its compute calls, the messages it
-    sends and receives (a micro-batch each way per neighbouring stage, and its replicas'
-    gradients: its own micro-batches' to every other replica, theirs to it), their bytes
-    on the wire, its parameter bytes."""
-    out = {}
-    for s, ((lo, hi), g) in enumerate(zip(plan.ranges(costs.num_ops), plan.groups)):
-        r, params = len(g), costs.stage_params(lo, hi)
-        runs = micro_batches / r
-        near = [sum(wire_pair(costs, plan.cut[b], plan.codecs[b])) for b in (s - 1, s) if 0 <= b < len(plan.cut)]
-        grads = runs * (r - 1) + micro_batches - runs if r > 1 else 0.0  # sent and received
-        calls = 2 * runs + STEP_CALLS + (REPLICA_CALLS if r > 1 else 0)
-        out[s] = StageFacts(calls, 2 * runs * len(near) + grads, runs * sum(near) + grads * params, params)
-    return out
 
 
 def boundary_positions(costs: DagCosts) -> list[int]:

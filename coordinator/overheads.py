@@ -101,6 +101,20 @@ def boundary_ends(groups: list[list[str]], peers: Mapping[str, PeerProfile]) -> 
     return [((a, b), (b, a)) for a, b in zip(worst, worst[1:])]
 
 
+def replica_messages(replicas: int, runs: float, micro_batches: int) -> float:
+    """The replicas' gradient messages a replica that runs ``runs`` of a step's
+    ``micro_batches`` encodes or decodes: its own micro-batches' to every other replica,
+    and theirs to it (``peer.epoch``)."""
+    return runs * (replicas - 1) + micro_batches - runs if replicas > 1 else 0.0
+
+
+def replica_grads_s(o: Overheads, replicas: int, runs: int, micro_batches: int) -> tuple[float, float]:
+    """A replica's CPU for the replicas' gradient messages (``replica_messages``), per
+    micro-batch it runs: (fixed seconds, seconds per parameter byte of its stage)."""
+    each = replica_messages(replicas, runs, micro_batches) / max(runs, 1)
+    return each * o.message_s, each * o.byte_s
+
+
 def optimizer_s(o: Overheads, param_bytes: float, replicas: int = 1) -> float:
     """A stage's end of step on one of its peers: the norms, its replicas' sum (when it
     has replicas) and the update, each handed to the compute thread."""

@@ -19,7 +19,7 @@ from coordinator.estimator import (
     wire_pair,
 )
 from coordinator.netmodel import Network, PeerProfile, link_seconds, transfer_s
-from coordinator.overheads import message_s, pass_s
+from coordinator.overheads import message_s, pass_s, replica_grads_s
 from coordinator.pipeline_latency import tied_sync_s
 from coordinator.plan_eval import Options, ScheduleError
 from coordinator.plan_options import POLICIES
@@ -155,8 +155,17 @@ def _lanes(
         for i, (pid, (lat, spb)) in enumerate(zip(g, sums)):
             mine = list(range(i, m, len(g)))
             peer = peers[pid]
+            grads = replica_grads_s(peer.overheads, len(g), len(mine), m)
             one = Replica(
-                peer.flops, peer.op_overhead_s, peer.memory_bytes, len(mine), 0, lat, spb, pass_s(peer.overheads)
+                peer.flops,
+                peer.op_overhead_s,
+                peer.memory_bytes,
+                len(mine),
+                0,
+                lat,
+                spb,
+                pass_s(peer.overheads),
+                *grads,
             )
             acts = [(kind, mine[j]) for kind, j in schedules.make(schedule, k, len(mine))[s]] if mine else []
             busy = costs.stage_params(lo, hi) * spb
