@@ -338,6 +338,14 @@ class EpochRunner:
             self.times.since("encode", t0)
         replicated = len(a.stages[self.s]) > 1
         grads, own = await self._compute("backward", _backward, ex, mb, grad_out, self.job.micro_batches, replicated)
+        sent = None
+        if self.s > 0:  # first the gradient the pipeline waits for, then the replicas' (the step's end waits for those)
+            dest = a.stages[self.s - 1][mb % len(a.stages[self.s - 1])]
+            # stochastic rounding of gradients: seeded by run, stage, replica and step (reproducible, also
+            # when a step is redone in a later epoch)
+            rounding = torch.Generator().manual_seed(hash((self.job.seed, self.s, self.r, step)) & (2**62 - 1))
+            link = Link(self.codecs[self.s - 1].backward, self.feedback, dest, rounding)
+            sent = self._send_soon(dest, Gradients(a.run_id, step, mb, self.s - 1, a.epoch), grads, link)
         if own is not None:
             self.mb_grads[mb] = own
             names = sorted(own)
@@ -345,14 +353,7 @@ class EpochRunner:
                 if other != self.r:
                     msg = ReplicaGrads(a.run_id, step, self.s, self.r, names, epoch=a.epoch, mb=mb)
                     self.replica_sends.append(self._send_soon(pid, msg, [own[n] for n in names]))
-        if self.s == 0:
-            return None
-        dest = a.stages[self.s - 1][mb % len(a.stages[self.s - 1])]
-        # stochastic rounding of gradients: seeded by run, stage, replica and step (reproducible, also
-        # when a step is redone in a later epoch)
-        rounding = torch.Generator().manual_seed(hash((self.job.seed, self.s, self.r, step)) & (2**62 - 1))
-        link = Link(self.codecs[self.s - 1].backward, self.feedback, dest, rounding)
-        return self._send_soon(dest, Gradients(a.run_id, step, mb, self.s - 1, a.epoch), grads, link)
+        return sent
 
     async def _evaluate(self, ex: StageExecutor, step: int, count: int) -> None:
         """Run this replica's share of ``count`` validation micro-batches forward; the
