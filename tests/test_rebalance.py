@@ -145,20 +145,24 @@ def test_a_peer_joining_mid_run_is_put_to_work(tmp_path: Path) -> None:
     as standby and is taken in at a rebalance. (The first peer lends 0.3 of its speed,
     so the newcomer is the better choice even if an earlier check has already dropped
     to one peer, as it may on a 2-core machine where one process beats a pipeline.
-    The first two start together, the second at 0.3 too (from its file, so it says so in
-    its advert): the run must outlast the newcomer's join, and at full speed CI once
-    finished its 400 steps in 15 s, before the newcomer was standby.)"""
+    The run must outlast the newcomer's join: the first two start together at a
+    twentieth of their speed (from their files, so their adverts say so) until the
+    newcomer waits as standby. At full speed CI once finished the 400 steps in 15 s
+    before the newcomer was standby, and at 0.3 once too, after the first check had
+    dropped to one peer: 24 steps a second.)"""
     steps = 400
     swarm = Swarm(tmp_path, _args(tmp_path, steps, 2), peers=0)
     try:
-        slow_file = tmp_path / "throttle1"
-        slow_file.write_text("0.3")
-        join_together(swarm, [["--throttle", "0.3"], ["--throttle-file", str(slow_file)]])
+        first_file, slow_file = tmp_path / "throttle0", tmp_path / "throttle1"
+        for f in (first_file, slow_file):
+            f.write_text("0.05")
+        join_together(swarm, [["--throttle-file", str(first_file)], ["--throttle-file", str(slow_file)]])
         wait_for(swarm.url, lambda s: s["training"]["step"] >= 10, 300)
         late = swarm.add_peer(2)
         wait_for(swarm.url, lambda s: any(p["id"] == late and p.get("state") == "standby" for p in s["peers"]), 60)
         # slowed only once the newcomer waits as standby: the rebalance the slow-down causes can take it in
         # (slowed first, a busy machine could let that rebalance come before the join and drop to one peer)
+        first_file.write_text("0.3")
         slow_file.write_text("0.1")
         swarm.coord.wait_line(rf"rebalanced at step \d+: .*taken in: .*{late}", 300)
         slow_file.write_text("1")  # taken in: the rest of the run need not crawl (the plan may move again)
