@@ -49,6 +49,11 @@ class RebalanceRecord:
     before_move: dict[str, float | None] = dataclasses.field(default_factory=dict)
     undo_epoch: int = -1  # the plan epoch that undid the last move
 
+    def remember_levels(self) -> None:
+        """Before a move: each peer's level that held at the last two checks, for an
+        undo to compare with (``Rebalancer.record_levels``)."""
+        self.before_move = {p: levels[-1] for p, levels in self.levels.items() if _held(levels)}
+
 
 class Rebalancer:
     def __init__(
@@ -254,7 +259,7 @@ class Rebalancer:
         )
         m.before = None if revert else st.plan
         if not revert:
-            m.before_move = {p: levels[-1] for p, levels in m.levels.items() if levels}
+            m.remember_levels()
         st.next_epoch(candidate)
         m.undo_epoch = st.epoch if revert else -1
         st.restore, st.reason = "state", f"rebalanced: {m.why}"
@@ -266,6 +271,14 @@ class Rebalancer:
         seconds = sum(self.st.step_seconds[-last:])
         tokens = self.st.tokens_per_step * min(last, len(self.st.step_seconds))
         return tokens / seconds if seconds > 0 else 0.0
+
+
+def _held(levels: list[float | None]) -> bool:
+    """Whether the last check saw the level the check before it saw (the same plan, no
+    change): only such a level stands for the operators of an undone move. A blip, or
+    an epoch's first reading, would make the undo look like a change of speed (a peer
+    marked volatile, or the doubt and the undone plans cleared by noise)."""
+    return len(levels) >= 2 and None not in levels[-2:] and replan.level_changes(levels[-2:]) == 0
 
 
 def signature(plan: Assignment) -> str:

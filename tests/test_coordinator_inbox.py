@@ -598,8 +598,12 @@ def test_a_slow_down_right_after_an_undo_clears_the_doubt_and_the_ban(tmp_path: 
     st, rebalancer = driver.st, driver.rebalancer
     record = rebalancer.record
     record.speeds = {"p0": [1.0] * 9}
+    rebalancer.record_levels()
+    record.remember_levels()
+    assert record.before_move == {}, "an epoch's first reading is no level that held"
     rebalancer.record_levels()  # the check that decided the (noise) move
-    record.before_move = {p: levels[-1] for p, levels in record.levels.items()}
+    record.remember_levels()
+    assert record.before_move == {"p0": 1.0}
     st.epoch, record.speeds["p0"] = 1, [1.5] * 9  # the moved plan: other operators
     rebalancer.record_levels()
     st.epoch, record.undo_epoch = 2, 2  # undone; the peer is throttled at once
@@ -612,6 +616,10 @@ def test_a_slow_down_right_after_an_undo_clears_the_doubt_and_the_ban(tmp_path: 
     record.undo_epoch, st.epoch = 2, 3  # a move that is not an undo starts afresh
     rebalancer.record_levels()
     assert record.levels["p0"][-2:] == [None, 0.2]
+    record.speeds["p0"] = [0.6] * 9  # a blip at the check that decides a move is not remembered
+    rebalancer.record_levels()
+    record.remember_levels()
+    assert record.before_move == {}
 
 
 def test_the_end_of_the_run_reaches_peers_the_dht_did_not_return(tmp_path: Path) -> None:

@@ -160,8 +160,9 @@ def test_a_peer_joining_mid_run_is_put_to_work(tmp_path: Path) -> None:
         wait_for(swarm.url, lambda s: s["training"]["step"] >= 10, 300)
         late = swarm.add_peer(2)
         wait_for(swarm.url, lambda s: any(p["id"] == late and p.get("state") == "standby" for p in s["peers"]), 60)
-        # slowed only once the newcomer waits as standby: the rebalance the slow-down causes can take it in
-        # (slowed first, a busy machine could let that rebalance come before the join and drop to one peer)
+        # the speeds the test is about, only once the newcomer waits as standby: the rebalance the
+        # second peer's slow-down causes can take it in (set first, a busy machine could let that
+        # rebalance come before the join and drop to one peer)
         first_file.write_text("0.3")
         slow_file.write_text("0.1")
         swarm.coord.wait_line(rf"rebalanced at step \d+: .*taken in: .*{late}", 300)
