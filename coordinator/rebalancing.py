@@ -43,16 +43,10 @@ class RebalanceRecord:
     gain: float = 1.0  # the speed-up the decided rebalance predicts (current / candidate step time)
     doubt: float = 0.0  # what the next rebalance must gain on top of REPLAN_GAIN (replan.next_doubt)
     before: Assignment | None = None  # the plan the last rebalance left (a revert goes back to it)
-    reverted: set[str] = dataclasses.field(default_factory=set)  # plans a revert undid: not proposed again
-    # each peer's level at the last check before the last move: an undo restores those
-    # operators, so the levels it measures compare with these (``record_levels``)
-    before_move: dict[str, float | None] = dataclasses.field(default_factory=dict)
-    undo_epoch: int = -1  # the plan epoch that undid the last move
-
-    def remember_levels(self) -> None:
-        """Before a move: each peer's level that held at the last two checks, for an
-        undo to compare with (``Rebalancer.record_levels``)."""
-        self.before_move = {p: levels[-1] for p, levels in self.levels.items() if _held(levels)}
+    moved_gain: float = 1.0  # the speed-up the last move was decided on (both plans priced bare)
+    # plans a revert undid, each with the speed-up it was undone with: proposed again only
+    # when predicted to gain far more (``replan.still_banned``)
+    reverted: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class Rebalancer:
@@ -111,25 +105,11 @@ class Rebalancer:
         m.levels_epoch = st.epoch
         for p, samples in m.speeds.items():
             levels = m.levels.setdefault(p, [])
-            levels.extend(
-                [*self._epoch_mark(p), replan.robust_speed(samples)] if epoch_began else [replan.robust_speed(samples)]
-            )
+            levels.extend([None, replan.robust_speed(samples)] if epoch_began else [replan.robust_speed(samples)])
             del levels[: -replan.LEVEL_HISTORY]
-            if p in st.planned and replan.new_level(levels) and (m.doubt or m.reverted):
-                logger.info(
-                    "peer %s changed speed for good: the doubt and the undone plans of earlier moves are cleared", p
-                )
+            if p in st.planned and replan.new_level(levels) and m.doubt:
+                logger.info("peer %s changed speed for good: the doubt of earlier moves is cleared", p)
                 m.doubt = 0.0
-                m.reverted.clear()  # undone on speeds that no longer hold
-
-    def _epoch_mark(self, p: str) -> list[float | None]:
-        """What starts a new epoch's levels of peer ``p``: ``None`` (its operators
-        changed), then, after an undo, its level before the undone move (it runs those
-        operators again: a slow-down right after the undo is then seen as one; CI saw
-        one waited out for 230 steps, the doubt and the ban of the undone plan kept)."""
-        m = self.record
-        before = m.before_move.get(p) if m.undo_epoch == self.st.epoch else None
-        return [None] if before is None else [None, before]
 
     def check(self) -> Assignment | None:
         """Every ``rebalance_every`` steps (a full period into the epoch, and not within
@@ -157,20 +137,23 @@ class Rebalancer:
         if candidate.cut == st.plan.cut and candidate.stages == st.plan.stages or candidate.plan is None:
             self._said(f"rebalance check at step {st.step}: the plan on measured speeds is the current one")
             return None
-        if signature(candidate) in self.record.reverted:
-            self._said(f"rebalance check at step {st.step}: the plan on measured speeds was tried and undone")
-            return None
         remaining, move = self.job.steps - st.step, self._move_seconds()
         # the bar is set on what the two plans differ in: both priced without the swarm's
         # fixed costs, which every plan pays alike (with them, the liar's first check
         # read 78.6 ms against under 20% more and declined; the bar was set without them)
         bare = self._predicted(ads, overheads=NONE), self._predicted(ads, candidate.plan, NONE)
-        decision = replan.rebalance(*bare, remaining, move, self.record.doubt)
+        undone = self.record.reverted.get(signature(candidate))
+        if undone is not None and replan.still_banned(undone, bare[0] / max(bare[1], 1e-12)):
+            self._said(f"rebalance check at step {st.step}: the plan on measured speeds was tried and undone")
+            return None
+        damped = replan.damping([r["step"] for r in st.rebalances], st.step, every)
+        decision = replan.rebalance(*bare, remaining, move, max(self.record.doubt, damped))
         self._said(f"rebalance check at step {st.step}: {decision.why}")
         if not decision.go:
             return None
         # what the move must deliver is the whole step's speed-up, fixed costs included
         self.record.why, self.record.gain = decision.why, self._predicted(ads) / candidate.plan.iteration_s
+        self.record.moved_gain = bare[0] / max(bare[1], 1e-12)
         return candidate
 
     def _said(self, text: str) -> None:
@@ -214,7 +197,7 @@ class Rebalancer:
         if any(p in st.lost or p not in self.host.adverts for g in previous.stages for p in g):
             return None  # a peer of the old plan is gone: nothing to go back to
         assert st.plan is not None
-        m.reverted.add(signature(st.plan))
+        m.reverted[signature(st.plan)] = m.moved_gain
         m.why = f"undoing the move of step {last['step']}: {after:,.0f} tokens/s after it, {before:,.0f} before"
         m.gain = before / max(after, 1e-9)
         return previous
@@ -258,10 +241,7 @@ class Rebalancer:
             {"step": st.step, "why": m.why, "moved": moved, "tokens_per_s_before": before, "revert": revert}
         )
         m.before = None if revert else st.plan
-        if not revert:
-            m.remember_levels()
         st.next_epoch(candidate)
-        m.undo_epoch = st.epoch if revert else -1
         st.restore, st.reason = "state", f"rebalanced: {m.why}"
         m.last_rebalance = st.step
         self.host.gate.epoch = st.epoch
@@ -271,14 +251,6 @@ class Rebalancer:
         seconds = sum(self.st.step_seconds[-last:])
         tokens = self.st.tokens_per_step * min(last, len(self.st.step_seconds))
         return tokens / seconds if seconds > 0 else 0.0
-
-
-def _held(levels: list[float | None]) -> bool:
-    """Whether the last check saw the level the check before it saw (the same plan, no
-    change): only such a level stands for the operators of an undone move. A blip, or
-    an epoch's first reading, would make the undo look like a change of speed (a peer
-    marked volatile, or the doubt and the undone plans cleared by noise)."""
-    return len(levels) >= 2 and None not in levels[-2:] and replan.level_changes(levels[-2:]) == 0
 
 
 def signature(plan: Assignment) -> str:

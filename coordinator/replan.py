@@ -120,6 +120,40 @@ def next_doubt(predicted_gain: float, before: float, after: float) -> float:
 REVERT_LOSS = 0.05
 
 
+#: moves (undos too) within this many checks, and how many of them, after which the next
+#: move must be predicted twice as fast (``REPLAN_GAIN`` plus ``FLAP_DOUBT``)
+FLAP_CHECKS = 50
+FLAP_MOVES = 2
+FLAP_DOUBT = 0.3
+
+
+def damping(move_steps: list[int], step: int, every: int) -> float:
+    """What a move at ``step`` must gain on top of ``REPLAN_GAIN``, however the last ones
+    delivered, when ``FLAP_MOVES`` moves came within the last ``FLAP_CHECKS`` checks
+    (``move_steps``: the steps of the run's moves): damping, as for flapping routes.
+    Speeds that keep changing hide their volatility from the level rule, each move
+    starting a plan's levels afresh, and CI saw 5 moves in 30 s of random speed changes,
+    each predicted 21-48% faster and each delivering; a real slow-down (CI's throttle
+    to a twentieth: 3.5x) still clears it."""
+    recent = sum(1 for s in move_steps if step - s < FLAP_CHECKS * every)
+    return FLAP_DOUBT if recent >= FLAP_MOVES else 0.0
+
+
+#: an undone plan is proposed again only when predicted this many times the speed-up it
+#: was undone with (measured speeds that changed that much are another situation)
+BAN_LIFT = 2.0
+
+
+def still_banned(undone_gain: float, gain: float) -> bool:
+    """Whether a plan that a revert undid (decided on a predicted speed-up of
+    ``undone_gain``) stays out at a check that predicts it ``gain``. For ever, it kept out
+    the right plan after a real slow-down: CI saw a move on noise at step 20 undone at
+    40, a peer throttled to a twentieth at 47, and the rebalance wait until step 280
+    (the bound: 107), the best plan for the slowed peer being the undone one, now
+    predicted 3.5x faster where it had been undone at 1.14x."""
+    return gain < BAN_LIFT * undone_gain
+
+
 def should_revert(before: float, after: float) -> bool:
     """Whether a rebalance made things measurably worse (tokens/s ``before`` -> ``after``)."""
     return before > 0 and after < (1 - REVERT_LOSS) * before
@@ -187,14 +221,24 @@ def volatile(levels: list[float | None]) -> bool:
 
 
 def new_level(levels: list[float | None]) -> bool:
-    """Whether the last checks saw a lasting change: a peer that is not volatile reached a
-    new level at the check before the last and held it at the last (it clears the doubt
-    that earlier moves left: ``next_doubt`` speaks of other conditions). One check is not
+    """Whether the last checks saw a lasting change: a peer that is not volatile held a
+    level for two checks, then reached a new one at the check before the last and held
+    it at the last, all in one plan (it clears the doubt that earlier moves left:
+    ``next_doubt`` speaks of other conditions). One check of the new level is not
     enough: CI saw a peer's one-check blip clear the doubt of a move that had not
-    delivered, and the next move follow it within the cool-down."""
-    last = levels[-3:]
-    held = len(last) == 3 and None not in last[1:] and level_changes(last[1:]) == 0
-    return held and level_changes(last[:2]) == 1 and not volatile(levels)
+    delivered, and the next move follow it within the cool-down. Nor is a first
+    reading in a plan as the old level: a move or an undo starts a plan's levels
+    afresh, so a peer whose speed kept changing looked steady, and CI saw its next
+    change clear the doubt right after an undo and the plan flap (5 moves in 30 s)."""
+    last = levels[-4:]
+    if len(last) < 4 or None in last:
+        return False
+    return (
+        level_changes(last[:2]) == 0
+        and level_changes(last[1:3]) == 1
+        and level_changes(last[2:]) == 0
+        and not volatile(levels)
+    )
 
 
 def planning_speed(samples: list[float], levels: list[float | None]) -> float:

@@ -146,16 +146,17 @@ def test_a_peer_joining_mid_run_is_put_to_work(tmp_path: Path) -> None:
     so the newcomer is the better choice even if an earlier check has already dropped
     to one peer, as it may on a 2-core machine where one process beats a pipeline.
     The run must outlast the newcomer's join: the first two start together at a
-    twentieth of their speed (from their files, so their adverts say so) until the
+    hundredth of their speed (from their files, so their adverts say so) until the
     newcomer waits as standby. At full speed CI once finished the 400 steps in 15 s
-    before the newcomer was standby, and at 0.3 once too, after the first check had
-    dropped to one peer: 24 steps a second.)"""
+    before the newcomer was standby, at 0.3 once too, after the first check had
+    dropped to one peer (24 steps a second), and at 0.05 a loaded run (21 steps a
+    second: this model's compute is a few ms a step).)"""
     steps = 400
     swarm = Swarm(tmp_path, _args(tmp_path, steps, 2), peers=0)
     try:
         first_file, slow_file = tmp_path / "throttle0", tmp_path / "throttle1"
         for f in (first_file, slow_file):
-            f.write_text("0.05")
+            f.write_text("0.01")
         join_together(swarm, [["--throttle-file", str(first_file)], ["--throttle-file", str(slow_file)]])
         wait_for(swarm.url, lambda s: s["training"]["step"] >= 10, 300)
         late = swarm.add_peer(2)
