@@ -142,8 +142,9 @@ class Rebalancer:
         # fixed costs, which every plan pays alike (with them, the liar's first check
         # read 78.6 ms against under 20% more and declined; the bar was set without them)
         bare = self._predicted(ads, overheads=NONE), self._predicted(ads, candidate.plan, NONE)
+        gain = bare[0] / max(bare[1], 1e-12)
         undone = self.record.reverted.get(signature(candidate))
-        if undone is not None and replan.still_banned(undone, bare[0] / max(bare[1], 1e-12)):
+        if undone is not None and replan.still_banned(undone, gain):
             self._said(f"rebalance check at step {st.step}: the plan on measured speeds was tried and undone")
             return None
         damped = replan.damping([r["step"] for r in st.rebalances], st.step, every)
@@ -153,7 +154,7 @@ class Rebalancer:
             return None
         # what the move must deliver is the whole step's speed-up, fixed costs included
         self.record.why, self.record.gain = decision.why, self._predicted(ads) / candidate.plan.iteration_s
-        self.record.moved_gain = bare[0] / max(bare[1], 1e-12)
+        self.record.moved_gain = gain
         return candidate
 
     def _said(self, text: str) -> None:

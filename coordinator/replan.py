@@ -149,7 +149,7 @@ def still_banned(undone_gain: float, gain: float) -> bool:
     ``undone_gain``) stays out at a check that predicts it ``gain``. For ever, it kept out
     the right plan after a real slow-down: CI saw a move on noise at step 20 undone at
     40, a peer throttled to a twentieth at 47, and the rebalance wait until step 280
-    (the bound: 107), the best plan for the slowed peer being the undone one, now
+    (the bound: 107), the best plan for the slowed peer probably the undone one, then
     predicted 3.5x faster where it had been undone at 1.14x."""
     return gain < BAN_LIFT * undone_gain
 
