@@ -25,6 +25,7 @@ class CoordinatorConfig:
     run_id: str = "fusionllm"
     host_maddrs: list[str] = field(default_factory=lambda: list(LOOPBACK_MADDRS))  # the CLI: every interface
     announce_maddrs: list[str] = field(default_factory=list)  # what the join line names instead of host_maddrs
+    data_path: str = "direct"  # "libp2p": every frame inside libp2p's streams (protocol.net.direct)
     initial_peers: list[str] = field(default_factory=list)
     min_peers: int = 1
     num_stages: int | None = None

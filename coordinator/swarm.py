@@ -172,7 +172,9 @@ class Coordinator:
         await self._start_status()
         self.endpoint.dht = await start_dht(cfg, self.run_dir, identity, self.admission.private)
         if self.endpoint.transport is None:
-            self.endpoint.transport = Transport(await self.endpoint.dht.replicate_p2p(), identity, self.gate)
+            self.endpoint.transport = Transport(
+                await self.endpoint.dht.replicate_p2p(), identity, self.gate, cfg.data_path == "direct"
+            )
         self.intake.hook_transport(self.endpoint.transport)
         self.admission.start()
         self.gate.on_admit.append(self.reach.admitted)

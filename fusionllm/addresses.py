@@ -33,6 +33,14 @@ def add_listen_flags(p: argparse.ArgumentParser, port_type: Callable[[str], int]
         "multiaddr; behind a NAT without one, a peer dials out instead (default: the interfaces' addresses)",
     )
     p.add_argument(
+        "--data-path",
+        choices=["direct", "libp2p"],
+        default="direct",
+        help="how frames travel to and from processes that can dial each other: 'direct' over plain TCP "
+        "(signed, not encrypted: an observer on the path sees activations), 'libp2p' inside libp2p's "
+        "encrypted streams (slower); direct only where both ends allow it (default: direct)",
+    )
+    p.add_argument(
         "--host-maddrs",
         nargs="+",
         default=None,

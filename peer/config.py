@@ -17,6 +17,7 @@ class PeerConfig:
     run_id: str = "fusionllm"
     host_maddrs: list[str] = field(default_factory=lambda: list(LOOPBACK_MADDRS))  # the CLI: every interface
     announce_maddrs: list[str] = field(default_factory=list)  # where others should dial it (a forwarded port)
+    data_path: str = "direct"  # "libp2p": every frame inside libp2p's streams (protocol.net.direct)
     device: str | None = None
     advert_ttl: float = 6.0
     join_timeout: float = 30.0

@@ -2,12 +2,11 @@
 stage the coordinator assigns until the run ends.
 
 ``PeerNode`` is the shell: it builds the network (DHT, transport: ``peer.joining``),
-routes each inbound message, and runs the serve loop across epochs. Its parts own
-their state: ``peer.link.CoordinatorLink`` (finding the coordinator, hello,
-heartbeats, watching, reattaching), ``peer.admission.Credentials`` (a private
-swarm's proof and certificate), ``peer.adverts.Adverts`` (publishing and refreshing
-the advert), ``peer.epoch.EpochRunner`` (one plan epoch) and ``peer.spotcheck`` (its
-spot checks)."""
+routes each inbound message, and runs the serve loop across epochs. Its parts own their
+state: ``peer.link.CoordinatorLink`` (finding the coordinator, hello, heartbeats,
+watching, reattaching), ``peer.admission.Credentials`` (a private swarm's proof and
+certificate), ``peer.adverts.Adverts`` (publishing and refreshing the advert),
+``peer.epoch.EpochRunner`` (one plan epoch) and ``peer.spotcheck`` (its spot checks)."""
 
 from __future__ import annotations
 
@@ -125,6 +124,7 @@ class PeerNode:
         self.dht = await join_dht(cfg, self.credentials.validators())
         gate = Gate(cfg.run_id)
         self.transport = await self._make_transport(self.dht, self.identity, gate)
+        self.transport.direct.allowed = cfg.data_path == "direct"
         self.link = link = CoordinatorLink(
             cfg, self.dht, self.transport, self.identity, self.credentials, self.say, self.clock
         )

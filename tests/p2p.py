@@ -18,14 +18,19 @@ from protocol.wire.messages import Activations
 
 
 @asynccontextmanager
-async def transport_pair(run_id: str = "r", max_payload: int = 4 << 30) -> AsyncIterator[tuple[Transport, Transport]]:
-    async with transports(2, run_id, max_payload) as (a, b):
+async def transport_pair(
+    run_id: str = "r", max_payload: int = 4 << 30, direct: bool = True
+) -> AsyncIterator[tuple[Transport, Transport]]:
+    async with transports(2, run_id, max_payload, direct) as (a, b):
         yield a, b
 
 
 @asynccontextmanager
-async def transports(n: int, run_id: str = "r", max_payload: int = 4 << 30) -> AsyncIterator[list[Transport]]:
-    """``n`` transports on loopback, each admitted by every other's gate."""
+async def transports(
+    n: int, run_id: str = "r", max_payload: int = 4 << 30, direct: bool = True
+) -> AsyncIterator[list[Transport]]:
+    """``n`` transports on loopback, each admitted by every other's gate (``direct``:
+    with the direct data path, else libp2p only)."""
     dhts: list[hivemind.DHT] = []
     out: list[Transport] = []
     try:
@@ -34,7 +39,7 @@ async def transports(n: int, run_id: str = "r", max_payload: int = 4 << 30) -> A
         dhts += [hivemind.DHT(initial_peers=boot, start=True) for _ in range(n - 1)]
         keys = [Identity.generate() for _ in range(n)]
         for d, k in zip(dhts, keys, strict=True):
-            out.append(Transport(await d.replicate_p2p(), k, Gate(run_id, max_payload)))
+            out.append(Transport(await d.replicate_p2p(), k, Gate(run_id, max_payload), direct))
         for t in out:
             for other, key in zip(out, keys, strict=True):
                 if other is not t:

@@ -127,15 +127,16 @@ def test_rejected_laned_frame_leaves_no_parts_behind() -> None:
     asyncio.run(go())
 
 
-def test_broken_bandwidth_probe_is_peer_unreachable() -> None:
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "libp2p"])
+def test_broken_bandwidth_probe_is_peer_unreachable(direct: bool) -> None:
     """A probe whose other end hangs up is a PeerUnreachable (one line to the user),
-    not a stray IncompleteReadError."""
+    not a stray IncompleteReadError, on either data path."""
 
     async def go() -> None:
         from protocol.net.probe import BW_PROTOCOL
         from protocol.net.transport import PeerUnreachable
 
-        async with transport_pair("r") as (a, b):
+        async with transport_pair("r", direct=direct) as (a, b):
 
             async def hang_up(info, reader, writer) -> None:  # type: ignore[no-untyped-def]
                 await reader.read(10)
@@ -143,6 +144,7 @@ def test_broken_bandwidth_probe_is_peer_unreachable() -> None:
 
             await b.p2p.remove_binary_stream_handler(BW_PROTOCOL)
             await b.p2p.add_binary_stream_handler(BW_PROTOCOL, hang_up)
+            b.direct._handlers[BW_PROTOCOL] = hang_up
             with pytest.raises(PeerUnreachable, match="bandwidth probe with peer"):
                 await asyncio.wait_for(a.measure_bandwidth(b.peer_id, 1 << 20), 30)
 
@@ -173,9 +175,9 @@ def test_a_claimed_4gib_payload_allocates_nothing_until_bytes_arrive() -> None:
 
 
 def test_bandwidth_probes_answer_only_admitted_peers_and_never_amplify(monkeypatch: pytest.MonkeyPatch) -> None:
-    import protocol.net.transport as transport
+    import protocol.net.probe as probe
 
-    monkeypatch.setattr(transport, "ADMISSION_WAIT_S", 0.5)
+    monkeypatch.setattr(probe, "ADMISSION_WAIT_S", 0.5)
 
     async def go() -> None:
         from protocol.net.probe import BW_PROTOCOL, PROBE_BUDGET_BYTES
@@ -233,7 +235,7 @@ def test_open_streams_per_sender_are_bounded() -> None:
 
     async def go() -> None:
         async with transport_pair("r") as (a, b):
-            held = [await a._open(b.peer_id, MSG_PROTOCOL) for _ in range(MAX_STREAMS_PER_PEER + 4)]
+            held = [await a._open_p2p(b.peer_id, MSG_PROTOCOL) for _ in range(MAX_STREAMS_PER_PEER + 4)]
             await _until(lambda: b.gate.counts[Reject.STREAMS] == 4)
             assert b.open_streams == {a.peer_id: MAX_STREAMS_PER_PEER}
             reads = [asyncio.ensure_future(r.read(1)) for r, _ in held]  # the handlers may run in any order
@@ -354,7 +356,7 @@ def test_a_sender_not_admitted_holds_two_streams_and_only_briefly(monkeypatch: p
     async def go() -> None:
         async with transport_pair("r") as (a, b):
             b.gate.keys.pop(a.peer_id)
-            held = [await a._open(b.peer_id, MSG_PROTOCOL) for _ in range(transport.MAX_STREAMS_OUTSIDER + 2)]
+            held = [await a._open_p2p(b.peer_id, MSG_PROTOCOL) for _ in range(transport.MAX_STREAMS_OUTSIDER + 2)]
             await _until(lambda: b.gate.counts[Reject.STREAMS] == 2)
             await _until(lambda: b.gate.counts[Reject.TRUNCATED] == transport.MAX_STREAMS_OUTSIDER)
             assert not b.open_streams, "the idle streams were closed"
@@ -383,7 +385,7 @@ def test_a_cancel_that_comes_as_a_stream_open_fails_is_honoured() -> None:
             raise FileNotFoundError(2, "No such file or directory")
 
         fake = SimpleNamespace(_known={}, dials_in=set(), p2p=SimpleNamespace(call_binary_stream_handler=failing_open))
-        await Transport._open(fake, "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N", MSG_PROTOCOL)  # type: ignore[arg-type]
+        await Transport._open_p2p(fake, "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N", MSG_PROTOCOL)  # type: ignore[arg-type]
 
     with pytest.raises(asyncio.CancelledError):
         asyncio.run(run())

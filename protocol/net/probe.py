@@ -6,13 +6,16 @@ memory; ``protocol.net.transport`` runs both sides over its streams."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import torch
 
 from protocol.net.streams import discard, linger
-from protocol.wire.encoding import read_head, write_frame
+from protocol.wire.encoding import WireError, read_head, write_frame
+from protocol.wire.gate import Gate
 from protocol.wire.reject import Reject, Rejected
 
 BW_PROTOCOL = "/fusionllm/bw/1"
@@ -24,6 +27,10 @@ PROBE_WINDOW_S = 60.0
 PROBE_LINGER_S = 5.0  # a probe's answer is kept open until the prober has read it (or this long)
 PROBE_MIN_CHARGE = 1 << 20  # what the budget counts for a probe, however small: a stream held is not free
 _ZEROS = bytes(1 << 20)
+#: how long a probe waits for its sender's hello to be admitted
+ADMISSION_WAIT_S = 10.0
+
+logger = logging.getLogger(__name__)
 
 
 class ProbeBudget:
@@ -81,3 +88,35 @@ async def measure(
     await reader.readexactly(down_bytes)
     down_s = time.perf_counter() - start
     return nbytes * 8 / up_s / 1e6, (down_bytes * 8 / down_s / 1e6 if down_bytes else 0.0)
+
+
+async def serve(
+    gate: Gate, budget: ProbeBudget, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    """``BW_PROTOCOL``'s stream handler: answer a probe of an admitted peer (or one the
+    coordinator let in: ``Gate.allow_probe``), its hello allowed a moment to arrive first."""
+    sender = info.peer_id.to_base58()
+    try:
+        if gate.refuse_stream(sender):
+            return
+        await admitted_soon(gate, sender)
+        gate.check_prober(sender)
+        await answer(reader, writer, sender, budget)
+    except Rejected as exc:
+        gate.reject(sender, exc)
+    except (WireError, ConnectionError, ValueError, asyncio.IncompleteReadError) as exc:
+        logger.debug("bandwidth probe from %s failed: %s", sender, exc)
+        gate.reject(sender, Rejected(Reject.MALFORMED, f"bandwidth probe: {exc}"))
+    finally:
+        writer.close()
+
+
+async def admitted_soon(gate: Gate, sender: str) -> bool:
+    """Whether ``sender`` may probe (``Gate.may_probe``), allowing its hello (on another
+    stream) or the coordinator's word (``ProbeLink``) ``ADMISSION_WAIT_S`` to arrive first."""
+    deadline = time.monotonic() + ADMISSION_WAIT_S
+    while not gate.may_probe(sender):
+        if time.monotonic() > deadline or sender in gate.refused:
+            return False
+        await asyncio.sleep(0.05)
+    return True

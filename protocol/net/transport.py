@@ -24,12 +24,12 @@ from typing import Any
 
 from blake3 import blake3
 from hivemind.p2p import P2P, PeerID
-from hivemind.utils.multiaddr import Multiaddr as HivemindMultiaddr
 
 from protocol.net import probe
-from protocol.net.addrs import strip_p2p
 from protocol.net.budget import ByteBudget
 from protocol.net.delay import DelayTable
+from protocol.net.dialing import DIAL_OUT_S, PeerUnreachable, connect, dial_out, open_p2p
+from protocol.net.direct import OFFER, OFFER_PROTOCOL, Direct, Streams, ip_hosts
 from protocol.net.forward import FWD_PROTOCOL, Forwarder
 from protocol.net.handlers import StreamLimits, ends_quietly
 from protocol.net.lanes import LaneParts
@@ -37,10 +37,9 @@ from protocol.net.outgoing import Outgoing, seal_outgoing
 from protocol.net.pacing import Pacer
 from protocol.net.probe import BW_PROTOCOL, ProbeBudget
 from protocol.net.streams import discard, read_frame_head, read_payload
-from protocol.net.tasks import honour_cancel
 from protocol.trust.identity import Identity
-from protocol.wire.encoding import Frame, Link, WireError
-from protocol.wire.envelope import Envelope, Sealer, inline_payload, lane_id
+from protocol.wire.encoding import Frame, Link
+from protocol.wire.envelope import Envelope, Sealer, hash_threads, inline_payload, lane_id
 from protocol.wire.gate import Gate
 from protocol.wire.messages import Message
 from protocol.wire.reject import Reject, Rejected
@@ -61,27 +60,12 @@ MAX_STREAMS = 1024
 #: within ``FIRST_HEAD_S`` (its hello): idle streams of fresh identities hold no slots
 MAX_STREAMS_OUTSIDER = 2
 FIRST_HEAD_S = 10.0
-#: how long a stream to a peer behind a NAT waits for its connection to us, and how
-#: long such a peer's own dial to another may take
-DIAL_IN_WAIT_S = 60.0
-DIAL_OUT_S = 15.0
-OPEN_RETRY_S = 1.0  # a stream that fails to open (a daemon busy a moment) is tried again this long
-#: how long a probe waits for its sender's hello to be admitted
-ADMISSION_WAIT_S = 10.0
 LANE_PROTOCOL = "/fusionllm/lane/1"
 #: payloads above this travel over several parallel streams ("lanes"): one libp2p
 #: stream through the p2p daemon is bound by one core, several are not
 LANE_THRESHOLD = 8 << 20
 LANES = 4
 _LANE_HEAD = struct.Struct(">QIQ")  # frame id, lane index, byte count
-
-
-class PeerUnreachable(ConnectionError):
-    """A destination peer could not be reached or dropped the stream; ``peer_id`` names it."""
-
-    def __init__(self, message: str, peer_id: str = "") -> None:
-        super().__init__(message)
-        self.peer_id = peer_id
 
 
 #: rejections after which a stream cannot be trusted to stay in step
@@ -119,7 +103,7 @@ class Transport:
     through ``gate`` and only what passes reaches the inbox. ``set_rate`` paces the
     sends to one peer (application-level shaping, e.g. to mimic a slow link)."""
 
-    def __init__(self, p2p: P2P, identity: Identity, gate: Gate) -> None:
+    def __init__(self, p2p: P2P, identity: Identity, gate: Gate, direct: bool = True) -> None:
         self.p2p = p2p
         self.identity = identity
         self.gate = gate
@@ -150,6 +134,11 @@ class Transport:
         self.dials_in: set[str] = set()  # peers behind a NAT: they dial us (protocol.net.reach)
         self.forward_via: dict[str, str] = {}  # destination -> the peer that forwards our frames to it
         self.forwarder = Forwarder(self.peer_id, gate, self.budget, self._write, self._frame, self._active)
+        #: the direct data path (``protocol.net.direct``; off: everything over libp2p), and
+        #: the peers our message stream reaches over it (their large frames need no lanes)
+        self.direct = Direct([MSG_PROTOCOL, LANE_PROTOCOL, BW_PROTOCOL], self._may_go_direct)
+        self.direct.allowed = direct
+        self.direct_to: set[str] = set()
         gate.on_mute.append(self._cut_off)
 
     @property
@@ -182,13 +171,23 @@ class Transport:
         return self.forwarder.forwarded
 
     async def start(self) -> None:
+        handlers: dict[str, Any] = {}
         for protocol, handler in (
             (MSG_PROTOCOL, self._handle),
-            (BW_PROTOCOL, self._handle_bandwidth),
+            (BW_PROTOCOL, lambda *a: probe.serve(self.gate, self.probes, *a)),
             (LANE_PROTOCOL, self._handle_lane),
             (FWD_PROTOCOL, self.forwarder.handle),
+            (OFFER_PROTOCOL, self.direct.grant),
         ):
-            await self.p2p.add_binary_stream_handler(protocol, ends_quietly(self.limits.counted(handler)))
+            wrapped = ends_quietly(self.limits.counted(handler))
+            handlers[protocol] = wrapped
+            await self.p2p.add_binary_stream_handler(protocol, wrapped)
+        if self.direct.allowed:
+            hosts = ip_hosts(str(m) for m in await self.p2p.get_visible_maddrs(latest=True))
+            await self.direct.listen(hosts, handlers)
+
+    def _may_go_direct(self, peer_id: str) -> bool:
+        return peer_id in self.gate.keys and not self.gate.muted(peer_id)
 
     def learn(self, peer_id: str, maddrs: list[str]) -> None:
         """Remember where a peer listens (from its advert or assignment)."""
@@ -198,49 +197,43 @@ class Transport:
         """Pace sends to ``peer_id`` to ``mbps`` Mbit/s (None: as fast as possible)."""
         self.pacer.set_rate(peer_id, mbps)
 
-    async def connect(self, peer_id: str) -> None:
+    async def connect(self, peer_id: str, timeout: float = DIAL_OUT_S) -> None:
         """Dial ``peer_id`` at its known addresses (raises when the daemon cannot)."""
-        addrs = [HivemindMultiaddr(strip_p2p(a)) for a in self._known.get(peer_id, [])]
-        await self.p2p._client.connect(PeerID.from_base58(peer_id), addrs)
+        await connect(self.p2p, peer_id, self._known.get(peer_id, []), timeout)
 
-    async def _open(self, peer_id: str, protocol: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        """A new stream to ``peer_id``: over a connection we dial, or (a peer behind a
-        NAT, in ``dials_in``) over the one it dials to us, waited for a while."""
-        pid = PeerID.from_base58(peer_id)
-        addrs = [HivemindMultiaddr(strip_p2p(a)) for a in self._known.get(peer_id, [])]
-        if addrs and peer_id not in self.dials_in:
-            try:
-                await asyncio.wait_for(self.p2p._client.connect(pid, addrs), timeout=15)
-            except Exception as exc:
-                honour_cancel()
-                logger.debug("direct connect to %s failed: %s", peer_id, exc)
-        deadline = time.monotonic() + (DIAL_IN_WAIT_S if peer_id in self.dials_in else OPEN_RETRY_S)
-        while True:
-            try:
-                _, reader, writer = await asyncio.wait_for(self.p2p.call_binary_stream_handler(pid, protocol), 20)
-                return reader, writer
-            except Exception as exc:
-                honour_cancel()
-                if time.monotonic() >= deadline:
-                    raise PeerUnreachable(
-                        f"cannot open a stream to peer {peer_id}: {exc or type(exc).__name__}", peer_id
-                    ) from None
-            await asyncio.sleep(0.5)
+    async def _open(self, peer_id: str, protocol: str) -> Streams:
+        """A new stream to ``peer_id``: direct where it can be (``protocol.net.direct``),
+        else over libp2p (``_open_p2p``)."""
+        if peer_id not in self.dials_in and self.direct.worth_trying(peer_id, protocol):
+            addrs = self._known.get(peer_id) or await self._connected_addrs(peer_id)
+            streams = await self.direct.open(peer_id, protocol, addrs, self._ask_ticket)
+            if streams is not None:
+                if protocol == MSG_PROTOCOL:
+                    self.direct_to.add(peer_id)
+                return streams
+        return await self._open_p2p(peer_id, protocol)
+
+    async def _connected_addrs(self, peer_id: str) -> list[str]:
+        """Where the p2p daemon's connections to ``peer_id`` lead (none known from an advert)."""
+        try:
+            infos = await self.p2p.list_peers()
+        except Exception:  # noqa: BLE001 - no addresses: libp2p it is
+            return []
+        return [str(a) for i in infos if i.peer_id.to_base58() == peer_id for a in i.addrs]
+
+    async def _ask_ticket(self, peer_id: str) -> bytes:
+        reader, writer = await self._open_p2p(peer_id, OFFER_PROTOCOL)
+        try:
+            return await reader.readexactly(OFFER.size)
+        finally:
+            writer.close()
+
+    async def _open_p2p(self, peer_id: str, protocol: str) -> Streams:
+        return await open_p2p(self.p2p, peer_id, protocol, self._known.get(peer_id, []), peer_id in self.dials_in)
 
     async def dial_out(self, peers: list[str]) -> list[str]:
-        """Connect to ``peers`` (this peer is behind a NAT: they cannot dial it, and use
-        these connections both ways); returns those that could not be reached."""
-
-        async def dial(peer_id: str) -> str:
-            addrs = [HivemindMultiaddr(strip_p2p(a)) for a in self._known.get(peer_id, [])]
-            try:
-                await asyncio.wait_for(self.p2p._client.connect(PeerID.from_base58(peer_id), addrs), DIAL_OUT_S)
-                return ""
-            except Exception as exc:
-                logger.debug("dialling out to %s failed: %s", peer_id, exc)
-                return peer_id
-
-        return [p for p in await asyncio.gather(*(dial(p) for p in peers if p != self.peer_id)) if p]
+        """``protocol.net.dialing.dial_out``: the peers (not us) not reached."""
+        return await dial_out(self.p2p, self._known, [p for p in peers if p != self.peer_id])
 
     async def _write(self, key: str, peer_id: str, protocol: str, buffers: list[bytes | memoryview]) -> int:
         """Write buffers on the persistent stream ``key`` to ``peer_id`` (opened on first use)."""
@@ -277,7 +270,7 @@ class Transport:
         """The first half of ``send``: encode, hash and sign (no I/O)."""
 
         def lanes(total: int) -> tuple[int, int] | None:
-            if peer_id in self.forward_via or total <= LANE_THRESHOLD:
+            if peer_id in self.forward_via or peer_id in self.direct_to or total <= LANE_THRESHOLD:
                 return None  # a forwarded frame carries its payload inline
             return next(self._frame_ids), LANES
 
@@ -389,7 +382,7 @@ class Transport:
             task.add_done_callback(self._laned.discard)
             return True
         try:
-            digest = blake3()  # verified while the payload arrives: one pass over its bytes
+            digest = blake3(max_threads=hash_threads(env.payload_bytes))  # verified as it arrives: one pass
             async with self.budget.hold(sender, env.payload_bytes):
                 payload = await read_payload(reader, env.payload_bytes, lambda: self._active(sender), digest)
             self.gate.check_payload(env, payload, sender, digest.hexdigest())
@@ -408,6 +401,7 @@ class Transport:
         """A sender just muted: close our streams to it and drop its libp2p connection
         (it may dial again; its streams are then closed unread until the mute ends)."""
         self.forget(sender)
+        self.direct.cut(sender)
         try:
             task = asyncio.get_running_loop().create_task(self._disconnect(sender))
         except RuntimeError:  # no loop running (a gate used on its own)
@@ -440,33 +434,6 @@ class Transport:
         if self.divert is None or not self.divert(inbound):
             await self.inbox.put(inbound)
 
-    async def _handle_bandwidth(self, info: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Bandwidth probe from an admitted peer (``protocol.net.probe.answer``)."""
-        sender = info.peer_id.to_base58()
-        try:
-            if self.gate.refuse_stream(sender):
-                return
-            await self._admitted_soon(sender)
-            self.gate.check_prober(sender)  # admitted, or let in by the coordinator (gate.allow_probe)
-            await probe.answer(reader, writer, sender, self.probes)
-        except Rejected as exc:
-            self.gate.reject(sender, exc)
-        except (WireError, ConnectionError, ValueError, asyncio.IncompleteReadError) as exc:
-            logger.debug("bandwidth probe from %s failed: %s", sender, exc)
-            self.gate.reject(sender, Rejected(Reject.MALFORMED, f"bandwidth probe: {exc}"))
-        finally:
-            writer.close()
-
-    async def _admitted_soon(self, sender: str) -> bool:
-        """Whether ``sender`` may probe (``Gate.may_probe``), allowing its hello (on another
-        stream) or the coordinator's word (``ProbeLink``) a moment to arrive first."""
-        deadline = time.monotonic() + ADMISSION_WAIT_S
-        while not self.gate.may_probe(sender):
-            if time.monotonic() > deadline or sender in self.gate.refused:
-                return False
-            await asyncio.sleep(0.05)
-        return True
-
     async def measure_bandwidth(self, peer_id: str, nbytes: int = 8 << 20, down: bool = True) -> tuple[float, float]:
         """Timed transfer with ``peer_id``: (upload, download) in Mbit/s (download 0.0
         when not measured). The upload is paced like any other send to that peer."""
@@ -484,6 +451,7 @@ class Transport:
         """Close the streams to a peer that left (the next send opens new ones)."""
         for key in [k for k in self._streams if k == peer_id or k.startswith(peer_id + "/")]:
             self._streams.pop(key)[1].close()
+        self.direct_to.discard(peer_id)
 
     async def connected(self) -> set[str]:
         """Peer ids the p2p daemon holds a connection to now."""
@@ -495,3 +463,4 @@ class Transport:
         for _, writer in self._streams.values():  # main and lane streams
             writer.close()
         self._streams.clear()
+        await self.direct.aclose()

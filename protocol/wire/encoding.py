@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy
 import torch
 
 from protocol.wire.codecs import Codec, CodecError, ErrorFeedback, encode_parts
@@ -397,6 +398,14 @@ async def read_growing(
     allocates nothing by itself); None if the stream ends first. ``digest`` (a hasher,
     e.g. BLAKE3's) is updated with each chunk as it arrives: the payload is hashed
     while the rest of it is still on its way, not in a second pass after the last byte."""
+    if hasattr(reader, "read_into"):  # protocol.net.direct_io: straight into the buffer
+        return await _read_lazily(reader, size, on_chunk, digest)
+    return await _read_chunks(reader, size, on_chunk, digest)
+
+
+async def _read_chunks(
+    reader: asyncio.StreamReader, size: int, on_chunk: Callable[[], None] | None, digest: Any
+) -> memoryview | None:
     payload = bytearray()
     while len(payload) < size:
         chunk = await reader.read(min(size - len(payload), READ_CHUNK))
@@ -408,6 +417,28 @@ async def read_growing(
         if on_chunk is not None:
             on_chunk()
     return memoryview(payload)
+
+
+async def _read_lazily(reader: Any, size: int, on_chunk: Callable[[], None] | None, digest: Any) -> memoryview | None:
+    """``read_growing`` for a reader with ``read_into``: one buffer of ``size`` bytes
+    whose pages the kernel makes resident only as the bytes land in them (what is
+    held grows with what arrived, as above, without copying it twice); each
+    ``READ_CHUNK`` is hashed once it is full."""
+    try:
+        payload = memoryview(numpy.empty(size, dtype=numpy.uint8)).cast("B")
+    except MemoryError:  # no room to reserve it at once: grown as it arrives, as on other streams
+        return await _read_chunks(reader, size, on_chunk, digest)
+    for start in range(0, size, READ_CHUNK):
+        part = payload[start : start + READ_CHUNK]
+        try:
+            await reader.read_into(part)
+        except asyncio.IncompleteReadError:
+            return None
+        if digest is not None:
+            digest.update(part)
+        if on_chunk is not None:
+            on_chunk()
+    return payload
 
 
 async def write_frame(writer: asyncio.StreamWriter, header: dict[str, Any], values: list[Any] | None = None) -> int:
