@@ -81,10 +81,10 @@ async def _node(listen_ip: str, bootstrap: str) -> None:
             tp.gate.admit(pid, public_key(info["key"]))
             tp.learn(pid, info["maddrs"])
         tp.forward_via.update(cmd.get("via", {}))
-        tp.forwarders.update(cmd.get("via", {}).values())
+        tp.forwarder.forwarders.update(cmd.get("via", {}).values())
         tp.dials_in.update(cmd.get("dials_in", []))
         if cmd.get("relay"):
-            tp.relay_ok = lambda origin, dest, nbytes: True
+            tp.forwarder.relay_ok = lambda origin, dest, nbytes: True
         if cmd.get("dial"):
             failed = await tp.dial_out(cmd["dial"])
             print(json.dumps({"dialled": not failed}), flush=True)

@@ -31,7 +31,7 @@ class Intake:
 
     def hook_transport(self, transport: Transport) -> None:
         transport.lane_ok = self.lane_ok
-        transport.relay_ok = self.relay_ok
+        transport.forwarder.relay_ok = self.relay_ok
         transport.divert = self.divert
 
     def expect(self, env: Envelope, message: Message, sender: str) -> None:

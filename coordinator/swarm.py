@@ -266,7 +266,7 @@ class Coordinator:
         seconds = sum(st.step_seconds) or self.clock.now() - start
         assert driver.final is not None
         self.board.finish(True, f"{len(st.losses)} steps in {seconds:.0f} s")
-        forwarded = sum(self.transport.forwarded.values())
+        forwarded = sum(self.transport.forwarder.forwarded.values())
         mbs = self.config.job.micro_batches
         return summarize(
             st, driver.final, seconds, self.adverts, self.board.connections, forwarded, mbs, driver.stages.dag

@@ -19,6 +19,18 @@ from protocol.net.ports import PortTaken, check_listen_ports
 from protocol.net.reach import tcp_ports
 
 
+def add_data_path_flag(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--data-path``: for ``coordinator``, ``join`` and ``demo`` (``protocol.net.direct``)."""
+    p.add_argument(
+        "--data-path",
+        choices=["direct", "libp2p"],
+        default="direct",
+        help="how frames travel to and from processes that can dial each other: 'direct' over plain TCP "
+        "(signed, not encrypted: an observer on the path sees activations), 'libp2p' inside libp2p's "
+        "encrypted streams (slower); direct only where both ends allow it (default: direct)",
+    )
+
+
 def add_listen_flags(p: argparse.ArgumentParser, port_type: Callable[[str], int], port_help: str) -> None:
     """``--port`` (or ``--host-maddrs``, exactly) and ``--announce``, for ``coordinator`` and ``join``."""
     p.add_argument("--port", type=port_type, default=None, metavar="N", help=port_help)
@@ -32,14 +44,7 @@ def add_listen_flags(p: argparse.ArgumentParser, port_type: Callable[[str], int]
         "name (at --port), HOST:PORT (e.g. your router's public address and a port it forwards here) or a "
         "multiaddr; behind a NAT without one, a peer dials out instead (default: the interfaces' addresses)",
     )
-    p.add_argument(
-        "--data-path",
-        choices=["direct", "libp2p"],
-        default="direct",
-        help="how frames travel to and from processes that can dial each other: 'direct' over plain TCP "
-        "(signed, not encrypted: an observer on the path sees activations), 'libp2p' inside libp2p's "
-        "encrypted streams (slower); direct only where both ends allow it (default: direct)",
-    )
+    add_data_path_flag(p)
     p.add_argument(
         "--host-maddrs",
         nargs="+",

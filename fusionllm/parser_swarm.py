@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from fusionllm import parser_types as t
-from fusionllm.addresses import add_listen_flags
+from fusionllm.addresses import add_data_path_flag, add_listen_flags
 from fusionllm.parser_job import add_threads_flag, add_training_job
 from protocol.model.options import STAGE_FORMS
 from protocol.net.hostaddrs import COORDINATOR_PORT, PEER_PORT
@@ -142,6 +142,7 @@ def _add_swarm_flags(p: argparse.ArgumentParser) -> None:
 def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="a local swarm: a coordinator and N peer processes on loopback")
     p.add_argument("--peers", type=t.positive, default=4, metavar="N", help="number of peer processes")
+    add_data_path_flag(p)
     add_training_job(p, save_default="fusionllm-demo.safetensors")
     _add_swarm_flags(p)
 

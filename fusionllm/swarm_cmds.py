@@ -487,6 +487,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 coord.identity.public_hex,
                 *(["--allow-code", code] if code else []),  # the demo runs the user's own model
                 *["--host-maddrs", *LOOPBACK_MADDRS],
+                *["--data-path", args.data_path],
                 "--initial-peers",
                 *coord.visible_maddrs,
             ]

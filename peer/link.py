@@ -90,7 +90,7 @@ class CoordinatorLink:
         gate = self.transport.gate
         gate.admit(self.record.peer_id, self.key)
         self.transport.learn(self.record.peer_id, self.record.maddrs)
-        self.transport.forwarders = {self.record.peer_id}
+        self.transport.forwarder.forwarders = {self.record.peer_id}
 
     async def _find(self) -> tuple[CoordinatorRecord, Any]:
         run, pinned = self.config.run_id, self.config.coordinator_key

@@ -1,19 +1,26 @@
 """The direct data path (``protocol.net.direct``): frames between admitted peers go
 over plain TCP once a ticket got over libp2p is proven, arrive intact and checked
 as on libp2p, and anything else (a stranger, a wrong answer, a ticket used twice,
-an unreachable port, ``--data-path libp2p``) stays on libp2p or is cut off."""
+an unreachable port, ``--data-path libp2p``) stays on libp2p or is cut off. Large
+payloads go first on them, hashed on their way (``protocol.net.payload_first``)."""
 
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 import torch
+from blake3 import blake3
 from p2p import transport_pair
 
 from protocol.net.direct import ANSWER, CHALLENGE_BYTES, MAC_BYTES, MAGIC, OFFER, mac
 from protocol.net.direct_io import DirectReader
+from protocol.net.payload_first import PAYLOAD_FIRST_MIN
+from protocol.net.streams import PAYLOAD_FIRST, PAYLOAD_SIZE
 from protocol.net.transport import LANE_THRESHOLD, MSG_PROTOCOL, Transport
+from protocol.wire.encoding import READ_CHUNK, encode_values, read_growing
+from protocol.wire.envelope import HEAD, Sealer, payload_digest
 from protocol.wire.messages import Activations
 from protocol.wire.reject import Reject
 
@@ -125,20 +132,90 @@ def test_a_muted_senders_direct_streams_are_cut() -> None:
 
 
 @pytest.mark.parametrize("early", [0, 5, 12])
-def test_read_into_takes_buffered_bytes_then_the_rest_as_it_arrives(early: int) -> None:
+def test_fill_takes_buffered_bytes_then_the_rest_as_it_arrives(early: int) -> None:
     async def go() -> None:
         reader = DirectReader()
         reader.feed_data(bytes(range(early)))
         buf = bytearray(10)
-        task = asyncio.ensure_future(reader.read_into(memoryview(buf)))
+
+        async def filled() -> list[int]:
+            return [n async for n in reader.fill(memoryview(buf), 4)]
+
+        task = asyncio.ensure_future(filled())
         await asyncio.sleep(0)
         reader.feed_data(bytes(range(early, 14)))
-        await task
+        assert (await task)[-1] == 10
         assert bytes(buf) == bytes(range(10))
         assert await reader.readexactly(4) == bytes(range(10, 14)), "what was past the buffer stays readable"
         reader.feed_data(b"ab")
         reader.feed_eof()
         with pytest.raises(asyncio.IncompleteReadError):
-            await reader.read_into(memoryview(bytearray(4)))
+            await filled()
+
+    asyncio.run(go())
+
+
+def test_a_payload_hashed_while_it_lands_has_its_digest_however_it_arrives() -> None:
+    """Each part is hashed on another thread while later bytes land: every byte is hashed
+    once, in order, also where the last ones land while an earlier part is hashed (the
+    last part was once left unhashed so)."""
+
+    async def go() -> None:
+        rng = random.Random(7)
+        for _ in range(8):
+            data = rng.randbytes(rng.randint(1, 3 * READ_CHUNK))
+            reader = DirectReader()
+            early = rng.randint(0, min(len(data), READ_CHUNK))
+            reader.feed_data(data[:early])
+
+            async def feed(reader: DirectReader = reader, data: bytes = data, start: int = early) -> None:
+                while start < len(data):
+                    n = rng.randint(1, 1 << 18)
+                    reader.feed_data(data[start : start + n])
+                    start += n
+                    if rng.random() < 0.3:
+                        await asyncio.sleep(0)
+
+            feeding = asyncio.ensure_future(feed())
+            digest = blake3()
+            got = await read_growing(reader, len(data), None, digest)
+            await feeding
+            assert got is not None and bytes(got) == data
+            assert digest.hexdigest() == blake3(data).hexdigest()
+
+    asyncio.run(go())
+
+
+def _payload_first(sealer: Sealer, payload: bytes, digest_of: bytes | None = None) -> bytes:
+    """A payload-first frame of a float32 tensor's bytes, its head signed over
+    ``digest_of``'s digest (default: the payload's own)."""
+    descs, chunks = encode_values([torch.frombuffer(bytearray(payload), dtype=torch.float32)])
+    digest = payload_digest([memoryview(digest_of if digest_of is not None else payload)])
+    head, _ = sealer.seal(Activations("r", 0, 0, 1), descs, chunks, digest=digest)
+    return HEAD.pack(PAYLOAD_FIRST, 0) + PAYLOAD_SIZE.pack(len(payload)) + payload + head
+
+
+def test_payload_first_frames_are_checked_like_any_other_and_only_taken_on_direct_streams() -> None:
+    async def go() -> None:
+        async with transport_pair("r", max_payload=4 << 20) as (a, b):
+            big = torch.randn(PAYLOAD_FIRST_MIN // 4 + 1)
+            out = a.prepare(b.peer_id, Activations("r", 0, 0, 1), [big])
+            assert out.seal is None, "no direct stream yet: sealed head first"
+            assert torch.equal(await _roundtrip(a, b, torch.ones(2)), torch.ones(2))
+            out = a.prepare(b.peer_id, Activations("r", 1, 0, 1), [big])
+            assert out.seal is not None and out.head == b"", "direct: hashed and sealed on its way"
+            await a.transmit(out)
+            assert torch.equal((await asyncio.wait_for(b.inbox.get(), 30)).values()[0], big)
+            # on the same direct stream: a payload altered after signing, then a size over the limit
+            payload = bytes(4096)
+            await a._write(b.peer_id, b.peer_id, MSG_PROTOCOL, [_payload_first(a.sealer, payload, bytes(4095) + b"x")])
+            await _until(lambda: b.gate.counts[Reject.BAD_DIGEST] == 1)
+            assert torch.equal(await _roundtrip(a, b, torch.ones(3), 2), torch.ones(3)), "the stream goes on"
+            too_big = HEAD.pack(PAYLOAD_FIRST, 0) + PAYLOAD_SIZE.pack(1 << 40)
+            await a._write(b.peer_id, b.peer_id, MSG_PROTOCOL, [too_big])
+            await _until(lambda: b.gate.counts[Reject.OVERSIZED] == 1)
+        async with transport_pair("r", direct=False) as (a, b):
+            await a._write(b.peer_id, b.peer_id, MSG_PROTOCOL, [_payload_first(a.sealer, bytes(4096))])
+            await _until(lambda: b.gate.counts[Reject.MALFORMED] == 1)  # libp2p streams take heads first only
 
     asyncio.run(go())

@@ -310,17 +310,17 @@ def test_frames_forwarded_between_two_peers_arrive_as_their_senders_and_unforged
 
     async def go() -> None:
         async with transports(3) as (a, f, d):
-            f.relay_ok = lambda origin, dest, nbytes: True
+            f.forwarder.relay_ok = lambda origin, dest, nbytes: True
             a.forward_via[d.peer_id] = f.peer_id
             # a peer D does not take forwarded frames from cannot pass it even A's real frames
             await a._write("u", d.peer_id, FWD_PROTOCOL, [route_head(d.peer_id, f.peer_id), b"x" * 64])
             await _until(lambda: d.gate.counts[Reject.UNEXPECTED] == 1)
-            d.forwarders = {f.peer_id}
+            d.forwarder.forwarders = {f.peer_id}
             x = torch.randn(1000)
             await a.send(d.peer_id, Activations("r", 0, 0, 1), [x])
             got = await asyncio.wait_for(d.inbox.get(), 20)
             assert got.sender == a.peer_id and torch.equal(got.values()[0], x)
-            assert f.forwarded[(a.peer_id, d.peer_id)] > 4000
+            assert f.forwarder.forwarded[(a.peer_id, d.peer_id)] > 4000
             # F alters a frame of A's on its way: D's gate refuses it, blaming F
             tampered = bytearray(_sealed(a, Activations("r", 0, 1, 1), x))
             tampered[-1] ^= 0xFF
@@ -337,7 +337,7 @@ def test_frames_forwarded_between_two_peers_arrive_as_their_senders_and_unforged
             await a._write("t2", f.peer_id, FWD_PROTOCOL, [route_head(d.peer_id, a.peer_id), bytes(bad)])
             await _until(lambda: f.gate.counts[Reject.BAD_DIGEST] == 1)
             assert [r[1] for r in f.gate.recent if r[2] == "bad_digest"] == [a.peer_id]
-            f.relay_ok = None
+            f.forwarder.relay_ok = None
             await a.send(d.peer_id, Activations("r", 0, 3, 1), [x])
             await _until(lambda: f.gate.counts[Reject.UNEXPECTED] == 1)
             assert d.inbox.empty()

@@ -164,7 +164,9 @@ class Direct:
         sender, protocol = proven
         self._incoming.setdefault(sender, set()).add(writer)
         try:
-            await self._handlers[protocol](SimpleNamespace(peer_id=PeerID.from_base58(sender)), reader, writer)
+            await self._handlers[protocol](
+                SimpleNamespace(peer_id=PeerID.from_base58(sender), direct=True), reader, writer
+            )
         finally:
             self._incoming.get(sender, set()).discard(writer)
             writer.close()

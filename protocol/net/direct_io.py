@@ -1,28 +1,31 @@
 """Direct streams whose payloads land where they are wanted: ``DirectReader`` is an
-``asyncio.StreamReader`` that, while ``read_into`` waits, copies arriving bytes
-straight into the caller's buffer instead of its own (one copy less, and no
+``asyncio.StreamReader`` that, while ``fill`` runs, copies arriving bytes straight
+into the caller's buffer instead of its own (one copy less, and no
 ``bytes`` cut from a buffer that is then shifted down), and ``serve`` and ``connect``
 make TCP streams that read with it."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 #: a stream's own buffer (asyncio pauses reading above twice this); bytes that
-#: ``read_into`` takes bypass it
+#: ``fill`` takes bypass it
 READ_LIMIT = 1 << 22
+STAGING = 1 << 18  # what the loop receives into at once where no buffer is being filled
 
 Streams = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 Connected = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
 class DirectReader(asyncio.StreamReader):
-    """A stream reader with ``read_into`` (the rest as ``asyncio.StreamReader``)."""
+    """A stream reader with ``fill`` (the rest as ``asyncio.StreamReader``)."""
 
     _target: memoryview | None = None
     _filled = 0
-    _full: asyncio.Future[None] | None = None
+    _step = 0
+    _next = 0  # how full the target is when ``fill`` next yields
+    _landed: asyncio.Future[None] | None = None
 
     def feed_data(self, data: bytes) -> None:
         if self._target is None:
@@ -32,10 +35,25 @@ class DirectReader(asyncio.StreamReader):
         n = min(len(view), len(self._target) - self._filled)
         self._target[self._filled : self._filled + n] = view[:n]
         self._filled += n
-        if self._filled == len(self._target):
+        if self._filled >= self._next:
             self._wake()
         if n < len(view):
             super().feed_data(view[n:])
+
+    def room(self) -> memoryview | None:
+        """Where the next bytes received go: the rest of the buffer ``fill`` fills, if any."""
+        if self._target is None or self._filled == len(self._target):
+            return None
+        return self._target[self._filled :]
+
+    def landed(self, nbytes: int) -> bool:
+        """``nbytes`` were received into ``room()``; False if they went elsewhere."""
+        if self._target is None or self._filled == len(self._target):
+            return False
+        self._filled += nbytes
+        if self._filled >= self._next:
+            self._wake()
+        return True
 
     def feed_eof(self) -> None:
         super().feed_eof()
@@ -46,35 +64,58 @@ class DirectReader(asyncio.StreamReader):
         self._wake()
 
     def _wake(self) -> None:
-        if self._full is not None and not self._full.done():
-            self._full.set_result(None)
+        if self._landed is not None and not self._landed.done():
+            self._landed.set_result(None)
 
-    async def read_into(self, view: memoryview) -> None:
-        """Fill ``view`` with the stream's next bytes (``IncompleteReadError`` where it
-        ends first)."""
+    async def fill(self, view: memoryview, step: int) -> AsyncIterator[int]:
+        """Fill ``view`` with the stream's next bytes, yielding how many it holds each
+        time ``step`` more have landed, and at the end (``IncompleteReadError`` where the
+        stream ends first). Bytes land in ``view`` while the caller works on those yielded."""
         buffered = self._buffer  # type: ignore[attr-defined]
         n = min(len(buffered), len(view))
         with memoryview(buffered) as held:
             view[:n] = held[:n]
         del buffered[:n]
         self._maybe_resume_transport()  # type: ignore[attr-defined]
-        if n == len(view):
-            return
-        self._target, self._filled = view, n
-        self._full = asyncio.get_running_loop().create_future()
+        self._target, self._filled, self._step = view, n, step
         try:
-            if not self._eof and self._exception is None:  # type: ignore[attr-defined]
-                await self._full
+            while True:
+                self._next = min(len(view), (self._filled // step + 1) * step)
+                if self._filled < self._next and not self._eof and self._exception is None:  # type: ignore[attr-defined]
+                    self._landed = asyncio.get_running_loop().create_future()
+                    await self._landed
+                if self._exception is not None:  # type: ignore[attr-defined]
+                    raise self._exception  # type: ignore[attr-defined]
+                if self._filled < self._next and self._eof:  # type: ignore[attr-defined]
+                    raise asyncio.IncompleteReadError(bytes(view[: self._filled]), len(view))
+                landed = self._filled
+                yield landed
+                if landed == len(view):  # (more may have landed while the caller had the last)
+                    return
         finally:
-            got, self._target, self._full = self._filled, None, None
-        if self._exception is not None:  # type: ignore[attr-defined]
-            raise self._exception  # type: ignore[attr-defined]
-        if got < len(view):
-            raise asyncio.IncompleteReadError(bytes(view[:got]), len(view))
+            self._target, self._landed = None, None
+
+
+class _Protocol(asyncio.StreamReaderProtocol, asyncio.BufferedProtocol):
+    """A stream protocol that has the event loop receive straight into the buffer a
+    ``DirectReader.fill`` is filling (else into a staging buffer, then ``feed_data``)."""
+
+    def __init__(self, reader: DirectReader, connected: Connected | None) -> None:
+        super().__init__(reader, connected, loop=asyncio.get_running_loop())
+        self._direct = reader
+        self._staging = bytearray(STAGING)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        target = self._direct.room()
+        return target if target is not None else memoryview(self._staging)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if not self._direct.landed(nbytes):
+            self.data_received(bytes(self._staging[:nbytes]))
 
 
 def _protocol(reader: DirectReader, connected: Connected | None = None) -> asyncio.StreamReaderProtocol:
-    return asyncio.StreamReaderProtocol(reader, connected, loop=asyncio.get_running_loop())
+    return _Protocol(reader, connected)
 
 
 async def serve(host: str, port: int, connected: Connected) -> asyncio.AbstractServer:

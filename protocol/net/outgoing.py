@@ -11,23 +11,29 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocol.wire.encoding import Link, encode_values, raw_bytes, split_buffers
-from protocol.wire.envelope import Sealer
+from protocol.wire.envelope import Sealer, payload_digest
 from protocol.wire.messages import Message
 
 
 @dataclass(frozen=True)
 class Outgoing:
     peer_id: str
-    head: bytes  # magic, length, header and signature
+    head: bytes  # magic, length, header and signature (b"": sealed once hashed, ``seal``)
     chunks: list[memoryview]  # the payload, in order
     raw: int  # what the payload's values were before compression, in bytes
     lane_sizes: list[int] | None = None  # bytes per lane when the payload travels over lanes
     lane_parts: list[list[memoryview]] | None = None
     frame_id: int = -1
+    #: a payload-first frame's (``protocol.net.payload_first``): its head for the payload's digest
+    seal: Callable[[str], bytes] | None = None
 
     @property
     def payload_bytes(self) -> int:
         return sum(len(c) for c in self.chunks)
+
+    def head_now(self) -> bytes:
+        """The head, hashing the payload first where it was left to be hashed on the way."""
+        return self.head if self.seal is None else self.seal(payload_digest(self.chunks))
 
 
 def seal_outgoing(
@@ -37,10 +43,12 @@ def seal_outgoing(
     values: list[Any] | None,
     link: Link | None,
     lanes: Callable[[int], tuple[int, int] | None],
+    later: Callable[[int], bool] = lambda total: False,
 ) -> Outgoing:
     """Encode ``values`` with ``link``'s codec and seal ``message`` with them for
     ``peer_id``; where ``lanes(payload bytes)`` gives (frame id, lane count), the
-    payload is split over that many lanes."""
+    payload is split over that many lanes; where ``later(payload bytes)``, it is
+    hashed and sealed on its way (a payload-first frame)."""
     descs: list[Any] = []
     chunks: list[memoryview] = []
     if values is not None:
@@ -48,6 +56,12 @@ def seal_outgoing(
     codec = str(link.codec) if link is not None else "none"
     total = sum(len(c) for c in chunks)
     raw = raw_bytes(descs)
+    if later(total):
+
+        def seal(digest: str) -> bytes:
+            return sealer.seal(message, descs, chunks, codec, digest=digest)[0]
+
+        return Outgoing(peer_id, b"", chunks, raw, seal=seal)
     laned = lanes(total)
     if laned is None:
         head, _ = sealer.seal(message, descs, chunks, codec)

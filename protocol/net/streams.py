@@ -4,6 +4,7 @@ its payload into a buffer that grows as bytes arrive (never sized by a claim).""
 from __future__ import annotations
 
 import asyncio
+import struct
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -14,6 +15,10 @@ from protocol.wire.envelope import HEAD, MAGIC
 from protocol.wire.reject import Reject, Rejected
 
 T = TypeVar("T")
+#: a payload-first frame (``protocol.net.payload_first``) starts with this magic where a
+#: head's is, a zero length, then its payload's size
+PAYLOAD_FIRST = b"FLP1"
+PAYLOAD_SIZE = struct.Struct(">Q")
 
 
 async def read_or_end(reader: asyncio.StreamReader, n: int, what: str) -> bytes | None:
@@ -27,13 +32,16 @@ async def read_or_end(reader: asyncio.StreamReader, n: int, what: str) -> bytes 
         return None
 
 
-async def read_frame_head(reader: asyncio.StreamReader) -> bytes | None:
+async def read_frame_head(reader: asyncio.StreamReader, payload_first: bool = False) -> bytes | int | None:
     """A frame's head (magic, length, header, signature), its sizes checked before
-    reading; None when the stream ends cleanly before one."""
+    reading; None when the stream ends cleanly before one. ``payload_first``: a
+    payload-first frame's start is taken too, and its payload's size returned."""
     first = await read_or_end(reader, HEAD.size, "a frame head")
     if first is None:
         return None
     magic, hlen = HEAD.unpack(first)
+    if magic == PAYLOAD_FIRST and payload_first:
+        return int(PAYLOAD_SIZE.unpack(await reader.readexactly(PAYLOAD_SIZE.size))[0])
     if magic != MAGIC:
         raise Rejected(Reject.MALFORMED, f"bad magic {magic!r}: not a signed FusionLLM frame")
     if hlen > MAX_HEADER_BYTES:

@@ -18,14 +18,14 @@ import logging
 import struct
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from blake3 import blake3
 from hivemind.p2p import P2P, PeerID
 
-from protocol.net import probe
+from protocol.net import payload_first, probe
 from protocol.net.budget import ByteBudget
 from protocol.net.delay import DelayTable
 from protocol.net.dialing import DIAL_OUT_S, PeerUnreachable, connect, dial_out, open_p2p
@@ -35,11 +35,12 @@ from protocol.net.handlers import StreamLimits, ends_quietly
 from protocol.net.lanes import LaneParts
 from protocol.net.outgoing import Outgoing, seal_outgoing
 from protocol.net.pacing import Pacer
+from protocol.net.payload_first import PAYLOAD_FIRST_MIN
 from protocol.net.probe import BW_PROTOCOL, ProbeBudget
 from protocol.net.streams import discard, read_frame_head, read_payload
 from protocol.trust.identity import Identity
 from protocol.wire.encoding import Frame, Link
-from protocol.wire.envelope import Envelope, Sealer, hash_threads, inline_payload, lane_id
+from protocol.wire.envelope import Envelope, Sealer, inline_payload, lane_id
 from protocol.wire.gate import Gate
 from protocol.wire.messages import Message
 from protocol.wire.reject import Reject, Rejected
@@ -149,27 +150,6 @@ class Transport:
     def max_payload(self) -> int:
         return self.gate.max_payload
 
-    # the forwarder's rules and counts (``protocol.net.forward.Forwarder``)
-    @property
-    def relay_ok(self) -> Callable[[str, str, int], bool] | None:
-        return self.forwarder.relay_ok
-
-    @relay_ok.setter
-    def relay_ok(self, rule: Callable[[str, str, int], bool] | None) -> None:
-        self.forwarder.relay_ok = rule
-
-    @property
-    def forwarders(self) -> set[str]:
-        return self.forwarder.forwarders
-
-    @forwarders.setter
-    def forwarders(self, peers: set[str]) -> None:
-        self.forwarder.forwarders = peers
-
-    @property
-    def forwarded(self) -> dict[tuple[str, str], int]:
-        return self.forwarder.forwarded
-
     async def start(self) -> None:
         handlers: dict[str, Any] = {}
         for protocol, handler in (
@@ -211,6 +191,8 @@ class Transport:
                 if protocol == MSG_PROTOCOL:
                     self.direct_to.add(peer_id)
                 return streams
+        if protocol == MSG_PROTOCOL:
+            self.direct_to.discard(peer_id)
         return await self._open_p2p(peer_id, protocol)
 
     async def _connected_addrs(self, peer_id: str) -> list[str]:
@@ -237,13 +219,24 @@ class Transport:
 
     async def _write(self, key: str, peer_id: str, protocol: str, buffers: list[bytes | memoryview]) -> int:
         """Write buffers on the persistent stream ``key`` to ``peer_id`` (opened on first use)."""
+
+        async def emit(writer: asyncio.StreamWriter) -> int:
+            writer.writelines(buffers)
+            await writer.drain()
+            return sum(len(b) for b in buffers)
+
+        return await self._write_with(key, peer_id, protocol, emit)
+
+    async def _write_with(
+        self, key: str, peer_id: str, protocol: str, emit: Callable[[asyncio.StreamWriter], Awaitable[int]]
+    ) -> int:
+        """``emit`` on the persistent stream ``key`` to ``peer_id`` (opened on first use)."""
         async with self._locks[key]:
             if key not in self._streams:
                 self._streams[key] = await self._open(peer_id, protocol)
             _, writer = self._streams[key]
             try:
-                writer.writelines(buffers)
-                await writer.drain()
+                return await emit(writer)
             except (ConnectionError, OSError, RuntimeError) as exc:
                 # uvloop raises RuntimeError ("the handler is closed") for a stream the daemon closed
                 if isinstance(exc, RuntimeError) and not writer.transport.is_closing():
@@ -254,7 +247,6 @@ class Transport:
                 self._streams.pop(key, None)
                 writer.close()
                 raise
-        return sum(len(b) for b in buffers)
 
     async def send(
         self, peer_id: str, message: Message, values: list[Any] | None = None, link: Link | None = None
@@ -274,7 +266,10 @@ class Transport:
                 return None  # a forwarded frame carries its payload inline
             return next(self._frame_ids), LANES
 
-        return seal_outgoing(self.sealer, peer_id, message, values, link, lanes)
+        def later(total: int) -> bool:  # payload first, hashed on its way (a direct stream)
+            return peer_id in self.direct_to and peer_id not in self.forward_via and total >= PAYLOAD_FIRST_MIN
+
+        return seal_outgoing(self.sealer, peer_id, message, values, link, lanes, later)
 
     async def transmit(self, out: Outgoing) -> int:
         """The second half of ``send``: write a prepared frame; returns bytes written."""
@@ -282,7 +277,11 @@ class Transport:
         await self.pacer.wait(peer_id, len(head) + total)
         await self.delays.wait_addrs(self._known.get(peer_id, ()))
         if peer_id in self.forward_via:  # both behind NATs: through a peer both reach, payload inline
-            n = await self.forwarder.send(self.forward_via[peer_id], peer_id, head, out.chunks)
+            n = await self.forwarder.send(self.forward_via[peer_id], peer_id, out.head_now(), out.chunks)
+        elif out.seal is not None:
+            n = await self._write_with(
+                peer_id, peer_id, MSG_PROTOCOL, lambda w: payload_first.send(w, out, out.peer_id in self.direct_to)
+            )
         elif out.lane_parts is None:
             n = await self._write(peer_id, peer_id, MSG_PROTOCOL, [head, *out.chunks])
         else:
@@ -328,7 +327,7 @@ class Transport:
         try:
             if self.gate.refuse_stream(sender):
                 return
-            while await self._frame(reader, sender):
+            while await self._frame(reader, sender, direct=getattr(info, "direct", False)):
                 pass
         except Rejected as exc:
             self.gate.reject(sender, exc)
@@ -337,19 +336,18 @@ class Transport:
         finally:
             writer.close()
 
-    async def _frame(self, reader: asyncio.StreamReader, sender: str, via: str | None = None) -> bool:
-        """Read one frame of ``sender`` (forwarded by ``via``, if given), check it and
-        deliver it; False at the stream's end, or once the one to blame is muted. A
-        failure that leaves the stream out of step raises ``Rejected``."""
-        if sender in self.gate.keys or via is not None:
-            head = await read_frame_head(reader)
-        else:
-            try:
-                head = await asyncio.wait_for(read_frame_head(reader), FIRST_HEAD_S)
-            except asyncio.TimeoutError:
-                raise Rejected(Reject.TRUNCATED, f"no frame head within {FIRST_HEAD_S:.0f} s") from None
+    async def _frame(
+        self, reader: asyncio.StreamReader, sender: str, via: str | None = None, direct: bool = False
+    ) -> bool:
+        """Read one frame of ``sender`` (forwarded by ``via``, if given; ``direct``: on a
+        direct stream, where payload-first frames may come), check it and deliver it;
+        False at the stream's end, or once the one to blame is muted. A failure that
+        leaves the stream out of step raises ``Rejected``."""
+        head = await self._next_head(reader, sender, via is not None, direct)
         if head is None:
             return False
+        if isinstance(head, int):
+            return await self._payload_first_frame(reader, sender, head)
         arrived = time.perf_counter()
         self._active(sender)
         if via is not None and self.gate.muted(sender):  # a muted origin's forwarded frames: dropped unread
@@ -382,7 +380,7 @@ class Transport:
             task.add_done_callback(self._laned.discard)
             return True
         try:
-            digest = blake3(max_threads=hash_threads(env.payload_bytes))  # verified as it arrives: one pass
+            digest = blake3()  # verified as it arrives: one pass
             async with self.budget.hold(sender, env.payload_bytes):
                 payload = await read_payload(reader, env.payload_bytes, lambda: self._active(sender), digest)
             self.gate.check_payload(env, payload, sender, digest.hexdigest())
@@ -393,6 +391,32 @@ class Transport:
             blame = via if via is not None and exc.code is Reject.BAD_DIGEST else sender
             self.gate.reject(blame, exc)
             return not self.gate.muted(via or blame)
+        wire_s = time.perf_counter() - arrived
+        await self._deliver(Inbound(sender, message, Frame({"values": env.values}, payload), env, head, wire_s))
+        return True
+
+    async def _next_head(
+        self, reader: asyncio.StreamReader, sender: str, forwarded: bool, direct: bool
+    ) -> bytes | int | None:
+        """``read_frame_head``, within ``FIRST_HEAD_S`` for a sender not admitted (yet)."""
+        if sender in self.gate.keys or forwarded:
+            return await read_frame_head(reader, direct)
+        try:
+            return await asyncio.wait_for(read_frame_head(reader, direct), FIRST_HEAD_S)
+        except asyncio.TimeoutError:
+            raise Rejected(Reject.TRUNCATED, f"no frame head within {FIRST_HEAD_S:.0f} s") from None
+
+    async def _payload_first_frame(self, reader: asyncio.StreamReader, sender: str, size: int) -> bool:
+        arrived = time.perf_counter()
+        try:
+            env, message, payload, head = await payload_first.receive(
+                reader, size, sender, self.gate, self.budget, lambda: self._active(sender)
+            )
+        except Rejected as exc:
+            if exc.code in _FATAL:
+                raise
+            self.gate.reject(sender, exc)
+            return not self.gate.muted(sender)
         wire_s = time.perf_counter() - arrived
         await self._deliver(Inbound(sender, message, Frame({"values": env.values}, payload), env, head, wire_s))
         return True

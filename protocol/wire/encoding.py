@@ -398,7 +398,7 @@ async def read_growing(
     allocates nothing by itself); None if the stream ends first. ``digest`` (a hasher,
     e.g. BLAKE3's) is updated with each chunk as it arrives: the payload is hashed
     while the rest of it is still on its way, not in a second pass after the last byte."""
-    if hasattr(reader, "read_into"):  # protocol.net.direct_io: straight into the buffer
+    if hasattr(reader, "fill"):  # protocol.net.direct_io: straight into the buffer
         return await _read_lazily(reader, size, on_chunk, digest)
     return await _read_chunks(reader, size, on_chunk, digest)
 
@@ -420,7 +420,7 @@ async def _read_chunks(
 
 
 async def _read_lazily(reader: Any, size: int, on_chunk: Callable[[], None] | None, digest: Any) -> memoryview | None:
-    """``read_growing`` for a reader with ``read_into``: one buffer of ``size`` bytes
+    """``read_growing`` for a reader with ``fill``: one buffer of ``size`` bytes
     whose pages the kernel makes resident only as the bytes land in them (what is
     held grows with what arrived, as above, without copying it twice); each
     ``READ_CHUNK`` is hashed once it is full."""
@@ -428,16 +428,21 @@ async def _read_lazily(reader: Any, size: int, on_chunk: Callable[[], None] | No
         payload = memoryview(numpy.empty(size, dtype=numpy.uint8)).cast("B")
     except MemoryError:  # no room to reserve it at once: grown as it arrives, as on other streams
         return await _read_chunks(reader, size, on_chunk, digest)
-    for start in range(0, size, READ_CHUNK):
-        part = payload[start : start + READ_CHUNK]
-        try:
-            await reader.read_into(part)
-        except asyncio.IncompleteReadError:
-            return None
-        if digest is not None:
-            digest.update(part)
-        if on_chunk is not None:
-            on_chunk()
+    hashed, hashing = 0, None
+    try:
+        async for filled in reader.fill(payload, READ_CHUNK):
+            if hashing is not None:
+                await hashing
+            if digest is not None:  # on another core (BLAKE3 lets go of the GIL) while more lands
+                hashing = asyncio.ensure_future(asyncio.to_thread(digest.update, payload[hashed:filled]))
+            hashed = filled
+            if on_chunk is not None:
+                on_chunk()
+    except asyncio.IncompleteReadError:
+        return None
+    finally:
+        if hashing is not None:
+            await hashing
     return payload
 
 

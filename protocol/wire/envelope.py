@@ -122,13 +122,14 @@ class Sealer:
         chunks: list[memoryview],
         codec: str = "none",
         lanes: dict[str, Any] | None = None,
+        digest: str | None = None,
     ) -> tuple[bytes, int]:
         """The head of a signed frame (magic, length, header, signature) for ``message``
-        with ``chunks`` as payload; returns (head, payload bytes)."""
+        with ``chunks`` as payload (``digest``: their BLAKE3 hex digest, if already
+        known); returns (head, payload bytes)."""
         total = sum(len(c) for c in chunks)
-        digest = blake3(max_threads=hash_threads(total))
-        for c in chunks:
-            digest.update(c)
+        if digest is None:
+            digest = payload_digest(chunks)
         run, step, mb, stage, epoch = routing(message)
         body = {k: v for k, v in fields_of(message).items() if k not in _ROUTING}
         env = Envelope(
@@ -143,7 +144,7 @@ class Sealer:
             codec,
             descriptions,
             total,
-            digest.hexdigest(),
+            digest,
             body,
             lanes,
             epoch,
@@ -153,6 +154,14 @@ class Sealer:
             raise WireError(f"header of {len(data)} bytes is over {MAX_HEADER_BYTES}")
         head = HEAD.pack(MAGIC, len(data)) + data
         return head + self.identity.sign(head), total
+
+
+def payload_digest(chunks: list[memoryview]) -> str:
+    """The BLAKE3 hex digest of ``chunks`` in order."""
+    digest = blake3(max_threads=hash_threads(sum(len(c) for c in chunks)))
+    for c in chunks:
+        digest.update(c)
+    return digest.hexdigest()
 
 
 def hash_threads(nbytes: int) -> int:

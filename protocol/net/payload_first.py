@@ -1,0 +1,93 @@
+"""Payload-first frames: on a direct stream, a large payload goes out while it is
+hashed, and its signed head (the same head, digest and all) follows it.
+
+A head-first frame must hash its whole payload before its first byte leaves, so a
+64 MiB frame spent a tenth of its transfer time hashing before it started. On a
+direct stream (``protocol.net.direct``: the sender already proved, with a ticket
+its receiver gave it over libp2p, who it is) a payload of ``PAYLOAD_FIRST_MIN``
+bytes or more goes instead as: a start (``streams.PAYLOAD_FIRST`` and its size), the payload, hashed a
+piece at a time in a thread while the previous piece is on the wire, then the head
+signed over that digest. The receiver checks the size against its limits and the
+sender's byte budget before reading a byte of it, hashes it as it arrives, then
+checks the head exactly as a head-first frame's: what is delivered, and the
+evidence kept, are the same. Only a direct stream's receiver accepts one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from blake3 import blake3
+
+from protocol.net.budget import ByteBudget
+from protocol.net.outgoing import Outgoing
+from protocol.net.streams import PAYLOAD_FIRST, PAYLOAD_SIZE, read_frame_head, read_payload
+from protocol.wire.envelope import HEAD, Envelope
+from protocol.wire.gate import Gate
+from protocol.wire.messages import Message
+from protocol.wire.reject import Reject, Rejected
+
+PAYLOAD_FIRST_MIN = 1 << 20
+PIECE = 4 << 20  # hashed while the one before it is written
+
+
+def pieces(chunks: list[memoryview], size: int = PIECE) -> list[memoryview]:
+    """``chunks`` cut into pieces of at most ``size`` bytes, in order."""
+    out: list[memoryview] = []
+    for chunk in chunks:
+        flat = chunk.cast("B") if chunk.format != "B" or chunk.ndim != 1 else chunk
+        out += [flat[i : i + size] for i in range(0, len(flat), size)]
+    return out
+
+
+async def send(writer: asyncio.StreamWriter, out: Outgoing, direct: bool) -> int:
+    """Write ``out`` payload first, its head sealed once the payload is hashed (on a
+    stream that is not direct, or no longer: hashed, then head first). Returns the
+    bytes written."""
+    assert out.seal is not None
+    if not direct:
+        head = out.head_now()
+        writer.writelines([head, *out.chunks])
+        await writer.drain()
+        return len(head) + out.payload_bytes
+    chunks, total = out.chunks, out.payload_bytes
+    writer.write(HEAD.pack(PAYLOAD_FIRST, 0) + PAYLOAD_SIZE.pack(total))
+    digest = blake3()  # one core: the event loop writes on the other
+    for piece in pieces(chunks):
+        hashing = asyncio.ensure_future(asyncio.to_thread(digest.update, piece))  # BLAKE3 lets go of the GIL
+        try:
+            writer.write(piece)
+            await writer.drain()
+        finally:
+            await hashing
+    head = out.seal(digest.hexdigest())
+    writer.write(head)
+    await writer.drain()
+    return HEAD.size + PAYLOAD_SIZE.size + total + len(head)
+
+
+async def receive(
+    reader: asyncio.StreamReader,
+    size: int,
+    sender: str,
+    gate: Gate,
+    budget: ByteBudget,
+    active: Callable[[], None],
+) -> tuple[Envelope, Message, memoryview, bytes]:
+    """The rest of a payload-first frame of ``size`` bytes whose prefix was just read:
+    (envelope, message, payload, signed head). ``Rejected`` where it fails a check;
+    one that leaves the stream out of step has a code in ``transport._FATAL``."""
+    if size > gate.max_payload:
+        raise Rejected(Reject.OVERSIZED, f"payload-first frame of {size} bytes is over {gate.max_payload}")
+    digest = blake3()
+    async with budget.hold(sender, size):
+        payload = await read_payload(reader, size, active, digest)
+    head = await read_frame_head(reader)
+    if not isinstance(head, bytes):
+        raise Rejected(Reject.TRUNCATED, "a payload-first frame without its head")
+    env, message = gate.check_head(head, sender)
+    if env.lanes is not None or env.payload_bytes != size:
+        raise Rejected(Reject.BAD_ENVELOPE, f"a head naming {env.payload_bytes} bytes after a payload of {size}")
+    gate.check_payload(env, payload, sender, digest.hexdigest())
+    return env, message, payload, head
