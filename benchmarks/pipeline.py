@@ -28,7 +28,9 @@ transfer of each, back to back (in turn RAD first and TCP first), after a round 
 opens the streams; each side's median MB/s,
 and ``rad_vs_tcp`` the median of the rounds' ratios (``rad_vs_tcp_range``: the
 lowest and highest). Measured apart and each side's best kept, as before, the two
-sides met different loads on a busy machine: 0.849 in one run, 0.044 in the next."""
+sides met different loads on a busy machine: 0.849 in one run, 0.044 in the next.
+Both ends of those run in this process; ``*_two_processes`` are the same rounds with
+the receiver in a process of its own (``benchmarks/_two_process.py``), as peers are."""
 
 from __future__ import annotations
 
@@ -56,6 +58,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from p2p import transport_pair  # noqa: E402
 
+from benchmarks import _two_process  # noqa: E402
 from benchmarks._pipelining import PipeliningResult, pipelining_run  # noqa: E402
 from fusionllm.local import TrainResult, train_reference, train_staged  # noqa: E402
 from protocol.model.job import JobSpec  # noqa: E402
@@ -300,6 +303,19 @@ def transfers(sizes: Sizes) -> Transfers | None:
         faulthandler.cancel_dump_traceback_later()
 
 
+def two_processes(sizes: Sizes) -> Transfers | None:
+    """RAD against TCP with the receiver in a process of its own (``_two_process``); None
+    (logged) where it fails or takes over ``TRANSFERS_TIMEOUT_S``."""
+    try:
+        rad, tcp = _event_loop_run(
+            asyncio.wait_for(_two_process.rounds(sizes.message, sizes.repeats), TRANSFERS_TIMEOUT_S)
+        )
+    except Exception as exc:  # noqa: BLE001 - the rest of the benchmark still runs
+        logger.error("RAD and TCP between two processes left out: %s", exc or type(exc).__name__)
+        return None
+    return Transfers(rad, tcp)
+
+
 def _anchor(cut: list[int], steps: int, short: bool) -> PipeliningResult | None:
     """``pipelining_run``; in the full mode, a failure of it (torch 2.11's pipelining asks
     for gradients of the integer values that cross a boundary) leaves its keys null and
@@ -327,6 +343,8 @@ def main() -> None:
     rad = statistics.median(moved.rad) if moved else None
     tcp = statistics.median(moved.tcp) if moved else None
     logger.info("rad %s MB/s, tcp %s MB/s", moved and moved.rad, moved and moved.tcp)
+    apart = two_processes(sizes)
+    logger.info("two processes: rad %s MB/s, tcp %s MB/s", apart and apart.rad, apart and apart.tcp)
     reference = reference_run(sizes)
     ref = reference.tokens / reference.seconds
     logger.info("reference %.1f tokens/s", ref)
@@ -362,6 +380,9 @@ def main() -> None:
         "tcp_64mib_mb_per_s": tcp and round(tcp, 1),
         "rad_vs_tcp": moved and round(statistics.median(moved.ratios), 3),
         "rad_vs_tcp_range": moved and [round(min(moved.ratios), 3), round(max(moved.ratios), 3)],
+        "rad_two_processes_mb_per_s": apart and round(statistics.median(apart.rad), 1),
+        "tcp_two_processes_mb_per_s": apart and round(statistics.median(apart.tcp), 1),
+        "rad_vs_tcp_two_processes": apart and round(statistics.median(apart.ratios), 3),
         "step_ms_fp32": ms["fp32"],
         "step_ms_clip": ms["clip"],
         "step_ms_bf16": ms["bf16"],

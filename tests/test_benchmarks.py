@@ -49,7 +49,8 @@ BENCHMARKS = [
                      "clip_vs_fp32", "bf16_vs_fp32", "in_process_bf16_vs_fp32", "code_swarm_vs_reference",
                      "programs_vs_code", "step_ms_code", "cpu_has_bf16", "pipelining_tokens_per_s",
                      "swarm_unchecked_tokens_per_s", "swarm_vs_pipelining", "spot_check_cost", "step_ms_pipelining",
-                     "step_ms_unchecked", "cut", "step_breakdown_ms", "rad_vs_tcp_range", "pipelining_loss_gap"}),
+                     "step_ms_unchecked", "cut", "step_breakdown_ms", "rad_vs_tcp_range", "pipelining_loss_gap",
+                     "rad_two_processes_mb_per_s", "tcp_two_processes_mb_per_s", "rad_vs_tcp_two_processes"}),
     ("scheduler.py", {"cases", "plan_s_1000peers_1000ops", "sim_s_10000peers_100iters", "cases_needing_4_gpus",
                       "min_opfence_vs_best_blind", "max_opfence_vs_dtfm", "max_opfence_plan_vs_dtfm",
                       "max_opfence_vs_dtfm10k", "max_opfence_plan_vs_dtfm10k",
@@ -153,6 +154,9 @@ def _pipeline(out: dict[str, Any]) -> None:
     # the median of the rounds' ratios (RAD and TCP back to back), within the rounds' range
     low, high = out["rad_vs_tcp_range"]
     assert low <= out["rad_vs_tcp"] <= high, out
+    # the same with the receiver in a process of its own (left null where it fails: it must not)
+    _positive(out, "rad_two_processes_mb_per_s", "tcp_two_processes_mb_per_s")
+    assert 0 < out["rad_vs_tcp_two_processes"] < 5, out
     # the clip's norms ride on messages every step sends anyway; bf16 autocast may be slower on a CPU
     assert 0.2 < out["clip_vs_fp32"] < 5 and 0.1 < out["bf16_vs_fp32"] < 10, out
     # a CPU without bf16 instructions emulates it: CI's took 17.6x as long as in fp32
