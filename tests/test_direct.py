@@ -163,7 +163,7 @@ def test_a_payload_hashed_while_it_lands_has_its_digest_however_it_arrives() -> 
     async def go() -> None:
         rng = random.Random(7)
         for _ in range(8):
-            data = rng.randbytes(rng.randint(1, 3 * READ_CHUNK))
+            data = rng.randbytes(rng.randint(1, 4 * READ_CHUNK))  # hashed where it is, and on a thread
             reader = DirectReader()
             early = rng.randint(0, min(len(data), READ_CHUNK))
             reader.feed_data(data[:early])
@@ -197,7 +197,7 @@ def _payload_first(sealer: Sealer, payload: bytes, digest_of: bytes | None = Non
 
 def test_payload_first_frames_are_checked_like_any_other_and_only_taken_on_direct_streams() -> None:
     async def go() -> None:
-        async with transport_pair("r", max_payload=4 << 20) as (a, b):
+        async with transport_pair("r", max_payload=PAYLOAD_FIRST_MIN * 2) as (a, b):
             big = torch.randn(PAYLOAD_FIRST_MIN // 4 + 1)
             out = a.prepare(b.peer_id, Activations("r", 0, 0, 1), [big])
             assert out.seal is None, "no direct stream yet: sealed head first"

@@ -23,12 +23,13 @@ from blake3 import blake3
 from protocol.net.budget import ByteBudget
 from protocol.net.outgoing import Outgoing
 from protocol.net.streams import PAYLOAD_FIRST, PAYLOAD_SIZE, read_frame_head, read_payload
+from protocol.wire.encoding import THREADED_HASH_MIN
 from protocol.wire.envelope import HEAD, Envelope
 from protocol.wire.gate import Gate
 from protocol.wire.messages import Message
 from protocol.wire.reject import Reject, Rejected
 
-PAYLOAD_FIRST_MIN = 1 << 20
+PAYLOAD_FIRST_MIN = THREADED_HASH_MIN  # smaller ones are hashed before they go in less than a thread's hand-off
 PIECE = 4 << 20  # hashed while the one before it is written
 
 

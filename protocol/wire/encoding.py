@@ -28,6 +28,9 @@ MAX_HEADER_BYTES = 1 << 20
 DEFAULT_MAX_PAYLOAD_BYTES = 4 << 30
 #: payloads are read in chunks of at most this many bytes
 READ_CHUNK = 1 << 22
+#: payloads at least this big are hashed on another thread while the rest lands (a
+#: thread's hand-off costs more than hashing a smaller one where it is)
+THREADED_HASH_MIN = 8 << 20
 _HEAD = struct.Struct(">4sI")
 
 DTYPES: dict[str, torch.dtype] = {
@@ -433,7 +436,9 @@ async def _read_lazily(reader: Any, size: int, on_chunk: Callable[[], None] | No
         async for filled in reader.fill(payload, READ_CHUNK):
             if hashing is not None:
                 await hashing
-            if digest is not None:  # on another core (BLAKE3 lets go of the GIL) while more lands
+            if digest is not None and size < THREADED_HASH_MIN:
+                digest.update(payload[hashed:filled])
+            elif digest is not None:  # on another core (BLAKE3 lets go of the GIL) while more lands
                 hashing = asyncio.ensure_future(asyncio.to_thread(digest.update, payload[hashed:filled]))
             hashed = filled
             if on_chunk is not None:
