@@ -5,9 +5,9 @@ A head-first frame must hash its whole payload before its first byte leaves, so 
 64 MiB frame spent a tenth of its transfer time hashing before it started. On a
 direct stream (``protocol.net.direct``: the sender already proved, with a ticket
 its receiver gave it over libp2p, who it is) a payload of ``PAYLOAD_FIRST_MIN``
-bytes or more goes instead as: a start (``streams.PAYLOAD_FIRST`` and its size), the payload, hashed a
-piece at a time in a thread while the previous piece is on the wire, then the head
-signed over that digest. The receiver checks the size against its limits and the
+bytes or more goes instead as: a start (``streams.PAYLOAD_FIRST`` and its size), the
+payload, each piece hashed while it is on the wire (from ``THREADED_HASH_MIN``, on
+another thread), then the head signed over that digest. The receiver checks the size against its limits and the
 sender's byte budget before reading a byte of it, hashes it as it arrives, then
 checks the head exactly as a head-first frame's: what is delivered, and the
 evidence kept, are the same. Only a direct stream's receiver accepts one.
@@ -23,14 +23,14 @@ from blake3 import blake3
 from protocol.net.budget import ByteBudget
 from protocol.net.outgoing import Outgoing
 from protocol.net.streams import PAYLOAD_FIRST, PAYLOAD_SIZE, read_frame_head, read_payload
-from protocol.wire.encoding import THREADED_HASH_MIN
+from protocol.wire.encoding import HASH_STEP, THREADED_HASH_MIN
 from protocol.wire.envelope import HEAD, Envelope
 from protocol.wire.gate import Gate
 from protocol.wire.messages import Message
 from protocol.wire.reject import Reject, Rejected
 
-PAYLOAD_FIRST_MIN = THREADED_HASH_MIN  # smaller ones are hashed before they go in less than a thread's hand-off
-PIECE = 4 << 20  # hashed while the one before it is written
+PAYLOAD_FIRST_MIN = 1 << 20
+PIECE = 4 << 20  # hashed on another thread while it is written (``THREADED_HASH_MIN`` and up; else ``HASH_STEP``)
 
 
 def pieces(chunks: list[memoryview], size: int = PIECE) -> list[memoryview]:
@@ -55,10 +55,14 @@ async def send(writer: asyncio.StreamWriter, out: Outgoing, direct: bool) -> int
     chunks, total = out.chunks, out.payload_bytes
     writer.write(HEAD.pack(PAYLOAD_FIRST, 0) + PAYLOAD_SIZE.pack(total))
     digest = blake3()  # one core: the event loop writes on the other
-    for piece in pieces(chunks):
+    threaded = total >= THREADED_HASH_MIN
+    for piece in pieces(chunks, PIECE if threaded else HASH_STEP):
+        writer.write(piece)  # on its way while it is hashed
+        if not threaded:
+            digest.update(piece)
+            continue
         hashing = asyncio.ensure_future(asyncio.to_thread(digest.update, piece))  # BLAKE3 lets go of the GIL
         try:
-            writer.write(piece)
             await writer.drain()
         finally:
             await hashing

@@ -31,6 +31,7 @@ READ_CHUNK = 1 << 22
 #: payloads at least this big are hashed on another thread while the rest lands (a
 #: thread's hand-off costs more than hashing a smaller one where it is)
 THREADED_HASH_MIN = 8 << 20
+HASH_STEP = 1 << 18  # below it, each step is hashed once it has landed, while the next lands
 _HEAD = struct.Struct(">4sI")
 
 DTYPES: dict[str, torch.dtype] = {
@@ -433,7 +434,7 @@ async def _read_lazily(reader: Any, size: int, on_chunk: Callable[[], None] | No
         return await _read_chunks(reader, size, on_chunk, digest)
     hashed, hashing = 0, None
     try:
-        async for filled in reader.fill(payload, READ_CHUNK):
+        async for filled in reader.fill(payload, READ_CHUNK if size >= THREADED_HASH_MIN else HASH_STEP):
             if hashing is not None:
                 await hashing
             if digest is not None and size < THREADED_HASH_MIN:
