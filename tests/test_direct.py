@@ -219,3 +219,26 @@ def test_payload_first_frames_are_checked_like_any_other_and_only_taken_on_direc
             await _until(lambda: b.gate.counts[Reject.MALFORMED] == 1)  # libp2p streams take heads first only
 
     asyncio.run(go())
+
+
+def test_an_address_that_says_nothing_does_not_hold_up_the_one_that_answers() -> None:
+    """Every address is dialled at once: one that accepts and then stays silent (or a
+    firewall dropping the dial) costs nothing where another answers."""
+
+    async def go() -> None:
+        async with transport_pair("r") as (a, b):
+
+            async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+                await asyncio.sleep(60)
+
+            decoy = await asyncio.start_server(silent, "127.0.0.2", b.direct.port)
+            try:
+                start = asyncio.get_running_loop().time()
+                addrs = ["/ip4/127.0.0.2/tcp/1", "/ip4/127.0.0.1/tcp/1"]
+                streams = await a.direct.open(b.peer_id, MSG_PROTOCOL, addrs, a._ask_ticket)
+                assert streams is not None and asyncio.get_running_loop().time() - start < 3
+                streams[1].close()
+            finally:
+                decoy.close()
+
+    asyncio.run(go())

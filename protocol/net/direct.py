@@ -215,29 +215,54 @@ class Direct:
         if not granted:
             self._retry[peer] = self.clock() + REFUSED_RETRY_S
             return None
-        for host in hosts:
-            streams = await self._dial(host, port, ticket, secret, self.protocols.index(protocol))
-            if streams is not None:
-                return streams
-        logger.debug("no direct stream to %s at %s port %d: libp2p for %.0f s", peer, hosts, port, RETRY_S)
-        self._retry[peer] = self.clock() + RETRY_S
-        return None
+        streams = await self._dial(hosts, port, ticket, secret, self.protocols.index(protocol))
+        if streams is None:
+            logger.debug("no direct stream to %s at %s port %d: libp2p for %.0f s", peer, hosts, port, RETRY_S)
+            self._retry[peer] = self.clock() + RETRY_S
+        return streams
 
-    async def _dial(self, host: str, port: int, ticket: bytes, secret: bytes, index: int) -> Streams | None:
-        writer = None
+    async def _dial(self, hosts: list[str], port: int, ticket: bytes, secret: bytes, index: int) -> Streams | None:
+        """Dial every one of ``hosts`` at once (a firewall that drops the dial, or an address
+        that leads somewhere silent, costs ``HANDSHAKE_S`` once, not once per address); the
+        first to prove it gave the ticket wins, the rest are closed."""
+        tasks = [asyncio.ensure_future(self._attempt(h, port, ticket, secret, index)) for h in hosts]
+        won: Streams | None = None
+        try:
+            for arrived in asyncio.as_completed(tasks):
+                won = await arrived
+                if won is not None:
+                    break
+        finally:
+            for task in tasks:
+                task.cancel()
+                if task.done() and not task.cancelled() and task.result() not in (None, won):
+                    task.result()[1].close()  # type: ignore[index]
+        return won
+
+    async def _attempt(self, host: str, port: int, ticket: bytes, secret: bytes, index: int) -> Streams | None:
         try:
             reader, writer = await asyncio.wait_for(connect(host, port), HANDSHAKE_S)
+        except (asyncio.TimeoutError, ConnectionError, OSError) as exc:
+            logger.debug("direct dial to %s:%d failed: %s", host, port, exc)
+            return None
+        if await self._prove(reader, writer, ticket, secret, index):
+            return reader, writer
+        writer.close()
+        return None
+
+    async def _prove(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ticket: bytes, secret: bytes, index: int
+    ) -> bool:
+        """Whether the other end, given our answer to its challenge, proves it gave the ticket."""
+        try:
             challenge = await asyncio.wait_for(reader.readexactly(CHALLENGE_BYTES), HANDSHAKE_S)
             answer = mac(secret, challenge)
             writer.write(ANSWER.pack(MAGIC, ticket, index, answer))
             proof = await asyncio.wait_for(reader.readexactly(MAC_BYTES), HANDSHAKE_S)
-            if hmac.compare_digest(proof, mac(secret, challenge, answer)):
-                return reader, writer
+            return hmac.compare_digest(proof, mac(secret, challenge, answer))
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
-            logger.debug("direct dial to %s:%d failed: %s", host, port, exc)
-        if writer is not None:
-            writer.close()
-        return None
+            logger.debug("direct stream's challenge failed: %s", exc)
+            return False
 
     async def aclose(self) -> None:
         for peer in list(self._incoming):
