@@ -14,7 +14,7 @@ import torch
 from blake3 import blake3
 from p2p import transport_pair
 
-from protocol.net.direct import ANSWER, CHALLENGE_BYTES, MAC_BYTES, MAGIC, OFFER, mac
+from protocol.net.direct import ANSWER, CHALLENGE_BYTES, MAC_BYTES, MAGIC, OFFER, Direct, answer_mac, mac
 from protocol.net.direct_io import DirectReader
 from protocol.net.payload_first import PAYLOAD_FIRST_MIN
 from protocol.net.streams import PAYLOAD_FIRST, PAYLOAD_SIZE
@@ -89,16 +89,19 @@ def test_a_ticket_is_proven_once_by_its_holder_and_never_sent() -> None:
             writer.write(ANSWER.pack(MAGIC, ticket, 0, bytes(MAC_BYTES)))
             assert await _closed(reader)
             reader, writer, challenge = await _dial_raw(port)
-            writer.write(ANSWER.pack(MAGIC, ticket, 0, mac(secret, challenge)))
+            writer.write(ANSWER.pack(MAGIC, ticket, 0, answer_mac(secret, challenge, ticket, 0)))
             assert await _closed(reader), "a spent ticket opens nothing"
             # a fresh ticket, answered right: the receiver proves it too
             _, _, ticket, secret = OFFER.unpack(await a._ask_ticket(b.peer_id))
             reader, writer, challenge = await _dial_raw(port)
-            answer = mac(secret, challenge)
+            answer = answer_mac(secret, challenge, ticket, 0)
             writer.write(ANSWER.pack(MAGIC, ticket, 0, answer))
             assert await reader.readexactly(MAC_BYTES) == mac(secret, challenge, answer)
             writer.write(b"not a frame head")  # the stream is the gate's now: a malformed frame is refused
             await _until(lambda: b.gate.counts[Reject.MALFORMED] == 1)
+            # plain TCP: bytes no signature proves are no one's fault, but that peer goes back to libp2p
+            assert a.peer_id not in b.gate._abuse
+            assert OFFER.unpack(await a._ask_ticket(b.peer_id))[0] == 0
             # silence after connecting holds no slot for long
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             assert await asyncio.wait_for(reader.read(CHALLENGE_BYTES + 1), 15) != b""
@@ -206,11 +209,17 @@ def test_payload_first_frames_are_checked_like_any_other_and_only_taken_on_direc
             assert out.seal is not None and out.head == b"", "direct: hashed and sealed on its way"
             await a.transmit(out)
             assert torch.equal((await asyncio.wait_for(b.inbox.get(), 30)).values()[0], big)
-            # on the same direct stream: a payload altered after signing, then a size over the limit
+            # on the same direct stream, a payload altered after signing: on plain TCP anyone on the
+            # path could have altered it, so it is counted against no one, and the sender goes back to libp2p
             payload = bytes(4096)
             await a._write(b.peer_id, b.peer_id, MSG_PROTOCOL, [_payload_first(a.sealer, payload, bytes(4095) + b"x")])
             await _until(lambda: b.gate.counts[Reject.BAD_DIGEST] == 1)
-            assert torch.equal(await _roundtrip(a, b, torch.ones(3), 2), torch.ones(3)), "the stream goes on"
+            assert a.peer_id not in b.gate._abuse
+            a.forget(b.peer_id)
+            assert torch.equal(await _roundtrip(a, b, torch.ones(3), 2), torch.ones(3)), "over libp2p now"
+            assert b.peer_id not in a.direct_to
+        async with transport_pair("r", max_payload=PAYLOAD_FIRST_MIN * 2) as (a, b):
+            await _roundtrip(a, b, torch.ones(1))
             too_big = HEAD.pack(PAYLOAD_FIRST, 0) + PAYLOAD_SIZE.pack(1 << 40)
             await a._write(b.peer_id, b.peer_id, MSG_PROTOCOL, [too_big])
             await _until(lambda: b.gate.counts[Reject.OVERSIZED] == 1)
@@ -242,3 +251,61 @@ def test_an_address_that_says_nothing_does_not_hold_up_the_one_that_answers() ->
                 decoy.close()
 
     asyncio.run(go())
+
+
+def test_a_read_cancelled_midway_takes_no_more_bytes_into_its_buffer() -> None:
+    """A payload's read cut short (its time ran out) stops filling its buffer at once:
+    the stream's next bytes are the stream's, not written into an abandoned buffer."""
+
+    async def go() -> None:
+        reader = DirectReader()
+        reader.feed_data(bytes(2 * READ_CHUNK))  # two parts at once: the second is yielded while the first is hashed
+        task = asyncio.ensure_future(read_growing(reader, 3 * READ_CHUNK, None, blake3()))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        reader.feed_data(b"abc")
+        assert await asyncio.wait_for(reader.readexactly(3), 5) == b"abc"
+
+    asyncio.run(go())
+
+
+def test_an_address_that_resets_mid_handshake_means_libp2p_not_a_traceback() -> None:
+    """uvloop raises RuntimeError writing to a connection the other end reset: an address
+    that sends a challenge and resets gives no stream (libp2p), never an exception."""
+    import socket
+    import struct as st
+    import threading
+
+    import uvloop
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def reset_each() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.sendall(bytes(CHALLENGE_BYTES))
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, st.pack("ii", 1, 0))
+            conn.close()
+
+    threading.Thread(target=reset_each, daemon=True).start()
+
+    async def ask(peer: str) -> bytes:
+        return OFFER.pack(1, port, bytes(16), bytes(32))
+
+    async def go() -> None:
+        for _ in range(20):
+            direct = Direct([MSG_PROTOCOL], lambda peer: True)
+            assert await direct.open("p", MSG_PROTOCOL, ["/ip4/127.0.0.1/tcp/1"], ask) is None
+            assert not direct.worth_trying("p", MSG_PROTOCOL)
+
+    try:
+        uvloop.run(go())
+    finally:
+        listener.close()

@@ -34,8 +34,11 @@ async def _until(cond, timeout: float = 20.0) -> None:  # type: ignore[no-untype
 
 
 def test_bad_frames_are_dropped_and_valid_traffic_goes_on() -> None:
+    """On a libp2p stream (authenticated, encrypted: what arrives is the sender's); a
+    direct stream's bytes that no signature proves are no one's (tests/test_direct.py)."""
+
     async def go() -> None:
-        async with transport_pair("r", max_payload=1 << 20) as (a, b):
+        async with transport_pair("r", max_payload=1 << 20, direct=False) as (a, b):
             x = torch.randn(64)
             await a.send(b.peer_id, Activations("r", 0, 0, 1), [x])
             good = _sealed(a, Activations("r", 0, 1, 1), x)

@@ -70,6 +70,12 @@ def mac(secret: bytes, *parts: bytes) -> bytes:
     return h.digest(MAC_BYTES)
 
 
+def answer_mac(secret: bytes, challenge: bytes, ticket: bytes, index: int) -> bytes:
+    """The dialler's answer: over the challenge, the ticket id and the protocol it asks
+    for (a relay cannot turn a message stream into a lane stream)."""
+    return mac(secret, b"answer", challenge, ticket, bytes([index]))
+
+
 def ip_hosts(maddrs: Iterable[str]) -> list[str]:
     """The IP addresses in ``maddrs`` (``/ip4|ip6/ADDR/tcp/...``), in order, once each."""
     out: list[str] = []
@@ -108,6 +114,7 @@ class Direct:
         self._incoming: dict[str, set[asyncio.StreamWriter]] = {}
         self._unproven = 0
         self._retry: dict[str, float] = {}  # peer -> when a direct stream may be tried again
+        self._denied: dict[str, float] = {}  # peer -> until when it gets no ticket (``demote``)
 
     # the receiver's side
 
@@ -127,13 +134,14 @@ class Direct:
         """``OFFER_PROTOCOL``'s libp2p handler: a ticket for an admitted sender, a refusal otherwise."""
         sender = info.peer_id.to_base58()  # type: ignore[attr-defined]
         try:
-            if not (self.allowed and self._servers and self.admitted(sender)):
+            denied = self._denied.get(sender, 0.0) > self.clock()
+            if denied or not (self.allowed and self._servers and self.admitted(sender)):
                 writer.write(OFFER.pack(0, 0, bytes(TICKET_ID_BYTES), bytes(SECRET_BYTES)))
             else:
                 ticket, secret = self._issue(sender)
                 writer.write(OFFER.pack(1, self.port, ticket, secret))
             await writer.drain()
-        except (ConnectionError, OSError):
+        except (ConnectionError, OSError, RuntimeError):
             pass
         finally:
             writer.close()
@@ -168,7 +176,10 @@ class Direct:
                 SimpleNamespace(peer_id=PeerID.from_base58(sender), direct=True), reader, writer
             )
         finally:
-            self._incoming.get(sender, set()).discard(writer)
+            mine = self._incoming.get(sender, set())
+            mine.discard(writer)
+            if not mine:
+                self._incoming.pop(sender, None)
             writer.close()
 
     async def _challenge(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> tuple[str, str] | None:
@@ -177,19 +188,25 @@ class Direct:
         try:
             writer.write(challenge)
             raw = await asyncio.wait_for(reader.readexactly(ANSWER.size), HANDSHAKE_S)
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError):
-            return None
-        magic, ticket, index, answer = ANSWER.unpack(raw)
-        entry = self._tickets.pop(ticket, None)  # used once, whatever the answer
-        if magic != MAGIC or entry is None or index >= len(self.protocols):
-            return None
-        peer, secret, until = entry
-        if until < self.clock() or not hmac.compare_digest(answer, mac(secret, challenge)):
-            return None
-        if self.protocols[index] not in self._handlers:
-            return None
-        writer.write(mac(secret, challenge, answer))
-        return peer, self.protocols[index]
+            magic, ticket, index, answer = ANSWER.unpack(raw)
+            entry = self._tickets.pop(ticket, None)  # used once, whatever the answer
+            if magic != MAGIC or entry is None or index >= len(self.protocols):
+                return None
+            peer, secret, until = entry
+            if until < self.clock() or not hmac.compare_digest(answer, answer_mac(secret, challenge, ticket, index)):
+                return None
+            if self.protocols[index] not in self._handlers:
+                return None
+            writer.write(mac(secret, challenge, answer))
+            return peer, self.protocols[index]
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError, RuntimeError):
+            return None  # uvloop raises RuntimeError writing to a connection the other end reset
+
+    def demote(self, peer: str) -> None:
+        """``peer``'s direct streams carried bytes that no signature proves came from it:
+        closed, and no ticket for ``RETRY_S`` (libp2p, encrypted, meanwhile)."""
+        self._denied[peer] = self.clock() + RETRY_S
+        self.cut(peer)
 
     def cut(self, peer: str) -> None:
         """Close every direct stream ``peer`` holds to us (it was just muted)."""
@@ -235,8 +252,9 @@ class Direct:
         finally:
             for task in tasks:
                 task.cancel()
-                if task.done() and not task.cancelled() and task.result() not in (None, won):
-                    task.result()[1].close()  # type: ignore[index]
+            for late in await asyncio.gather(*tasks, return_exceptions=True):
+                if isinstance(late, tuple) and late is not won:
+                    late[1].close()
         return won
 
     async def _attempt(self, host: str, port: int, ticket: bytes, secret: bytes, index: int) -> Streams | None:
@@ -245,10 +263,13 @@ class Direct:
         except (asyncio.TimeoutError, ConnectionError, OSError) as exc:
             logger.debug("direct dial to %s:%d failed: %s", host, port, exc)
             return None
-        if await self._prove(reader, writer, ticket, secret, index):
-            return reader, writer
-        writer.close()
-        return None
+        proven = False
+        try:
+            proven = await self._prove(reader, writer, ticket, secret, index)
+        finally:  # also when a faster address won and this attempt was cancelled
+            if not proven:
+                writer.close()
+        return (reader, writer) if proven else None
 
     async def _prove(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ticket: bytes, secret: bytes, index: int
@@ -256,11 +277,11 @@ class Direct:
         """Whether the other end, given our answer to its challenge, proves it gave the ticket."""
         try:
             challenge = await asyncio.wait_for(reader.readexactly(CHALLENGE_BYTES), HANDSHAKE_S)
-            answer = mac(secret, challenge)
+            answer = answer_mac(secret, challenge, ticket, index)
             writer.write(ANSWER.pack(MAGIC, ticket, index, answer))
             proof = await asyncio.wait_for(reader.readexactly(MAC_BYTES), HANDSHAKE_S)
             return hmac.compare_digest(proof, mac(secret, challenge, answer))
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError, OSError, RuntimeError) as exc:
             logger.debug("direct stream's challenge failed: %s", exc)
             return False
 

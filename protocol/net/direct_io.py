@@ -7,11 +7,15 @@ make TCP streams that read with it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 #: a stream's own buffer (asyncio pauses reading above twice this); bytes that
 #: ``fill`` takes bypass it
 READ_LIMIT = 1 << 22
+KEEPALIVE_IDLE_S, KEEPALIVE_PROBE_S, KEEPALIVE_PROBES = 30, 10, 3
+KEEPALIVE_S = KEEPALIVE_IDLE_S + KEEPALIVE_PROBE_S * KEEPALIVE_PROBES
 STAGING = 1 << 18  # what the loop receives into at once where no buffer is being filled
 
 Streams = tuple[asyncio.StreamReader, asyncio.StreamWriter]
@@ -103,15 +107,36 @@ class _Protocol(asyncio.StreamReaderProtocol, asyncio.BufferedProtocol):
     def __init__(self, reader: DirectReader, connected: Connected | None) -> None:
         super().__init__(reader, connected, loop=asyncio.get_running_loop())
         self._direct = reader
-        self._staging = bytearray(STAGING)
+        self._staging = bytearray()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        keep_alive(transport.get_extra_info("socket"))
+        super().connection_made(transport)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         target = self._direct.room()
-        return target if target is not None else memoryview(self._staging)
+        if target is not None:
+            return target
+        if not self._staging:
+            self._staging = bytearray(STAGING)
+        return memoryview(self._staging)
 
     def buffer_updated(self, nbytes: int) -> None:
         if not self._direct.landed(nbytes):
             self.data_received(bytes(self._staging[:nbytes]))
+
+
+def keep_alive(sock: socket.socket | None) -> None:
+    """TCP keepalive on ``sock``: a peer that vanishes without a word (its machine off, a
+    NAT that forgot it) is found within ``KEEPALIVE_S`` and its stream ends, as libp2p's
+    pings would end a libp2p stream."""
+    if sock is None:
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_PROBE_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_PROBES)
 
 
 def _protocol(reader: DirectReader, connected: Connected | None = None) -> asyncio.StreamReaderProtocol:

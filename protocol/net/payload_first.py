@@ -30,6 +30,7 @@ from protocol.wire.messages import Message
 from protocol.wire.reject import Reject, Rejected
 
 PAYLOAD_FIRST_MIN = 1 << 20
+HEAD_AFTER_S = 30.0  # a payload-first payload's head must follow it within this
 PIECE = 4 << 20  # hashed on another thread while it is written (``THREADED_HASH_MIN`` and up; else ``HASH_STEP``)
 
 
@@ -86,9 +87,13 @@ async def receive(
     if size > gate.max_payload:
         raise Rejected(Reject.OVERSIZED, f"payload-first frame of {size} bytes is over {gate.max_payload}")
     digest = blake3()
-    async with budget.hold(sender, size):
+    async with budget.hold(sender, size):  # held until the head is in: the payload is unproven till then
         payload = await read_payload(reader, size, active, digest)
-    head = await read_frame_head(reader)
+        try:
+            async with asyncio.timeout(HEAD_AFTER_S):
+                head = await read_frame_head(reader)
+        except TimeoutError:
+            raise Rejected(Reject.TRUNCATED, f"no head within {HEAD_AFTER_S:.0f} s of its payload") from None
     if not isinstance(head, bytes):
         raise Rejected(Reject.TRUNCATED, "a payload-first frame without its head")
     env, message = gate.check_head(head, sender)

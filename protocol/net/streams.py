@@ -41,6 +41,8 @@ async def read_frame_head(reader: asyncio.StreamReader, payload_first: bool = Fa
         return None
     magic, hlen = HEAD.unpack(first)
     if magic == PAYLOAD_FIRST and payload_first:
+        if hlen:
+            raise Rejected(Reject.MALFORMED, f"a payload-first frame's start with a length of {hlen}")
         return int(PAYLOAD_SIZE.unpack(await reader.readexactly(PAYLOAD_SIZE.size))[0])
     if magic != MAGIC:
         raise Rejected(Reject.MALFORMED, f"bad magic {magic!r}: not a signed FusionLLM frame")

@@ -83,6 +83,16 @@ UNSIGNED = (
     Reject.EXPIRED,
 )
 
+#: on a direct stream, signs of bytes altered on the way (not of a stale but honest frame)
+TAMPERED = (
+    Reject.MALFORMED,
+    Reject.OVERSIZED,
+    Reject.BAD_ENVELOPE,
+    Reject.SENDER_MISMATCH,
+    Reject.BAD_SIGNATURE,
+    Reject.BAD_DIGEST,
+)
+
 
 @dataclass(frozen=True)
 class Inbound:
@@ -327,10 +337,11 @@ class Transport:
         try:
             if self.gate.refuse_stream(sender):
                 return
-            while await self._frame(reader, sender, direct=getattr(info, "direct", False)):
+            direct = getattr(info, "direct", False)
+            while await self._frame(reader, sender, direct=direct):
                 pass
         except Rejected as exc:
-            self.gate.reject(sender, exc)
+            self._charge(exc, sender, None, direct)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
@@ -363,8 +374,7 @@ class Transport:
             skip = inline_payload(head)
             if exc.code in _FATAL or skip is None or skip > self.max_payload:
                 raise
-            blame = via if via is not None and exc.code in UNSIGNED else sender
-            self.gate.reject(blame, exc)
+            blame = self._charge(exc, sender, via, direct)
             if self.gate.muted(via or blame):  # a forwarded stream carries others' frames too
                 return False
             dropped = lane_id(head)
@@ -388,12 +398,28 @@ class Transport:
             if exc.code is Reject.TRUNCATED:
                 raise
             # the signed digest does not match: altered on its way, by the forwarder
-            blame = via if via is not None and exc.code is Reject.BAD_DIGEST else sender
-            self.gate.reject(blame, exc)
+            blame = self._charge(exc, sender, via, direct)
             return not self.gate.muted(via or blame)
         wire_s = time.perf_counter() - arrived
         await self._deliver(Inbound(sender, message, Frame({"values": env.values}, payload), env, head, wire_s))
         return True
+
+    def _charge(self, exc: Rejected, sender: str, via: str | None, direct: bool) -> str:
+        """Count ``exc`` against whom it proves at fault, and return them: a fault no
+        signature proves (``UNSIGNED``, a digest that does not match) is a forwarded
+        frame's forwarder's, and on a direct stream (plain TCP: bytes anyone on the path
+        could have put there) no one's: counted, and where the bytes were altered
+        (``TAMPERED``) the sender's direct streams closed and refused a while; the rest
+        are the sender's."""
+        unproven = exc.code in UNSIGNED or exc.code is Reject.BAD_DIGEST
+        if direct and unproven:
+            self.gate.counts[exc.code] += 1
+            if exc.code in TAMPERED:  # its direct streams closed: on libp2p, a fault is the sender's again
+                self.direct.demote(sender)
+            return ""
+        blame = via if via is not None and unproven else sender
+        self.gate.reject(blame, exc)
+        return blame
 
     async def _next_head(
         self, reader: asyncio.StreamReader, sender: str, forwarded: bool, direct: bool
@@ -415,8 +441,7 @@ class Transport:
         except Rejected as exc:
             if exc.code in _FATAL:
                 raise
-            self.gate.reject(sender, exc)
-            return not self.gate.muted(sender)
+            return not self.gate.muted(self._charge(exc, sender, None, True))
         wire_s = time.perf_counter() - arrived
         await self._deliver(Inbound(sender, message, Frame({"values": env.values}, payload), env, head, wire_s))
         return True

@@ -433,8 +433,9 @@ async def _read_lazily(reader: Any, size: int, on_chunk: Callable[[], None] | No
     except MemoryError:  # no room to reserve it at once: grown as it arrives, as on other streams
         return await _read_chunks(reader, size, on_chunk, digest)
     hashed, hashing = 0, None
+    filling = reader.fill(payload, READ_CHUNK if size >= THREADED_HASH_MIN else HASH_STEP)
     try:
-        async for filled in reader.fill(payload, READ_CHUNK if size >= THREADED_HASH_MIN else HASH_STEP):
+        async for filled in filling:
             if hashing is not None:
                 await hashing
             if digest is not None and size < THREADED_HASH_MIN:
@@ -447,6 +448,7 @@ async def _read_lazily(reader: Any, size: int, on_chunk: Callable[[], None] | No
     except asyncio.IncompleteReadError:
         return None
     finally:
+        await filling.aclose()  # at once, also when cancelled: no more bytes land in this buffer
         if hashing is not None:
             await hashing
     return payload
