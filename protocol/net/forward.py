@@ -9,7 +9,7 @@ writes it, unchanged, on its own forwarding stream to the destination. There the
 frame goes through the full checks of the destination's gate with the origin as
 its sender: the forwarder cannot read-modify it without the signature failing, nor
 make it count as anyone else's. Failures before the signature proves the origin
-are the forwarder's to answer for (``transport.UNSIGNED``)."""
+are the forwarder's to answer for (``faults.UNSIGNED``)."""
 
 from __future__ import annotations
 

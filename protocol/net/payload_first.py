@@ -83,7 +83,7 @@ async def receive(
 ) -> tuple[Envelope, Message, memoryview, bytes]:
     """The rest of a payload-first frame of ``size`` bytes whose prefix was just read:
     (envelope, message, payload, signed head). ``Rejected`` where it fails a check;
-    one that leaves the stream out of step has a code in ``transport._FATAL``."""
+    one that leaves the stream out of step has a code in ``faults.FATAL``."""
     if size > gate.max_payload:
         raise Rejected(Reject.OVERSIZED, f"payload-first frame of {size} bytes is over {gate.max_payload}")
     digest = blake3()

@@ -30,6 +30,7 @@ from protocol.net.budget import ByteBudget
 from protocol.net.delay import DelayTable
 from protocol.net.dialing import DIAL_OUT_S, PeerUnreachable, connect, dial_out, open_p2p
 from protocol.net.direct import OFFER, OFFER_PROTOCOL, Direct, Streams, ip_hosts
+from protocol.net.faults import FATAL, charge
 from protocol.net.forward import FWD_PROTOCOL, Forwarder
 from protocol.net.handlers import StreamLimits, ends_quietly
 from protocol.net.lanes import LaneParts
@@ -67,31 +68,6 @@ LANE_PROTOCOL = "/fusionllm/lane/1"
 LANE_THRESHOLD = 8 << 20
 LANES = 4
 _LANE_HEAD = struct.Struct(">QIQ")  # frame id, lane index, byte count
-
-
-#: rejections after which a stream cannot be trusted to stay in step
-_FATAL = (Reject.MALFORMED, Reject.TRUNCATED, Reject.OVERSIZED, Reject.BAD_ENVELOPE)
-#: rejections raised before a frame's signature proves who sent it: on a forwarded
-#: stream they are the forwarder's to answer for, not the named sender's
-UNSIGNED = (
-    *_FATAL,
-    Reject.VERSION,
-    Reject.WRONG_RUN,
-    Reject.SENDER_MISMATCH,
-    Reject.NOT_ADMITTED,
-    Reject.BAD_SIGNATURE,
-    Reject.EXPIRED,
-)
-
-#: on a direct stream, signs of bytes altered on the way (not of a stale but honest frame)
-TAMPERED = (
-    Reject.MALFORMED,
-    Reject.OVERSIZED,
-    Reject.BAD_ENVELOPE,
-    Reject.SENDER_MISMATCH,
-    Reject.BAD_SIGNATURE,
-    Reject.BAD_DIGEST,
-)
 
 
 @dataclass(frozen=True)
@@ -372,7 +348,7 @@ class Transport:
             env, message = self.gate.check_head(head, sender)
         except Rejected as exc:
             skip = inline_payload(head)
-            if exc.code in _FATAL or skip is None or skip > self.max_payload:
+            if exc.code in FATAL or skip is None or skip > self.max_payload:
                 raise
             blame = self._charge(exc, sender, via, direct)
             if self.gate.muted(via or blame):  # a forwarded stream carries others' frames too
@@ -405,21 +381,8 @@ class Transport:
         return True
 
     def _charge(self, exc: Rejected, sender: str, via: str | None, direct: bool) -> str:
-        """Count ``exc`` against whom it proves at fault, and return them: a fault no
-        signature proves (``UNSIGNED``, a digest that does not match) is a forwarded
-        frame's forwarder's, and on a direct stream (plain TCP: bytes anyone on the path
-        could have put there) no one's: counted, and where the bytes were altered
-        (``TAMPERED``) the sender's direct streams closed and refused a while; the rest
-        are the sender's."""
-        unproven = exc.code in UNSIGNED or exc.code is Reject.BAD_DIGEST
-        if direct and unproven:
-            self.gate.counts[exc.code] += 1
-            if exc.code in TAMPERED:  # its direct streams closed: on libp2p, a fault is the sender's again
-                self.direct.demote(sender)
-            return ""
-        blame = via if via is not None and unproven else sender
-        self.gate.reject(blame, exc)
-        return blame
+        """``protocol.net.faults.charge`` on this transport's gate and direct path."""
+        return charge(self.gate, self.direct, exc, sender, via, direct)
 
     async def _next_head(
         self, reader: asyncio.StreamReader, sender: str, forwarded: bool, direct: bool
@@ -439,7 +402,7 @@ class Transport:
                 reader, size, sender, self.gate, self.budget, lambda: self._active(sender)
             )
         except Rejected as exc:
-            if exc.code in _FATAL:
+            if exc.code in FATAL:
                 raise
             return not self.gate.muted(self._charge(exc, sender, None, True))
         wire_s = time.perf_counter() - arrived
