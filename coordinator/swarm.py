@@ -176,6 +176,7 @@ class Coordinator:
                 await self.endpoint.dht.replicate_p2p(), identity, self.gate, cfg.data_path == "direct"
             )
         self.intake.hook_transport(self.endpoint.transport)
+        self.endpoint.transport.direct.dialable = lambda peer: self.reach.reached.get(peer, False)  # dialled back
         self.admission.start()
         self.gate.on_admit.append(self.reach.admitted)
         await self.endpoint.transport.start()

@@ -159,6 +159,7 @@ class EpochRunner:
         cannot dial this peer, and send to it over these connections."""
         tp, a = self.env.transport, self.a
         tp.dials_in = set(a.nat) - {tp.peer_id}
+        tp.direct.listening = tp.peer_id not in a.nat  # no one could use a direct port here
         tp.forward_via = {}
         if tp.peer_id not in a.nat:
             return

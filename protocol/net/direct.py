@@ -106,6 +106,9 @@ class Direct:
         self.protocols = protocols
         self.admitted = admitted
         self.allowed = True  # False: ``--data-path libp2p`` (no ticket granted or asked for)
+        self.listening = True  # False: no one can dial this process (behind a NAT): no ticket granted
+        #: whether a peer is worth dialling (the coordinator: only those its dial-back reached)
+        self.dialable: Callable[[str], bool] = lambda peer: True
         self.clock = clock
         self.port = 0
         self._servers: list[asyncio.AbstractServer] = []
@@ -135,7 +138,7 @@ class Direct:
         sender = info.peer_id.to_base58()  # type: ignore[attr-defined]
         try:
             denied = self._denied.get(sender, 0.0) > self.clock()
-            if denied or not (self.allowed and self._servers and self.admitted(sender)):
+            if denied or not (self.allowed and self.listening and self._servers and self.admitted(sender)):
                 writer.write(OFFER.pack(0, 0, bytes(TICKET_ID_BYTES), bytes(SECRET_BYTES)))
             else:
                 ticket, secret = self._issue(sender)
@@ -216,7 +219,12 @@ class Direct:
     # the sender's side
 
     def worth_trying(self, peer: str, protocol: str) -> bool:
-        return self.allowed and protocol in self.protocols and self._retry.get(peer, 0.0) <= self.clock()
+        return (
+            self.allowed
+            and protocol in self.protocols
+            and self._retry.get(peer, 0.0) <= self.clock()
+            and self.dialable(peer)
+        )
 
     async def open(self, peer: str, protocol: str, maddrs: Iterable[str], ask: AskTicket) -> Streams | None:
         """A direct stream to ``peer`` for ``protocol``, or None (use libp2p) where it has
