@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import multiprocessing.connection
-import threading
 import time
 from typing import Any
 
@@ -150,11 +149,7 @@ async def rounds(size: int, count: int) -> tuple[list[float], list[float]]:
 
 async def _reply(conn: multiprocessing.connection.Connection, timeout: float) -> Any:
     """The next object from ``conn``, waited for off the event loop."""
-    got: list[Any] = []
-    thread = threading.Thread(target=lambda: got.append(conn.recv() if conn.poll(timeout) else None), daemon=True)
-    thread.start()
-    while thread.is_alive():
-        await asyncio.sleep(0.05)
-    if not got or got[0] is None:
+    got = await asyncio.to_thread(lambda: conn.recv() if conn.poll(timeout) else None)
+    if got is None:
         raise TimeoutError(f"the receiver process did not answer within {timeout:.0f} s")
-    return got[0]
+    return got
