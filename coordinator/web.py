@@ -10,6 +10,7 @@ crosses to the page as bytes nobody can change."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -125,7 +126,11 @@ class StatusServer:
         if proc is None:
             return
         if proc.stdin is not None:
-            proc.stdin.close()  # its end of input ends it
+            proc.stdin.close()  # its end of input ends it (and it, should we be killed)
+        with contextlib.suppress(ProcessLookupError):
+            # and now: a page process niced behind a busy run's peers may still be importing
+            # (every run's end waited the whole CLOSE_WAIT_S for it); what it serves is over
+            proc.terminate()
         try:
             await asyncio.wait_for(proc.wait(), CLOSE_WAIT_S)
         except asyncio.TimeoutError:

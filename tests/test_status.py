@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 
 from coordinator.status import CLAIM_SLACK, MAX_REJECTED_EVENTS, StatusBoard, finite_json
-from coordinator.web import StatusServer
+from coordinator.web import CLOSE_WAIT_S, StatusServer
 from coordinator.webserve import metrics_text
 from fusionllm.commands import render_status
 from tests.conftest import ROOT, run_cli
@@ -561,6 +561,25 @@ def test_state_is_strict_json_while_the_loss_is_nan() -> None:
     assert state["training"]["losses"][-1] == [6, "NaN"]
     text = render_status(state)
     assert "loss NaN" in text and "validation loss Infinity" in text
+
+
+def test_closing_does_not_wait_for_a_starved_page_process() -> None:
+    """The page's process is niced: behind a busy run's peers it may get no CPU for
+    seconds, and every run's end waited ``CLOSE_WAIT_S`` (2 s) for it to read the end of
+    its input and exit. Closing now ends it at once (here: stopped, as good as starved)."""
+    board = _planned_board([1000.0])
+
+    async def stopped_then_closed() -> float:
+        server = StatusServer(board, port=0)
+        await server.start()
+        assert server.pid is not None
+        os.kill(server.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        await server.aclose()
+        return time.monotonic() - start
+
+    closing = asyncio.run(stopped_then_closed())
+    assert closing < CLOSE_WAIT_S / 4, f"closing took {closing:.2f} s"
 
 
 def test_a_claim_far_above_the_measured_speed_is_flagged() -> None:
