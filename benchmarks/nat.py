@@ -189,12 +189,12 @@ def _swarm_tokens(lab: Any, natted: bool, steps: int, tmp: Path) -> float:
         key = str(tmp / f"c{natted}.key")
         net_args = ["--host-maddrs", f"/ip4/{PUBLIC_IP}/tcp/0", "--identity", key, "--status-port", "0"]
         run_args = ["--compression", "none", "--spot-check", "0", "--run-dir", str(tmp / f"run{natted}")]
-        coord = Proc("coordinator", *stage_args, *net_args, *run_args, prefix=lab.prefix(lab.pub))
+        coord = Proc("coordinator", *stage_args, *net_args, *run_args, netns=lab.pub)
         procs.append(coord)
         join = coord.wait_line(r"^\s+fusionllm join (.*)$").group(1).split()
         for i, (ns, ip) in enumerate(where):
             peer_args = ["--identity", str(tmp / f"p{i}{natted}.key"), "--host-maddrs", f"/ip4/{ip}/tcp/0"]
-            procs.append(Proc("join", *join, "--threads", "1", *peer_args, prefix=lab.prefix(ns)))
+            procs.append(Proc("join", *join, "--threads", "1", *peer_args, netns=ns))
         if coord.wait(600) != 0:
             raise RuntimeError(f"the swarm failed:\n{coord.output[-2000:]}")
         found = re.search(r"over \d+ steps in [\d.]+ s, ([\d,]+) tokens/s", coord.output)

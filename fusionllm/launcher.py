@@ -37,7 +37,10 @@ from pathlib import Path
 from typing import IO, Any
 
 #: what the zygote imports before it forks anything: the commands' heavy imports
-PRELOAD = ("torch", "torch._dynamo", "torch.optim", "hivemind", "fusionllm.swarm_cmds", "fusionllm.commands")
+PRELOAD = (
+    *("torch", "torch._dynamo", "torch.optim", "hivemind", "fusionllm.swarm_cmds", "fusionllm.commands"),
+    *("peer.node", "coordinator.swarm"),  # what ``join`` and ``coordinator`` import once they run: 0.1-0.4 s each
+)
 #: read by the thread pools the preloaded libraries set up at import: a request that
 #: asks for other values than the zygote imported with starts fresh
 IMPORT_TIME_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
@@ -45,6 +48,7 @@ IMPORT_WAIT_S = 120.0  # the longest the first request waits for the zygote's im
 FORK_WAIT_S = 10.0  # the longest a request waits for its fork once the zygote is ready
 REAP_POLL_S = 0.05  # how often the zygote collects its exited children
 MAX_MESSAGE = 1 << 20  # one request (argv, environment, cwd) or reply, in bytes
+CLONE_NEWNET = 0x40000000  # setns(2)'s flag for a network namespace
 #: in a forked command's environment: {"pid": the zygote, "fd": the command's own
 #: connection to it, "pools": the zygote's IMPORT_TIME_ENV values}
 ZYGOTE_ENV = "FUSIONLLM_ZYGOTE"
@@ -143,11 +147,14 @@ class Launcher:
         stdout: int | None = None,
         stderr: int | None = None,
         text_stdout: bool = False,
+        netns: str | None = None,
     ) -> Started:
         """``python -m module *args`` in its own session, stdin from /dev/null, stdout
         to the file descriptor ``stdout`` (or, with ``text_stdout``, to a pipe whose
         reading end is the result's ``stdout``), stderr to ``stderr`` (default: where
-        stdout goes). The caller keeps its descriptors."""
+        stdout goes), in the network namespace ``netns`` of ``ip netns`` where one is
+        named (a fork enters it; a fresh start runs under ``ip netns exec``). The
+        caller keeps its descriptors."""
         env = dict(os.environ if env is None else env)
         cwd = os.fspath(cwd or os.getcwd())
         read_end: int | None = None
@@ -160,9 +167,9 @@ class Launcher:
             mine.append(stdout)
         fds = [stdout, stdout if stderr is None else stderr]
         try:
-            child = self._fork(args, module, env, cwd, fds)
+            child = self._fork(args, module, env, cwd, fds, netns)
             if child is None:
-                return self._exec(args, module, env, cwd, fds, read_end)
+                return self._exec(args, module, env, cwd, fds, read_end, netns)
             child.stdout = open(read_end, encoding="utf-8", errors="replace") if read_end is not None else None
             return child
         finally:
@@ -197,9 +204,11 @@ class Launcher:
             raise subprocess.TimeoutExpired([module, *args], timeout or 0.0, output=texts[0], stderr=texts[1])
         return subprocess.CompletedProcess([module, *args], code, texts[0], texts[1])
 
-    def _fork(self, args: list[str], module: str, env: dict[str, str], cwd: str, fds: list[int]) -> Child | None:
+    def _fork(
+        self, args: list[str], module: str, env: dict[str, str], cwd: str, fds: list[int], netns: str | None
+    ) -> Child | None:
         """The command forked by the zygote, or None where it cannot be (a fresh start then)."""
-        request = json.dumps({"module": module, "args": args, "env": env, "cwd": cwd}).encode()
+        request = json.dumps({"module": module, "args": args, "env": env, "cwd": cwd, "netns": netns}).encode()
         same_pools = all(env.get(k) == self._env.get(k) for k in IMPORT_TIME_ENV)
         with self._lock:
             if not self._ready.wait(IMPORT_WAIT_S):
@@ -235,10 +244,16 @@ class Launcher:
 
     @staticmethod
     def _exec(
-        args: list[str], module: str, env: dict[str, str], cwd: str, fds: list[int], read_end: int | None
+        args: list[str],
+        module: str,
+        env: dict[str, str],
+        cwd: str,
+        fds: list[int],
+        read_end: int | None,
+        netns: str | None,
     ) -> subprocess.Popen[str]:
         proc = subprocess.Popen(
-            [sys.executable, "-m", module, *args],
+            [*(["ip", "netns", "exec", netns] if netns else []), sys.executable, "-m", module, *args],
             stdin=subprocess.DEVNULL,
             stdout=fds[0],
             stderr=fds[1],
@@ -308,6 +323,26 @@ def _start_zygote(env: dict[str, str], theirs: socket.socket) -> subprocess.Pope
         start_new_session=True,  # a Ctrl-C to the caller's group is the caller's to handle
         env={**env, "PYTHONPATH": _pythonpath(env)},
     )
+
+
+def enter_netns(name: str) -> None:
+    """Move this (single-threaded) process into the network namespace ``name`` of ``ip
+    netns`` (``/run/netns/NAME``), as ``ip netns exec`` does for a command it starts;
+    OSError (one line) where it cannot (no such namespace, not root)."""
+    import ctypes
+
+    if not name or "/" in name or name in (".", ".."):
+        raise OSError(f"not a network namespace's name: {name!r}")
+    try:
+        fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    except FileNotFoundError:
+        raise OSError(f"no network namespace {name} (/run/netns/{name})") from None
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"cannot enter network namespace {name}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
 
 
 def pool_settings(env: dict[str, str] | os._Environ[str]) -> dict[str, str | None]:

@@ -14,7 +14,7 @@ import sys
 import threading
 from typing import Any
 
-from fusionllm.launcher import MAX_MESSAGE, PRELOAD, REAP_POLL_S, ZYGOTE_ENV, pool_settings
+from fusionllm.launcher import MAX_MESSAGE, PRELOAD, REAP_POLL_S, ZYGOTE_ENV, enter_netns, pool_settings
 
 
 def _single_threaded() -> bool:
@@ -97,6 +97,12 @@ def _become(request: dict[str, Any], fds: list[int], conn: socket.socket) -> Non
     import random
 
     os.setsid()
+    if request.get("netns"):
+        try:
+            enter_netns(request["netns"])
+        except OSError as exc:  # the command never runs in the wrong namespace
+            os.write(fds[1], f"fusionllm: error: {exc}\n".encode())
+            os._exit(2)
     pools = pool_settings(os.environ)  # the zygote's, with which it imported
     devnull = os.open(os.devnull, os.O_RDONLY)
     for target, fd in enumerate([devnull, *fds]):

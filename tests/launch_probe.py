@@ -35,6 +35,7 @@ elif __name__ == "__main__":
         "leaked": os.environ.get("LAUNCHER_TEST_ONLY_IN_PARENT"),
         "random": random.random(),
         "stdin": sys.stdin.read(),
+        "netns": os.stat("/proc/self/ns/net").st_ino,  # which network namespace it runs in
     }
     print(json.dumps(me), flush=True)
     if len(sys.argv) > 2:

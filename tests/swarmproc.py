@@ -28,7 +28,12 @@ class Proc:
     """One ``fusionllm`` process, its output lines, and every PID it ever started."""
 
     def __init__(
-        self, *args: str, module: str = "fusionllm", env: dict[str, str] | None = None, prefix: list[str] | None = None
+        self,
+        *args: str,
+        module: str = "fusionllm",
+        env: dict[str, str] | None = None,
+        prefix: list[str] | None = None,
+        netns: str | None = None,
     ) -> None:
         env = {**os.environ, **BASE_ENV, **(env or {})}
         self.args = args
@@ -43,8 +48,8 @@ class Proc:
                 env=env,
                 start_new_session=True,
             )
-        else:  # forked from a warm zygote: the same process, less its seconds of imports
-            self.popen = launcher().spawn(list(args), module=module, env=env, cwd=ROOT, text_stdout=True)
+        else:  # forked from a warm zygote (into ``netns``, if named): the same process, less its seconds of imports
+            self.popen = launcher().spawn(list(args), module=module, env=env, cwd=ROOT, text_stdout=True, netns=netns)
         self.lines: list[str] = []
         self.times: list[float] = []  # time.monotonic() when each line was read
         self.last_time = 0.0

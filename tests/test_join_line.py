@@ -30,13 +30,13 @@ def test_the_printed_join_line_works_from_other_machines(tmp_path: Path) -> None
     try:
         # HOME: the default key files and run directory, kept in the test's folder
         flags = [*common, "--min-peers", "2", "--save", str(save)]
-        coord = Proc("coordinator", *flags, env={"HOME": str(tmp_path)}, prefix=lab.prefix(lab.pub))
+        coord = Proc("coordinator", *flags, env={"HOME": str(tmp_path)}, netns=lab.pub)
         procs.append(coord)
         line = coord.wait_line(r"^\s+(fusionllm join .*)$").group(1)
         argv = shlex.split(line)
         for i, ns in enumerate([lab.routers[0], lab.hosts[0]]):  # on the public side; behind the NAT
             (tmp_path / f"p{i}").mkdir()
-            procs.append(Proc(*argv[1:], env={"HOME": str(tmp_path / f"p{i}")}, prefix=lab.prefix(ns)))
+            procs.append(Proc(*argv[1:], env={"HOME": str(tmp_path / f"p{i}")}, netns=ns))
         assert coord.wait(240) == 0, coord.output[-3000:]
         for p in procs[1:]:
             p.wait(60)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -53,6 +55,41 @@ def test_a_forked_command_is_a_process_of_its_own(tmp_path: Path, monkeypatch: p
     assert me["stdin"] == ""  # /dev/null
     assert me["random"] != other["random"]  # each draws its own numbers, not the zygote's
     assert first.wait(30) == 3 and second.wait(30) == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip"), reason="network namespaces need root and iproute2")
+@pytest.mark.parametrize("forked", [True, False], ids=["forked", "fresh"])
+def test_a_command_runs_in_the_network_namespace_it_is_given(forked: bool) -> None:
+    """``netns``: the fork enters the namespace before the command runs (a fresh start
+    runs under ``ip netns exec``); a namespace that is not there is one line, exit 2,
+    and the command never runs (in this namespace or any)."""
+    name = f"flz{os.getpid() % 100000}{'f' if forked else 'x'}"
+    subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True)
+    zygote = Launcher({**os.environ, **BASE_ENV}) if forked else None
+    env = _env(PROBE="yes") if forked else _env(PROBE="yes", OMP_NUM_THREADS="2")  # other settings: fresh
+    try:
+        expected = os.stat(f"/run/netns/{name}").st_ino
+        proc = (zygote or launcher()).spawn(["0"], module=PROBE, env=env, text_stdout=True, netns=name)
+        assert proc.stdout is not None
+        me = json.loads(proc.stdout.readline())
+        assert isinstance(proc, Child) == forked
+        assert me["netns"] == expected != os.stat("/proc/self/ns/net").st_ino and proc.wait(30) == 0
+        r = (zygote or launcher()).run(["0"], module=PROBE, env=env, timeout=30)
+        assert r.returncode == 0 and json.loads(r.stdout)["netns"] != expected  # none named: ours
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        if zygote is not None:
+            zygote.close()
+    if forked:  # the namespace is gone now
+        z = Launcher({**os.environ, **BASE_ENV})
+        try:
+            with tempfile.TemporaryFile() as out:
+                assert z.spawn(["0"], module=PROBE, env=env, netns=name, stdout=out.fileno()).wait(30) == 2
+                out.seek(0)
+                said = out.read().decode()
+        finally:
+            z.close()
+        assert said == f"fusionllm: error: no network namespace {name} (/run/netns/{name})\n", said
 
 
 def test_run_captures_both_streams_and_the_exit_code() -> None:

@@ -41,13 +41,13 @@ def test_peers_behind_nats_train_equal_to_one_process(tmp_path: Path, direct: in
         key = str(tmp_path / "c.key")
         net_args = ["--host-maddrs", f"/ip4/{PUBLIC_IP}/tcp/0", "--identity", key, "--status-port", "0"]
         run_args = ["--compression", "none", "--save", str(save), "--run-dir", str(tmp_path / "run")]
-        coord = Proc("coordinator", *common, *stage_args, *net_args, *run_args, prefix=lab.prefix(lab.pub))
+        coord = Proc("coordinator", *common, *stage_args, *net_args, *run_args, netns=lab.pub)
         procs.append(coord)
         join = coord.wait_line(r"^\s+fusionllm join (.*)$").group(1).split()
         where = [(lab.hosts[r], lab.host_ip(r + 1)) for r in range(2)] + [(lab.pub, PUBLIC_IP)] * direct
         for i, (ns, ip) in enumerate(where):
             peer_args = ["--identity", str(tmp_path / f"p{i}.key"), "--host-maddrs", f"/ip4/{ip}/tcp/0"]
-            procs.append(Proc("join", *join, "--threads", "1", *peer_args, prefix=lab.prefix(ns)))
+            procs.append(Proc("join", *join, "--threads", "1", *peer_args, netns=ns))
         ids = [p.wait_line(r"joined run '.*' as (\w+)", 120).group(1) for p in procs[1:]]
         for p in procs[1:3]:
             p.wait_line(r"behind a NAT: the coordinator could not dial back 10\.77\.\d\.2:\d+", 60)

@@ -262,7 +262,7 @@ def test_plan_and_sim_commands(tmp_path: Path) -> None:
     topo.write_text(
         json.dumps(
             {
-                "peers": [_peer(f"{c}{i}", c, tflops=20, memory_gb=24) for c in "AB" for i in range(3)],
+                "peers": [_peer(f"{c}{i}", c, tflops=20, memory_gb=24) for c in "AB" for i in range(2)],
                 "clusters": {
                     "A": {"A": {"mbps": 10000, "latency_ms": 0.1}, "B": {"mbps": 50, "latency_ms": 40}},
                     "B": {"B": {"mbps": 10000, "latency_ms": 0.1}},
