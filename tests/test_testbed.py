@@ -5,6 +5,7 @@ here without a network; the namespaces and a real swarm on them as root only."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -169,7 +170,30 @@ def test_a_machine_without_namespaces_or_a_bad_topology_is_one_line(monkeypatch:
 
 
 def test_strays_finds_only_processes_with_the_runs_mark(tmp_path: Path) -> None:
-    assert strays(tmp_path) == []
+    """A run's process is one working in its folder (a forked one) or carrying its mark
+    (one started fresh, the p2p daemon); another folder's, or one with neither, is not."""
+    import subprocess
+    import sys
+
+    from fusionllm.testbed.swarm import WORK_VAR
+
+    (tmp_path / "run" / "a").mkdir(parents=True)
+    (tmp_path / "other").mkdir()
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    env = {k: v for k, v in os.environ.items() if k != WORK_VAR}
+    assert strays(tmp_path / "run") == []
+    procs = [
+        subprocess.Popen(sleep, cwd=tmp_path / "run" / "a", env=env),
+        subprocess.Popen(sleep, cwd=tmp_path / "other", env={**env, WORK_VAR: str(tmp_path / "run")}),
+        subprocess.Popen(sleep, cwd=tmp_path / "other", env=env),
+    ]
+    try:
+        assert sorted(strays(tmp_path / "run")) == sorted(p.pid for p in procs[:2])
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert strays(tmp_path / "run") == []
 
 
 @needs_root
@@ -196,8 +220,9 @@ def test_the_lab_shapes_each_pair_and_leaves_nothing() -> None:
 
 @needs_root
 def test_a_failed_run_leaves_no_namespace_or_process(tmp_path: Path) -> None:
-    """A run that cannot finish (here: a limit it cannot meet) is one line, and what it
-    started is gone: processes, namespaces, veths and qdiscs."""
+    """A run that cannot finish (here: a limit it cannot meet: forked peers ran this
+    tiny model's 2 steps inside 3 s) is one line, and what it started is gone:
+    processes, namespaces, veths and qdiscs."""
     from fusionllm.testbed.cmd import run_testbed
 
     pair = {"peers": [{"id": f"p{i}", "tflops": 1, "memory_gb": 8, "cluster": "A"} for i in range(2)]}
@@ -207,7 +232,7 @@ def test_a_failed_run_leaves_no_namespace_or_process(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="took over") as err:
         # the call kept on two lines rather than one argument to a line (fmt: skip below)
         run_testbed(str(tmp_path / "pair.json"), ["opfence"], model_args="n_layer=1,n_embd=32,n_head=2", steps=2,
-                    work=tmp_path / "work", say=lambda text: None, timeout_s=3.0)  # fmt: skip
+                    work=tmp_path / "work", say=lambda text: None, timeout_s=0.5)  # fmt: skip
     assert "\n" not in str(err.value)
     assert strays(tmp_path / "work") == []
     # this process's own (another test worker's testbed may be up meanwhile: CI once counted its six)

@@ -2,7 +2,11 @@
 (``coordinator.pinned``), and one ``join`` per peer in its own, each throttled to its
 share of the compute and delaying its sends by its links' latency; their output is
 read for the numbers the report needs. Each process leads its own process group, and
-``stop`` ends every group (the DHT child and the p2p daemon with it)."""
+``stop`` ends every group (the DHT child and the p2p daemon with it). The processes
+are forked from a warm zygote into their namespaces (``Launcher.spawn(netns=)``):
+five fresh interpreters a run cost 3 CPU-seconds of imports each. Each runs in the
+run's work folder, which is how ``strays`` finds it (a forked process's environment
+in ``/proc`` is the zygote's; the p2p daemon's carries the run's mark too)."""
 
 from __future__ import annotations
 
@@ -11,12 +15,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fusionllm.launcher import Launcher, Started
 from fusionllm.testbed.lab import Lab
 from protocol.net.delay import ENV_VAR as DELAY_VAR
 
@@ -61,16 +65,23 @@ def parse_summary(lines: list[str]) -> Measured:
     return out
 
 
-class _Proc:
-    """A command in a namespace, its own process group, its output lines collected."""
+_launcher: list[Launcher] = []  # this process's, made on first use (its zygote ends with us)
 
-    def __init__(self, name: str, cmd: list[str], env: dict[str, str], log: Path) -> None:
+
+def _launch(args: list[str], env: dict[str, str], netns: str, cwd: Path) -> Started:
+    if not _launcher:
+        _launcher.append(Launcher({**os.environ, "OMP_NUM_THREADS": "1"}))
+    return _launcher[0].spawn(args, env=env, cwd=cwd, text_stdout=True, netns=netns)
+
+
+class _Proc:
+    """``fusionllm *args`` in a namespace, its own process group, its output lines collected."""
+
+    def __init__(self, name: str, args: list[str], env: dict[str, str], log: Path, netns: str) -> None:
         self.name = name
         self.lines: list[str] = []
         self._log = open(log, "w", encoding="utf-8")  # noqa: SIM115 (closed by the reader thread)
-        self.popen = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-        )
+        self.popen = _launch(args, env, netns, log.parent)
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -135,24 +146,25 @@ class Swarm:
         ip = lab.hosts[self.coordinator]
         # a flag beside its value, a few to a line, reads as a command line (fmt: skip below)
         coord_cmd = [
-            *lab.prefix(self.coordinator), sys.executable, "-m", "fusionllm", "coordinator", *spec.job_args,
+            "coordinator", *spec.job_args,
             "--run", "testbed", "--min-peers", str(len(peers)), "--host-maddrs", f"/ip4/{ip}/tcp/0",
             "--identity", str(spec.work / "coordinator.key"), "--status-port", "0",
             "--run-dir", str(spec.work / "run"), "--spot-check", "0", "--rebalance-every", "0",
             "--checkpoint-every", "0", "--compression", spec.compression, "--peer-wait", "180",
         ]  # fmt: skip
         env = self._env(**{PLAN_VAR: str(spec.plan_file)})
-        coord = _Proc("coordinator", coord_cmd, env, spec.work / "coordinator.log")
+        coord = _Proc("coordinator", coord_cmd, env, spec.work / "coordinator.log", lab.ns[self.coordinator])
         self.procs.append(coord)
         join = coord.wait_line(_JOIN, 180).group(1).split()
         for h in peers:
             # a flag beside its value, as on a command line (fmt: skip below)
             cmd = [
-                *lab.prefix(h), sys.executable, "-m", "fusionllm", "join", *join, "--threads", "1",
+                "join", *join, "--threads", "1",
                 "--throttle", f"{spec.throttles[h]:.4f}", "--identity", str(spec.work / f"{h}.key"),
                 "--host-maddrs", f"/ip4/{lab.hosts[h]}/tcp/0",
             ]  # fmt: skip
-            self.procs.append(_Proc(h, cmd, self._env(**{DELAY_VAR: spec.delays.get(h, "")}), spec.work / f"{h}.log"))
+            env = self._env(**{DELAY_VAR: spec.delays.get(h, "")})
+            self.procs.append(_Proc(h, cmd, env, spec.work / f"{h}.log", lab.ns[h]))
         try:
             code = coord.popen.wait(spec.timeout_s)
         except subprocess.TimeoutExpired:
@@ -188,15 +200,18 @@ class Swarm:
 
 
 def strays(work: Path) -> list[int]:
-    """Processes still running that a run in ``work`` (or a folder in it) started: its
-    mark in their environment, which the DHT child and the p2p daemon inherit."""
-    mark = f"{WORK_VAR}={work}".encode()
+    """Processes still running that a run in ``work`` (or a folder in it) started: their
+    working directory is in it (the DHT child and the p2p daemon inherit it), or its
+    mark is in their environment (a process started fresh, and the p2p daemon)."""
+    mark, inside = f"{WORK_VAR}={work}".encode(), os.path.realpath(work)
     found = []
     for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
         try:
+            cwd = os.readlink(f"/proc/{pid}/cwd")
             with open(f"/proc/{pid}/environ", "rb") as f:
-                if any(entry.startswith(mark) for entry in f.read().split(b"\0")):
-                    found.append(pid)
+                marked = any(entry.startswith(mark) for entry in f.read().split(b"\0"))
         except OSError:
             continue
+        if marked or cwd == inside or cwd.startswith(inside + os.sep):
+            found.append(pid)
     return found
