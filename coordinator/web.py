@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_PORT = 8470
 #: snapshot bytes the page's process may leave unread before the next are skipped
 MAX_UNREAD = 8 << 20
-#: how long closing waits for the page's process to end on its own before it is killed
+#: how long closing waits for the page's process to end (told by its input's end and SIGTERM) before SIGKILL
 CLOSE_WAIT_S = 2.0
 
 

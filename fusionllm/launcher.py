@@ -52,6 +52,7 @@ CLONE_NEWNET = 0x40000000  # setns(2)'s flag for a network namespace
 #: in a forked command's environment: {"pid": the zygote, "fd": the command's own
 #: connection to it, "pools": the zygote's IMPORT_TIME_ENV values}
 ZYGOTE_ENV = "FUSIONLLM_ZYGOTE"
+ZYGOTE_MODULE = "fusionllm.zygote"  # its command line, which each command it forks shows too
 ROOT = str(Path(__file__).resolve().parent.parent)
 
 
@@ -315,7 +316,7 @@ class Launcher:
 
 def _start_zygote(env: dict[str, str], theirs: socket.socket) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "fusionllm.zygote", str(theirs.fileno())],
+        [sys.executable, "-m", ZYGOTE_MODULE, str(theirs.fileno())],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -327,7 +328,8 @@ def _start_zygote(env: dict[str, str], theirs: socket.socket) -> subprocess.Pope
 
 def enter_netns(name: str) -> None:
     """Move this (single-threaded) process into the network namespace ``name`` of ``ip
-    netns`` (``/run/netns/NAME``), as ``ip netns exec`` does for a command it starts;
+    netns`` (``/run/netns/NAME``): the network namespace only (``ip netns exec`` also
+    remounts ``/sys`` and binds ``/etc/netns/NAME``'s files, which nothing here reads);
     OSError (one line) where it cannot (no such namespace, not root)."""
     import ctypes
 
@@ -337,10 +339,11 @@ def enter_netns(name: str) -> None:
         fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
     except FileNotFoundError:
         raise OSError(f"no network namespace {name} (/run/netns/{name})") from None
+    except OSError as exc:
+        raise OSError(f"cannot open network namespace {name}: {exc.strerror}") from None
     try:
         if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"cannot enter network namespace {name}: {os.strerror(err)}")
+            raise OSError(f"cannot enter network namespace {name}: {os.strerror(ctypes.get_errno())}")
     finally:
         os.close(fd)
 

@@ -92,8 +92,9 @@ def _hang_up(conns: list[socket.socket], asked: dict[int, socket.socket | None],
 
 
 def _become(request: dict[str, Any], fds: list[int], conn: socket.socket) -> None:
-    """In a fresh fork: the session, streams, environment and state of a new process,
-    and its own connection to the zygote (``ZYGOTE_ENV``)."""
+    """In a fresh fork: the session, network namespace, streams, environment and state
+    of a new process, and its own connection to the zygote (``ZYGOTE_ENV``; none in
+    another namespace)."""
     import random
 
     os.setsid()
@@ -112,7 +113,11 @@ def _become(request: dict[str, Any], fds: list[int], conn: socket.socket) -> Non
     os.environ.clear()
     os.environ.update(request["env"])
     fd = conn.detach()
-    os.environ[ZYGOTE_ENV] = json.dumps({"pid": os.getppid(), "fd": fd, "pools": pools})
+    if request.get("netns"):  # what it starts must run in its namespace: a zygote of its own there, not ours
+        os.close(fd)
+        os.environ.pop(ZYGOTE_ENV, None)
+    else:
+        os.environ[ZYGOTE_ENV] = json.dumps({"pid": os.getppid(), "fd": fd, "pools": pools})
     os.chdir(request["cwd"])
     for entry in reversed(request["env"].get("PYTHONPATH", "").split(os.pathsep)):
         if entry and entry not in sys.path:

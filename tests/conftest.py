@@ -13,7 +13,7 @@ from pathlib import Path
 import hypothesis  # noqa: F401
 import pytest
 
-from fusionllm.launcher import Launcher
+from fusionllm.launcher import ZYGOTE_MODULE, Launcher
 from fusionllm.reaper import start_reaper
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,7 +82,7 @@ def stray_commands() -> list[str]:
     out = []
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = p.info["cmdline"] or []
-        ours = "fusionllm.zygote" in cmd or ("join" in cmd and "fusionllm" in " ".join(cmd))
+        ours = ZYGOTE_MODULE in cmd or ("join" in cmd and "fusionllm" in " ".join(cmd))
         if ours and p.info["pid"] not in mine and of_this_session(p.info["pid"]):
             out.append(" ".join(cmd))
     return out

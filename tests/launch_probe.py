@@ -18,7 +18,10 @@ def nest(sleep_s: str) -> None:
     launcher = Launcher(env)
     inner = launcher.spawn(["7", sleep_s], module="tests.launch_probe", env=env, text_stdout=True)
     line = json.loads(inner.stdout.readline())
-    print(json.dumps({"own_zygote": launcher.zygote_pid, "inner": line, "ppid": os.getppid()}), flush=True)
+    netns = os.stat("/proc/self/ns/net").st_ino
+    print(
+        json.dumps({"own_zygote": launcher.zygote_pid, "inner": line, "ppid": os.getppid(), "netns": netns}), flush=True
+    )
     print(json.dumps({"inner_code": inner.wait()}), flush=True)
     launcher.close()
 

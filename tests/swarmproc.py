@@ -36,6 +36,7 @@ class Proc:
         netns: str | None = None,
     ) -> None:
         env = {**os.environ, **BASE_ENV, **(env or {})}
+        assert not (prefix and netns), "a prefix or a namespace, not both"
         self.args = args
         self.popen: Started
         if prefix:  # e.g. ip netns exec NS (it execs): a fresh interpreter inside

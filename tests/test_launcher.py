@@ -61,34 +61,29 @@ def test_a_forked_command_is_a_process_of_its_own(tmp_path: Path, monkeypatch: p
 @pytest.mark.parametrize("forked", [True, False], ids=["forked", "fresh"])
 def test_a_command_runs_in_the_network_namespace_it_is_given(forked: bool) -> None:
     """``netns``: the fork enters the namespace before the command runs (a fresh start
-    runs under ``ip netns exec``); a namespace that is not there is one line, exit 2,
-    and the command never runs (in this namespace or any)."""
+    runs under ``ip netns exec``), and what it starts in turn runs there too (a zygote
+    of its own, not the one outside); a namespace that is not there is one line, exit
+    2, and the command never runs."""
     name = f"flz{os.getpid() % 100000}{'f' if forked else 'x'}"
     subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True)
-    zygote = Launcher({**os.environ, **BASE_ENV}) if forked else None
     env = _env(PROBE="yes") if forked else _env(PROBE="yes", OMP_NUM_THREADS="2")  # other settings: fresh
     try:
-        expected = os.stat(f"/run/netns/{name}").st_ino
-        proc = (zygote or launcher()).spawn(["0"], module=PROBE, env=env, text_stdout=True, netns=name)
+        inside = os.stat(f"/run/netns/{name}").st_ino
+        proc = launcher().spawn(["nest", "0"], module=PROBE, env=env, text_stdout=True, netns=name)
         assert proc.stdout is not None
-        me = json.loads(proc.stdout.readline())
-        assert isinstance(proc, Child) == forked
-        assert me["netns"] == expected != os.stat("/proc/self/ns/net").st_ino and proc.wait(30) == 0
-        r = (zygote or launcher()).run(["0"], module=PROBE, env=env, timeout=30)
-        assert r.returncode == 0 and json.loads(r.stdout)["netns"] != expected  # none named: ours
+        nested = json.loads(proc.stdout.readline())
+        assert isinstance(proc, Child) == forked and nested["own_zygote"] is not None
+        assert nested["netns"] == nested["inner"]["netns"] == inside != os.stat("/proc/self/ns/net").st_ino
+        assert proc.wait(60) == 0
+        r = launcher().run(["0"], module=PROBE, env=env, timeout=30)
+        assert r.returncode == 0 and json.loads(r.stdout)["netns"] != inside  # none named: ours
     finally:
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
-        if zygote is not None:
-            zygote.close()
     if forked:  # the namespace is gone now
-        z = Launcher({**os.environ, **BASE_ENV})
-        try:
-            with tempfile.TemporaryFile() as out:
-                assert z.spawn(["0"], module=PROBE, env=env, netns=name, stdout=out.fileno()).wait(30) == 2
-                out.seek(0)
-                said = out.read().decode()
-        finally:
-            z.close()
+        with tempfile.TemporaryFile() as out:
+            assert launcher().spawn(["0"], module=PROBE, env=env, netns=name, stdout=out.fileno()).wait(30) == 2
+            out.seek(0)
+            said = out.read().decode()
         assert said == f"fusionllm: error: no network namespace {name} (/run/netns/{name})\n", said
 
 

@@ -13,10 +13,12 @@ import pytest
 
 from coordinator import pinned
 from coordinator.planning import Planner
+from fusionllm.launcher import Child
 from fusionllm.testbed import PRESET_NAMES, lab, report, topo
 from fusionllm.testbed.swarm import parse_summary, strays
 from fusionllm.usage import UsageError
 from protocol.wire.messages import Advert
+from tests.conftest import BASE_ENV, launcher
 
 WHY_NOT = lab.missing()
 needs_root = pytest.mark.skipif(bool(WHY_NOT), reason=f"the testbed needs namespaces: {WHY_NOT}")
@@ -169,9 +171,10 @@ def test_a_machine_without_namespaces_or_a_bad_topology_is_one_line(monkeypatch:
         cmd.run_testbed("no-such-topology", ["opfence"])
 
 
-def test_strays_finds_only_processes_with_the_runs_mark(tmp_path: Path) -> None:
-    """A run's process is one working in its folder (a forked one) or carrying its mark
-    (one started fresh, the p2p daemon); another folder's, or one with neither, is not."""
+def test_strays_finds_the_runs_marked_and_forked_processes_only(tmp_path: Path) -> None:
+    """A run's process is one carrying its mark (started fresh; the p2p daemon) or one
+    forked from a zygote working in its folder; another folder's is not, nor a process
+    in the folder that no zygote forked (a shell reading the logs)."""
     import subprocess
     import sys
 
@@ -180,11 +183,17 @@ def test_strays_finds_only_processes_with_the_runs_mark(tmp_path: Path) -> None:
     (tmp_path / "run" / "a").mkdir(parents=True)
     (tmp_path / "other").mkdir()
     sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
-    env = {k: v for k, v in os.environ.items() if k != WORK_VAR}
+    env = {**{k: v for k, v in os.environ.items() if k != WORK_VAR}, **BASE_ENV}
     assert strays(tmp_path / "run") == []
+    forked = launcher().spawn(
+        ["0", "60"], module="tests.launch_probe", env=env, cwd=tmp_path / "run" / "a", text_stdout=True
+    )
+    assert isinstance(forked, Child) and forked.stdout is not None
+    assert forked.stdout.readline()  # it runs (in its folder)
     procs = [
-        subprocess.Popen(sleep, cwd=tmp_path / "run" / "a", env=env),
+        forked,
         subprocess.Popen(sleep, cwd=tmp_path / "other", env={**env, WORK_VAR: str(tmp_path / "run")}),
+        subprocess.Popen(sleep, cwd=tmp_path / "run" / "a", env=env),  # in the folder, no zygote's
         subprocess.Popen(sleep, cwd=tmp_path / "other", env=env),
     ]
     try:

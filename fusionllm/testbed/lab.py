@@ -86,10 +86,6 @@ class Lab:
         self.ns = {h: f"{PREFIX}{self.tag}{'c' if i == 0 else f'h{i}'}" for i, h in enumerate(self.hosts)}
         self.made: list[str] = []
 
-    def prefix(self, host: str) -> list[str]:
-        """The command prefix that runs a process on ``host``."""
-        return ["ip", "netns", "exec", self.ns[host]]
-
     def build(self) -> None:
         try:
             self._make(self.hub)

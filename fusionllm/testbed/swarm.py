@@ -6,7 +6,7 @@ read for the numbers the report needs. Each process leads its own process group,
 are forked from a warm zygote into their namespaces (``Launcher.spawn(netns=)``):
 five fresh interpreters a run cost 3 CPU-seconds of imports each. Each runs in the
 run's work folder, which is how ``strays`` finds it (a forked process's environment
-in ``/proc`` is the zygote's; the p2p daemon's carries the run's mark too)."""
+in ``/proc`` is the zygote's; the p2p daemon's carries the run's mark)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fusionllm.launcher import Launcher, Started
+from fusionllm.launcher import ZYGOTE_MODULE, Launcher, Started
 from fusionllm.testbed.lab import Lab
 from protocol.net.delay import ENV_VAR as DELAY_VAR
 
@@ -168,7 +168,7 @@ class Swarm:
         try:
             code = coord.popen.wait(spec.timeout_s)
         except subprocess.TimeoutExpired:
-            raise RuntimeError(f"the run took over {spec.timeout_s:.0f} s: {coord.tail()}") from None
+            raise RuntimeError(f"the run took over {spec.timeout_s:g} s: {coord.tail()}") from None
         coord._reader.join(5)
         if code != 0:
             raise RuntimeError(f"the coordinator exited with {code}: {coord.tail()}")
@@ -188,7 +188,7 @@ class Swarm:
             p.kill(signal.SIGKILL)
             p.popen.wait()
         self.procs.clear()
-        # what left the groups (the p2p daemon leads its own): found by the run's mark
+        # what left the groups: found by the run's mark, or by the folder it works in
         deadline = time.monotonic() + grace
         while (left := strays(self.spec.work)) and time.monotonic() < deadline:
             for pid in left:
@@ -200,18 +200,21 @@ class Swarm:
 
 
 def strays(work: Path) -> list[int]:
-    """Processes still running that a run in ``work`` (or a folder in it) started: their
-    working directory is in it (the DHT child and the p2p daemon inherit it), or its
-    mark is in their environment (a process started fresh, and the p2p daemon)."""
+    """Processes still running that a run in ``work`` (or a folder in it) started: its
+    mark in their environment (a process started fresh, and the p2p daemon), or forked
+    from a zygote (the commands and their DHT children) and working in that folder. (A
+    shell or an editor in the folder is neither.)"""
     mark, inside = f"{WORK_VAR}={work}".encode(), os.path.realpath(work)
     found = []
     for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
         try:
-            cwd = os.readlink(f"/proc/{pid}/cwd")
             with open(f"/proc/{pid}/environ", "rb") as f:
                 marked = any(entry.startswith(mark) for entry in f.read().split(b"\0"))
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                forked = ZYGOTE_MODULE.encode() in f.read().split(b"\0")
+            cwd = os.readlink(f"/proc/{pid}/cwd")
         except OSError:
             continue
-        if marked or cwd == inside or cwd.startswith(inside + os.sep):
+        if marked or (forked and inside != os.sep and (cwd == inside or cwd.startswith(inside + os.sep))):
             found.append(pid)
     return found
