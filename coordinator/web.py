@@ -126,9 +126,9 @@ class StatusServer:
         if proc is None:
             return
         if proc.stdin is not None:
-            proc.stdin.close()  # its end of input ends it (and it, should we be killed)
+            proc.stdin.close()  # its end of input (what ends it should we be killed)
         with contextlib.suppress(ProcessLookupError):
-            # and now: a page process niced behind a busy run's peers may still be importing
+            # and SIGTERM now: niced behind a busy run's peers it may get no CPU for seconds
             # (every run's end waited the whole CLOSE_WAIT_S for it); what it serves is over
             proc.terminate()
         try:
