@@ -18,7 +18,7 @@
   best of 10), the median of 5 such runs in this process (``..._runs`` lists them).
   Such a message travels payload first (``protocol.net.payload_first``): each side
   hashes it a ``HASH_STEP`` at a time while the rest is on the wire, so on the path
-  are the last step's hashing on each side, signing its head over the digest
+  are the hashing of its last ``HASH_TAIL`` bytes on each side, signing its head over the digest
   (Ed25519) and checking the head's signature and the digest's value
   (``sign_verify_ms_4mib``); ``stream_hash_ms_4mib`` is the whole hashing, and
   ``sign_verify_fraction_if_hashed_after`` the fraction had it been a pass of its
@@ -51,7 +51,7 @@ from p2p import transport_pair  # noqa: E402
 
 from protocol.trust.identity import Identity  # noqa: E402
 from protocol.wire.codecs import Codec, decode, encode_parts  # noqa: E402
-from protocol.wire.encoding import HASH_STEP, Link, encode_values  # noqa: E402
+from protocol.wire.encoding import HASH_TAIL, Link, encode_values  # noqa: E402
 from protocol.wire.envelope import Sealer  # noqa: E402
 from protocol.wire.gate import Gate  # noqa: E402
 from protocol.wire.messages import Activations  # noqa: E402
@@ -177,8 +177,8 @@ def sign_verify_figures(sizes: Sizes) -> dict[str, object]:
     runs = []
     for _ in range(sizes.runs):
         hashed = stream_hash_seconds(sizes)
-        # the last HASH_STEP is hashed after it lands, on each side, before the head can go or be checked
-        sv = sign_verify_seconds(sizes) + 2 * hashed * min(1.0, HASH_STEP / sizes.message)
+        # the last HASH_TAIL bytes are hashed after they land, on each side, before the head can go or be checked
+        sv = sign_verify_seconds(sizes) + 2 * hashed * min(1.0, HASH_TAIL / sizes.message)
         runs.append((sv, hashed, asyncio.run(_transfer_seconds(sizes))))
     fractions = [sv / transfer for sv, _, transfer in runs]
     sv, hashed, transfer = sorted(runs, key=lambda r: r[0] / r[2])[len(runs) // 2]

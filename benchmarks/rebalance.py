@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import re
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +58,10 @@ SHORT_SIM_MODEL = "n_layer=2,n_embd=1024,n_head=16"
 SHORT_SIM_PEERS, SHORT_SIM_REGIONS = 200, 10
 SIM_ITERATIONS = 20_000
 SIM_CHURN = 40
+#: the full mode's simulations run this many at a time, after the live runs (one
+#: re-plan of the 1,000 peers takes ~10 s here since OP-Fence tries each boundary of a
+#: replicated grouping one position either way, 1340438: ~3,000 CPU-s in all)
+SIM_JOBS = 2
 MODEL: list[str] = []
 
 
@@ -142,10 +148,9 @@ def _ideal(tmp: Path, steps: int, slow_index: int) -> float:
     return rate
 
 
-def _sim(seeds: int, events: int, model: str = SIM_MODEL, peers: int = 1000) -> dict[str, Any]:
-    """Mean goodput of each policy over ``seeds`` churn seeds (see the module's text) on
-    ``internet-1k`` (or, ``peers`` fewer, the same generator's smaller internet)."""
-    from coordinator.plan_options import POLICIES
+def _goodput(task: tuple[int, str, int, str, int]) -> float:
+    """One simulation: (churn seed, policy, events, model, peers) -> its goodput."""
+    seed, policy, events, model, peers = task
     from fusionllm.cli import build_parser
     from fusionllm.plan_cmds import _costs, _options, _topology, churn_events
     from sim.engine import simulate
@@ -154,23 +159,36 @@ def _sim(seeds: int, events: int, model: str = SIM_MODEL, peers: int = 1000) -> 
 
     model_flags = ["--model", "zoo.gpt:gpt2", "--model-args", model]
     scale = ["--iterations", str(SIM_ITERATIONS), "--churn", str(events)]
-    argv = ["sim", "--topology", "internet-1k", *model_flags, *scale]
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(["sim", "--topology", "internet-1k", *model_flags, *scale])
     costs, options = _costs(args), _options(args)
     topo = _topology(args.topology) if peers == 1000 else parse(internet(peers, SHORT_SIM_REGIONS, 1), "internet")
+    churn, held = churn_events(topo, SIM_ITERATIONS, events, seed)
+    return simulate(costs, topo, "opfence", options, SIM_ITERATIONS, churn, held_out=held, policy=policy).goodput
+
+
+def _sim(seeds: int, events: int, model: str = SIM_MODEL, peers: int = 1000, jobs: int = 1) -> dict[str, Any]:
+    """Mean goodput of each policy over ``seeds`` churn seeds (see the module's text) on
+    ``internet-1k`` (or, ``peers`` fewer, the same generator's smaller internet), the
+    simulations ``jobs`` at a time in processes of their own (each is deterministic:
+    how many run at once changes its time, not its figures)."""
+    from coordinator.plan_options import POLICIES
+
+    tasks = [(seed, policy, events, model, peers) for seed in range(seeds) for policy in POLICIES]
+    if jobs > 1:
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            results = list(pool.map(_goodput, tasks))
+    else:
+        results = [_goodput(t) for t in tasks]
     goodput: dict[str, list[float]] = {p: [] for p in POLICIES}
-    for seed in range(seeds):
-        churn, held = churn_events(topo, SIM_ITERATIONS, events, seed)
-        for policy in POLICIES:
-            r = simulate(costs, topo, "opfence", options, SIM_ITERATIONS, churn, held_out=held, policy=policy)
-            goodput[policy].append(r.goodput)
+    for (_, policy, *_rest), g in zip(tasks, results):
+        goodput[policy].append(g)
     mean = {p: round(sum(v) / len(v), 3) for p, v in goodput.items()}
     return {
         "goodput_policy": mean["rebalance"],
         "goodput_no_rebalance": mean["none"],
         "goodput_restart_only": mean["restart"],
         "seeds": seeds,
-        "peers": len(topo.peers),
+        "peers": peers,
         "churn_events": events,
         "per_seed": {p: [round(x, 3) for x in v] for p, v in goodput.items()},
     }
@@ -187,6 +205,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="fusionllm-rebalance-") as d:
         run = _slowed_run(Path(d) / "slowed", steps)
         ideal = _ideal(Path(d) / "ideal", _settled() + 40, int(run["slow_index"]))
+    sim = _sim(1, 3, SHORT_SIM_MODEL, SHORT_SIM_PEERS) if args.short else _sim(4, SIM_CHURN, jobs=SIM_JOBS)
     out: dict[str, Any] = {
         "tokens_per_s_before": round(run["before"]),
         "tokens_per_s_slowed": round(run["slowed"]),
@@ -194,7 +213,7 @@ def main() -> None:
         "ideal_after": round(ideal),
         "recovery_vs_ideal": round(run["after"] / ideal, 3),
         "replan_s": None if run["replan_s"] is None else round(run["replan_s"], 2),  # None: never rebalanced
-        "sim_1000_peers": _sim(1, 3, SHORT_SIM_MODEL, SHORT_SIM_PEERS) if args.short else _sim(4, SIM_CHURN),
+        "sim_1000_peers": sim,
     }
     if args.short:
         out["short"] = True

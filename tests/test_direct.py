@@ -16,10 +16,10 @@ from p2p import transport_pair
 
 from protocol.net.direct import ANSWER, CHALLENGE_BYTES, MAC_BYTES, MAGIC, OFFER, Direct, answer_mac, mac
 from protocol.net.direct_io import DirectReader
-from protocol.net.payload_first import PAYLOAD_FIRST_MIN
+from protocol.net.payload_first import PAYLOAD_FIRST_MIN, pieces
 from protocol.net.streams import PAYLOAD_FIRST, PAYLOAD_SIZE
 from protocol.net.transport import LANE_THRESHOLD, MSG_PROTOCOL, Transport
-from protocol.wire.encoding import READ_CHUNK, encode_values, read_growing
+from protocol.wire.encoding import HASH_STEP, HASH_TAIL, READ_CHUNK, encode_values, next_stop, read_growing
 from protocol.wire.envelope import HEAD, Sealer, payload_digest
 from protocol.wire.messages import Activations
 from protocol.wire.reject import Reject
@@ -132,6 +132,35 @@ def test_a_muted_senders_direct_streams_are_cut() -> None:
             assert not b.direct._incoming.get(a.peer_id)
 
     asyncio.run(go())
+
+
+def test_only_the_last_hash_tail_is_hashed_after_a_payload_lands() -> None:
+    """Each side hashes a payload-first payload a step at a time while the rest is on
+    the wire; the last step is ``HASH_TAIL`` bytes, whatever the step, so that is all
+    that is hashed between the last byte and the head (sealed or checked)."""
+    step, size = HASH_STEP, 4 * HASH_STEP + 1000
+    stops, done = [], 0
+    while done < size:
+        done = next_stop(done, size, step)
+        stops.append(done)
+    assert stops == [step, 2 * step, 3 * step, 4 * step + 1000 - HASH_TAIL, size]
+    assert next_stop(0, 100, 4) == 100, "a payload under HASH_TAIL is one step"
+    sent = pieces([memoryview(bytearray(size))], step)
+    assert [len(p) for p in sent] == [b - a for a, b in zip([0, *stops], stops)]
+
+    async def go() -> list[int]:
+        reader = DirectReader()
+
+        async def filled() -> list[int]:
+            return [n async for n in reader.fill(memoryview(bytearray(size)), step)]
+
+        task = asyncio.ensure_future(filled())
+        for piece in sent:  # the receiver yields where the sender's pieces end
+            await asyncio.sleep(0)
+            reader.feed_data(bytes(piece))
+        return await task
+
+    assert asyncio.run(go()) == stops
 
 
 @pytest.mark.parametrize("early", [0, 5, 12])

@@ -12,10 +12,11 @@ from pathlib import Path
 import hypothesis.strategies as st
 import pytest
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import HealthCheck, given, settings
 
 from peer.checks import PlanChecks
-from protocol.trust.identity import Identity, IdentityError, check_record, sign_record
+from protocol.trust.identity import Identity, IdentityError, check_record, sign_record, verify
 from protocol.wire.codecs import Codec
 from protocol.wire.encoding import Frame, Link, encode_values
 from protocol.wire.envelope import HEAD, Sealer, head_length
@@ -261,6 +262,21 @@ def test_signed_records_detect_any_change() -> None:
     for field, value in (("peer_id", BOB), ("flops", 2e9), ("pubkey", KEY_B.public_hex)):
         with pytest.raises(IdentityError):
             check_record({**rec, field: value})
+
+
+def test_signatures_are_plain_ed25519_both_ways() -> None:
+    """Signing and checking go through libsodium; keys are kept with ``cryptography``:
+    each accepts the other's signatures, and a changed byte, key or length is refused."""
+    data = b"a head" * 60
+    KEY_A.public_key.verify(KEY_A.sign(data), data)  # OpenSSL accepts libsodium's (raises if not)
+    other = Ed25519PrivateKey.generate()
+    assert verify(other.public_key(), other.sign(data), data)
+    sig = KEY_A.sign(data)
+    assert verify(KEY_A.public_key, sig, data)
+    assert not verify(KEY_A.public_key, sig, data[:-1] + b"X")
+    assert not verify(KEY_B.public_key, sig, data)
+    assert not verify(KEY_A.public_key, sig[:-1], data)
+    assert not verify(KEY_A.public_key, bytes(64), data)
 
 
 # ------------------------------------------------------------------ fuzz

@@ -11,6 +11,8 @@ import contextlib
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+from protocol.wire.encoding import next_stop
+
 #: a stream's own buffer (asyncio pauses reading above twice this); bytes that
 #: ``fill`` takes bypass it
 READ_LIMIT = 1 << 22
@@ -73,7 +75,7 @@ class DirectReader(asyncio.StreamReader):
 
     async def fill(self, view: memoryview, step: int) -> AsyncIterator[int]:
         """Fill ``view`` with the stream's next bytes, yielding how many it holds each
-        time ``step`` more have landed, and at the end (``IncompleteReadError`` where the
+        time ``step`` more have landed (``encoding.next_stop``), and at the end (``IncompleteReadError`` where the
         stream ends first). Bytes land in ``view`` while the caller works on those yielded."""
         buffered = self._buffer  # type: ignore[attr-defined]
         n = min(len(buffered), len(view))
@@ -84,7 +86,7 @@ class DirectReader(asyncio.StreamReader):
         self._target, self._filled, self._step = view, n, step
         try:
             while True:
-                self._next = min(len(view), (self._filled // step + 1) * step)
+                self._next = next_stop(self._filled, len(view), step)
                 if self._filled < self._next and not self._eof and self._exception is None:  # type: ignore[attr-defined]
                     self._landed = asyncio.get_running_loop().create_future()
                     await self._landed

@@ -23,7 +23,7 @@ from blake3 import blake3
 from protocol.net.budget import ByteBudget
 from protocol.net.outgoing import Outgoing
 from protocol.net.streams import PAYLOAD_FIRST, PAYLOAD_SIZE, read_frame_head, read_payload
-from protocol.wire.encoding import HASH_STEP, THREADED_HASH_MIN
+from protocol.wire.encoding import HASH_STEP, HASH_TAIL, THREADED_HASH_MIN, next_stop
 from protocol.wire.envelope import HEAD, Envelope
 from protocol.wire.gate import Gate
 from protocol.wire.messages import Message
@@ -35,11 +35,21 @@ PIECE = 4 << 20  # hashed on another thread while it is written (``THREADED_HASH
 
 
 def pieces(chunks: list[memoryview], size: int = PIECE) -> list[memoryview]:
-    """``chunks`` cut into pieces of at most ``size`` bytes, in order."""
+    """``chunks`` cut, in order, into pieces that end where ``encoding.next_stop``
+    ends a hashing step of ``size`` (and where a chunk ends): at most ``size`` bytes
+    each, the last ``HASH_TAIL`` bytes pieces of their own."""
+    flats = [c.cast("B") if c.format != "B" or c.ndim != 1 else c for c in chunks]
+    total = sum(len(f) for f in flats)
     out: list[memoryview] = []
-    for chunk in chunks:
-        flat = chunk.cast("B") if chunk.format != "B" or chunk.ndim != 1 else chunk
-        out += [flat[i : i + size] for i in range(0, len(flat), size)]
+    done, stop = 0, next_stop(0, total, size)
+    for flat in flats:
+        i = 0
+        while i < len(flat):
+            n = min(len(flat) - i, stop - done)
+            out.append(flat[i : i + n])
+            i, done = i + n, done + n
+            if done == stop:
+                stop = next_stop(done, total, size)
     return out
 
 
@@ -59,7 +69,7 @@ async def send(writer: asyncio.StreamWriter, out: Outgoing, direct: bool) -> int
     threaded = total >= THREADED_HASH_MIN
     for piece in pieces(chunks, PIECE if threaded else HASH_STEP):
         writer.write(piece)  # on its way while it is hashed
-        if not threaded:
+        if not threaded or len(piece) <= HASH_TAIL:  # (a thread's hand-off costs more than the tail)
             digest.update(piece)
             continue
         hashing = asyncio.ensure_future(asyncio.to_thread(digest.update, piece))  # BLAKE3 lets go of the GIL

@@ -32,6 +32,11 @@ READ_CHUNK = 1 << 22
 #: thread's hand-off costs more than hashing a smaller one where it is)
 THREADED_HASH_MIN = 8 << 20
 HASH_STEP = 1 << 18  # below it, each step is hashed once it has landed, while the next lands
+#: a payload's last bytes are hashed after the last of them lands (or is written), on
+#: each side, before its head can be checked (or sealed): the step before them ends
+#: this far from the end (``next_stop``), so what stands on the critical path is a
+#: hash of at most this many bytes, not a whole step's (10 us here, not 40)
+HASH_TAIL = 1 << 16
 _HEAD = struct.Struct(">4sI")
 
 DTYPES: dict[str, torch.dtype] = {
@@ -423,6 +428,13 @@ async def _read_chunks(
     return memoryview(payload)
 
 
+def next_stop(done: int, size: int, step: int) -> int:
+    """Where the hashing step after ``done`` of ``size`` bytes ends: the next multiple
+    of ``step``, or ``HASH_TAIL`` before the end where that comes first, then the end."""
+    tail = size - HASH_TAIL
+    return size if done >= tail else min(tail, (done // step + 1) * step)
+
+
 async def _read_lazily(reader: Any, size: int, on_chunk: Callable[[], None] | None, digest: Any) -> memoryview | None:
     """``read_growing`` for a reader with ``fill``: one buffer of ``size`` bytes
     whose pages the kernel makes resident only as the bytes land in them (what is
@@ -438,7 +450,7 @@ async def _read_lazily(reader: Any, size: int, on_chunk: Callable[[], None] | No
         async for filled in filling:
             if hashing is not None:
                 await hashing
-            if digest is not None and size < THREADED_HASH_MIN:
+            if digest is not None and (size < THREADED_HASH_MIN or filled - hashed <= HASH_TAIL):
                 digest.update(payload[hashed:filled])
             elif digest is not None:  # on another core (BLAKE3 lets go of the GIL) while more lands
                 hashing = asyncio.ensure_future(asyncio.to_thread(digest.update, payload[hashed:filled]))
