@@ -1,5 +1,10 @@
-"""The stage's compute thread: one call at a time, in order, off the event loop, so
-that messages and heartbeats go on while a stage computes."""
+"""The stage's compute: one call at a time, in order. Long calls run on a thread of
+their own, off the event loop, so that messages and heartbeats go on while a stage
+computes; a stage's short, frequent pieces (``inline``) run on the event loop itself
+once such a piece measured under ``INLINE_MAX_S``, and the thread is idle: handing
+each micro-batch's forward and backward to the thread and back cost 4-10 ms a step on
+the demo (the ``handoff`` of the step's breakdown), where the loop is held at most a
+few ms each time."""
 
 from __future__ import annotations
 
@@ -12,28 +17,47 @@ import torch
 
 from peer.throttle import Throttle
 
+#: a piece that last took less than this runs on the event loop (the loop's other work
+#: waits that long at most); one that took longer goes back to the thread
+INLINE_MAX_S = 0.01
+
 
 class Compute:
-    """Runs calls on one thread; ``throttled`` adds the idle time the throttle asks for."""
+    """Runs calls one at a time, in order; ``throttled`` adds the idle time the throttle asks for."""
 
     def __init__(self, device: torch.device, throttle: Throttle) -> None:
         self.device = device
         self.throttle = throttle
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
+        self._on_thread = 0  # calls handed to the thread and not back yet
+        self._last: dict[str, float] = {}  # an inline kind of piece -> the seconds it last took
 
     async def run(self, fn: Any, *args: Any) -> Any:
         """``fn(*args)`` on the compute thread (one at a time, in order)."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        self._on_thread += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        finally:
+            self._on_thread -= 1
 
-    async def timed(self, fn: Any, *args: Any) -> tuple[Any, float]:
-        """``fn(*args)`` on the compute thread and the seconds it took, its GPU work included."""
-        return await self.run(_timed, self.device, fn, *args)
+    async def timed(self, fn: Any, *args: Any, inline: str | None = None) -> tuple[Any, float]:
+        """``fn(*args)`` and the seconds it took, its GPU work included: on the compute
+        thread, or, for a piece of kind ``inline`` whose last run took under
+        ``INLINE_MAX_S`` while the thread has nothing (so the order of calls holds), on
+        the event loop, which then runs once (as when the thread hands a result back)."""
+        if inline is not None and self._on_thread == 0 and self._last.get(inline, INLINE_MAX_S) < INLINE_MAX_S:
+            out, seconds = _timed(self.device, fn, *args)
+            await asyncio.sleep(0)  # what the piece made ready (its sends) goes on before the next piece
+        else:
+            out, seconds = await self.run(_timed, self.device, fn, *args)
+        if inline is not None:
+            self._last[inline] = seconds
+        return out, seconds
 
-    async def throttled(self, fn: Any, *args: Any) -> tuple[Any, float]:
-        """``fn(*args)`` on the compute thread, then the idle time the throttle asks for
-        (on the event loop: messages and heartbeats go on); the result and the busy
-        seconds (both count)."""
-        out, seconds = await self.timed(fn, *args)
+    async def throttled(self, fn: Any, *args: Any, inline: str | None = None) -> tuple[Any, float]:
+        """``fn(*args)`` (as ``timed``), then the idle time the throttle asks for (on the
+        event loop: messages and heartbeats go on); the result and the busy seconds (both count)."""
+        out, seconds = await self.timed(fn, *args, inline=inline)
         return out, seconds + await self.throttle.idle(seconds)
 
     def shutdown(self) -> None:

@@ -398,12 +398,13 @@ class EpochRunner:
         return asyncio.create_task(self.env.transport.transmit(out))
 
     async def _compute(self, part: str, fn: Any, *args: Any) -> Any:
-        """``fn`` on the compute thread, then the idle time the throttle asks for (on the
-        event loop: messages and heartbeats go on); both count as busy time, and as
+        """``fn`` on the compute thread (or, short, on the loop: ``Compute.timed``), then
+        the idle time the throttle asks for (on the event loop: messages and heartbeats
+        go on); both count as busy time, and as
         ``part``'s; waiting for the thread while a spot check holds it is ``spot_checks``',
         the rest of the wait (handing the work to the thread and back) ``handoff``'s."""
         t0, checked = self.times.clock(), self.spot.seconds
-        out, seconds = await self.env.compute.throttled(fn, *args)
+        out, seconds = await self.env.compute.throttled(fn, *args, inline=part)
         self.busy_s += seconds
         self.times.add(part, seconds)
         self.times.thread_wait(self.times.clock() - t0 - seconds, self.spot.seconds - checked)

@@ -19,7 +19,7 @@ from torch import nn
 from fusionllm.cli import build_parser
 from peer import bench
 from peer.bench import measure_flops
-from peer.compute import Compute
+from peer.compute import INLINE_MAX_S, Compute
 from peer.config import PeerConfig
 from peer.executor import StageExecutor
 from peer.node import PeerNode
@@ -268,3 +268,40 @@ def test_the_benchmark_under_throttle_half_reports_half(monkeypatch: pytest.Monk
     full = measure_flops(device, seconds=1.0)
     assert measure_flops(device, seconds=1.0, throttle=0.5) == pytest.approx(0.5 * full)
     assert measure_flops(device, seconds=1.0, throttle=0.1) == pytest.approx(0.1 * full)
+
+
+def test_short_stage_pieces_run_on_the_loop_long_ones_and_spot_checks_on_the_thread() -> None:
+    """A kind of piece runs on the event loop once it measured under ``INLINE_MAX_S``;
+    one that took longer, and anything handed in while the thread is busy (a spot
+    check), runs on the thread, in the order the calls came."""
+
+    def where() -> int:
+        return threading.get_ident()
+
+    def slow(tag: str) -> int:
+        order.append(tag)
+        time.sleep(INLINE_MAX_S * 2)
+        return threading.get_ident()
+
+    order: list[str] = []
+
+    async def main() -> None:
+        compute = Compute(torch.device("cpu"), Throttle())
+        here = threading.get_ident()
+        try:
+            first, _ = await compute.timed(where, inline="forward")
+            assert first != here, "a kind of piece not measured yet runs on the thread"
+            again, _ = await compute.timed(where, inline="forward")
+            assert again == here, "a short piece runs on the loop"
+            assert (await compute.timed(slow, "long", inline="backward"))[0] != here
+            assert (await compute.timed(slow, "long again", inline="backward"))[0] != here, "a long one stays off it"
+            check = asyncio.ensure_future(compute.timed(slow, "spot check"))
+            await asyncio.sleep(0)
+            queued, _ = await compute.timed(lambda: (order.append("forward"), where())[1], inline="forward")
+            assert queued != here, "with the thread busy, a short piece waits for it there"
+            await check
+            assert order[-2:] == ["spot check", "forward"]
+        finally:
+            compute.shutdown()
+
+    asyncio.run(main())
