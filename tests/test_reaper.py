@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fusionllm.reaper import POLL_S
+from fusionllm.reaper import POLL_S, descendants
 from protocol.net.ports import PortTaken, check_listen_ports
 from tests.conftest import ROOT, run_cli
 from tests.test_swarm import _join_command, _spawn
@@ -380,3 +380,22 @@ def test_a_task_failing_unobserved_is_one_line_not_a_traceback() -> None:
     lines = proc.stderr.strip().splitlines()
     assert "Traceback" not in proc.stderr, proc.stderr
     assert len(lines) == 1 and "never retrieved (in fails)" in lines[0] and "FileNotFoundError" in lines[0], proc.stderr
+
+
+def test_the_watchdog_reads_the_same_descendants_as_psutil_from_the_children_files() -> None:
+    """The watchdog walks ``/proc/PID/task/*/children`` (a few reads) instead of
+    psutil's scan of every process; both see the same tree, grandchildren included."""
+    tree = subprocess.Popen(["bash", "-c", "sleep 30 & (sleep 30 & sleep 31) & wait"], start_new_session=True)
+    try:
+        top = psutil.Process(tree.pid)
+        deadline = time.monotonic() + 5
+        while len(top.children(recursive=True)) < 4 and time.monotonic() < deadline:  # sleep, the subshell, its two
+            time.sleep(0.02)
+        want = {p.pid: p.create_time() for p in top.children(recursive=True)}
+        assert len(want) == 4
+        assert descendants(top, -1) == want
+        left_out = next(iter(want))
+        assert left_out not in descendants(top, left_out), "the watchdog leaves itself out"
+    finally:
+        os.killpg(tree.pid, signal.SIGKILL)
+        tree.wait()
