@@ -180,8 +180,8 @@ def _sim(seeds: int, events: int, model: str = SIM_MODEL, peers: int = 1000, job
     else:
         results = [_goodput(t) for t in tasks]
     goodput: dict[str, list[float]] = {p: [] for p in POLICIES}
-    for (_, policy, *_rest), g in zip(tasks, results):
-        goodput[policy].append(g)
+    for task, g in zip(tasks, results):
+        goodput[task[1]].append(g)
     mean = {p: round(sum(v) / len(v), 3) for p, v in goodput.items()}
     return {
         "goodput_policy": mean["rebalance"],

@@ -34,7 +34,6 @@ class Identity:
     """A private Ed25519 key and its public half."""
 
     def __init__(self, key: Ed25519PrivateKey) -> None:
-        self._key = key
         seed = key.private_bytes_raw()
         self._secret = crypto_sign_seed_keypair(seed)[1]  # libsodium's form of the same key
         self.public_key = key.public_key()
