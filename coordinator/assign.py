@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 
 from coordinator.asking import Pair, deciding_links
 from coordinator.estimator import DagCosts, Plan, predict
-from coordinator.host_share import busy_shares, shared
+from coordinator.host_share import busy_shares, lockstep, shared
 from coordinator.netmodel import Network, PeerProfile
 from coordinator.opdag import OpDag
 from coordinator.opfence import finalists
@@ -100,9 +100,13 @@ def assign(
     network = network_from_adverts(adverts, measured, nat)
     try:
         plans = finalists(costs, peers, network, options)
-        shares = [live_profile(a) for a in shared(adverts, busy_shares(plans[0], micro_batches))]
-        if shares != peers:  # peers on one machine that do not all compute at once: planned again
-            peers, plans = shares, finalists(costs, shares, network, options)
+        busy, together = busy_shares(plans[0], micro_batches), lockstep(plans[0])
+        shares = [live_profile(a) for a in shared(adverts, busy, together)]
+        if shares != peers:  # peers on one machine: planned again as that plan shares it, and alone
+            plans += finalists(costs, shares, network, options)
+            plans += finalists(costs, [live_profile(a) for a in adverts], network, options)
+            ranked = sorted((on_own_share(costs, p, adverts, network, micro_batches) for p in plans), key=_time)
+            plans, peers = [p for p, _ in ranked], ranked[0][1]
     except ScheduleError as exc:
         raise ValueError(str(exc)) from None
     plan, deciding = plans[0], _deciding(costs, plans, peers, network, options)
@@ -111,6 +115,35 @@ def assign(
     if not plan.fits_memory:
         logger.warning("the best plan may not fit the peers' free memory")
     return Assignment(cut=Cut(tuple(plan.cut)), stages=plan.groups, plan=plan, deciding=deciding)
+
+
+def on_own_share(
+    costs: DagCosts,
+    plan: Plan,
+    adverts: list[Advert],
+    network: Network,
+    micro_batches: int,
+    overheads: Overheads = LIVE,
+) -> tuple[Plan, list[PeerProfile]]:
+    """``plan`` predicted with each machine's cores shared as the plan keeps them busy
+    (``host_share``): its peers first all computing at once, then each as often as that
+    predicts it computes, a stage's replicas at the same instants; with the peers so
+    priced. A plan's price depends on the share it leaves each peer, so finalists
+    planned on one plan's shares are compared each on its own."""
+
+    def profiles(divided: list[Advert]) -> list[PeerProfile]:
+        return [live_profile(a, overheads) for a in divided]
+
+    def priced(peers: list[PeerProfile]) -> Plan:
+        return predict(costs, replace(plan), {p.id: p for p in peers}, network, micro_batches)
+
+    first = priced(profiles(shared(adverts)))
+    peers = profiles(shared(adverts, busy_shares(first, micro_batches), lockstep(first)))
+    return priced(peers), peers
+
+
+def _time(priced: tuple[Plan, list[PeerProfile]]) -> float:
+    return priced[0].iteration_s
 
 
 def _deciding(

@@ -14,46 +14,93 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Collection, Mapping
 
-from coordinator.estimator import Plan
+from coordinator.estimator import Plan, dealt
 from protocol.wire.messages import Advert
 
 
-def machine_flops(adverts: list[Advert], busy: dict[str, float] | None = None) -> dict[str, float]:
+def machine_flops(
+    adverts: list[Advert], busy: dict[str, float] | None = None, together: Mapping[str, Collection[str]] | None = None
+) -> dict[str, float]:
     """FLOP/s of each CPU peer whose advert names its machine (``host``, ``host_cores``),
     as that machine delivers it to the peer while all of its peers work at once, or,
-    with ``busy`` (peer -> the share of a step it computes, ``busy_shares``), as often
-    as that says: a machine whose peers' threads, each times its share, fit its cores
-    is not divided."""
+    with ``busy`` (peer -> the share of a step it computes, ``busy_shares``), at the
+    instants the peer computes: its own threads, those of the peers ``together`` says
+    compute with it (its stage's other replicas, ``lockstep``), and every other peer's
+    as often as ``busy`` says (peers missing from it: always); a machine whose threads
+    so asked for fit its cores is not divided."""
     machines: dict[str, list[Advert]] = {}
     for a in adverts:
         if a.host and a.host_cores > 0 and a.device == "cpu":
             machines.setdefault(a.host, []).append(a)
     out: dict[str, float] = {}
     for peers in machines.values():
-        threads = [max(a.cores, 1) for a in peers]
+        threads = {a.peer_id: max(a.cores, 1) for a in peers}
         cores = max(a.host_cores for a in peers)
-        share = min(1.0, cores / sum(t * (busy or {}).get(a.peer_id, 1.0) for a, t in zip(peers, threads)))
-        for a, t in zip(peers, threads, strict=True):
-            out[a.peer_id] = a.flops * min(t, cores) / t * share
+        for a in peers:
+            asked = sum(threads.values()) if busy is None else _asked(a.peer_id, threads, busy, together or {})
+            t = threads[a.peer_id]
+            out[a.peer_id] = a.flops * min(t, cores) / t * min(1.0, cores / asked)
     return out
 
 
-def shared(adverts: list[Advert], busy: dict[str, float] | None = None) -> list[Advert]:
+def _asked(pid: str, threads: dict[str, int], busy: dict[str, float], together: Mapping[str, Collection[str]]) -> float:
+    """The threads of ``pid``'s machine asked for while ``pid`` computes (``machine_flops``):
+    a stage's replicas all of theirs (they compute at the same instants), every other
+    peer its own as often as it computes (a pipeline's stages take turns: on the demo's
+    four one-thread stages the average fit the cores, and the prediction for the compute
+    they delivered was within 8% of the step measured)."""
+    with_it = together.get(pid, ())
+    if not with_it:
+        return sum(t * busy.get(p, 1.0) for p, t in threads.items())
+    return sum(t if p == pid or p in with_it else t * busy.get(p, 1.0) for p, t in threads.items())
+
+
+def shared(
+    adverts: list[Advert], busy: dict[str, float] | None = None, together: Mapping[str, Collection[str]] | None = None
+) -> list[Advert]:
     """``adverts`` with each CPU peer's FLOP/s divided as its machine is (``machine_flops``)."""
-    flops = machine_flops(adverts, busy)
+    flops = machine_flops(adverts, busy, together)
     return [dataclasses.replace(a, flops=flops[a.peer_id]) if a.peer_id in flops else a for a in adverts]
 
 
+def lockstep(plan: Plan) -> dict[str, list[str]]:
+    """Per peer of ``plan``: its stage's other replicas. They are dealt the step's
+    micro-batches in turn and start each at the same instants, so on one machine they
+    ask for its cores at once: on the demo, two stages of two replicas each (every peer
+    busy a fifth of the step on average) computed each micro-batch at half the speed
+    the same peers delivered as a pipeline."""
+    return {p: [q for q in g if q != p] for g in plan.groups for p in g}
+
+
 def busy_shares(plan: Plan, micro_batches: int) -> dict[str, float]:
-    """Per peer of ``plan``: the share of a step its stage computes (its micro-batches
-    times the stage's time per micro-batch, over the predicted step; at most 1). The
-    demo's four one-thread peers computed about a fifth of each step on 2 cores: they
-    did not all work at once, and dividing the cores among them halved them for nothing."""
+    """Per peer of ``plan``: the share of a step it computes (the micro-batches dealt to
+    it times its time per micro-batch, over the predicted step; at most 1). ``stage_s``
+    is a stage's time per micro-batch of the step, its replicas sharing them: each
+    replica takes ``stage_s`` times their number for each of its own. The demo's four
+    one-thread peers computed about a fifth of each step on 2 cores: they did not all
+    work at once, and dividing the cores among them halved them for nothing."""
     if not plan.iteration_s or not math.isfinite(plan.iteration_s):
         return {}
     out = {}
     for group, per_mb in zip(plan.groups, plan.stage_s, strict=False):
-        for p in group:
-            out[p] = min(1.0, per_mb * micro_batches / len(group) / plan.iteration_s)
+        for p, runs in zip(group, dealt(micro_batches, len(group)), strict=True):
+            out[p] = min(1.0, runs * per_mb * len(group) / plan.iteration_s)
+    return out
+
+
+def undivided(adverts: list[Advert], busy: dict[str, float], together: Mapping[str, Collection[str]]) -> list[Advert]:
+    """The inverse of ``shared`` for a plan that kept its peers as busy as ``busy`` says
+    (peers missing from it computed nothing): each of its CPU peers' FLOP/s, read as what its
+    machine delivered to it then (the rebalancer's measured speeds), turned back into
+    its own reading, which ``shared`` divides again for the plan to be priced. On the
+    demo the pipeline's four peers kept 1.3 of the 2 cores busy and delivered their
+    full speed; priced undivided, two replicas of two stages (all four computing at
+    once) were predicted 1.24x faster, and measured 0.82x."""
+    flops = machine_flops(adverts, {a.peer_id: busy.get(a.peer_id, 0.0) for a in adverts}, together)
+    out = []
+    for a in adverts:
+        f = flops.get(a.peer_id, a.flops)
+        out.append(dataclasses.replace(a, flops=a.flops * a.flops / f) if a.peer_id in busy and 0 < f < a.flops else a)
     return out

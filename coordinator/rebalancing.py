@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
-from coordinator import replan
-from coordinator.assign import Assignment, live_profile, network_from_adverts
+from coordinator import host_share, replan
+from coordinator.assign import Assignment, network_from_adverts, on_own_share
 from coordinator.auditing import Auditor
 from coordinator.checkpointing import Checkpoints
-from coordinator.estimator import DagCosts, Plan, predict
+from coordinator.estimator import DagCosts, Plan
 from coordinator.host import Host
 from coordinator.messaging import Mailbox
 from coordinator.opdag import OpDag
@@ -25,6 +26,7 @@ from coordinator.overheads import LIVE, NONE, Overheads
 from coordinator.planning import Planner
 from coordinator.runstate import RunState
 from protocol.model.job import JobSpec
+from protocol.net.clock import Clock
 from protocol.wire.codecs import Codec
 from protocol.wire.messages import Advert, StepDone
 
@@ -47,6 +49,8 @@ class RebalanceRecord:
     # plans a revert undid, each with the speed-up it was undone with: proposed again only
     # when predicted to gain far more (``replan.still_banned``)
     reverted: dict[str, float] = dataclasses.field(default_factory=dict)
+    checked_at: float = -math.inf  # when the last check that planned began (clock seconds)
+    check_cost_s: float = 0.0  # how long it planned (``replan.check_affordable``)
 
 
 class Rebalancer:
@@ -60,6 +64,7 @@ class Rebalancer:
         checkpoints: Checkpoints,
         mailbox: Mailbox,
         auditor: Auditor,
+        clock: Clock,
         on_event: Callable[[str], None],
     ) -> None:
         self.host = host
@@ -71,6 +76,7 @@ class Rebalancer:
         self.checkpoints = checkpoints
         self.mailbox = mailbox
         self.auditor = auditor
+        self.clock = clock
         self.on_event = on_event
         self.record = RebalanceRecord()
         self._costs: DagCosts | None = None
@@ -95,8 +101,22 @@ class Rebalancer:
         def speed(a: Advert) -> float:
             return replan.planning_speed(speeds[a.peer_id], levels.get(a.peer_id, []))
 
-        # a measured speed is what the peer's machine delivered: not to be divided again (host_share)
-        return [dataclasses.replace(a, flops=speed(a), host="") if a.peer_id in speeds else a for a in adverts]
+        delivered = [dataclasses.replace(a, flops=speed(a)) if a.peer_id in speeds else a for a in adverts]
+        # what a peer delivered while the current plan kept its machine's other peers busy:
+        # its own speed again, for each plan to be priced at the share it leaves it (host_share)
+        return host_share.undivided(delivered, self._busy(delivered), host_share.lockstep(self._current()))
+
+    def _busy(self, ads: list[Advert]) -> dict[str, float]:
+        """The current plan's share of a step each of its peers computes, on ``ads``'s
+        speeds as delivered (``host_share.busy_shares``)."""
+        as_delivered = [dataclasses.replace(a, host="") for a in ads]  # no machine divided
+        return host_share.busy_shares(self._predicted_plan(as_delivered), self.job.micro_batches)
+
+    def _current(self) -> Plan:
+        """The current plan, without codecs, for the estimator."""
+        assert self.st.plan is not None
+        bounds = tuple(self.st.plan.cut.boundaries)
+        return Plan(bounds, self.st.plan.stages, [Codec()] * len(bounds))
 
     def record_levels(self) -> None:
         """Each measured peer's recent speed as seen at this check (``replan.level_changes``)."""
@@ -126,6 +146,18 @@ class Rebalancer:
             return revert
         if st.step - self.record.last_rebalance < replan.cooldown_steps(every):
             return None
+        began = self.clock.now()
+        if not replan.check_affordable(began - self.record.checked_at, self.record.check_cost_s):
+            return None
+        try:
+            return self._plan_check()
+        finally:
+            self.record.checked_at, self.record.check_cost_s = began, self.clock.now() - began
+
+    def _plan_check(self) -> Assignment | None:
+        """The planning part of a check: OP-Fence on the measured speeds, and the rule."""
+        st = self.st
+        assert st.plan is not None
         standby = self.planner.standby()
         ads = self.measured([a for p, a in self.host.adverts.items() if p in st.planned or p in standby])
         logger.debug("measured speeds (GFLOP/s): %s", {a.peer_id[-6:]: round(a.flops / 1e9, 2) for a in ads})
@@ -147,7 +179,7 @@ class Rebalancer:
         if undone is not None and replan.still_banned(undone, gain):
             self._said(f"rebalance check at step {st.step}: the plan on measured speeds was tried and undone")
             return None
-        damped = replan.damping([r["step"] for r in st.rebalances], st.step, every)
+        damped = replan.damping([r["step"] for r in st.rebalances], st.step, self.every)
         decision = replan.rebalance(*bare, remaining, move, max(self.record.doubt, damped))
         self._said(f"rebalance check at step {st.step}: {decision.why}")
         if not decision.go:
@@ -204,19 +236,16 @@ class Rebalancer:
         return previous
 
     def _predicted(self, ads: list[Advert], other: Plan | None = None, overheads: Overheads = LIVE) -> float:
+        return self._predicted_plan(ads, other, overheads).iteration_s
+
+    def _predicted_plan(self, ads: list[Advert], other: Plan | None = None, overheads: Overheads = LIVE) -> Plan:
         """The current plan's (or ``other``'s) predicted step time on the measured
         speeds, with the peers' fixed costs ``overheads``."""
-        st = self.st
-        assert st.plan is not None
+        plan = self._current() if other is None else other.bare()
         if self._costs is None:
             self._costs = DagCosts.from_opdag(self.dag)
-        by_id = {a.peer_id: live_profile(a, overheads) for a in ads}
-        bounds = tuple(st.plan.cut.boundaries)
-        plan = Plan(bounds, st.plan.stages, [Codec()] * len(bounds))
-        if other is not None:
-            plan = other.bare()
-        network = network_from_adverts(ads, st.link_mbps, self.planner.behind_nat())
-        return predict(self._costs, plan, by_id, network, self.job.micro_batches).iteration_s
+        network = network_from_adverts(ads, self.st.link_mbps, self.planner.behind_nat())
+        return on_own_share(self._costs, plan, ads, network, self.job.micro_batches, overheads)[0]
 
     def _move_seconds(self) -> float:
         """What moving costs: a checkpoint (measured, or guessed before the first) and

@@ -98,6 +98,19 @@ DELIVERED_SHARE = 0.5
 MAX_DOUBT = 0.4
 
 
+#: the share of a run's time that rebalance checks may spend planning: a check plans on the
+#: coordinator's event loop, between a step's last report and its commit (0.15-0.25 s on
+#: the README demo, every 25 steps of 0.1 s: 8% of its time when every check planned)
+CHECK_BUDGET = 0.02
+
+
+def check_affordable(since_last_s: float, last_cost_s: float, budget: float = CHECK_BUDGET) -> bool:
+    """Whether a rebalance check may plan now: the last check's planning time is at most
+    ``budget`` of the time since it began (a run whose steps take seconds checks every
+    period; the demo's checks are spread out)."""
+    return last_cost_s <= budget * since_last_s
+
+
 def cooldown_steps(every: int) -> int:
     """Steps after a rebalance before the next may be decided."""
     return every * (REBALANCE_COOLDOWN_CHECKS + 1)

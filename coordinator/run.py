@@ -87,7 +87,7 @@ class Driver:
         auditor = Auditor(st, self.cfg.spot_check, job.micro_batches, checker, mailbox, run_dir, clock, say)
         every = self.cfg.checkpoint_every
         checkpoints = Checkpoints(st, stages, run_dir, host.board, every, clock, auditor.note_unaudited, say)
-        rebalancer = Rebalancer(host, st, stages.dag, job, planner, checkpoints, mailbox, auditor, say)
+        rebalancer = Rebalancer(host, st, stages.dag, job, planner, checkpoints, mailbox, auditor, clock, say)
         self.dispatcher = Dispatcher(host, st, stages, planner, checkpoints, scales, mailbox, run_dir, clock, say)
         self.pipeline = StepPipeline(
             host, st, stages, mailbox, auditor, checkpoints, rebalancer, scales, run_dir, clock, on_step, say

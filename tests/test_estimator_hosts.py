@@ -8,7 +8,8 @@ import dataclasses
 
 import pytest
 
-from coordinator.host_share import busy_shares, machine_flops, shared
+from coordinator.estimator import Plan
+from coordinator.host_share import busy_shares, lockstep, machine_flops, shared, undivided
 from peer.machine import host_digest, machine_cores
 from protocol.trust.advert_check import advert_problem
 from protocol.wire.messages import Advert
@@ -78,3 +79,49 @@ def test_peers_that_compute_a_share_of_the_step_are_divided_as_often() -> None:
     assert machine_flops(ads, busy) == {p: pytest.approx(10e9) for p in "abcd"}
     assert machine_flops(ads, dict.fromkeys("abcd", 0.75)) == {p: pytest.approx(10e9 * 2 / 3) for p in "abcd"}
     assert busy_shares(Plan((), [["a", "b"]], []), 4) == {}  # not predicted yet
+
+
+def test_a_replicated_stage_is_busy_for_each_of_its_micro_batches() -> None:
+    """``stage_s`` shares a stage's micro-batches among its replicas: each replica is
+    busy its own micro-batches times ``stage_s`` times the replicas (it once counted a
+    replica of two busy half as often as it was: 0.1 here)."""
+    from coordinator.estimator import Plan
+
+    plan = Plan((1,), [["a", "b"], ["c"]], [], iteration_s=0.2, stage_s=[0.01, 0.02])
+    assert busy_shares(plan, 4) == {"a": pytest.approx(0.2), "b": pytest.approx(0.2), "c": pytest.approx(0.4)}
+    odd = Plan((), [["a", "b"]], [], iteration_s=0.2, stage_s=[0.01])
+    assert busy_shares(odd, 3) == {"a": pytest.approx(0.2), "b": pytest.approx(0.1)}  # dealt 2 and 1
+
+
+def test_replicas_on_one_machine_ask_for_its_cores_at_once() -> None:
+    """Two replicas of a stage compute at the same instants: on a 2-core machine beside
+    two peers busy half the time, each asks for 2 + 2 x 0.5 threads and gets 2/3 of
+    its reading, where the average (4 x 0.5 = 2) would have divided nobody."""
+    ads = [_ad(p, 12) for p in "abcd"]
+    busy = dict.fromkeys("abcd", 0.5)
+    together = lockstep(Plan((1,), [["a", "b"], ["c"], ["d"]], []))
+    assert together == {"a": ["b"], "b": ["a"], "c": [], "d": []}
+    got = machine_flops(ads, busy, together)
+    assert got["a"] == got["b"] == pytest.approx(8e9)
+    assert got["c"] == got["d"] == pytest.approx(12e9), "a pipeline's stages take turns: the average fits"
+
+
+def test_delivered_speeds_are_read_back_into_the_peers_own() -> None:
+    """The rebalancer's measured speeds are what each machine delivered under the
+    current plan: ``undivided`` turns them back, so ``shared`` under the same plan gives
+    them again, and a peer outside the plan (standby) keeps its reading."""
+    ads = [_ad(p, 9) for p in "abc"] + [_ad("s", 5)]
+    busy = {"a": 1.0, "b": 1.0, "c": 0.5}  # 2.5 threads asked for on 2 cores: x0.8
+    together = {"a": ["b"], "b": ["a"], "c": []}
+    own = undivided(ads, busy, together)
+    assert [a.flops for a in own] == [pytest.approx(x * 1e9) for x in (11.25, 11.25, 11.25, 5)]
+    again = shared(own, {**busy, "s": 0.0}, together)
+    assert [a.flops for a in again[:3]] == [pytest.approx(9e9)] * 3
+
+
+def test_rebalance_checks_plan_within_their_share_of_the_run() -> None:
+    """A check that planned for 0.2 s may plan again 10 s later (2%), not 2.5 s later."""
+    from coordinator import replan
+
+    assert replan.check_affordable(10.0, 0.2) and not replan.check_affordable(2.5, 0.2)
+    assert replan.check_affordable(float("inf"), 5.0), "the first check always plans"
