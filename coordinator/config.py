@@ -7,16 +7,11 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from coordinator.defaults import DEFAULT_REBALANCE_EVERY
 from protocol.model.job import JobSpec
 from protocol.net.hostaddrs import LOOPBACK_MADDRS
 from protocol.trust.admission import CERT_TTL_S
 from protocol.trust.spot_rate import DEFAULT_SPOT_CHECK
-
-#: steps between two checks whether a plan on the measured speeds pays for moving to it;
-#: off by default: it was switched off when, on identical peers, it moved work for gains
-#: the peers did not show, and no run has measured it on since the estimator learned
-#: replicas and per-kernel costs (docs/faults.md)
-DEFAULT_REBALANCE_EVERY = 0
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from coordinator.defaults import DEFAULT_REBALANCE_EVERY
 from fusionllm import parser_types as t
 from fusionllm.addresses import add_data_path_flag, add_listen_flags
 from fusionllm.parser_job import add_threads_flag, add_training_job
@@ -91,8 +92,8 @@ def _add_fault_flags(p: argparse.ArgumentParser) -> None:
         type=t.natural,
         default=None,
         metavar="N",
-        help="every N steps, re-plan on the peers' measured speeds and move when it pays off (e.g. 25; default: 0, "
-        "never)",
+        help="every N steps, re-plan on the peers' measured speeds and move when it pays off; 0: never "
+        f"(default: {DEFAULT_REBALANCE_EVERY})",
     )
     g.add_argument(
         "--spot-check",
