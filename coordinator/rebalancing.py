@@ -148,6 +148,7 @@ class Rebalancer:
             return None
         began = self.clock.now()
         if not replan.check_affordable(began - self.record.checked_at, self.record.check_cost_s):
+            logger.debug("rebalance check at step %d skipped: the last took %.2f s", st.step, self.record.check_cost_s)
             return None
         try:
             return self._plan_check()
