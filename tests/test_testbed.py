@@ -36,6 +36,9 @@ def test_the_presets_load_and_bad_topologies_are_one_line(tmp_path: Path) -> Non
     assert topo.pairs(two)[("a0", "b0")] == (20.0, pytest.approx(10.0))
     assert topo.pairs(two)[("b0", "b1")][0] == 1000.0
     assert 6 <= len(topo.load_topology("mixed-7").peers) <= 8
+    homes = topo.load_topology("homes-7")
+    assert topo.pairs(homes)[("lab0", "home0")][0] == topo.pairs(homes)[("home1", "home0")][0] == 10.0
+    assert topo.pairs(homes)[("lab0", "uni0")][0] == 100.0, "only the homes' links differ from mixed-7's"
     big = {"peers": [{"id": f"p{i}", "tflops": 1, "memory_gb": 8, "cluster": "A"} for i in range(9)]}
     (tmp_path / "big.json").write_text(json.dumps(big))
     (tmp_path / "bad.json").write_text("{")

@@ -60,6 +60,20 @@ def mixed_seven() -> dict[str, Any]:
     return {"peers": peers, "clusters": clusters}
 
 
+def homes_seven(home_mbps: float = 10) -> dict[str, Any]:
+    """``mixed-7`` with the homes on ``home_mbps`` uplinks (a home's upload is often
+    10 Mbit/s): a plan that puts the homes where the pipeline's bytes cross, or makes
+    every peer a replica of the whole model, pays for it. On ``mixed-7`` the estimator
+    prices the best bandwidth-blind plan only 1.30x OP-Fence's; here 1.58x (and
+    ``petals``, every peer a replica, 1.89x)."""
+    topo = mixed_seven()
+    clusters = topo["clusters"]
+    for site in ("lab", "uni"):
+        clusters[site]["h0"] = clusters[site]["h1"] = _link(home_mbps, 15)
+    clusters["h0"]["h1"] = _link(home_mbps, 20)
+    return topo
+
+
 def slow_link() -> dict[str, Any]:
     """``two-clusters`` with 5 Mbit/s between the sites: every peer is used, so some
     boundary (or replica pair) crosses the slow link, and with the default model a
@@ -70,7 +84,7 @@ def slow_link() -> dict[str, Any]:
     return topo
 
 
-PRESETS = {"two-clusters": two_clusters, "mixed-7": mixed_seven, "slow-link": slow_link}
+PRESETS = {"two-clusters": two_clusters, "mixed-7": mixed_seven, "homes-7": homes_seven, "slow-link": slow_link}
 
 
 def load_topology(spec: str) -> Topology:
