@@ -37,9 +37,18 @@ class Planner:
         self.asker = asker  # None: plans are committed on the guesses
         self.say = say
 
-    def plan(self, adverts: list[Advert], keep_out: int = 0, leave_out: bool = False) -> Assignment:
+    def plan(
+        self,
+        adverts: list[Advert],
+        keep_out: int = 0,
+        leave_out: bool = False,
+        links: dict[tuple[str, str], float] | None = None,
+        nat: set[str] | None = None,
+    ) -> Assignment:
         """OP-Fence over ``adverts``; the ``keep_out`` slowest wait as standby, and with
-        ``leave_out`` OP-Fence may leave more out where that is faster."""
+        ``leave_out`` OP-Fence may leave more out where that is faster. ``links`` and
+        ``nat``: the links probed so far and the peers behind NATs as given (a copy,
+        for a plan made on another thread), else as the run knows them now."""
         try:
             testbed = pinned.from_env()  # the emulated testbed runs the plan it made
             if testbed is not None:
@@ -51,9 +60,10 @@ class Planner:
         stages = self.host.config.num_stages
         k = min(stages, len(use)) if stages else None if leave_out else len(use)
         try:
-            nat = self.behind_nat()
+            nat = self.behind_nat() if nat is None else nat
+            links = self.st.link_mbps if links is None else links
             auto = self.host.config.compression == "auto"  # the plan's priced codecs are the ones that run
-            plan = assign(self.dag, use, k, self.micro_batches, leave_out, self.st.link_mbps, nat=nat, compression=auto)
+            plan = assign(self.dag, use, k, self.micro_batches, leave_out, links, nat=nat, compression=auto)
         except ValueError as exc:
             raise SwarmError(f"cannot plan the run: {exc}") from None
         if plan.deciding:  # asked by plan_asking (the first plan); later, the epochs' own probes answer them

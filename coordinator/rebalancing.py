@@ -8,6 +8,7 @@ past moves that decide the next one."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import math
@@ -51,6 +52,7 @@ class RebalanceRecord:
     reverted: dict[str, float] = dataclasses.field(default_factory=dict)
     checked_at: float = -math.inf  # when the last check that planned began (clock seconds)
     check_cost_s: float = 0.0  # how long it planned (``replan.check_affordable``)
+    checked_speeds: dict[str, float] = dataclasses.field(default_factory=dict)  # the speeds it planned on
 
 
 class Rebalancer:
@@ -131,7 +133,7 @@ class Rebalancer:
                 logger.info("peer %s changed speed for good: the doubt of earlier moves is cleared", p)
                 m.doubt = 0.0
 
-    def check(self) -> Assignment | None:
+    async def check(self) -> Assignment | None:
         """Every ``rebalance_every`` steps (a full period into the epoch, and not within
         the cool-down after the last rebalance): the plan to move to, if any."""
         st, every = self.st, self.every
@@ -146,26 +148,42 @@ class Rebalancer:
             return revert
         if st.step - self.record.last_rebalance < replan.cooldown_steps(every):
             return None
-        began = self.clock.now()
-        if not replan.check_affordable(began - self.record.checked_at, self.record.check_cost_s):
-            logger.debug("rebalance check at step %d skipped: the last took %.2f s", st.step, self.record.check_cost_s)
+        began, m, speeds = self.clock.now(), self.record, self._speeds()
+        if not replan.check_affordable(began - m.checked_at, m.check_cost_s, speeds, m.checked_speeds):
+            logger.debug("rebalance check at step %d skipped: no change, the last took %.2f s", st.step, m.check_cost_s)
             return None
         try:
-            return self._plan_check()
+            return await self._plan_check()
         finally:
-            self.record.checked_at, self.record.check_cost_s = began, self.clock.now() - began
+            m.checked_at, m.check_cost_s, m.checked_speeds = began, self.clock.now() - began, speeds
 
-    def _plan_check(self) -> Assignment | None:
-        """The planning part of a check: OP-Fence on the measured speeds, and the rule."""
+    def _speeds(self) -> dict[str, float]:
+        """The planned and standby peers' speeds: measured, else advertised."""
+        st, m = self.st, self.record
+        pool = set(st.planned) | set(self.planner.standby())
+        return {
+            p: replan.robust_speed(m.speeds[p]) if p in m.speeds else a.flops
+            for p, a in self.host.adverts.items()
+            if p in pool
+        }
+
+    async def _plan_check(self) -> Assignment | None:
+        """The planning part of a check: OP-Fence on the measured speeds (on a worker
+        thread: on a thousand peers it plans for seconds, and the coordinator's event loop
+        goes on serving the swarm meanwhile), and the rule."""
         st = self.st
         assert st.plan is not None
         standby = self.planner.standby()
         ads = self.measured([a for p, a in self.host.adverts.items() if p in st.planned or p in standby])
         logger.debug("measured speeds (GFLOP/s): %s", {a.peer_id[-6:]: round(a.flops / 1e9, 2) for a in ads})
+        epoch, links, nat = st.epoch, dict(st.link_mbps), set(self.planner.behind_nat())
         try:
-            candidate = self.planner.plan(ads, leave_out=True)
+            candidate = await asyncio.to_thread(self.planner.plan, ads, 0, True, links, nat)
         except Exception as exc:  # no plan for these peers now: keep the current one
             self._said(f"rebalance check at step {st.step}: no plan for the measured speeds: {exc}")
+            return None
+        if st.epoch != epoch or any(p in st.lost for g in candidate.stages for p in g):
+            self._said(f"rebalance check at step {st.step}: the swarm changed while it planned")
             return None
         if candidate.cut == st.plan.cut and candidate.stages == st.plan.stages or candidate.plan is None:
             self._said(f"rebalance check at step {st.step}: the plan on measured speeds is the current one")

@@ -104,11 +104,25 @@ MAX_DOUBT = 0.4
 CHECK_BUDGET = 0.02
 
 
-def check_affordable(since_last_s: float, last_cost_s: float, budget: float = CHECK_BUDGET) -> bool:
-    """Whether a rebalance check may plan now: the last check's planning time is at most
-    ``budget`` of the time since it began (a run whose steps take seconds checks every
-    period; the demo's checks are spread out)."""
-    return last_cost_s <= budget * since_last_s
+def check_affordable(
+    since_last_s: float,
+    last_cost_s: float,
+    speeds: dict[str, float],
+    last: dict[str, float],
+    budget: float = CHECK_BUDGET,
+) -> bool:
+    """Whether a rebalance check may plan now: the peers or their speeds (``speeds``)
+    changed since the last check that planned (``last``: other peers, or one's speed by
+    more than ``LEVEL_CHANGE``), or its planning time is at most ``budget`` of the time
+    since it began (a run whose steps take seconds checks every period; the demo's
+    checks on unchanged speeds are spread out)."""
+    changed = speeds.keys() != last.keys() or level_changes_between(last, speeds)
+    return changed or last_cost_s <= budget * since_last_s
+
+
+def level_changes_between(before: dict[str, float], after: dict[str, float]) -> bool:
+    """Whether any peer's speed moved by more than ``LEVEL_CHANGE`` from ``before`` to ``after``."""
+    return any(level_changes([before[p], v]) for p, v in after.items() if p in before)
 
 
 def cooldown_steps(every: int) -> int:

@@ -431,7 +431,7 @@ def test_a_lying_advert_is_corrected_by_measurement(tmp_path: Path) -> None:
     assert speeds["p1"] == pytest.approx(speeds["p0"], rel=1e-6)
     measured = {a.peer_id: a.flops for a in rebalancer.measured(list(host.adverts.values()))}
     assert measured["p1"] == pytest.approx(speeds["p1"]) and measured["p1"] < 1e12
-    rebalancer.check()  # what it decided, shown on the page (CI could not tell why a check declined)
+    asyncio.run(rebalancer.check())  # what it decided, shown on the page (CI could not tell why a check declined)
     checks = [e["text"] for e in host.board.state()["events"] if e["kind"] == "check"]
     assert len(checks) == 1 and checks[0].startswith("rebalance check at step 5: "), checks
 
@@ -457,10 +457,49 @@ def test_the_rebalance_bar_is_set_on_plans_priced_without_the_fixed_costs(tmp_pa
         return real(current_s, candidate_s, *rest)
 
     with patch.object(replan, "rebalance", spy):
-        rebalancer.check()
+        asyncio.run(rebalancer.check())
     ads = rebalancer.measured(list(host.adverts.values()))
     assert compared and compared[0][0] == pytest.approx(rebalancer._predicted(ads, overheads=NONE))
     assert compared[0][0] < rebalancer._predicted(ads)  # the fixed costs are not in the bar
+
+
+def test_a_rebalance_check_plans_beside_the_event_loop_and_drops_a_stale_plan(tmp_path: Path) -> None:
+    """OP-Fence runs on a worker thread (on a thousand peers it plans for seconds): the
+    coordinator's loop goes on meanwhile; a plan made while the swarm changed (a new
+    epoch began) is dropped, and the check says so."""
+    driver = _driver(tmp_path, [["p0"], ["p1"]], rebalance_every=5)
+    host, st, rebalancer = _host(driver), driver.st, driver.rebalancer
+    host.adverts["p1"] = _advert("p1", 1e13)
+    assert st.plan is not None
+    costs = driver.stages.dag.stage_costs(st.plan.cut)
+    for _ in range(5):
+        for s, p in enumerate(["p0", "p1"]):
+            rebalancer.measure(p, StepDone("r", 0, s, 0, compute_s=0.1 * costs[s]["flops"] / costs[0]["flops"]))
+    st.step = st.epoch_start + 5
+    real, ticks = driver.planner.plan, []
+
+    def slow_plan(*args: Any) -> Any:
+        time.sleep(0.3)
+        st.epoch += 1  # what a recovery would do meanwhile
+        return real(*args)
+
+    async def check_beside_a_ticker() -> Any:
+        async def tick() -> None:
+            while True:
+                ticks.append(1)
+                await asyncio.sleep(0.01)
+
+        ticker = asyncio.create_task(tick())
+        try:
+            return await rebalancer.check()
+        finally:
+            ticker.cancel()
+
+    with patch.object(driver.planner, "plan", slow_plan):
+        assert asyncio.run(check_beside_a_ticker()) is None
+    assert len(ticks) >= 10, "the loop ran while OP-Fence planned"
+    checks = [e["text"] for e in host.board.state()["events"] if e["kind"] == "check"]
+    assert checks == ["rebalance check at step 5: the swarm changed while it planned"], checks
 
 
 def test_rebalances_that_do_not_deliver_raise_the_bar() -> None:

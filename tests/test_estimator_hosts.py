@@ -120,8 +120,15 @@ def test_delivered_speeds_are_read_back_into_the_peers_own() -> None:
 
 
 def test_rebalance_checks_plan_within_their_share_of_the_run() -> None:
-    """A check that planned for 0.2 s may plan again 10 s later (2%), not 2.5 s later."""
+    """A check that planned for 0.2 s may plan again 10 s later (2%), not 2.5 s later,
+    unless the peers or their speeds changed since (CI: a peer slowed to a twentieth
+    waited for a check past the two periods it is given)."""
     from coordinator import replan
 
-    assert replan.check_affordable(10.0, 0.2) and not replan.check_affordable(2.5, 0.2)
-    assert replan.check_affordable(float("inf"), 5.0), "the first check always plans"
+    same = {"a": 10.0, "b": 20.0}
+    assert replan.check_affordable(10.0, 0.2, same, same) and not replan.check_affordable(2.5, 0.2, same, same)
+    assert replan.check_affordable(float("inf"), 5.0, same, {}), "the first check always plans"
+    slowed = {"a": 10.0, "b": 1.0}
+    assert replan.check_affordable(2.5, 0.2, slowed, same), "a peer's speed changed level: planned at once"
+    assert replan.check_affordable(2.5, 0.2, {**same, "c": 5.0}, same), "a peer joined: planned at once"
+    assert not replan.check_affordable(2.5, 0.2, {"a": 11.0, "b": 18.0}, same), "within a level: not changed"
