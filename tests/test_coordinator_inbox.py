@@ -416,17 +416,24 @@ def test_measured_speed_is_the_estimators_and_robust() -> None:
     assert replan.robust_speed([1.0, 100.0, 2.0, 3.0, 2.5]) == 2.5
 
 
-def test_a_lying_advert_is_corrected_by_measurement(tmp_path: Path) -> None:
-    """p1 claims 1000x its speed: the plan on measured speeds gives it little work."""
+def _liar_measured(tmp_path: Path) -> tuple[Any, Any, Any, Any]:
+    """Two stages; p1 claims 1000x its speed, and five steps measured it as fast as p0
+    (both stages' compute took 0.1 s); the run at its first rebalance check."""
     driver = _driver(tmp_path, [["p0"], ["p1"]], rebalance_every=5)
     host, st, rebalancer = _host(driver), driver.st, driver.rebalancer
     host.adverts["p1"] = _advert("p1", 1e13)
     assert st.plan is not None
     costs = driver.stages.dag.stage_costs(st.plan.cut)
-    for _ in range(5):  # both stages' compute took 0.1 s: p1 is as fast as p0, not 1000x
+    for _ in range(5):
         for s, p in enumerate(["p0", "p1"]):
             rebalancer.measure(p, StepDone("r", 0, s, 0, compute_s=0.1 * costs[s]["flops"] / costs[0]["flops"]))
     st.step = st.epoch_start + 5
+    return driver, host, st, rebalancer
+
+
+def test_a_lying_advert_is_corrected_by_measurement(tmp_path: Path) -> None:
+    """p1 claims 1000x its speed: the plan on measured speeds gives it little work."""
+    driver, host, st, rebalancer = _liar_measured(tmp_path)
     speeds = {p: replan.robust_speed(v) for p, v in rebalancer.record.speeds.items()}
     assert speeds["p1"] == pytest.approx(speeds["p0"], rel=1e-6)
     measured = {a.peer_id: a.flops for a in rebalancer.measured(list(host.adverts.values()))}
@@ -440,15 +447,7 @@ def test_the_rebalance_bar_is_set_on_plans_priced_without_the_fixed_costs(tmp_pa
     """Every plan pays the swarm's fixed costs (handoffs, encoding, optimizer, commit)
     alike; in both sides of the 20% comparison they shrank a real gain under the bar
     (CI: a lying peer's first check declined). The gain a move must deliver keeps them."""
-    driver = _driver(tmp_path, [["p0"], ["p1"]], rebalance_every=5)
-    host, st, rebalancer = _host(driver), driver.st, driver.rebalancer
-    host.adverts["p1"] = _advert("p1", 1e13)
-    assert st.plan is not None
-    costs = driver.stages.dag.stage_costs(st.plan.cut)
-    for _ in range(5):
-        for s, p in enumerate(["p0", "p1"]):
-            rebalancer.measure(p, StepDone("r", 0, s, 0, compute_s=0.1 * costs[s]["flops"] / costs[0]["flops"]))
-    st.step = st.epoch_start + 5
+    driver, host, st, rebalancer = _liar_measured(tmp_path)
     compared: list[tuple[float, float]] = []
     real = replan.rebalance
 
@@ -467,15 +466,7 @@ def test_a_rebalance_check_plans_beside_the_event_loop_and_drops_a_stale_plan(tm
     """OP-Fence runs on a worker thread (on a thousand peers it plans for seconds): the
     coordinator's loop goes on meanwhile; a plan made while the swarm changed (a new
     epoch began) is dropped, and the check says so."""
-    driver = _driver(tmp_path, [["p0"], ["p1"]], rebalance_every=5)
-    host, st, rebalancer = _host(driver), driver.st, driver.rebalancer
-    host.adverts["p1"] = _advert("p1", 1e13)
-    assert st.plan is not None
-    costs = driver.stages.dag.stage_costs(st.plan.cut)
-    for _ in range(5):
-        for s, p in enumerate(["p0", "p1"]):
-            rebalancer.measure(p, StepDone("r", 0, s, 0, compute_s=0.1 * costs[s]["flops"] / costs[0]["flops"]))
-    st.step = st.epoch_start + 5
+    driver, host, st, rebalancer = _liar_measured(tmp_path)
     real, ticks = driver.planner.plan, []
 
     def slow_plan(*args: Any) -> Any:
