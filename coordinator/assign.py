@@ -16,7 +16,7 @@ from coordinator.netmodel import Network, PeerProfile
 from coordinator.opdag import OpDag
 from coordinator.opfence import finalists
 from coordinator.overheads import LIVE, NONE, Overheads
-from coordinator.plan_eval import Options, ScheduleError
+from coordinator.plan_eval import Options, ScheduleError, rank
 from protocol.model.graph import Cut
 from protocol.wire.messages import Advert
 
@@ -105,7 +105,7 @@ def assign(
         if shares != peers:  # peers on one machine: planned again as that plan shares it, and alone
             plans += finalists(costs, shares, network, options)
             plans += finalists(costs, [live_profile(a) for a in adverts], network, options)
-            ranked = sorted((on_own_share(costs, p, adverts, network, micro_batches) for p in plans), key=_time)
+            ranked = sorted((on_own_share(costs, p, adverts, network, micro_batches) for p in plans), key=_rank)
             plans, peers = [p for p, _ in ranked], ranked[0][1]
     except ScheduleError as exc:
         raise ValueError(str(exc)) from None
@@ -142,8 +142,8 @@ def on_own_share(
     return priced(peers), peers
 
 
-def _time(priced: tuple[Plan, list[PeerProfile]]) -> float:
-    return priced[0].iteration_s
+def _rank(priced: tuple[Plan, list[PeerProfile]]) -> tuple[bool, float]:
+    return rank(priced[0])
 
 
 def _deciding(

@@ -25,11 +25,10 @@ def machine_flops(
 ) -> dict[str, float]:
     """FLOP/s of each CPU peer whose advert names its machine (``host``, ``host_cores``),
     as that machine delivers it to the peer while all of its peers work at once, or,
-    with ``busy`` (peer -> the share of a step it computes, ``busy_shares``), at the
-    instants the peer computes: its own threads, those of the peers ``together`` says
-    compute with it (its stage's other replicas, ``lockstep``), and every other peer's
-    as often as ``busy`` says (peers missing from it: always); a machine whose threads
-    so asked for fit its cores is not divided."""
+    with ``busy`` (peer -> the share of a step it computes, ``busy_shares``; a peer
+    missing from it computes nothing: standby, or left out), as ``_asked`` counts the
+    threads asked for while it computes; a machine whose threads so asked for fit its
+    cores is not divided."""
     machines: dict[str, list[Advert]] = {}
     for a in adverts:
         if a.host and a.host_cores > 0 and a.device == "cpu":
@@ -41,7 +40,7 @@ def machine_flops(
         for a in peers:
             asked = sum(threads.values()) if busy is None else _asked(a.peer_id, threads, busy, together or {})
             t = threads[a.peer_id]
-            out[a.peer_id] = a.flops * min(t, cores) / t * min(1.0, cores / asked)
+            out[a.peer_id] = a.flops * min(t, cores) / t * (min(1.0, cores / asked) if asked > 0 else 1.0)
     return out
 
 
@@ -53,8 +52,8 @@ def _asked(pid: str, threads: dict[str, int], busy: dict[str, float], together: 
     they delivered was within 8% of the step measured)."""
     with_it = together.get(pid, ())
     if not with_it:
-        return sum(t * busy.get(p, 1.0) for p, t in threads.items())
-    return sum(t if p == pid or p in with_it else t * busy.get(p, 1.0) for p, t in threads.items())
+        return sum(t * busy.get(p, 0.0) for p, t in threads.items())
+    return sum(t if p == pid or p in with_it else t * busy.get(p, 0.0) for p, t in threads.items())
 
 
 def shared(
@@ -77,16 +76,17 @@ def lockstep(plan: Plan) -> dict[str, list[str]]:
 def busy_shares(plan: Plan, micro_batches: int) -> dict[str, float]:
     """Per peer of ``plan``: the share of a step it computes (the micro-batches dealt to
     it times its time per micro-batch, over the predicted step; at most 1). ``stage_s``
-    is a stage's time per micro-batch of the step, its replicas sharing them: each
-    replica takes ``stage_s`` times their number for each of its own. The demo's four
+    is a stage's time per micro-batch of the step, its replicas sharing them: its
+    busiest replica's time over all the step's micro-batches. The demo's four
     one-thread peers computed about a fifth of each step on 2 cores: they did not all
     work at once, and dividing the cores among them halved them for nothing."""
     if not plan.iteration_s or not math.isfinite(plan.iteration_s):
         return {}
     out = {}
     for group, per_mb in zip(plan.groups, plan.stage_s, strict=False):
-        for p, runs in zip(group, dealt(micro_batches, len(group)), strict=True):
-            out[p] = min(1.0, runs * per_mb * len(group) / plan.iteration_s)
+        runs = dealt(micro_batches, len(group))
+        for p, n in zip(group, runs, strict=True):  # its time per micro-batch: per_mb * micro_batches / max(runs)
+            out[p] = min(1.0, n * per_mb * micro_batches / max(runs) / plan.iteration_s)
     return out
 
 
@@ -98,7 +98,7 @@ def undivided(adverts: list[Advert], busy: dict[str, float], together: Mapping[s
     demo the pipeline's four peers kept 1.3 of the 2 cores busy and delivered their
     full speed; priced undivided, two replicas of two stages (all four computing at
     once) were predicted 1.24x faster, and measured 0.82x."""
-    flops = machine_flops(adverts, {a.peer_id: busy.get(a.peer_id, 0.0) for a in adverts}, together)
+    flops = machine_flops(adverts, busy, together)
     out = []
     for a in adverts:
         f = flops.get(a.peer_id, a.flops)

@@ -22,6 +22,7 @@ from coordinator.checkpointing import Checkpoints
 from coordinator.estimator import DagCosts, Plan
 from coordinator.host import Host
 from coordinator.messaging import Mailbox
+from coordinator.netmodel import Network
 from coordinator.opdag import OpDag
 from coordinator.overheads import LIVE, NONE, Overheads
 from coordinator.planning import Planner
@@ -53,6 +54,17 @@ class RebalanceRecord:
     checked_at: float = -math.inf  # when the last check that planned began (clock seconds)
     check_cost_s: float = 0.0  # how long it planned (``replan.check_affordable``)
     checked_speeds: dict[str, float] = dataclasses.field(default_factory=dict)  # the speeds it planned on
+
+
+@dataclasses.dataclass(frozen=True)
+class Priced:
+    """What a check's worker thread found: OP-Fence's plan on the measured speeds and,
+    where it is not the current plan, both priced without the fixed costs (current,
+    candidate) and the current one with them."""
+
+    candidate: Assignment
+    bare: tuple[float, float] | None = None
+    current_s: float = 0.0
 
 
 class Rebalancer:
@@ -96,23 +108,29 @@ class Rebalancer:
             del samples[: -replan.LONG_SAMPLES]
             self.host.board.measured(sender, replan.robust_speed(samples))
 
-    def measured(self, adverts: list[Advert]) -> list[Advert]:
-        """The adverts with each measured peer's FLOP/s replaced by its planning speed."""
+    def measured(self, adverts: list[Advert], network: Network | None = None) -> list[Advert]:
+        """The adverts with each measured peer's FLOP/s replaced by its planning speed:
+        what it delivered while the current plan kept its machine's other peers busy,
+        turned back into its own speed, for each plan to be priced at the share it
+        leaves it (``host_share.undivided``). ``network``: the run's links (built from
+        the adverts, the links probed so far and the peers behind NATs when not given)."""
         speeds, levels = self.record.speeds, self.record.levels
 
         def speed(a: Advert) -> float:
             return replan.planning_speed(speeds[a.peer_id], levels.get(a.peer_id, []))
 
         delivered = [dataclasses.replace(a, flops=speed(a)) if a.peer_id in speeds else a for a in adverts]
-        # what a peer delivered while the current plan kept its machine's other peers busy:
-        # its own speed again, for each plan to be priced at the share it leaves it (host_share)
-        return host_share.undivided(delivered, self._busy(delivered), host_share.lockstep(self._current()))
+        network = network or self._network(delivered)
+        as_delivered = [dataclasses.replace(a, host="") for a in delivered]  # no machine divided
+        busy = host_share.busy_shares(self._predicted_plan(as_delivered, network=network), self.job.micro_batches)
+        return host_share.undivided(delivered, busy, host_share.lockstep(self._current()))
 
-    def _busy(self, ads: list[Advert]) -> dict[str, float]:
-        """The current plan's share of a step each of its peers computes, on ``ads``'s
-        speeds as delivered (``host_share.busy_shares``)."""
-        as_delivered = [dataclasses.replace(a, host="") for a in ads]  # no machine divided
-        return host_share.busy_shares(self._predicted_plan(as_delivered), self.job.micro_batches)
+    def _network(
+        self, ads: list[Advert], links: dict[tuple[str, str], float] | None = None, nat: set[str] | None = None
+    ) -> Network:
+        """The links between ``ads``'s peers: those probed (``links``, else the run's), the rest guessed."""
+        links = self.st.link_mbps if links is None else links
+        return network_from_adverts(ads, links, self.planner.behind_nat() if nat is None else nat)
 
     def _current(self) -> Plan:
         """The current plan, without codecs, for the estimator."""
@@ -168,31 +186,28 @@ class Rebalancer:
         }
 
     async def _plan_check(self) -> Assignment | None:
-        """The planning part of a check: OP-Fence on the measured speeds (on a worker
-        thread: on a thousand peers it plans for seconds, and the coordinator's event loop
-        goes on serving the swarm meanwhile), and the rule."""
+        """The planning part of a check: the measured speeds, OP-Fence on them and both
+        plans priced, on a worker thread (on a thousand peers this takes seconds, and the
+        coordinator's event loop goes on serving the swarm meanwhile); then the rule."""
         st = self.st
         assert st.plan is not None
         standby = self.planner.standby()
-        ads = self.measured([a for p, a in self.host.adverts.items() if p in st.planned or p in standby])
-        logger.debug("measured speeds (GFLOP/s): %s", {a.peer_id[-6:]: round(a.flops / 1e9, 2) for a in ads})
+        ads = [a for p, a in self.host.adverts.items() if p in st.planned or p in standby]
         epoch, links, nat = st.epoch, dict(st.link_mbps), set(self.planner.behind_nat())
         try:
-            candidate = await asyncio.to_thread(self.planner.plan, ads, 0, True, links, nat)
+            priced = await asyncio.to_thread(self._price, ads, links, nat)
         except Exception as exc:  # no plan for these peers now: keep the current one
             self._said(f"rebalance check at step {st.step}: no plan for the measured speeds: {exc}")
             return None
-        if st.epoch != epoch or any(p in st.lost for g in candidate.stages for p in g):
+        candidate, bare = priced.candidate, priced.bare
+        gone = set(st.lost) | set(self.mailbox.failed)
+        if st.epoch != epoch or any(p in gone or p not in self.host.adverts for g in candidate.stages for p in g):
             self._said(f"rebalance check at step {st.step}: the swarm changed while it planned")
             return None
-        if candidate.cut == st.plan.cut and candidate.stages == st.plan.stages or candidate.plan is None:
+        if bare is None or candidate.plan is None:
             self._said(f"rebalance check at step {st.step}: the plan on measured speeds is the current one")
             return None
         remaining, move = self.job.steps - st.step, self._move_seconds()
-        # the bar is set on what the two plans differ in: both priced without the swarm's
-        # fixed costs, which every plan pays alike (with them, the liar's first check
-        # read 78.6 ms against under 20% more and declined; the bar was set without them)
-        bare = self._predicted(ads, overheads=NONE), self._predicted(ads, candidate.plan, NONE)
         gain = bare[0] / max(bare[1], 1e-12)
         undone = self.record.reverted.get(signature(candidate))
         if undone is not None and replan.still_banned(undone, gain):
@@ -204,7 +219,7 @@ class Rebalancer:
         if not decision.go:
             return None
         # what the move must deliver is the whole step's speed-up, fixed costs included
-        self.record.why, self.record.gain = decision.why, self._predicted(ads) / candidate.plan.iteration_s
+        self.record.why, self.record.gain = decision.why, priced.current_s / candidate.plan.iteration_s
         self.record.moved_gain = gain
         return candidate
 
@@ -254,16 +269,39 @@ class Rebalancer:
         m.gain = before / max(after, 1e-9)
         return previous
 
-    def _predicted(self, ads: list[Advert], other: Plan | None = None, overheads: Overheads = LIVE) -> float:
-        return self._predicted_plan(ads, other, overheads).iteration_s
+    def _price(self, ads: list[Advert], links: dict[tuple[str, str], float], nat: set[str]) -> Priced:
+        """On the worker thread: the measured speeds, OP-Fence's plan on them, and both
+        plans priced; from copies of what the event loop changes (``links``, ``nat``;
+        adverts are frozen; the plan and the epoch change only between steps)."""
+        st = self.st
+        assert st.plan is not None
+        network = self._network(ads, links, nat)
+        ads = self.measured(ads, network)
+        logger.debug("measured speeds (GFLOP/s): %s", {a.peer_id[-6:]: round(a.flops / 1e9, 2) for a in ads})
+        candidate = self.planner.plan(ads, 0, True, links, nat)
+        if candidate.cut == st.plan.cut and candidate.stages == st.plan.stages or candidate.plan is None:
+            return Priced(candidate)
+        # the bar is set on what the two plans differ in: both priced without the swarm's
+        # fixed costs, which every plan pays alike (with them, the liar's first check
+        # read 78.6 ms against under 20% more and declined; the bar was set without them)
+        bare = self._predicted(ads, None, NONE, network), self._predicted(ads, candidate.plan, NONE, network)
+        return Priced(candidate, bare, self._predicted(ads, None, LIVE, network))
 
-    def _predicted_plan(self, ads: list[Advert], other: Plan | None = None, overheads: Overheads = LIVE) -> Plan:
-        """The current plan's (or ``other``'s) predicted step time on the measured
-        speeds, with the peers' fixed costs ``overheads``."""
+    def _predicted(
+        self, ads: list[Advert], other: Plan | None = None, overheads: Overheads = LIVE, network: Network | None = None
+    ) -> float:
+        return self._predicted_plan(ads, other, overheads, network).iteration_s
+
+    def _predicted_plan(
+        self, ads: list[Advert], other: Plan | None = None, overheads: Overheads = LIVE, network: Network | None = None
+    ) -> Plan:
+        """The current plan (or ``other``) predicted on ``ads``'s speeds, each machine
+        shared as the plan keeps it busy (``assign.on_own_share``), with the peers'
+        fixed costs ``overheads``."""
         plan = self._current() if other is None else other.bare()
         if self._costs is None:
             self._costs = DagCosts.from_opdag(self.dag)
-        network = network_from_adverts(ads, self.st.link_mbps, self.planner.behind_nat())
+        network = network or self._network(ads)
         return on_own_share(self._costs, plan, ads, network, self.job.micro_batches, overheads)[0]
 
     def _move_seconds(self) -> float:

@@ -98,10 +98,15 @@ DELIVERED_SHARE = 0.5
 MAX_DOUBT = 0.4
 
 
-#: the share of a run's time that rebalance checks may spend planning: a check plans on the
-#: coordinator's event loop, between a step's last report and its commit (0.15-0.25 s on
-#: the README demo, every 25 steps of 0.1 s: 8% of its time when every check planned)
+#: the share of a run's time that rebalance checks may spend planning while the peers
+#: and their speeds hold: a check plans on a worker thread, but the step's commit waits
+#: for it (0.3-0.4 s on the README demo, every 25 steps of 0.1 s: 13% of its time when
+#: every check planned; seconds on a thousand peers)
 CHECK_BUDGET = 0.02
+#: and the share once they changed since the last check that planned (a peer joined,
+#: left or changed speed level): then a check is worth more, but a thousand noisy peers
+#: show some change at nearly every check
+CHANGED_BUDGET = 0.1
 
 
 def check_affordable(
@@ -109,15 +114,13 @@ def check_affordable(
     last_cost_s: float,
     speeds: dict[str, float],
     last: dict[str, float],
-    budget: float = CHECK_BUDGET,
 ) -> bool:
-    """Whether a rebalance check may plan now: the peers or their speeds (``speeds``)
-    changed since the last check that planned (``last``: other peers, or one's speed by
-    more than ``LEVEL_CHANGE``), or its planning time is at most ``budget`` of the time
-    since it began (a run whose steps take seconds checks every period; the demo's
-    checks on unchanged speeds are spread out)."""
+    """Whether a rebalance check may plan now: the last check that planned took at most
+    ``CHECK_BUDGET`` of the time since it began, or ``CHANGED_BUDGET`` where the peers
+    or their speeds (``speeds``) changed since (``last``: other peers, or one's speed
+    by more than ``LEVEL_CHANGE``). A run whose steps take seconds checks every period."""
     changed = speeds.keys() != last.keys() or level_changes_between(last, speeds)
-    return changed or last_cost_s <= budget * since_last_s
+    return last_cost_s <= (CHANGED_BUDGET if changed else CHECK_BUDGET) * since_last_s
 
 
 def level_changes_between(before: dict[str, float], after: dict[str, float]) -> bool:

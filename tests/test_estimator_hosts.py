@@ -89,15 +89,15 @@ def test_a_replicated_stage_is_busy_for_each_of_its_micro_batches() -> None:
 
     plan = Plan((1,), [["a", "b"], ["c"]], [], iteration_s=0.2, stage_s=[0.01, 0.02])
     assert busy_shares(plan, 4) == {"a": pytest.approx(0.2), "b": pytest.approx(0.2), "c": pytest.approx(0.4)}
-    odd = Plan((), [["a", "b"]], [], iteration_s=0.2, stage_s=[0.01])
-    assert busy_shares(odd, 3) == {"a": pytest.approx(0.2), "b": pytest.approx(0.1)}  # dealt 2 and 1
+    odd = Plan((), [["a", "b"]], [], iteration_s=0.2, stage_s=[0.01])  # 3 micro-batches: 0.015 s each
+    assert busy_shares(odd, 3) == {"a": pytest.approx(0.15), "b": pytest.approx(0.075)}  # dealt 2 and 1
 
 
 def test_replicas_on_one_machine_ask_for_its_cores_at_once() -> None:
     """Two replicas of a stage compute at the same instants: on a 2-core machine beside
     two peers busy half the time, each asks for 2 + 2 x 0.5 threads and gets 2/3 of
     its reading, where the average (4 x 0.5 = 2) would have divided nobody."""
-    ads = [_ad(p, 12) for p in "abcd"]
+    ads = [_ad(p, 12) for p in "abcde"]  # e: standby, computing nothing
     busy = dict.fromkeys("abcd", 0.5)
     together = lockstep(Plan((1,), [["a", "b"], ["c"], ["d"]], []))
     assert together == {"a": ["b"], "b": ["a"], "c": [], "d": []}
@@ -115,20 +115,24 @@ def test_delivered_speeds_are_read_back_into_the_peers_own() -> None:
     together = {"a": ["b"], "b": ["a"], "c": []}
     own = undivided(ads, busy, together)
     assert [a.flops for a in own] == [pytest.approx(x * 1e9) for x in (11.25, 11.25, 11.25, 5)]
-    again = shared(own, {**busy, "s": 0.0}, together)
+    again = shared(own, busy, together)
     assert [a.flops for a in again[:3]] == [pytest.approx(9e9)] * 3
+    alone = [_ad("a", 9), _ad("b", 9), _ad("s", 5, host="cd")]  # a standby peer alone on its machine
+    assert [a.flops for a in undivided(alone, {"a": 1.0, "b": 1.0}, {})][2] == 5e9, "nothing asked: not divided"
+    assert machine_flops([_ad("a", 9)], {"a": 0.0}) == {"a": 9e9}
 
 
 def test_rebalance_checks_plan_within_their_share_of_the_run() -> None:
     """A check that planned for 0.2 s may plan again 10 s later (2%), not 2.5 s later,
-    unless the peers or their speeds changed since (CI: a peer slowed to a twentieth
-    waited for a check past the two periods it is given)."""
+    unless the peers or their speeds changed since: then 2 s later (10%; CI: a peer
+    slowed to a twentieth waited for a check past the two periods it is given)."""
     from coordinator import replan
 
     same = {"a": 10.0, "b": 20.0}
     assert replan.check_affordable(10.0, 0.2, same, same) and not replan.check_affordable(2.5, 0.2, same, same)
     assert replan.check_affordable(float("inf"), 5.0, same, {}), "the first check always plans"
     slowed = {"a": 10.0, "b": 1.0}
-    assert replan.check_affordable(2.5, 0.2, slowed, same), "a peer's speed changed level: planned at once"
-    assert replan.check_affordable(2.5, 0.2, {**same, "c": 5.0}, same), "a peer joined: planned at once"
+    assert replan.check_affordable(2.5, 0.2, slowed, same), "a peer's speed changed level: 10% of the time"
+    assert replan.check_affordable(2.5, 0.2, {**same, "c": 5.0}, same), "a peer joined: 10% of the time"
+    assert not replan.check_affordable(1.5, 0.2, slowed, same), "but not more"
     assert not replan.check_affordable(2.5, 0.2, {"a": 11.0, "b": 18.0}, same), "within a level: not changed"
