@@ -321,3 +321,20 @@ def test_the_command_freezes_its_objects_before_the_interpreter_ends(monkeypatch
         assert exited.value.code == 3 and gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
+
+
+def test_rebalancing_is_on_unless_turned_off() -> None:
+    """Since plans are priced on the share of a machine's cores they leave its peers,
+    rebalancing runs by default (``--rebalance-every 0`` turns it off)."""
+    from coordinator.config import CoordinatorConfig
+    from coordinator.defaults import DEFAULT_REBALANCE_EVERY
+    from fusionllm.cli import build_parser
+    from fusionllm.swarm_cmds import _recovery_options
+    from protocol.model.job import JobSpec
+
+    def every(*flags: str) -> int:
+        options = _recovery_options(build_parser().parse_args(["demo", *flags]))
+        return CoordinatorConfig(JobSpec(), **options).rebalance_every
+
+    assert DEFAULT_REBALANCE_EVERY > 0 and every() == DEFAULT_REBALANCE_EVERY
+    assert every("--rebalance-every", "0") == 0 and every("--rebalance-every", "7") == 7
