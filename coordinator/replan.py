@@ -103,10 +103,14 @@ MAX_DOUBT = 0.4
 #: for it (0.3-0.4 s on the README demo, every 25 steps of 0.1 s: 13% of its time when
 #: every check planned; seconds on a thousand peers)
 CHECK_BUDGET = 0.02
-#: and the share once they changed since the last check that planned (a peer joined,
-#: left or changed speed level): then a check is worth more, but a thousand noisy peers
-#: show some change at nearly every check
+#: and the share once they changed since the last check that planned (a peer joined or
+#: left, or its speed moved by more than ``CHANGED_SPEED``): then a check is worth more,
+#: but a thousand noisy peers show some change at nearly every check
 CHANGED_BUDGET = 0.1
+#: a speed change that counts for ``CHANGED_BUDGET``: the demo's peers, measured the same
+#: way, moved by more than ``LEVEL_CHANGE`` between checks often enough that a third of
+#: its checks planned (a peer slowed to a twentieth, or one that halved, is seen)
+CHANGED_SPEED = 2.0
 
 
 def check_affordable(
@@ -118,14 +122,10 @@ def check_affordable(
     """Whether a rebalance check may plan now: the last check that planned took at most
     ``CHECK_BUDGET`` of the time since it began, or ``CHANGED_BUDGET`` where the peers
     or their speeds (``speeds``) changed since (``last``: other peers, or one's speed
-    by more than ``LEVEL_CHANGE``). A run whose steps take seconds checks every period."""
-    changed = speeds.keys() != last.keys() or level_changes_between(last, speeds)
+    by more than ``CHANGED_SPEED``). A run whose steps take seconds checks every period."""
+    moved = any(max(v, last[p]) > CHANGED_SPEED * min(v, last[p]) for p, v in speeds.items() if p in last)
+    changed = speeds.keys() != last.keys() or moved
     return last_cost_s <= (CHANGED_BUDGET if changed else CHECK_BUDGET) * since_last_s
-
-
-def level_changes_between(before: dict[str, float], after: dict[str, float]) -> bool:
-    """Whether any peer's speed moved by more than ``LEVEL_CHANGE`` from ``before`` to ``after``."""
-    return any(level_changes([before[p], v]) for p, v in after.items() if p in before)
 
 
 def cooldown_steps(every: int) -> int:
