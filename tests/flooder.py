@@ -315,7 +315,8 @@ class FloodTarget:
         os.sched_setaffinity(0, set(self.swarm_cpus))  # the swarm's processes inherit it
         try:
             training = ["--steps", "100000", "--seed", "0", *SMALL, "--min-peers", "2"]
-            quiet = ["--checkpoint-every", "0", "--step-timeout", "60", "--spot-check", "0"]
+            # no rebalancing either: a move (on by default) would change the speed being compared
+            quiet = ["--checkpoint-every", "0", "--step-timeout", "60", "--spot-check", "0", "--rebalance-every", "0"]
             self.swarm = Swarm(tmp, [*training, *quiet, "--run-dir", str(tmp / "run")], peers=0)
             try:
                 join_together(self.swarm, [[], []])  # the two peers' start-ups overlap

@@ -139,7 +139,8 @@ def test_a_status_flood_and_a_slowloris_while_training(tmp_path: Path) -> None:
     once), the flooder is answered at its own address's budget, the page still answers
     a third address at once, and training goes on."""
     training = ["--steps", "100000", "--seed", "0", *SMALL, "--min-peers", "2", "--spot-check", "0"]
-    swarm = Swarm(tmp_path, [*training, "--checkpoint-every", "0"], peers=2)
+    # no rebalancing: the page must answer "training", and a move (on by default) plans for a moment
+    swarm = Swarm(tmp_path, [*training, "--checkpoint-every", "0", "--rebalance-every", "0"], peers=2)
     try:
         wait_for(swarm.url, lambda s: s["training"]["step"] >= 3, timeout=120)
         before = api(swarm.url)["training"]["step"]
