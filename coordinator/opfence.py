@@ -16,6 +16,7 @@ from coordinator.estimator import DagCosts, PeerTable, Plan, boundary_positions,
 from coordinator.netmodel import Network, PeerProfile, boundary_models
 from coordinator.placement import alike, groupings, moves, order_clusters, pools, set_partitions
 from coordinator.plan_eval import DEFAULT_OPTIONS, Options, ScheduleError, evaluate, rank
+from protocol.model.schedule import uses_1f1b
 from protocol.wire.codecs import Codec
 
 #: up to this many peers, every grouping of peers into stages (Bell(6) = 203 of them)
@@ -304,6 +305,16 @@ REFINE_ROUNDS = 3
 REFINE_REACH = 3
 
 
+def _reaches(reach: int, span: int, gpipe: bool) -> list[int]:
+    """How far each way the hill-climb tries a boundary: 1 to ``reach`` positions; under
+    GPipe also every power of two up to the boundary's ``span``. There the stages run
+    all their forwards and then all their backwards, so the fill and the drain weigh
+    as much as the slowest stage, and the best cut can lie far from the bottleneck cut
+    (on ``mixed-7``, 27 of 68 operators away and 11% faster, predicted and simulated)."""
+    near = list(range(1, reach + 1))
+    return near + [1 << j for j in range(reach.bit_length(), span.bit_length()) if 1 << j > reach] if gpipe else near
+
+
 def _better(a: Plan, b: Plan | None) -> bool:
     return b is None or rank(a) < rank(b)
 
@@ -319,6 +330,7 @@ def _refine(
     ordered = boundary_positions(costs)
     allowed = set(ordered)
     slack = TIE_FLOPS * costs.total_flops
+    gpipe = not uses_1f1b(start.groups)
     best = evaluate(costs, start.cut, start.groups, by_id, network, options, revert=False)  # compared alike
     for _ in range(REFINE_ROUNDS):
         improved = False
@@ -326,7 +338,7 @@ def _refine(
             lo = best.cut[b - 1] if b else 0
             hi = best.cut[b + 1] if b + 1 < len(best.cut) else costs.num_ops
             here = best.cut[b]
-            steps = {here + x for r in range(1, reach + 1) for x in (-r, r)}
+            steps = {here + x for r in _reaches(reach, hi - lo, gpipe) for x in (-r, r)}
             a, z = bisect.bisect_left(ordered, here - TIE_REACH), bisect.bisect_right(ordered, here + TIE_REACH)
             near = ordered[a:z]
             ties = {q for q in near if costs.stage_flops(min(q, here), max(q, here)) <= slack}

@@ -96,13 +96,20 @@ def _stage_groups(ordered: list[str], clusters: dict[str, list[PeerProfile]], k:
 
 def groupings(ordered: list[str], clusters: dict[str, list[PeerProfile]], k: int) -> list[list[list[PeerProfile]]]:
     """Candidate stage groups for ``k`` stages: stages apportioned to clusters (in
-    pipeline order and reversed), and runs of the cluster-ordered peers."""
+    pipeline order and reversed), and runs of the cluster-ordered peers; in small
+    swarms also of all peers fastest first (the fastest peers as the first stage,
+    whatever their clusters: where few micro-batches make the fill and the drain
+    weigh, as under GPipe, the best plan can give a few fast peers most of the model)."""
     out = []
+    flats = []
     for order in (ordered, ordered[::-1]):
         g = _stage_groups(order, clusters, k)
         if g is not None and all(g):
             out.append(g)
-        flat = [p for c in order for p in sorted(clusters[c], key=lambda p: (-p.flops, p.id))]
+        flats.append([p for c in order for p in sorted(clusters[c], key=lambda p: (-p.flops, p.id))])
+    if len(flats[0]) <= SMALL_SWARM:
+        flats.append(sorted(flats[0], key=lambda p: (-p.flops, p.id)))
+    for flat in flats:
         if k <= len(flat):
             out.append(_contiguous_groups(flat, k))
         if len(flat) <= SMALL_SWARM:  # small swarms: every run of consecutive peers

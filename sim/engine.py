@@ -13,19 +13,16 @@ from coordinator.estimator import (
     STATE_PER_PARAM_BYTE,
     DagCosts,
     Plan,
-    Replica,
     fixed_s,
+    pipeline_s,
     predict,
-    wire_pair,
 )
-from coordinator.netmodel import Network, PeerProfile, link_seconds, transfer_s
-from coordinator.overheads import message_s, pass_s, replica_grads_s
+from coordinator.netmodel import Network, PeerProfile, link_seconds
 from coordinator.pipeline_latency import tied_sync_s
 from coordinator.plan_eval import Options, ScheduleError
 from coordinator.plan_options import POLICIES
 from coordinator.replan import JOIN_REPLAN_EVERY, checkpoint_due, rebalance, recover, wants_replan
 from coordinator.scheduler import plan
-from protocol.model import schedule as schedules
 from sim.asking import AskReport, ask
 from sim.topology import Topology
 
@@ -72,107 +69,10 @@ def iteration_seconds(
     costs: DagCosts, p: Plan, peers: dict[str, PeerProfile], network: Network, m: int, schedule: str = "1f1b"
 ) -> float:
     """One iteration of ``p`` on the true ``peers`` and ``network``, event by event, the
-    way the live swarm runs it: micro-batch ``mb`` on replica ``mb mod r`` of each stage,
-    each replica running ``schedule`` over its own micro-batches when every stage has as
-    many replicas (GPipe otherwise), a replica's backward followed by its gradient
-    sends to the other replicas (beside its next compute, one micro-batch's after
-    another, the step's end waiting for the last), and one transfer at a time per
-    direction on every pair of peers."""
-    lanes = _lanes(costs, p, peers, network, m, schedules.effective(schedule, p.groups))
-    k = len(p.groups)
-    ready_f: list[dict[int, float]] = [dict.fromkeys(range(m), 0.0)] + [{} for _ in range(k - 1)]
-    ready_b: list[dict[int, float]] = [{} for _ in range(k)]
-    channel: dict[tuple[str, str, str], float] = {}
-    wires = [wire_pair(costs, pos, c) for pos, c in zip(p.cut, p.codecs)]
-
-    def send(direction: str, s: int, t: int, mb: int, end: float) -> float:
-        """Stage ``s`` sends micro-batch ``mb`` to stage ``t`` once done at ``end``: when it arrives."""
-        x, y = p.groups[s][mb % len(p.groups[s])], p.groups[t][mb % len(p.groups[t])]
-        link = network.link(x, y)
-        start = max(end, channel.get((direction, x, y), 0.0))
-        nbytes = wires[min(s, t)][direction == "B"]
-        busy = transfer_s(nbytes, link.mbps)
-        channel[(direction, x, y)] = start + busy
-        return start + busy + link.latency_s + message_s(peers[x].overheads, peers[y].overheads, nbytes)
-
-    pending = [lane for lane in lanes if lane.acts]
-    while pending:
-        progressed = False
-        for lane in pending:
-            s = lane.stage
-            while lane.idx < len(lane.acts):
-                kind, mb = lane.acts[lane.idx]
-                dep = (ready_f if kind == "F" else ready_b)[s].get(mb)
-                if dep is None:
-                    break
-                lane.free = end = max(lane.free, dep) + (lane.f if kind == "F" else lane.b)
-                lane.idx += 1
-                progressed = True
-                if kind == "F" and s < k - 1:
-                    ready_f[s + 1][mb] = send("F", s, s + 1, mb, end)
-                elif kind == "F":
-                    ready_b[s][mb] = end
-                if kind == "B":
-                    lane.replicate(end)
-                if kind == "B" and s > 0:
-                    ready_b[s - 1][mb] = send("B", s, s - 1, mb, end)
-        if not progressed:
-            raise RuntimeError("the schedule deadlocked in simulation")
-        pending = [lane for lane in pending if lane.idx < len(lane.acts)]
-    return (
-        max(max(lane.free, lane.landed) for lane in lanes) + tied_sync_s(costs, p, network) + fixed_s(costs, p, peers)
-    )
-
-
-@dataclass
-class _Lane:
-    """One replica of one stage in the simulation: its actions and its clock."""
-
-    stage: int
-    acts: list[tuple[str, int]]  # (F or B, global micro-batch)
-    f: float  # seconds of a forward
-    b: float  # seconds of a backward
-    send_busy: float = 0.0  # its gradient sends to the other replicas: on the link
-    send_latency: float = 0.0  # and in flight
-    idx: int = 0
-    free: float = 0.0
-    sending: float = 0.0  # when its link is free of the sends queued so far
-    landed: float = 0.0  # when its last sends arrived
-
-    def replicate(self, end: float) -> None:
-        """A backward done at ``end``: its gradient sends leave once the earlier ones have."""
-        if self.send_busy or self.send_latency:
-            self.sending = max(self.sending, end) + self.send_busy
-            self.landed = self.sending + self.send_latency
-
-
-def _lanes(
-    costs: DagCosts, p: Plan, peers: dict[str, PeerProfile], network: Network, m: int, schedule: str
-) -> list[_Lane]:
-    k, out = len(p.groups), []
-    for s, ((lo, hi), g) in enumerate(zip(p.ranges(costs.num_ops), p.groups)):
-        sums = network.slowest_sends(tuple(g)) if len(g) > 1 else [(0.0, 0.0)] * len(g)
-        for i, (pid, (lat, spb)) in enumerate(zip(g, sums)):
-            mine = list(range(i, m, len(g)))
-            peer = peers[pid]
-            grads = replica_grads_s(peer.overheads, len(g), len(mine), m)
-            one = Replica(
-                peer.flops,
-                peer.op_overhead_s,
-                peer.memory_bytes,
-                len(mine),
-                0,
-                lat,
-                spb,
-                pass_s(peer.overheads),
-                *grads,
-            )
-            acts = [(kind, mine[j]) for kind, j in schedules.make(schedule, k, len(mine))[s]] if mine else []
-            busy = costs.stage_params(lo, hi) * spb
-            out.append(
-                _Lane(s, acts, one.seconds(costs, lo, hi, "F"), one.seconds(costs, lo, hi, "B"), busy, lat * (spb > 0))
-            )
-    return out
+    way the live swarm runs it (``coordinator.estimator.pipeline_s``), with the
+    tied weights' sync and the step's end."""
+    pipeline = pipeline_s(costs, p, peers, network, m, schedule)
+    return pipeline + tied_sync_s(costs, p, network) + fixed_s(costs, p, peers)
 
 
 def checkpoint_seconds(costs: DagCosts, p: Plan, network: Network, home: str) -> float:
