@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -228,6 +229,59 @@ def test_the_lab_shapes_each_pair_and_leaves_nothing() -> None:
     finally:
         made.close()
     assert made.leftovers() == []
+
+
+_DUPLEX = r"""
+import socket, sys, threading, time
+other, n, start, mine = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+ls = socket.create_server(("0.0.0.0", 9000))
+got = {}
+def take():
+    c, _ = ls.accept()
+    left = n
+    while left > 0:
+        left -= len(c.recv(1 << 16)) or left
+    got["in"] = time.time() - start
+t = threading.Thread(target=take)
+t.start()
+time.sleep(max(0.0, start + mine - time.time()))
+for _ in range(50):
+    try:
+        socket.create_connection((other, 9000)).sendall(b"x" * n)
+        break
+    except OSError:
+        time.sleep(0.02)
+t.join()
+print(got["in"])
+"""
+
+
+@needs_root
+def test_a_transfer_against_another_the_other_way_is_not_slowed() -> None:
+    """0.56 MB each way over 10 Mbit/s, b's 0.1 s after a's (``lab.SMALL_FIRST``): b's
+    arrives in about the time it takes alone (0.45 s), not behind a's data (0.75 s
+    when its acknowledgements queued behind that)."""
+    import subprocess
+    import sys
+
+    made = lab.Lab({"a": "10.78.0.10", "b": "10.78.0.11"}, {("a", "b"): 10.0, ("b", "a"): 10.0})
+    try:
+        made.build()
+        start = time.time() + 1.5
+        procs = [
+            subprocess.Popen(
+                ["ip", "netns", "exec", made.ns[me], sys.executable, "-c", _DUPLEX, ip, "562688", str(start), str(at)],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for me, ip, at in (("a", "10.78.0.11", 0.0), ("b", "10.78.0.10", 0.1))
+        ]
+        arrived = [float(p.communicate(timeout=30)[0]) for p in procs]  # b's at a, a's at b
+        took = [arrived[0] - 0.1, arrived[1]]
+    finally:
+        made.close()
+    assert made.leftovers() == []
+    assert max(took) < 0.6, f"b's and a's took {took} s (alone: 0.45 s)"
 
 
 @needs_root
