@@ -21,8 +21,8 @@ from coordinator.overheads import message_s
 from protocol.model import schedule as schedules
 
 if TYPE_CHECKING:
-    from coordinator.estimator import Plan
     from coordinator.netmodel import Network, PeerProfile
+    from coordinator.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class _Links:
         self, p: Plan, wires: list[tuple[float, float]], peers: Mapping[str, PeerProfile], network: Network
     ) -> None:
         self.p, self.wires, self.peers, self.network = p, wires, peers, network
-        self.channel: dict[tuple[str, str, str], float] = {}
+        self.channel: dict[tuple[str, int, str, str], float] = {}
         self.priced: dict[tuple[str, int, str, str], tuple[float, float]] = {}  # a pair's transfer and tail, once
 
     def send(self, direction: str, s: int, t: int, mb: int, end: float) -> float:
@@ -77,9 +77,9 @@ class _Links:
             tail = link.latency_s + message_s(self.peers[x].overheads, self.peers[y].overheads, nbytes)
             self.priced[key] = transfer_s(nbytes, link.mbps), tail
         busy, tail = self.priced[key]
-        start = max(end, self.channel.get((direction, x, y), 0.0))
-        self.channel[(direction, x, y)] = start + busy
-        return start + busy + tail
+        done = max(end, self.channel.get(key, 0.0)) + busy  # a pair is of one boundary: its key names its channel
+        self.channel[key] = done
+        return done + tail
 
 
 def run(
@@ -101,48 +101,17 @@ def run(
 def _sweeps(p: Plan, timing: list[list[Timing]], links: _Links, m: int) -> float:
     """GPipe: each stage's forwards in micro-batch order (the first stage's inputs
     ready at 0), then from the last stage back, each replica's backwards in
-    micro-batch order once all its forwards are done (``Lane.run``, ``_Links.send``,
-    unrolled: the planner asks this thousands of times)."""
+    micro-batch order once all its forwards are done."""
     k = len(p.groups)
-    free = [[0.0] * len(stage) for stage in timing]
-    ready, finish = [0.0] * m, 0.0
+    lanes = [[Lane(s, [], t) for t in stage] for s, stage in enumerate(timing)]
+    ready = [0.0] * m
     for s in range(k):
-        ends, lanes, mine = [0.0] * m, free[s], timing[s]
-        for mb in range(m):
-            i = mb % len(lanes)
-            ends[mb] = lanes[i] = max(lanes[i], ready[mb]) + mine[i].f
-        ready = _crossed(links, "F", s, s + 1, ends) if s < k - 1 else ends
+        ends = [lanes[s][mb % len(lanes[s])].run("F", ready[mb]) for mb in range(m)]
+        ready = [links.send("F", s, s + 1, mb, end) for mb, end in enumerate(ends)] if s < k - 1 else ends
     for s in reversed(range(k)):
-        ends, lanes, mine = [0.0] * m, free[s], timing[s]
-        sending = [0.0] * len(lanes)
-        for mb in range(m):
-            i = mb % len(lanes)
-            ends[mb] = lanes[i] = max(lanes[i], ready[mb]) + mine[i].b
-            if mine[i].send_busy or mine[i].send_latency:  # its gradient sends leave in turn
-                sending[i] = max(sending[i], ends[mb]) + mine[i].send_busy
-                finish = max(finish, sending[i] + mine[i].send_latency)
-        ready = _crossed(links, "B", s, s - 1, ends) if s > 0 else ends
-    return max(finish, *(t for stage in free for t in stage))
-
-
-def _crossed(links: _Links, direction: str, s: int, t: int, ends: list[float]) -> list[float]:
-    """When each micro-batch, done on stage ``s`` at ``ends[mb]``, arrives at stage ``t``."""
-    a, b = links.p.groups[s], links.p.groups[t]
-    out = []
-    for mb, end in enumerate(ends):
-        x, y = a[mb % len(a)], b[mb % len(b)]
-        key = (direction, s, x, y)
-        priced = links.priced.get(key)
-        if priced is None:
-            links.send(direction, s, t, mb, 0.0)  # prices the pair
-            links.channel[(direction, x, y)] = 0.0
-            priced = links.priced[key]
-        busy, tail = priced
-        chan = (direction, x, y)
-        done = max(end, links.channel[chan]) + busy
-        links.channel[chan] = done
-        out.append(done + tail)
-    return out
+        ends = [lanes[s][mb % len(lanes[s])].run("B", ready[mb]) for mb in range(m)]
+        ready = [links.send("B", s, s - 1, mb, end) for mb, end in enumerate(ends)] if s > 0 else ends
+    return max(max(lane.free, lane.landed) for stage in lanes for lane in stage)
 
 
 def _events(p: Plan, timing: list[list[Timing]], links: _Links, m: int, name: str) -> float:

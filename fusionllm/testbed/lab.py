@@ -21,13 +21,13 @@ PREFIX = "fltb"  # every testbed namespace's name starts so
 _NAME = re.compile(rf"{PREFIX}(\d+)(?:hub|c|h\d+)")
 #: traffic that matches no destination's filter (the coordinator's): as fast as the veth goes
 UNSHAPED = "10gbit"
-#: SMALL_FIRST: within a pair's rate, packets under 256 bytes (an IP total length whose
+#: within a pair's rate, packets under 256 bytes (an IP total length whose
 #: high byte is 0) go before the bulk, as a router with smart queue management lets
 #: them. Without it, one FIFO per direction made a transfer that ran against another
 #: the other way wait for its acknowledgements behind that one's data: 0.56 MB each
 #: way at 10 Mbit/s took 433 ms alone and 750 ms against one (a home uplink without
 #: smart queueing does that; the estimator does not model it)
-SMALL = ["match", "u16", "0x0000", "0xff00", "at", "2"]
+SMALL_FIRST = ["match", "u16", "0x0000", "0xff00", "at", "2"]
 #: the rate the small packets are sure of (they borrow the rest of the pair's)
 SMALL_SHARE = 0.05
 
@@ -124,7 +124,7 @@ class Lab:
     def _shape(self, host: str) -> None:
         """An htb class per destination on ``host``'s side of its veth, at the pair's
         rate; within it, packets under 256 bytes (TCP's acknowledgements, small
-        messages) go first (``SMALL_FIRST``)."""
+        messages) go first (``SMALL_FIRST``), each child with the pair's burst."""
         shaped = [(dst, mbps) for (src, dst), mbps in self.rates.items() if src == host]
         if not shaped:
             return
@@ -136,9 +136,9 @@ class Lab:
             pair = ["htb", "rate", f"{mbps:g}mbit", "burst", burst, "cburst", burst]
             run(*tc, "class", "add", "dev", "eth0", "parent", "1:", "classid", f"1:{n}", *pair)
             to = ["match", "ip", "dst", f"{self.hosts[dst]}/32"]
-            kinds = ((f"a{n}", SMALL_SHARE, SMALL), (f"b{n}", 1 - SMALL_SHARE, []))
+            kinds = ((f"a{n}", SMALL_SHARE, SMALL_FIRST), (f"b{n}", 1 - SMALL_SHARE, []))
             for prio, (child, share, match) in enumerate(kinds):
-                rates = ["rate", f"{mbps * share:g}mbit", "ceil", f"{mbps:g}mbit", "prio", str(prio)]
+                rates = ["rate", f"{mbps * share:g}mbit", "ceil", f"{mbps:g}mbit", "prio", str(prio), *pair[3:]]
                 run(*tc, "class", "add", "dev", "eth0", "parent", f"1:{n}", "classid", f"1:{child}", "htb", *rates)
                 flt = ["parent", "1:", "protocol", "ip", "prio", str(prio + 1), "u32", *to, *match]
                 run(*tc, "filter", "add", "dev", "eth0", *flt, "flowid", f"1:{child}")
