@@ -375,21 +375,21 @@ def predict(
     edges = boundary_models(plan.groups, network, m)
     rounds = rounds_of(plan.groups, m)
     wires = [wire_pair(costs, pos, c) for pos, c in zip(plan.cut, plan.codecs)]  # (forward, backward)
-    one = [g.latency(costs, lo, hi) for g, (lo, hi) in zip(models, ranges)]
-    ends = boundary_ends(plan.groups, peers)
-    one_way = {
-        d: [e.latency(w[d]) + message_s(*ends[b][d], w[d]) for b, (e, w) in enumerate(zip(edges, wires))]
-        for d in (0, 1)
-    }
-    there_and_back = [f + b for f, b in zip(one_way[0], one_way[1])]
     stage_round = [g.period(costs, lo, hi) for g, (lo, hi) in zip(models, ranges)]
     link_round = [max(w) * e.per_byte() for e, w in zip(edges, wires)]
     sends = [g.sends(costs, lo, hi) for g, (lo, hi) in zip(models, ranges)]
     if uses_1f1b(plan.groups):
+        one = [g.latency(costs, lo, hi) for g, (lo, hi) in zip(models, ranges)]
+        ends = boundary_ends(plan.groups, peers)
+        one_way = {
+            d: [e.latency(w[d]) + message_s(*ends[b][d], w[d]) for b, (e, w) in enumerate(zip(edges, wires))]
+            for d in (0, 1)
+        }
+        there_and_back = [f + b for f, b in zip(one_way[0], one_way[1])]
         steady = max(stage_round + link_round + round_trips(one, there_and_back, rounds))
         pipeline = sum(one) + sum(there_and_back) + (rounds - 1) * steady
         tail = exposed_sends(sends, [g.latency(costs, lo, hi, "B") for g, (lo, hi) in zip(models, ranges)], one_way[1])
-    else:  # GPipe, its replicas' forwards and backwards interleaved as they run: event by event
+    else:  # GPipe, its replicas' forwards and backwards interleaved as they run: micro-batch by micro-batch
         pipeline, tail = pipeline_s(costs, plan, peers, network, m, "gpipe"), 0.0
     plan.iteration_s = pipeline + tail + tied_sync_s(costs, plan, network) + fixed_s(costs, plan, peers)
     plan.stage_s = [t * rounds / m for t in stage_round]

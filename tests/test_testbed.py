@@ -265,20 +265,19 @@ def test_a_transfer_against_another_the_other_way_is_not_slowed() -> None:
     import sys
 
     made = lab.Lab({"a": "10.78.0.10", "b": "10.78.0.11"}, {("a", "b"): 10.0, ("b", "a"): 10.0})
+    procs: list[subprocess.Popen[str]] = []
     try:
         made.build()
         start = time.time() + 1.5
-        procs = [
-            subprocess.Popen(
-                ["ip", "netns", "exec", made.ns[me], sys.executable, "-c", _DUPLEX, ip, "562688", str(start), str(at)],
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            for me, ip, at in (("a", "10.78.0.11", 0.0), ("b", "10.78.0.10", 0.1))
-        ]
+        for me, ip, at in (("a", "10.78.0.11", 0.0), ("b", "10.78.0.10", 0.1)):
+            cmd = ["ip", "netns", "exec", made.ns[me], sys.executable, "-c", _DUPLEX, ip, "562688", str(start), str(at)]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
         arrived = [float(p.communicate(timeout=30)[0]) for p in procs]  # b's at a, a's at b
         took = [arrived[0] - 0.1, arrived[1]]
     finally:
+        for p in procs:  # none left behind, also when one hung
+            p.kill()
+            p.wait()
         made.close()
     assert made.leftovers() == []
     assert max(took) < 0.6, f"b's and a's took {took} s (alone: 0.45 s)"
