@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -131,6 +132,9 @@ class StatusServer:
             # and SIGTERM now: niced behind a busy run's peers it may get no CPU for seconds
             # (every run's end waited the whole CLOSE_WAIT_S for it); what it serves is over
             proc.terminate()
+            # and on: a stopped process acts on no SIGTERM (one stopped early in its start
+            # waited out the whole CLOSE_WAIT_S, nearly every time on a quiet machine)
+            proc.send_signal(signal.SIGCONT)
         try:
             await asyncio.wait_for(proc.wait(), CLOSE_WAIT_S)
         except asyncio.TimeoutError:
