@@ -45,28 +45,36 @@ class Compute:
         thread, or, for a piece of kind ``inline`` whose last run took under
         ``INLINE_MAX_S`` while the thread has nothing (so the order of calls holds), on
         the event loop, which then runs once (as when the thread hands a result back)."""
+        out, seconds, _ = await self._timed_work(fn, *args, inline=inline)
+        return out, seconds
+
+    async def _timed_work(self, fn: Any, *args: Any, inline: str | None = None) -> tuple[Any, float, float | None]:
+        """As ``timed``, with the call's work (``_timed``'s third value)."""
         if inline is not None and self._on_thread == 0 and self._last.get(inline, INLINE_MAX_S) < INLINE_MAX_S:
-            out, seconds = _timed(self.device, fn, *args)
+            out, seconds, work = _timed(self.device, fn, *args)
             await asyncio.sleep(0)  # what the piece made ready (its sends) goes on before the next piece
         else:
-            out, seconds = await self.run(_timed, self.device, fn, *args)
+            out, seconds, work = await self.run(_timed, self.device, fn, *args)
         if inline is not None:
             self._last[inline] = seconds
-        return out, seconds
+        return out, seconds, work
 
     async def throttled(self, fn: Any, *args: Any, inline: str | None = None) -> tuple[Any, float]:
         """``fn(*args)`` (as ``timed``), then the idle time the throttle asks for (on the
         event loop: messages and heartbeats go on); the result and the busy seconds (both count)."""
-        out, seconds = await self.timed(fn, *args, inline=inline)
-        return out, seconds + await self.throttle.idle(seconds)
+        out, seconds, work = await self._timed_work(fn, *args, inline=inline)
+        return out, seconds + await self.throttle.idle(seconds, work)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _timed(device: torch.device, fn: Any, *args: Any) -> tuple[Any, float]:
-    t0 = time.perf_counter()
+def _timed(device: torch.device, fn: Any, *args: Any) -> tuple[Any, float, float | None]:
+    """``fn(*args)``, the seconds it took, and its work: the thread's CPU seconds where
+    one CPU thread did all of it (``peer.throttle``), else None (its wall time)."""
+    one_thread = device.type == "cpu" and torch.get_num_threads() == 1
+    t0, c0 = time.perf_counter(), time.thread_time() if one_thread else 0.0
     out = fn(*args)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return out, time.perf_counter() - t0
+    return out, time.perf_counter() - t0, time.thread_time() - c0 if one_thread else None

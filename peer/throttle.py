@@ -1,7 +1,11 @@
 """Throttling a peer's compute to a fraction F of its speed (``join --throttle``):
-after each compute call the peer idles on its event loop for (1/F - 1) times the
-call's time, so its stage takes about 1/F as long while heartbeats and messages
-keep flowing. F may change while the peer runs, read from a file
+after each compute call the peer idles on its event loop until the call has lasted
+1/F times the work it did, so its stage takes about 1/F as long while heartbeats and
+messages keep flowing. The work is the call's CPU time where one CPU thread does it
+(a one-thread CPU peer), else its wall time: a peer that shares a busy machine's
+cores (the testbed's) waits for a core, and 1/F times that wait would emulate a
+device slower than the one asked for (four replicas computing at once on two cores
+took 4.8x as long as predicted). F may change while the peer runs, read from a file
 (``join --throttle-file``), to try the rebalancer on a peer that slows down."""
 
 from __future__ import annotations
@@ -72,16 +76,19 @@ class Throttle:
             self.on_change(text)
         return True
 
-    def pause_for(self, compute_s: float) -> float:
-        """Seconds to idle after a compute call that took ``compute_s``: (1/F - 1) times it."""
-        if self._value >= 1.0 or not compute_s > 0.0 or math.isinf(compute_s):
+    def pause_for(self, compute_s: float, work_s: float | None = None) -> float:
+        """Seconds to idle after a compute call that took ``compute_s`` and did
+        ``work_s`` of work (its CPU time; None: ``compute_s``): the call then lasts
+        ``work_s / F`` in all, or as long as it took if that is longer."""
+        work = compute_s if work_s is None else min(work_s, compute_s)
+        if self._value >= 1.0 or not work > 0.0 or math.isinf(compute_s):
             return 0.0
-        return compute_s * (1.0 / self._value - 1.0)
+        return max(0.0, work / self._value - compute_s)
 
-    async def idle(self, compute_s: float) -> float:
-        """Idle on the event loop (the compute thread stays free) for ``pause_for(compute_s)``;
-        returns the pause."""
-        pause = self.pause_for(compute_s)
+    async def idle(self, compute_s: float, work_s: float | None = None) -> float:
+        """Idle on the event loop (the compute thread stays free) for
+        ``pause_for(compute_s, work_s)``; returns the pause."""
+        pause = self.pause_for(compute_s, work_s)
         if pause > 0.0:
             await asyncio.sleep(pause)
         return pause

@@ -375,3 +375,22 @@ def test_on_slow_link_auto_puts_a_codec_where_every_plan_crosses_the_slow_link()
     assert all(c.name == "none" for c in none.plan.codecs)
     assert any(c.name != "none" for c in auto.plan.codecs)
     assert auto.plan.to_loss_s < none.plan.to_loss_s
+
+
+def test_on_far_lab_opfence_is_predicted_ahead_and_auto_compresses_the_sites_boundary() -> None:
+    """``far-lab``, the benchmark's topology: the estimator ranks OP-Fence's plan at
+    least 1.45x ahead of the better bandwidth-blind one and no slower than dtfm's, and
+    with ``auto`` OP-Fence's plan puts a codec on a boundary and is predicted faster."""
+    from fusionllm.testbed import DEFAULT_MODEL_ARGS, plans
+    from protocol.model.job import JobSpec
+
+    costs = plans.costs_of(JobSpec(model="gpt", model_args=DEFAULT_MODEL_ARGS, micro_batches=4))
+    far = topo.load_topology("far-lab")
+    m = topo.map_compute(far, 20e9, cores=2)
+    s = {
+        p.scheduler: p.estimated_s
+        for p in plans.predict_all(["opfence", "bw-blind", "petals", "dtfm"], costs, far, m, 4)
+    }
+    (auto,) = plans.predict_all(["opfence"], costs, far, m, 4, compression=True)
+    assert min(s["bw-blind"], s["petals"]) >= 1.45 * s["opfence"] and s["opfence"] <= s["dtfm"], s
+    assert any(c.name != "none" for c in auto.plan.codecs) and auto.estimated_s < s["opfence"], auto

@@ -37,6 +37,16 @@ def test_pause_is_one_over_f_minus_one_times_the_compute(f: float, compute_s: fl
     assert (compute_s + t.pause_for(compute_s)) * f == pytest.approx(compute_s)
 
 
+@pytest.mark.parametrize(
+    ("f", "compute_s", "work_s", "pause"),
+    [(0.25, 0.2, 0.1, 0.2), (0.25, 0.2, 0.05, 0.0), (0.5, 0.2, 0.3, 0.2), (0.5, 0.2, 0.0, 0.0), (1.0, 0.2, 0.1, 0.0)],
+)
+def test_pause_counts_the_work_not_the_wait_for_a_core(f: float, compute_s: float, work_s: float, pause: float) -> None:
+    """A call that waited for a core (wall 0.2 s, 0.1 s of CPU) lasts work / F in all,
+    not 1/F times its wait too; work above the wall time counts as the wall time."""
+    assert Throttle(f).pause_for(compute_s, work_s) == pytest.approx(pause)
+
+
 def test_no_pause_for_no_compute() -> None:
     t = Throttle(0.1)
     assert t.pause_for(0.0) == 0.0 and t.pause_for(-1.0) == 0.0 and t.pause_for(math.nan) == 0.0
@@ -182,7 +192,8 @@ def test_join_parses_the_throttle_flags() -> None:
 # ------------------------------------------------------------------ throttled compute
 
 
-def test_a_throttled_compute_call_idles_on_the_loop_with_the_thread_free() -> None:
+def test_a_throttled_compute_call_idles_on_the_loop_with_the_thread_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # wall time is the work (as on several threads)
     torch.manual_seed(0)
     ex = StageExecutor(_Stage(), Recipe(lr=1e-3), False)
     x = torch.randn(2048, 256)
@@ -252,6 +263,35 @@ def _flagged(done: threading.Event, took: list[float], fn: Any, *args: Any) -> A
 
 def _no_op() -> None:
     return None
+
+
+def test_a_one_thread_cpu_peer_is_throttled_by_its_cpu_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A one-thread CPU peer that waits (here: sleeps, as for a busy machine's core)
+    does not idle 1/F times the wait: the call lasts its CPU time over F."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    f = 0.25
+
+    def waits() -> float:
+        time.sleep(0.05)
+        return time.thread_time()
+
+    def works() -> float:
+        end = time.thread_time() + 0.02
+        while time.thread_time() < end:
+            pass
+        return 0.0
+
+    async def main() -> tuple[float, float]:
+        compute = Compute(torch.device("cpu"), Throttle(f))
+        try:
+            (_, waited), (_, worked) = await compute.throttled(waits), await compute.throttled(works)
+        finally:
+            compute.shutdown()
+        return waited, worked
+
+    waited, worked = asyncio.run(main())
+    assert 0.05 <= waited < 0.05 / f * 0.5, waited  # 0.05 s slept, next to no CPU: (almost) no pause
+    assert worked >= 0.02 / f - 0.002, worked  # 0.02 s of CPU lasts 0.08 s in all
 
 
 def test_the_benchmark_under_throttle_half_reports_half(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,6 +9,6 @@ bridge, qdiscs), ``plans`` (each scheduler's plan and its predictions), ``swarm`
 (the processes of one run), ``report`` (the table and the JSON), ``cmd`` (the command)."""
 
 #: the topologies ``--topology`` knows by name (``topo.PRESETS`` builds them)
-PRESET_NAMES = ("two-clusters", "mixed-7", "homes-7", "slow-link")
+PRESET_NAMES = ("two-clusters", "mixed-7", "homes-7", "slow-link", "far-lab")
 #: the tiny model the testbed trains unless told (a few ms a micro-batch on one thread)
 DEFAULT_MODEL_ARGS = "n_layer=2,n_embd=64,n_head=4"

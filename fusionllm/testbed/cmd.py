@@ -76,7 +76,7 @@ def run_testbed(
         lab.close()
     out = _result(topology, t, compute, predicted, runs, costs, micro_batches)
     if ("opfence", "auto") in runs:
-        out.update(_auto(runs, todo[-1][0]))
+        out.update(_auto(runs, todo[-1][0], costs, t, compute, micro_batches))
     return out
 
 
@@ -181,16 +181,24 @@ def _result(
     return out
 
 
-def _auto(runs: dict, planned: plans.Predicted) -> dict[str, Any]:
+def _auto(
+    runs: dict, planned: plans.Predicted, costs: Any, t: Any, compute: topo.ComputeMap, mb: int
+) -> dict[str, Any]:
     """OP-Fence's plan priced with ``auto``'s codecs against its uncompressed one: the
     time ratio (uncompressed over compressed), the loss ratio (compressed over not),
-    the codecs the planner priced beside those the live swarm chose on its links."""
+    the estimator's time for it as mapped and for the compute its peers delivered (as
+    the schedulers' rows have it), the codecs the planner priced beside those the live
+    swarm chose on its links."""
     auto, none = runs[("opfence", "auto")], runs[("opfence", "none")]
+    ratios = plans.compute_ratios(planned.plan, costs, t, compute, auto.stage_compute_s, mb)
+    est, _ = plans.repredict(planned, costs, t, compute, mb, plans.delivered_scale(ratios))
     return {
         "auto_vs_none_measured": report.ratio(none.step_s, auto.step_s),
         "auto_loss_ratio": report.ratio(auto.final_loss, none.final_loss),
         "auto_measured_s": round(auto.step_s, 5),
-        "auto_estimated_s": round(planned.estimated_s, 5),
+        "auto_estimated_mapped_s": round(planned.estimated_s, 5),
+        "auto_estimated_s": round(est, 5),
+        "auto_estimator_error": report.ratio(est - auto.step_s, auto.step_s),
         "auto_codecs_planned": [str(c) for c in planned.plan.codecs],
         "auto_codecs_live": auto.codecs,
         "auto_plan": planned.plan.groups,

@@ -84,7 +84,24 @@ def slow_link() -> dict[str, Any]:
     return topo
 
 
-PRESETS = {"two-clusters": two_clusters, "mixed-7": mixed_seven, "homes-7": homes_seven, "slow-link": slow_link}
+def far_lab() -> dict[str, Any]:
+    """8 peers on two sites 5 Mbit/s apart: a lab of two peers twice as fast as each of
+    the six at a second site, 1 Gbit/s inside each. A plan that puts one site's replicas
+    beside the other's, or every peer a replica of the whole model, pays for the slow
+    link; one boundary between the sites, where a micro-batch's activations take
+    longer than a stage computes, is where ``auto`` puts a codec."""
+    peers = [_peer(f"lab{i}", 2.0, "lab") for i in range(2)] + [_peer(f"site{i}", 1.0, "site") for i in range(6)]
+    clusters = {"lab": {"lab": _link(1000, 0.2), "site": _link(5, 10)}, "site": {"site": _link(1000, 0.2)}}
+    return {"peers": peers, "clusters": clusters}
+
+
+PRESETS = {
+    "two-clusters": two_clusters,
+    "mixed-7": mixed_seven,
+    "homes-7": homes_seven,
+    "slow-link": slow_link,
+    "far-lab": far_lab,
+}
 
 
 def load_topology(spec: str) -> Topology:
