@@ -104,8 +104,8 @@ def breakdown_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def breakdown_table(st: RunState, micro_batches: int) -> list[dict[str, Any]]:
-    """``StepBreakdown.table`` of a run's record, with its plan's predictions."""
-    plan = st.plan.plan if st.plan is not None else None
+    """``StepBreakdown.table`` of a run's record, with its plan's latest predictions."""
+    plan = st.predicted()
     if plan is None:
         return st.breakdown.table([], [], math.inf, micro_batches)
     return st.breakdown.table(plan.stage_s, plan.link_s, plan.iteration_s, micro_batches)

@@ -64,7 +64,11 @@ class Priced:
 
     candidate: Assignment
     bare: tuple[float, float] | None = None
-    current_s: float = 0.0
+    current: Plan | None = None  # the current plan priced with the fixed costs
+
+    @property
+    def current_s(self) -> float:
+        return self.current.iteration_s if self.current is not None else 0.0
 
 
 class Rebalancer:
@@ -204,6 +208,8 @@ class Rebalancer:
         if st.epoch != epoch or any(p in gone or p not in self.host.adverts for g in candidate.stages for p in g):
             self._said(f"rebalance check at step {st.step}: the swarm changed while it planned")
             return None
+        if priced.current is not None:  # kept unless the rule below moves: its price on what the swarm measured
+            st.repriced = (st.step, priced.current)
         if bare is None or candidate.plan is None:
             self._said(f"rebalance check at step {st.step}: the plan on measured speeds is the current one")
             return None
@@ -279,13 +285,14 @@ class Rebalancer:
         ads = self.measured(ads, network)
         logger.debug("measured speeds (GFLOP/s): %s", {a.peer_id[-6:]: round(a.flops / 1e9, 2) for a in ads})
         candidate = self.planner.plan(ads, 0, True, links, nat)
+        current = self._predicted_plan(ads, None, LIVE, network)
         if candidate.cut == st.plan.cut and candidate.stages == st.plan.stages or candidate.plan is None:
-            return Priced(candidate)
+            return Priced(candidate, None, current)
         # the bar is set on what the two plans differ in: both priced without the swarm's
         # fixed costs, which every plan pays alike (with them, the liar's first check
         # read 78.6 ms against under 20% more and declined; the bar was set without them)
         bare = self._predicted(ads, None, NONE, network), self._predicted(ads, candidate.plan, NONE, network)
-        return Priced(candidate, bare, self._predicted(ads, None, LIVE, network))
+        return Priced(candidate, bare, current)
 
     def _predicted(
         self, ads: list[Advert], other: Plan | None = None, overheads: Overheads = LIVE, network: Network | None = None

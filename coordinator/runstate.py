@@ -15,6 +15,7 @@ from typing import Any
 
 from coordinator.assign import Assignment
 from coordinator.breakdown import StepBreakdown
+from coordinator.plan import Plan
 from protocol.wire.codecs import Codec
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,9 @@ class RunState:
     train_compute_s: float = 0.0  # the peers' compute on training steps (as they report it)
     rebalances: list[dict[str, Any]] = field(default_factory=list)
     breakdown: StepBreakdown = field(default_factory=StepBreakdown)  # where the peers' step time goes, per stage
+    # the last rebalance check's price of the current plan on the speeds the swarm
+    # measured, where the check kept it: (the step it was made at, the plan priced)
+    repriced: tuple[int, Plan] | None = None
 
     @property
     def planned(self) -> set[str]:
@@ -91,7 +95,14 @@ class RunState:
 
     def next_epoch(self, plan: Assignment) -> None:
         """The plan changes: a new epoch, whose stages are yet to be set up."""
-        self.plan, self.epoch, self.dispatched = plan, self.epoch + 1, False
+        self.plan, self.epoch, self.dispatched, self.repriced = plan, self.epoch + 1, False, None
+
+    def predicted(self) -> Plan | None:
+        """The current plan's latest prediction: as the last rebalance check that kept it
+        priced it on the speeds the swarm measured (``repriced``), else as planned."""
+        if self.repriced is not None:
+            return self.repriced[1]
+        return self.plan.plan if self.plan is not None else None
 
 
 def owner(name: str) -> str:

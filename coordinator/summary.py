@@ -64,7 +64,7 @@ def summarize(
 
 def _estimate(st: RunState, adverts: dict[str, Advert], micro_batches: int, dag: OpDag | None) -> dict[str, Any]:
     """``estimate`` with, where it can be made, ``delivered_step_s``: ``delivered_step``."""
-    est = estimate(st.plan, st.compute, st.step_seconds, micro_batches)
+    est = estimate(st, micro_batches)
     if est and dag is not None and st.plan is not None and st.plan.plan is not None:
         got = delivered_step(DagCosts.from_opdag(dag), st, adverts, micro_batches)
         if got is not None:
@@ -125,25 +125,32 @@ def traffic(plan: Assignment, wire: dict[str, dict[str, int]], raw: dict[str, di
     return [(w, r) for w, r in out]
 
 
-def estimate(plan: Assignment, compute: dict[str, list[float]], step_seconds: list[float], mbs: int) -> dict[str, Any]:
+def estimate(st: RunState, mbs: int) -> dict[str, Any]:
     """The estimator's predicted step and per-stage times next to the measured ones
     (medians over the steps; a stage's time per micro-batch is its peers' forward
-    plus backward compute divided by the micro-batches each handled)."""
-    if plan.plan is None or not step_seconds:
+    plus backward compute divided by the micro-batches each handled). The prediction
+    is the plan's latest (``RunState.predicted``): where a rebalance check priced the
+    plan again on the speeds the swarm measured, ``repriced_at_step`` says when and
+    ``planned_step_s`` what the plan was predicted on the peers' start-up readings."""
+    plan, predicted = st.plan, st.predicted()
+    if plan is None or plan.plan is None or predicted is None or not st.step_seconds:
         return {}
     stages = []
-    each = per_micro_batch(plan, compute, mbs)
+    each = per_micro_batch(plan, st.compute, mbs)
     for s, group in enumerate(plan.stages):
         per_mb = [each[p] for p in group if p in each]
         stages.append(
             {
                 "stage": s,
-                "predicted_ms": round(plan.plan.stage_s[s] * 1e3, 3),
+                "predicted_ms": round(predicted.stage_s[s] * 1e3, 3),
                 "measured_ms": round(statistics.median(per_mb) * 1e3, 3) if per_mb else None,
             }
         )
-    return {
-        "predicted_step_s": round(plan.plan.iteration_s, 5),
-        "measured_step_s": round(statistics.median(step_seconds), 5),
+    out = {
+        "predicted_step_s": round(predicted.iteration_s, 5),
+        "measured_step_s": round(statistics.median(st.step_seconds), 5),
         "stages": stages,
     }
+    if st.repriced is not None:
+        out.update(repriced_at_step=st.repriced[0], planned_step_s=round(plan.plan.iteration_s, 5))
+    return out

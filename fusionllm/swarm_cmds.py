@@ -143,6 +143,12 @@ def _summary(summary: Any, save: str | None) -> str:
             f"{est['measured_step_s'] * 1e3:.1f} ms (median); per micro-batch, stage by stage, predicted/measured: "
             + ", ".join(f"{s['predicted_ms']:.2f}/{s['measured_ms']:.2f} ms" for s in est["stages"])
         )
+        if est.get("repriced_at_step") is not None:
+            lines.append(
+                f"estimator: that prediction is the plan's price at step {est['repriced_at_step']} on the speeds the "
+                f"swarm measured (a rebalance check that kept it); on the peers' start-up readings it was "
+                f"{est['planned_step_s'] * 1e3:.1f} ms"
+            )
         if est.get("delivered_step_s"):
             again, measured = est["delivered_step_s"], est["measured_step_s"]
             lines.append(

@@ -154,7 +154,7 @@ def test_the_coordinators_mean_covers_the_steps_the_windows_cover() -> None:
         for _ in range(windows):
             book.record(stage, _done(breakdown=parts, breakdown_v=BREAKDOWN_V))
     assert book.windows_per_stage() == 3 and StepBreakdown().windows_per_stage() == 0
-    st = SimpleNamespace(step_seconds=[9.0, 1.0, 1.0, 1.0], breakdown=book, plan=None)
+    st = SimpleNamespace(step_seconds=[9.0, 1.0, 1.0, 1.0], breakdown=book, plan=None, predicted=lambda: None)
     assert _with_breakdown({"x": 1}, st, 4)["mean_step_s"] == 1.0  # type: ignore[arg-type]
     st.breakdown = StepBreakdown()
     assert _with_breakdown({"x": 1}, st, 4)["mean_step_s"] == 3.0  # type: ignore[arg-type]

@@ -8,7 +8,7 @@ from coordinator.delivered import delivered_flops, for_delivered
 from coordinator.estimator import PASSES, DagCosts, Plan, predict
 from coordinator.outcome import RunSummary
 from coordinator.runstate import RunState
-from coordinator.summary import delivered_step, per_micro_batch
+from coordinator.summary import delivered_step, estimate, per_micro_batch
 from fusionllm.swarm_cmds import _summary
 from protocol.model.graph import Cut
 from protocol.wire.codecs import Codec
@@ -94,3 +94,31 @@ def test_the_demo_summary_prints_the_prediction_for_the_delivered_compute_beside
     )
     del est["delivered_step_s"]
     assert len(_printed(est)) == 1
+
+
+def test_a_rebalance_checks_price_of_the_kept_plan_is_the_prediction_printed() -> None:
+    """A rebalance check that keeps the plan prices it on the speeds the swarm measured
+    (``RunState.repriced``): the summary's prediction and its stages are that price,
+    said so beside the start-up one; a new plan epoch forgets it (its own plan's)."""
+    st = _state(ADVERTS, {})
+    assert st.plan is not None and st.plan.plan is not None
+    planned = st.plan.plan
+    assert estimate(st, MB)["predicted_step_s"] == round(planned.iteration_s, 5)
+    slower = {n: _advert(n, a.flops / 2e9) for n, a in ADVERTS.items()}  # every peer half its reading
+    again = predict(
+        COSTS,
+        planned.bare(),
+        {a.peer_id: live_profile(a) for a in slower.values()},
+        network_from_adverts(list(slower.values())),
+        MB,
+    )
+    st.repriced = (25, again)
+    est = estimate(st, MB)
+    assert est["predicted_step_s"] == round(again.iteration_s, 5) > round(planned.iteration_s, 5)
+    assert [s["predicted_ms"] for s in est["stages"]] == [round(x * 1e3, 3) for x in again.stage_s]
+    assert est["repriced_at_step"] == 25 and est["planned_step_s"] == round(planned.iteration_s, 5)
+    lines = _printed(est)
+    assert lines[1].startswith("estimator: that prediction is the plan's price at step 25 on the speeds the swarm")
+    assert lines[1].endswith(f"it was {planned.iteration_s * 1e3:.1f} ms")
+    st.next_epoch(st.plan)
+    assert st.repriced is None and estimate(st, MB)["predicted_step_s"] == round(planned.iteration_s, 5)
