@@ -94,8 +94,10 @@ class RunState:
                 self.link_mbps[(sender, to)] = rate
 
     def next_epoch(self, plan: Assignment) -> None:
-        """The plan changes: a new epoch, whose stages are yet to be set up."""
+        """The plan changes: a new epoch, whose stages are yet to be set up (the step
+        breakdown starts again: a stage's number names other operators now)."""
         self.plan, self.epoch, self.dispatched, self.repriced = plan, self.epoch + 1, False, None
+        self.breakdown = StepBreakdown()
 
     def predicted(self) -> Plan | None:
         """The current plan's latest prediction: as the last rebalance check that kept it
