@@ -263,8 +263,9 @@ def _add_join_compute_flags(p: argparse.ArgumentParser) -> None:
         type=t.throttle,
         default=1.0,
         metavar="F",
-        help="compute at the fraction F of this machine's speed (0 < F <= 1): idle after each compute call for "
-        "1/F - 1 times its duration, and advertise F times the measured FLOP/s; to try out rebalancing",
+        help="compute at the fraction F of this machine's speed (0 < F <= 1): idle after each compute call until "
+        "it has lasted 1/F times its work (its CPU time on one CPU thread, else its duration), and advertise F "
+        "times the measured FLOP/s; to try out rebalancing",
     )
     g.add_argument(
         "--throttle-file",
