@@ -36,12 +36,19 @@ def measure_flops(
     device: torch.device, dtype: torch.dtype = torch.float32, seconds: float = 0.3, throttle: float = 1.0
 ) -> float:
     """Sustained FLOP/s of square matmuls on ``device``; a peer throttled to a fraction
-    ``throttle`` of its speed (see peer.throttle) reports that fraction of it."""
+    ``throttle`` of its speed (see peer.throttle) reports that fraction of it. On one
+    CPU thread the matmuls' CPU time is the divisor, not their wall time: the speed of
+    one of the machine's threads while it has a core. Peers that share a machine
+    measure at once while others start; by wall time the README demo's four read one
+    thread at 14 to 87 GFLOP/s, and its plan followed that noise. How many share the
+    cores is the planner's (``coordinator.host_share``, from the advert's ``cores``
+    and ``host_cores``)."""
     n = 1024 if device.type == "cuda" else 256
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     (a @ b).sum().item()  # warm-up
-    iters, start = 0, time.perf_counter()
+    one_thread = device.type == "cpu" and torch.get_num_threads() == 1
+    iters, start, cpu_start = 0, time.perf_counter(), time.thread_time() if one_thread else 0.0
     while time.perf_counter() - start < seconds:
         for _ in range(4):
             c = a @ b
@@ -49,7 +56,9 @@ def measure_flops(
         if device.type == "cuda":
             torch.cuda.synchronize()
     del c
-    return throttle * 2 * n**3 * iters / (time.perf_counter() - start)
+    wall = time.perf_counter() - start
+    took = time.thread_time() - cpu_start if one_thread else wall
+    return throttle * 2 * n**3 * iters / max(took, 1e-9)
 
 
 def free_memory(device: torch.device) -> int:
