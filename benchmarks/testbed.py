@@ -11,7 +11,7 @@ plan can avoid a boundary between the sites, so ``auto`` has a link to compress
 (on ``homes-7`` OP-Fence's plan has none slow enough, and ``auto`` picks no codec);
 as many peers as this 2-core machine runs, each throttled to its share. Every
 scheduler (opfence, bw-blind, petals, dtfm) uncompressed, then OP-Fence's plan with
-``--compression auto``. ``--topology`` runs another preset or file. ``--short``: the
+``--compression auto``. ``--topology`` runs another preset or file (either mode). ``--short``: the
 ``two-clusters`` preset, OP-Fence and dtfm only (usually one plan, run once), a few
 steps, no compressed run (the ``auto_*`` figures are null). Prints one JSON object;
 where namespaces cannot be built, ``{"skipped": why}``."""
@@ -37,7 +37,7 @@ def _terminate(signum: int, frame: Any) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--short", action="store_true")
-    parser.add_argument("--topology", default="far-lab", help="full mode's preset or topology file")
+    parser.add_argument("--topology", help="a preset or topology file (default: far-lab; two-clusters with --short)")
     args = parser.parse_args()
     from fusionllm.reaper import start_reaper
     from fusionllm.testbed.cmd import run_testbed
@@ -50,9 +50,9 @@ def main() -> None:
     start_reaper()  # killed, the swarm's processes go too
     signal.signal(signal.SIGTERM, _terminate)  # unwinds: the processes and namespaces go
     if args.short:
-        topology, schedulers, steps, modes = "two-clusters", ["opfence", "dtfm"], 6, ("none",)
+        topology, schedulers, steps, modes = args.topology or "two-clusters", ["opfence", "dtfm"], 6, ("none",)
     else:
-        topology, steps, modes = args.topology, 20, ("none", "auto")
+        topology, steps, modes = args.topology or "far-lab", 20, ("none", "auto")
         schedulers = ["opfence", "bw-blind", "petals", "dtfm"]
     full = run_testbed(topology, schedulers, steps=steps, compressions=modes, say=lambda t: print(t, file=sys.stderr))
     out: dict[str, Any] = {

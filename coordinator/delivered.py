@@ -1,9 +1,10 @@
 """A plan predicted again for the compute its peers delivered: the estimator's time
 with each peer's FLOP/s replaced by what its measured compute per micro-batch shows.
 
-The start-up readings of peers that share a machine were 2-15x off what they then
-delivered; the plan's own prediction inherits that error, the prediction made again
-does not, so the gap between it and the measured step is the time model's own. One
+The start-up readings of peers that share a machine are off what they then deliver
+(2-15x by wall time; about 1.5x over since a one-thread peer reads its CPU time); the
+plan's own prediction inherits that error, the prediction made again does not, so the
+gap between it and the measured step is the time model's own. One
 home for the live swarm's summary and the testbed (``fusionllm.testbed.plans``)."""
 
 from __future__ import annotations

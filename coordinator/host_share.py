@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from collections.abc import Collection, Mapping
 
 from coordinator.estimator import Plan, dealt
@@ -104,3 +105,25 @@ def undivided(adverts: list[Advert], busy: dict[str, float], together: Mapping[s
         f = flops.get(a.peer_id, a.flops)
         out.append(dataclasses.replace(a, flops=a.flops * a.flops / f) if a.peer_id in busy and 0 < f < a.flops else a)
     return out
+
+
+def like_measured(readings: list[Advert], own: list[Advert], measured: Collection[str]) -> list[Advert]:
+    """``own`` (the adverts, the ``measured`` peers' FLOP/s their own speed as the swarm
+    measured it) with each unmeasured CPU peer's reading scaled as its machine's measured
+    peers' readings were: times the median of their own speed over their reading
+    (``readings``: the adverts as sent). A reading is one thread's speed with a core to
+    itself (``peer.bench``); beside the swarm's other processes the demo's peers
+    delivered about two thirds of it, and a standby peer priced on its reading beside
+    measured ones would look that much faster. Peers whose machine has no measured peer
+    keep their reading."""
+    read = {a.peer_id: a.flops for a in readings}
+    ratios: dict[str, list[float]] = {}
+    for a in own:
+        if a.peer_id in measured and a.host and a.device == "cpu" and read.get(a.peer_id, 0.0) > 0:
+            ratios.setdefault(a.host, []).append(a.flops / read[a.peer_id])
+    return [
+        dataclasses.replace(a, flops=a.flops * statistics.median(ratios[a.host]))
+        if a.peer_id not in measured and a.device == "cpu" and a.host in ratios
+        else a
+        for a in own
+    ]

@@ -58,9 +58,10 @@ class RebalanceRecord:
 
 @dataclasses.dataclass(frozen=True)
 class Priced:
-    """What a check's worker thread found: OP-Fence's plan on the measured speeds and,
-    where it is not the current plan, both priced without the fixed costs (current,
-    candidate) and the current one with them."""
+    """What a check's worker thread found: OP-Fence's plan on the measured speeds, the
+    current plan priced on them with the fixed costs and the codecs it runs (``current``)
+    and, where the candidate is another plan, both priced without the fixed costs
+    (``bare``: current, candidate)."""
 
     candidate: Assignment
     bare: tuple[float, float] | None = None
@@ -68,6 +69,7 @@ class Priced:
 
     @property
     def current_s(self) -> float:
+        """The current plan's predicted step seconds (0 where it was not priced)."""
         return self.current.iteration_s if self.current is not None else 0.0
 
 
@@ -116,7 +118,8 @@ class Rebalancer:
         """The adverts with each measured peer's FLOP/s replaced by its planning speed:
         what it delivered while the current plan kept its machine's other peers busy,
         turned back into its own speed, for each plan to be priced at the share it
-        leaves it (``host_share.undivided``). ``network``: the run's links (built from
+        leaves it (``host_share.undivided``); an unmeasured peer's reading scaled as its
+        machine's measured peers' were (``host_share.like_measured``). ``network``: the run's links (built from
         the adverts, the links probed so far and the peers behind NATs when not given)."""
         speeds, levels = self.record.speeds, self.record.levels
 
@@ -127,7 +130,8 @@ class Rebalancer:
         network = network or self._network(delivered)
         as_delivered = [dataclasses.replace(a, host="") for a in delivered]  # no machine divided
         busy = host_share.busy_shares(self._predicted_plan(as_delivered, network=network), self.job.micro_batches)
-        return host_share.undivided(delivered, busy, host_share.lockstep(self._current()))
+        own = host_share.undivided(delivered, busy, host_share.lockstep(self._current()))
+        return host_share.like_measured(adverts, own, set(speeds))
 
     def _network(
         self, ads: list[Advert], links: dict[tuple[str, str], float] | None = None, nat: set[str] | None = None
@@ -141,6 +145,16 @@ class Rebalancer:
         assert self.st.plan is not None
         bounds = tuple(self.st.plan.cut.boundaries)
         return Plan(bounds, self.st.plan.stages, [Codec()] * len(bounds))
+
+    def _running(self) -> Plan:
+        """The current plan with the codecs its links run (``RunState.codecs``; before
+        its first dispatch, those it was planned with)."""
+        plan = self._current()
+        planned = self.st.plan.plan.codecs if self.st.plan is not None and self.st.plan.plan else []
+        for codecs in (self.st.codecs, planned):
+            if len(codecs) == len(plan.cut):
+                return dataclasses.replace(plan, codecs=list(codecs))
+        return plan
 
     def record_levels(self) -> None:
         """Each measured peer's recent speed as seen at this check (``replan.level_changes``)."""
@@ -285,7 +299,7 @@ class Rebalancer:
         ads = self.measured(ads, network)
         logger.debug("measured speeds (GFLOP/s): %s", {a.peer_id[-6:]: round(a.flops / 1e9, 2) for a in ads})
         candidate = self.planner.plan(ads, 0, True, links, nat)
-        current = self._predicted_plan(ads, None, LIVE, network)
+        current = self._predicted_plan(ads, self._running(), LIVE, network)
         if candidate.cut == st.plan.cut and candidate.stages == st.plan.stages or candidate.plan is None:
             return Priced(candidate, None, current)
         # the bar is set on what the two plans differ in: both priced without the swarm's

@@ -94,10 +94,14 @@ class RunState:
                 self.link_mbps[(sender, to)] = rate
 
     def next_epoch(self, plan: Assignment) -> None:
-        """The plan changes: a new epoch, whose stages are yet to be set up (the step
-        breakdown starts again: a stage's number names other operators now)."""
+        """The plan changes: a new epoch, whose stages are yet to be set up. The peers'
+        compute per step starts again (each now runs other operators, or is dealt other
+        micro-batches), and so does the step breakdown where the cut moved (a stage's
+        number names other operators)."""
+        if self.plan is None or plan.cut != self.plan.cut:
+            self.breakdown = StepBreakdown()
         self.plan, self.epoch, self.dispatched, self.repriced = plan, self.epoch + 1, False, None
-        self.breakdown = StepBreakdown()
+        self.compute = {}
 
     def predicted(self) -> Plan | None:
         """The current plan's latest prediction: as the last rebalance check that kept it

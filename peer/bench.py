@@ -8,6 +8,12 @@ import psutil
 import torch
 
 
+def one_cpu_thread(device: torch.device) -> bool:
+    """Whether ``device``'s work runs on the calling thread alone (a CPU, torch on one
+    thread): its CPU time is then the work done, whatever the wait for a core."""
+    return device.type == "cpu" and torch.get_num_threads() == 1
+
+
 def pick_device(requested: str | None = None) -> torch.device:
     if requested:
         return torch.device(requested)
@@ -47,7 +53,7 @@ def measure_flops(
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     (a @ b).sum().item()  # warm-up
-    one_thread = device.type == "cpu" and torch.get_num_threads() == 1
+    one_thread = one_cpu_thread(device)
     iters, start, cpu_start = 0, time.perf_counter(), time.thread_time() if one_thread else 0.0
     while time.perf_counter() - start < seconds:
         for _ in range(4):

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from peer.bench import one_cpu_thread
 from peer.throttle import Throttle
 
 #: a piece that last took less than this runs on the event loop (the loop's other work
@@ -72,7 +73,7 @@ class Compute:
 def _timed(device: torch.device, fn: Any, *args: Any) -> tuple[Any, float, float | None]:
     """``fn(*args)``, the seconds it took, and its work: the thread's CPU seconds where
     one CPU thread did all of it (``peer.throttle``), else None (its wall time)."""
-    one_thread = device.type == "cpu" and torch.get_num_threads() == 1
+    one_thread = one_cpu_thread(device)
     t0, c0 = time.perf_counter(), time.thread_time() if one_thread else 0.0
     out = fn(*args)
     if device.type == "cuda":

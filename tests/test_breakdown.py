@@ -110,7 +110,8 @@ def test_the_table_puts_the_estimator_beside_the_medians() -> None:
 def test_a_new_plan_epoch_starts_the_breakdown_again() -> None:
     """A rebalance from four stages to two left stages 2 and 3's windows of the old plan
     in the demo's summary, and their few windows set the steps the coordinator's mean
-    covered: a new epoch starts the breakdown again."""
+    covered: a new cut starts the breakdown again (a recovery on the same cut keeps
+    it), and every new epoch the peers' compute per step."""
     from coordinator.assign import Assignment
     from coordinator.runstate import RunState
     from protocol.model.graph import Cut
@@ -118,9 +119,14 @@ def test_a_new_plan_epoch_starts_the_breakdown_again() -> None:
     st = RunState()
     for stage in range(4):
         st.breakdown.record(stage, _done(breakdown={"forward": 0.01, "step": 0.1}, breakdown_v=BREAKDOWN_V))
+    st.compute = {"a": [0.03], "b": [0.02]}
     st.next_epoch(Assignment(Cut((3,)), [["a"], ["b", "c"]]))
     st.breakdown.record(0, _done(breakdown={"forward": 0.02, "step": 0.1}, breakdown_v=BREAKDOWN_V))
     assert list(st.breakdown.means_ms()) == [0] and st.breakdown.means_ms()[0]["forward"] == 20.0
+    assert st.compute == {}  # a peer's compute per step was of its old stage
+    st.compute = {"a": [0.03]}
+    st.next_epoch(Assignment(Cut((3,)), [["a"], ["b"]]))  # a recovery: the same cut, a replica fewer
+    assert list(st.breakdown.means_ms()) == [0] and st.compute == {}
 
 
 def _stage_lines(out: str) -> dict[int, tuple[float, float]]:

@@ -42,6 +42,7 @@ from protocol.model.job import JobSpec
 from protocol.net.clock import FakeClock
 from protocol.net.transport import Inbound, PeerUnreachable
 from protocol.trust.spotcheck import alike, fingerprint, seed_of
+from protocol.wire.codecs import Codec
 from protocol.wire.encoding import Frame
 from protocol.wire.gate import Gate
 from protocol.wire.messages import (
@@ -438,9 +439,16 @@ def test_a_lying_advert_is_corrected_by_measurement(tmp_path: Path) -> None:
     assert speeds["p1"] == pytest.approx(speeds["p0"], rel=1e-6)
     measured = {a.peer_id: a.flops for a in rebalancer.measured(list(host.adverts.values()))}
     assert measured["p1"] == pytest.approx(speeds["p1"]) and measured["p1"] < 1e12
+    st.codecs = [Codec("int8")]  # the codec its link runs (auto's)
     asyncio.run(rebalancer.check())  # what it decided, shown on the page (CI could not tell why a check declined)
     checks = [e["text"] for e in host.board.state()["events"] if e["kind"] == "check"]
     assert len(checks) == 1 and checks[0].startswith("rebalance check at step 5: "), checks
+    # the running plan priced on what the swarm measured, with the codecs it runs: the
+    # summary's prediction until the plan changes
+    assert st.repriced is not None and st.repriced[0] == 5 and st.predicted() is st.repriced[1]
+    assert st.repriced[1].codecs == [Codec("int8")] and st.repriced[1].groups == [["p0"], ["p1"]]
+    on_claims = rebalancer._predicted_plan(list(host.adverts.values()))
+    assert st.repriced[1].stage_s[1] > 10 * on_claims.stage_s[1]  # p1 is not 1000x as fast
 
 
 def test_the_rebalance_bar_is_set_on_plans_priced_without_the_fixed_costs(tmp_path: Path) -> None:

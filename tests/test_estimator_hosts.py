@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from coordinator.estimator import Plan
-from coordinator.host_share import busy_shares, lockstep, machine_flops, shared, undivided
+from coordinator.host_share import busy_shares, like_measured, lockstep, machine_flops, shared, undivided
 from peer.machine import host_digest, machine_cores
 from protocol.trust.advert_check import advert_problem
 from protocol.wire.messages import Advert
@@ -136,3 +136,25 @@ def test_rebalance_checks_plan_within_their_share_of_the_run() -> None:
     assert replan.check_affordable(2.5, 0.2, {**same, "c": 5.0}, same), "a peer joined: 10% of the time"
     assert not replan.check_affordable(1.5, 0.2, slowed, same), "but not more"
     assert not replan.check_affordable(2.5, 0.2, {"a": 14.0, "b": 11.0}, same), "under 2x: not changed"
+
+
+def test_an_unmeasured_peer_reads_as_its_machines_measured_peers_delivered() -> None:
+    """A reading is one thread's speed with a core to itself; the demo's peers
+    delivered about two thirds of it. A standby peer on the same machine is scaled
+    alike (else it looks 1.5x faster than the peers it would replace); one on another
+    machine, or a GPU, keeps its reading."""
+    readings = [
+        _ad("a", 90),
+        _ad("b", 96),
+        _ad("standby", 93),
+        _ad("elsewhere", 93, host="cd34"),
+        _ad("gpu", 500, device="cuda"),
+    ]
+    own = [
+        dataclasses.replace(a, flops=a.flops * (0.6 if a.peer_id == "a" else 0.7)) if a.peer_id in "ab" else a
+        for a in readings
+    ]
+    out = {a.peer_id: a.flops for a in like_measured(readings, own, {"a", "b"})}
+    assert out["a"] == pytest.approx(54e9) and out["b"] == pytest.approx(67.2e9)
+    assert out["standby"] == pytest.approx(93e9 * 0.65)  # the median of 0.6 and 0.7
+    assert out["elsewhere"] == 93e9 and out["gpu"] == 500e9
