@@ -151,7 +151,7 @@ def test_an_unmeasured_peer_reads_as_its_machines_measured_peers_delivered() -> 
         _ad("gpu", 500, device="cuda"),
     ]
     own = [
-        dataclasses.replace(a, flops=a.flops * (0.6 if a.peer_id == "a" else 0.7)) if a.peer_id in "ab" else a
+        dataclasses.replace(a, flops=a.flops * (0.6 if a.peer_id == "a" else 0.7)) if a.peer_id in ("a", "b") else a
         for a in readings
     ]
     out = {a.peer_id: a.flops for a in like_measured(readings, own, {"a", "b"})}

@@ -158,9 +158,7 @@ def _result(
     ran = {_key(p): p.scheduler for p in predicted if (p.scheduler, "none") in runs}
     for p in predicted:
         m = runs[(ran[_key(p)], "none")]
-        ratios = plans.compute_ratios(p.plan, costs, t, compute, m.stage_compute_s, mb)
-        scale = plans.delivered_scale(ratios)
-        est, sim = plans.repredict(p, costs, t, compute, mb, scale)
+        ratios, scale, est, sim = plans.as_delivered(p, costs, t, compute, m.stage_compute_s, mb)
         rows[p.scheduler] = report.row(m.step_s, est, sim, m.wire_bytes, p.plan.groups)
         rows[p.scheduler].update(codecs=m.codecs, final_loss=m.final_loss, compute_ratio=ratios)
         rows[p.scheduler].update(delivered_compute=round(scale, 3), estimated_mapped_s=round(p.estimated_s, 5))
@@ -190,8 +188,7 @@ def _auto(
     the schedulers' rows have it), the codecs the planner priced beside those the live
     swarm chose on its links."""
     auto, none = runs[("opfence", "auto")], runs[("opfence", "none")]
-    ratios = plans.compute_ratios(planned.plan, costs, t, compute, auto.stage_compute_s, mb)
-    est, _ = plans.repredict(planned, costs, t, compute, mb, plans.delivered_scale(ratios))
+    _, _, est, _ = plans.as_delivered(planned, costs, t, compute, auto.stage_compute_s, mb)
     return {
         "auto_vs_none_measured": report.ratio(none.step_s, auto.step_s),
         "auto_loss_ratio": report.ratio(auto.final_loss, none.final_loss),

@@ -156,3 +156,15 @@ def repredict(
     peers = {q.id: q for q in emulated_peers(topo, compute)}
     plan, by_id = again(costs, p.plan, peers, topo.network, micro_batches, dict.fromkeys(peers, scale), throttled=True)
     return plan.iteration_s, iteration_seconds(costs, p.plan, by_id, topo.network, micro_batches)
+
+
+def as_delivered(
+    p: Predicted, costs: DagCosts, topo: Topology, compute: ComputeMap, stage_compute_s: list[float | None], mb: int
+) -> tuple[list[float | None], float, float, float]:
+    """A run of ``p``'s plan, whose stages computed ``stage_compute_s`` a micro-batch:
+    its ``compute_ratios``, the ``delivered_scale`` they give, and the estimator's and
+    the simulator's time for that compute (``repredict``)."""
+    ratios = compute_ratios(p.plan, costs, topo, compute, stage_compute_s, mb)
+    scale = delivered_scale(ratios)
+    est, sim = repredict(p, costs, topo, compute, mb, scale)
+    return ratios, scale, est, sim

@@ -38,12 +38,19 @@ def _link(mbps: float, ms: float) -> dict[str, float]:
     return {"mbps": mbps, "latency_ms": ms}
 
 
+def _two_sites(fast: tuple[str, str, int], slow: tuple[str, str, int], between_mbps: float) -> dict[str, Any]:
+    """Two sites, 1 Gbit/s inside each and ``between_mbps`` between: ``fast``'s peers
+    (name prefix, site, count) twice as fast as ``slow``'s."""
+    (fp, fa, fn), (sp, sa, sn) = fast, slow
+    peers = [_peer(f"{fp}{i}", 2.0, fa) for i in range(fn)] + [_peer(f"{sp}{i}", 1.0, sa) for i in range(sn)]
+    clusters = {fa: {fa: _link(1000, 0.2), sa: _link(between_mbps, 10)}, sa: {sa: _link(1000, 0.2)}}
+    return {"peers": peers, "clusters": clusters}
+
+
 def two_clusters() -> dict[str, Any]:
     """4 peers in 2 clusters, 1 Gbit/s inside each and 20 Mbit/s between: a lab with one
     peer twice as fast as each of the three of a second site."""
-    peers = [_peer("a0", 2.0, "A")] + [_peer(f"b{i}", 1.0, "B") for i in range(3)]
-    clusters = {"A": {"A": _link(1000, 0.2), "B": _link(20, 10)}, "B": {"B": _link(1000, 0.2)}}
-    return {"peers": peers, "clusters": clusters}
+    return _two_sites(("a", "A", 1), ("b", "B", 3), 20)
 
 
 def mixed_seven() -> dict[str, Any]:
@@ -90,9 +97,7 @@ def far_lab() -> dict[str, Any]:
     beside the other's, or every peer a replica of the whole model, pays for the slow
     link; one boundary between the sites, where a micro-batch's activations take
     longer than a stage computes, is where ``auto`` puts a codec."""
-    peers = [_peer(f"lab{i}", 2.0, "lab") for i in range(2)] + [_peer(f"site{i}", 1.0, "site") for i in range(6)]
-    clusters = {"lab": {"lab": _link(1000, 0.2), "site": _link(5, 10)}, "site": {"site": _link(1000, 0.2)}}
-    return {"peers": peers, "clusters": clusters}
+    return _two_sites(("lab", "lab", 2), ("site", "site", 6), 5)
 
 
 PRESETS = {
