@@ -163,6 +163,36 @@ def test_the_prediction_is_made_again_for_the_compute_the_peers_delivered() -> N
     assert faster[0] < p.estimated_s and faster[1] < p.simulated_s
 
 
+def test_each_stage_is_priced_at_the_compute_it_delivered() -> None:
+    from coordinator.estimator import Plan
+    from fusionllm.testbed import plans
+    from protocol.model.job import JobSpec
+    from protocol.wire.codecs import Codec
+
+    # the stages' own scales; a stage with no measured compute takes the median's
+    two_stages = Plan((3,), [["a0", "a1"], ["b0"]], [])
+    assert plans.stage_scales(two_stages, [0.5, 2.0]) == {"a0": 2.0, "a1": 2.0, "b0": 0.5}
+    assert plans.stage_scales(two_stages, [0.5, None]) == {"a0": 2.0, "a1": 2.0, "b0": 2.0}
+    costs = plans.costs_of(JobSpec(model="gpt", model_args="n_layer=1,n_embd=16,n_head=2", micro_batches=2))
+    two = topo.load_topology("two-clusters")
+    m = topo.map_compute(two, 10e9, cores=2)
+    p = plans.Predicted("by hand", Plan((10,), [["a0"], ["b0", "b1"]], [Codec()]), 0.0, 0.0)
+    mapped_s = plans.repredict(p, costs, two, m, 2, 1.0)[0]
+    alone = [1.0 / r for r in plans.compute_ratios(p.plan, costs, two, m, [1.0, 1.0], 2)]  # mapped s per mb
+    # the first stage computed 4x faster than mapped, the second as mapped
+    d = plans.as_delivered(p, costs, two, m, [alone[0] / 4, alone[1]], 2)
+    assert d.ratios == [pytest.approx(0.25, rel=1e-2), pytest.approx(1.0, rel=1e-2)]
+    assert d.scale == pytest.approx(1 / 0.625, rel=1e-2)  # one over the median of the two
+    assert (d.estimated_s, d.simulated_s) == pytest.approx(plans.repredict(p, costs, two, m, 2, d.scale))
+    own = plans.repredict(p, costs, two, m, 2, plans.stage_scales(p.plan, d.ratios))[0]
+    assert d.estimated_per_stage_s == pytest.approx(own)
+    assert own < mapped_s and d.estimated_s < mapped_s  # one stage faster than mapped, none slower
+    assert d.estimated_s < own  # one scale (1.6) speeds the second stage too, which computed as mapped
+    rows = {"opfence": {**report.row(1.0, 1.1, 1.0, [], []), "estimated_per_stage_s": 0.7}}
+    s = report.summary(rows)
+    assert s["estimator_error_max"] == pytest.approx(0.1) and s["estimator_error_max_per_stage"] == pytest.approx(0.3)
+
+
 def test_a_machine_without_namespaces_or_a_bad_topology_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     from fusionllm.testbed import cmd
 

@@ -153,15 +153,17 @@ def _result(
     topology: str, t: Any, compute: topo.ComputeMap, predicted: list[plans.Predicted], runs: dict, costs: Any, mb: int
 ) -> dict:
     """The report: each scheduler's row, its prediction made again for the compute its
-    peers delivered (``plans.delivered_scale``; the mapped one beside it), the ratios."""
+    peers delivered (``plans.as_delivered``; with each stage's own, and as mapped,
+    beside it), the ratios."""
     rows = {}
     ran = {_key(p): p.scheduler for p in predicted if (p.scheduler, "none") in runs}
     for p in predicted:
         m = runs[(ran[_key(p)], "none")]
-        ratios, scale, est, sim = plans.as_delivered(p, costs, t, compute, m.stage_compute_s, mb)
-        rows[p.scheduler] = report.row(m.step_s, est, sim, m.wire_bytes, p.plan.groups)
-        rows[p.scheduler].update(codecs=m.codecs, final_loss=m.final_loss, compute_ratio=ratios)
-        rows[p.scheduler].update(delivered_compute=round(scale, 3), estimated_mapped_s=round(p.estimated_s, 5))
+        d = plans.as_delivered(p, costs, t, compute, m.stage_compute_s, mb)
+        rows[p.scheduler] = report.row(m.step_s, d.estimated_s, d.simulated_s, m.wire_bytes, p.plan.groups)
+        rows[p.scheduler].update(codecs=m.codecs, final_loss=m.final_loss, compute_ratio=d.ratios)
+        rows[p.scheduler].update(delivered_compute=round(d.scale, 3), estimated_mapped_s=round(p.estimated_s, 5))
+        rows[p.scheduler].update(estimated_per_stage_s=round(d.estimated_per_stage_s, 5))
         rows[p.scheduler].update(simulated_mapped_s=round(p.simulated_s, 5))
         if ran[_key(p)] != p.scheduler:
             rows[p.scheduler]["same_plan_as"] = ran[_key(p)]
@@ -188,7 +190,7 @@ def _auto(
     the schedulers' rows have it), the codecs the planner priced beside those the live
     swarm chose on its links."""
     auto, none = runs[("opfence", "auto")], runs[("opfence", "none")]
-    _, _, est, _ = plans.as_delivered(planned, costs, t, compute, auto.stage_compute_s, mb)
+    est = plans.as_delivered(planned, costs, t, compute, auto.stage_compute_s, mb).estimated_s
     return {
         "auto_vs_none_measured": report.ratio(none.step_s, auto.step_s),
         "auto_loss_ratio": report.ratio(auto.final_loss, none.final_loss),

@@ -147,24 +147,56 @@ def delivered_scale(compute_ratio: list[float | None]) -> float:
     return 1.0 / statistics.median(ratios) if ratios else 1.0
 
 
+def stage_scales(plan: Plan, compute_ratio: list[float | None]) -> dict[str, float]:
+    """Each peer's FLOP/s scale for the compute its stage delivered: one over its
+    stage's ratio (``compute_ratios``), a stage with none taking ``delivered_scale``'s.
+    A diagnostic beside the one scale: with every stage's compute as measured, what
+    is left of the estimator's error is its time model's own (on ``far-lab`` OP-Fence's
+    plan -9% to -18%, dtfm's +11% to +12%: no better than one scale, whose error on
+    OP-Fence's plan comes from the first stage computing faster than the second)."""
+    fill = delivered_scale(compute_ratio)
+    return {p: 1.0 / r if r else fill for group, r in zip(plan.groups, compute_ratio, strict=True) for p in group}
+
+
 def repredict(
-    p: Predicted, costs: DagCosts, topo: Topology, compute: ComputeMap, micro_batches: int, scale: float
+    p: Predicted,
+    costs: DagCosts,
+    topo: Topology,
+    compute: ComputeMap,
+    micro_batches: int,
+    scale: float | dict[str, float],
 ) -> tuple[float, float]:
     """The estimator's and the simulator's time for ``p``'s plan with every peer's
-    FLOP/s times ``scale``: the prediction for the compute the peers delivered
-    (``coordinator.delivered.again``; throttled peers: their optimizer's too)."""
+    FLOP/s times ``scale`` (one for all, or each peer's): the prediction for the
+    compute the peers delivered (``coordinator.delivered.again``; throttled peers:
+    their optimizer's too)."""
     peers = {q.id: q for q in emulated_peers(topo, compute)}
-    plan, by_id = again(costs, p.plan, peers, topo.network, micro_batches, dict.fromkeys(peers, scale), throttled=True)
+    scales = scale if isinstance(scale, dict) else dict.fromkeys(peers, scale)
+    plan, by_id = again(costs, p.plan, peers, topo.network, micro_batches, scales, throttled=True)
     return plan.iteration_s, iteration_seconds(costs, p.plan, by_id, topo.network, micro_batches)
+
+
+@dataclass(frozen=True)
+class Delivered:
+    """A run's plan predicted again for the compute its peers delivered: the stages'
+    ``compute_ratios``, ``delivered_scale`` (one for all), the estimator's and the
+    simulator's time with that scale, and the estimator's with each stage's own
+    (``stage_scales``) beside them."""
+
+    ratios: list[float | None]
+    scale: float
+    estimated_s: float
+    simulated_s: float
+    estimated_per_stage_s: float
 
 
 def as_delivered(
     p: Predicted, costs: DagCosts, topo: Topology, compute: ComputeMap, stage_compute_s: list[float | None], mb: int
-) -> tuple[list[float | None], float, float, float]:
-    """A run of ``p``'s plan, whose stages computed ``stage_compute_s`` a micro-batch:
-    its ``compute_ratios``, the ``delivered_scale`` they give, and the estimator's and
-    the simulator's time for that compute (``repredict``)."""
+) -> Delivered:
+    """A run of ``p``'s plan, whose stages computed ``stage_compute_s`` a micro-batch,
+    priced again for that compute (``Delivered``)."""
     ratios = compute_ratios(p.plan, costs, topo, compute, stage_compute_s, mb)
     scale = delivered_scale(ratios)
     est, sim = repredict(p, costs, topo, compute, mb, scale)
-    return ratios, scale, est, sim
+    per_stage, _ = repredict(p, costs, topo, compute, mb, stage_scales(p.plan, ratios))
+    return Delivered(ratios, scale, est, sim, per_stage)
