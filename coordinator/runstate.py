@@ -87,8 +87,9 @@ class RunState:
         return {p for group in self.plan.stages for p in group} if self.plan else set()
 
     def learn_links(self, sender: str, mbps: dict[str, float]) -> None:
-        """Record ``sender``'s probes of its links to the next stage (a peer's own claim
-        about a link it uses: finite and positive, else ignored)."""
+        """Record ``sender``'s probes of its links to the next stage and to its stage's
+        replicas (a peer's own claim about a link it uses: finite and positive, else
+        ignored)."""
         for to, rate in mbps.items():
             if to != sender and math.isfinite(rate) and rate > 0:
                 self.link_mbps[(sender, to)] = rate

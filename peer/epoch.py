@@ -52,6 +52,11 @@ from protocol.wire.step_parts import BREAKDOWN_V
 
 logger = logging.getLogger(__name__)
 
+#: the most later replicas of its own stage a peer probes its link to before training
+#: (one 1 MiB probe each, ``PeerConfig.link_probe_bytes``; a group of up to 5 replicas
+#: has every pair measured)
+SIBLING_PROBES = 4
+
 __all__ = ["EpochEnv", "EpochHost", "EpochRunner", "Poisoned"]
 
 
@@ -249,10 +254,21 @@ class EpochRunner:
             raise RunRefused(f"this peer holds the state of step {ex.steps_done}; the plan starts at step {start}")
         held.pending = None
 
+    def _probed(self) -> list[str]:
+        """The peers whose links this one measures before it trains: every peer of the
+        next stage (the activations' way) and up to ``SIBLING_PROBES`` of its own
+        stage's later replicas (the gradients' way; a probe of one direction stands for
+        both). Guessed from the peers' uplinks, two replicas on sites 5 Mbit/s apart
+        priced as 1 Gbit/s: the summary's prediction for a plan's delivered compute
+        read 66% under its measured step, and a rebalance check prices such links."""
+        a = self.a
+        later = list(a.stages[self.s + 1]) if self.s < self.k - 1 else []
+        return later + list(a.stages[self.s][self.r + 1 : self.r + 1 + SIBLING_PROBES])
+
     async def _ready(self, held: HeldStage, build_s: float) -> None:
         tp, a = self.env.transport, self.a
         next_mbps = {}
-        for pid in a.stages[self.s + 1] if self.s < self.k - 1 else []:
+        for pid in self._probed():
             if pid in tp.forward_via:  # through the coordinator: this peer's uplink to it bounds the path
                 next_mbps[pid] = self.env.up_mbps
                 continue

@@ -218,6 +218,23 @@ def test_a_peer_admits_exactly_its_neighbourhood_and_the_coordinator() -> None:
     assert set(tp0.gate.keys) == set(stages[0] + stages[1]) - {stages[0][0]} | {"coord"}
 
 
+def test_a_peer_probes_the_next_stage_and_its_later_replicas() -> None:
+    """The gradients' links are measured as the activations' are: guessed from uplinks,
+    replicas on two sites 5 Mbit/s apart were priced as 1 Gbit/s."""
+    from peer.epoch import SIBLING_PROBES
+
+    stages = _plan([2, 7, 3])
+    assigns = _assigns(stages)
+    first, _ = _runner(assigns[stages[1][0]], stages[1][0])
+    assert first._probed() == stages[2] + stages[1][1 : 1 + SIBLING_PROBES]
+    middle, _ = _runner(assigns[stages[1][5]], stages[1][5])
+    assert middle._probed() == stages[2] + stages[1][6:]
+    last, _ = _runner(assigns[stages[2][2]], stages[2][2])
+    assert last._probed() == []  # no next stage, no later replica: its links were probed by the others
+    lone, _ = _runner(assigns[stages[0][0]], stages[0][0])
+    assert lone._probed() == stages[1] + stages[0][1:]
+
+
 def test_the_dispatcher_sends_each_peer_its_neighbourhood_in_bounded_parallel(tmp_path: Path) -> None:
     from tests.test_coordinator_inbox import _driver, _host
 

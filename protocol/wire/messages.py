@@ -135,7 +135,8 @@ class Ready(Message, sender="peer"):
     stage: int
     replica: int
     build_s: float
-    next_mbps: dict[str, float] = field(default_factory=dict)  # next-stage peer id -> measured upload Mbit/s
+    # peer id -> measured upload Mbit/s: the next stage's peers and some of its stage's later replicas
+    next_mbps: dict[str, float] = field(default_factory=dict)
     epoch: int = 0
 
 
