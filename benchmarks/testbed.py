@@ -61,7 +61,7 @@ def main() -> None:
     }
     for key in ("opfence_vs_best_blind_measured", "opfence_vs_dtfm_measured", "estimator_error_max"):
         out[key] = full[key]
-    out["estimator_error_max_per_stage"] = full["estimator_error_max_per_stage"]
+    out["estimator_error_max_one_scale"] = full["estimator_error_max_one_scale"]
     out["auto_vs_none_measured"] = full["auto_vs_none_measured"]
     out["auto_loss_ratio"] = full["auto_loss_ratio"]
     for key in ("auto_measured_s", "auto_estimated_s", "auto_estimator_error", "auto_codecs_live"):

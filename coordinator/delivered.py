@@ -14,7 +14,6 @@ from dataclasses import replace
 
 from coordinator.estimator import PASSES, DagCosts, Plan, predict
 from coordinator.netmodel import Network, PeerProfile
-from coordinator.overheads import slowed
 
 
 def delivered_flops(costs: DagCosts, plan: Plan, per_mb_s: Mapping[str, float]) -> dict[str, float]:
@@ -29,17 +28,9 @@ def delivered_flops(costs: DagCosts, plan: Plan, per_mb_s: Mapping[str, float]) 
     return out
 
 
-def rescaled(
-    peers: Mapping[str, PeerProfile], scale: Mapping[str, float], throttled: bool = False
-) -> dict[str, PeerProfile]:
-    """``peers`` with each one's FLOP/s times its ``scale`` (1 where absent). With
-    ``throttled`` (``join --throttle``: it idles after every compute call, the
-    optimizer's too), its optimizer's fixed costs take 1/scale as long as well."""
-    out = {}
-    for i, p in peers.items():
-        s = scale.get(i, 1.0)
-        out[i] = replace(p, flops=p.flops * s, overheads=slowed(p.overheads, 1 / s) if throttled else p.overheads)
-    return out
+def rescaled(peers: Mapping[str, PeerProfile], scale: Mapping[str, float]) -> dict[str, PeerProfile]:
+    """``peers`` with each one's FLOP/s times its ``scale`` (1 where absent)."""
+    return {i: replace(p, flops=p.flops * scale.get(i, 1.0)) for i, p in peers.items()}
 
 
 def again(
@@ -49,11 +40,10 @@ def again(
     network: Network,
     micro_batches: int,
     scale: Mapping[str, float],
-    throttled: bool = False,
 ) -> tuple[Plan, dict[str, PeerProfile]]:
     """``plan`` (its cut, groups and codecs) priced again by the estimator on the
     ``rescaled`` peers, and those peers (for the simulator)."""
-    by_id = rescaled(peers, scale, throttled)
+    by_id = rescaled(peers, scale)
     return predict(costs, plan.bare(), by_id, network, micro_batches), by_id
 
 

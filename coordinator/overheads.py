@@ -48,6 +48,9 @@ class Overheads:
     optimizer_s: float = 0.0  # per step: the norms and the update, their fixed part
     param_byte_s: float = 0.0  # per parameter byte of the stage: the update
     commit_s: float = 0.0  # per step: StepDone to Commit on the peer that finishes last
+    # per forward or backward: the call's own fixed work (Python, the stage's graph),
+    # done at the peer's speed; 0 for a live peer, whose measured compute holds it
+    call_s: float = 0.0
 
 
 #: no fixed cost (a simulated topology's peers; the estimator's model before these were added)
@@ -72,13 +75,17 @@ LIVE = Overheads(
 def slowed(o: Overheads, factor: float) -> Overheads:
     """``o`` on a peer whose compute takes ``factor`` times as long (``join --throttle``
     idles after every compute call, the norms and the update included): the optimizer's
-    parts scale, handing off and encoding do not (they are not compute calls)."""
-    return replace(o, optimizer_s=o.optimizer_s * factor, param_byte_s=o.param_byte_s * factor)
+    parts and a call's own work scale, handing off and encoding do not (they are not
+    compute calls)."""
+    return replace(
+        o, optimizer_s=o.optimizer_s * factor, param_byte_s=o.param_byte_s * factor, call_s=o.call_s * factor
+    )
 
 
 def pass_s(o: Overheads) -> float:
-    """A micro-batch's forward, or its backward, handed to the compute thread and back."""
-    return o.handoff_s
+    """A micro-batch's forward, or its backward, handed to the compute thread and back,
+    with the call's own fixed work."""
+    return o.handoff_s + o.call_s
 
 
 def message_s(sender: Overheads, receiver: Overheads, nbytes: float) -> float:
@@ -170,4 +177,4 @@ def fitted(means_ms: Mapping[int, Mapping[str, float]], facts: Mapping[int, Stag
         "optimizer", (facts[s].param_bytes for s in stages), (prior.optimizer_s for _ in stages), prior.param_byte_s
     )
     commit = min(means_ms[s].get("commit", prior.commit_s * 1e3) for s in stages) / 1e3
-    return Overheads(handoff, prior.message_s, byte, prior.optimizer_s, param, commit)
+    return Overheads(handoff, prior.message_s, byte, prior.optimizer_s, param, commit, prior.call_s)

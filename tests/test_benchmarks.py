@@ -78,7 +78,7 @@ BENCHMARKS = [
                       "advert_lapse_max_s", "wall_s", "commit_cpu_s_per_message", "commit_python_cpu_s_per_message",
                       "commit_in_turn_cpu_s_per_message", "formula_commit_cpu_s", "commits_sent", "wire_10k"}),
     ("testbed.py", {"topology", "schedulers", "opfence_vs_best_blind_measured", "opfence_vs_dtfm_measured",
-                    "estimator_error_max", "estimator_error_max_per_stage", "auto_vs_none_measured",
+                    "estimator_error_max", "estimator_error_max_one_scale", "auto_vs_none_measured",
                     "auto_loss_ratio", "auto_measured_s",
                     "auto_estimated_s", "auto_estimator_error", "auto_codecs_live"}),
 ]  # fmt: skip

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 import time
 from pathlib import Path
 
@@ -110,8 +111,14 @@ def test_the_summary_numbers_are_read_from_the_coordinators_lines() -> None:
         "  boundary 1 (stage 1 <-> 2, 998 Mbit/s measured): int8, 2.50 MB on the wire for 10.00 MB of tensors",
         "estimator: predicted 339.3 ms per step, measured 291.1 ms (median); per micro-batch, stage by stage, "
         "predicted/measured: 40.00/44.00 ms, 20.00/10.00 ms",
+        "  stage 0 step 335.0 ms (predicted 386.0): forward 102.1, backward 135.4 (forward+backward predicted 358.0), "
+        "optimizer 47.0, encode 8.2, wire 1.3, handoff 12.5, other 5.2 ms",
+        "  stage 1 step 330.9 ms: forward 7.2, backward 10.8, optimizer 11.2, commit 98.4 ms",
     ]
     m = parse_summary(lines)
+    assert m.stage_parts[0] == {"forward": 102.1, "backward": 135.4, "optimizer": 47.0, "encode": 8.2, "wire": 1.3,
+                                "handoff": 12.5, "other": 5.2}  # fmt: skip
+    assert m.stage_parts[1]["optimizer"] == 11.2 and m.stage_parts[1]["commit"] == 98.4
     assert m.step_s == pytest.approx(0.2911) and m.coordinator_predicted_s == pytest.approx(0.3393)
     assert m.wire_bytes == [10_730_000, 2_500_000] and m.codecs == ["none", "int8"] and m.final_loss == 3.45
     assert m.stage_compute_s == [pytest.approx(0.044), pytest.approx(0.010)]
@@ -164,33 +171,101 @@ def test_the_prediction_is_made_again_for_the_compute_the_peers_delivered() -> N
 
 
 def test_each_stage_is_priced_at_the_compute_it_delivered() -> None:
+    import dataclasses
+
     from coordinator.estimator import Plan
     from fusionllm.testbed import plans
     from protocol.model.job import JobSpec
     from protocol.wire.codecs import Codec
 
-    # the stages' own scales; a stage with no measured compute takes the median's
-    two_stages = Plan((3,), [["a0", "a1"], ["b0"]], [])
-    assert plans.stage_scales(two_stages, [0.5, 2.0]) == {"a0": 2.0, "a1": 2.0, "b0": 0.5}
-    assert plans.stage_scales(two_stages, [0.5, None]) == {"a0": 2.0, "a1": 2.0, "b0": 2.0}
+    costs = plans.costs_of(JobSpec(model="gpt", model_args="n_layer=1,n_embd=16,n_head=2", micro_batches=2))
+    two = topo.load_topology("two-clusters")
+    m = dataclasses.replace(topo.map_compute(two, 10e9, cores=2), call_s=1e-4)
+    p = plans.Predicted("by hand", Plan((10,), [["a0"], ["b0", "b1"]], [Codec()]), 0.0, 0.0)
+    mapped_s = plans.repredict(p, costs, two, m, 2, 1.0)[0]
+    (f0, c0), (f1, c1) = plans.stage_compute(p.plan, costs, two, m, 2)
+    assert c0 == pytest.approx(2e-4 / m.throttles["a0"]) and c1 == pytest.approx(2e-4 / m.throttles["b0"])
+    # the first stage's FLOPs took a quarter of their mapped time (its calls as mapped), the second as mapped
+    got = [f0 / 4 + c0, f1 + c1]
+    scales = plans.stage_scales(p.plan, costs, two, m, got, 2)
+    assert scales == {"a0": pytest.approx(4.0), "b0": pytest.approx(1.0), "b1": pytest.approx(1.0)}
+    d = plans.as_delivered(p, costs, two, m, got, 2)
+    assert d.ratios == [pytest.approx((f0 / 4 + c0) / (f0 + c0), rel=1e-2), pytest.approx(1.0, rel=1e-2)]
+    assert d.scale == pytest.approx(1 / statistics.median(d.ratios), rel=1e-2)
+    assert (d.estimated_s, d.simulated_s) == pytest.approx(plans.repredict(p, costs, two, m, 2, scales))
+    assert d.estimated_one_scale_s == pytest.approx(plans.repredict(p, costs, two, m, 2, d.scale)[0])
+    assert d.estimated_s < mapped_s and d.estimated_one_scale_s < mapped_s  # one stage faster, none slower
+    # a stage with no measured compute, or no more than its calls, takes the median's scale
+    fill = plans.delivered_scale(plans.compute_ratios(p.plan, costs, two, m, [got[0], None], 2))
+    assert plans.stage_scales(p.plan, costs, two, m, [got[0], None], 2)["b0"] == pytest.approx(fill)
+    assert plans.stage_scales(p.plan, costs, two, m, [c0 / 2, got[1]], 2)["a0"] == pytest.approx(
+        plans.delivered_scale(plans.compute_ratios(p.plan, costs, two, m, [c0 / 2, got[1]], 2))
+    )
+    rows = {"opfence": {**report.row(1.0, 1.1, 1.0, [], []), "estimated_one_scale_s": 0.7}}
+    s = report.summary(rows)
+    assert s["estimator_error_max"] == pytest.approx(0.1) and s["estimator_error_max_one_scale"] == pytest.approx(0.3)
+
+
+def test_a_calibration_run_gives_the_flops_and_a_calls_own_work() -> None:
+    """The head's stage, a seventh of the blocks' FLOPs, took a fifth of their time on
+    ``far-lab``: each compute call's own work, stretched by the throttle as the FLOPs
+    are. Two stages of different FLOPs tell the two apart."""
+    import dataclasses
+
+    from coordinator.estimator import Plan
+    from fusionllm.testbed import plans
+    from protocol.model.job import JobSpec
+    from protocol.wire.codecs import Codec
+
+    costs = plans.costs_of(JobSpec(model="gpt", model_args="n_layer=1,n_embd=16,n_head=2", micro_batches=2))
+    two = topo.load_topology("two-clusters")
+    read = topo.map_compute(two, 40e9, cores=2)  # what one thread read alone
+    plan = Plan((10,), [["a0"], ["b0", "b1"]], [Codec()])
+    truth = dataclasses.replace(read, base_flops=20e9, call_s=4e-4)  # what it delivers, on the same throttles
+    got = [f + c for f, c in plans.stage_compute(plan, costs, two, truth, 2)]
+    flops, call_s = plans.fit_compute(plan, costs, two, read, got, 2)
+    assert flops == pytest.approx(20e9, rel=1e-6) and call_s == pytest.approx(4e-4, rel=1e-6)
+    # one stage cannot tell them apart: no call cost, the FLOP/s its compute gives
+    whole = Plan((), [["a0"]], [])
+    (only,) = [f + c for f, c in plans.stage_compute(whole, costs, two, truth, 2)]
+    ((mapped, _),) = plans.stage_compute(whole, costs, two, read, 2)
+    assert plans.fit_compute(whole, costs, two, read, [only], 2) == (pytest.approx(40e9 * mapped / only, rel=1e-3), 0.0)
+
+
+def test_the_optimizer_is_calibrated_by_what_the_peers_took() -> None:
+    import dataclasses
+
+    from coordinator.estimator import Plan
+    from coordinator.overheads import LIVE, optimizer_s
+    from fusionllm.testbed import plans
+    from protocol.model.job import JobSpec
+    from protocol.wire.codecs import Codec
+
     costs = plans.costs_of(JobSpec(model="gpt", model_args="n_layer=1,n_embd=16,n_head=2", micro_batches=2))
     two = topo.load_topology("two-clusters")
     m = topo.map_compute(two, 10e9, cores=2)
-    p = plans.Predicted("by hand", Plan((10,), [["a0"], ["b0", "b1"]], [Codec()]), 0.0, 0.0)
-    mapped_s = plans.repredict(p, costs, two, m, 2, 1.0)[0]
-    alone = [1.0 / r for r in plans.compute_ratios(p.plan, costs, two, m, [1.0, 1.0], 2)]  # mapped s per mb
-    # the first stage computed 4x faster than mapped, the second as mapped
-    d = plans.as_delivered(p, costs, two, m, [alone[0] / 4, alone[1]], 2)
-    assert d.ratios == [pytest.approx(0.25, rel=1e-2), pytest.approx(1.0, rel=1e-2)]
-    assert d.scale == pytest.approx(1 / 0.625, rel=1e-2)  # one over the median of the two
-    assert (d.estimated_s, d.simulated_s) == pytest.approx(plans.repredict(p, costs, two, m, 2, d.scale))
-    own = plans.repredict(p, costs, two, m, 2, plans.stage_scales(p.plan, d.ratios))[0]
-    assert d.estimated_per_stage_s == pytest.approx(own)
-    assert own < mapped_s and d.estimated_s < mapped_s  # one stage faster than mapped, none slower
-    assert d.estimated_s < own  # one scale (1.6) speeds the second stage too, which computed as mapped
-    rows = {"opfence": {**report.row(1.0, 1.1, 1.0, [], []), "estimated_per_stage_s": 0.7}}
-    s = report.summary(rows)
-    assert s["estimator_error_max"] == pytest.approx(0.1) and s["estimator_error_max_per_stage"] == pytest.approx(0.3)
+    plan = Plan((10,), [["a0"], ["b0", "b1"]], [Codec()])
+    peers = {q.id: q for q in plans.emulated_peers(two, m)}
+    ranges = plan.ranges(costs.num_ops)
+
+    def took(k: float) -> list[dict[str, float]]:  # each stage's optimizer, its slowed part k times the model's
+        out = []
+        for (lo, hi), g in zip(ranges, plan.groups, strict=True):
+            calls = optimizer_s(
+                dataclasses.replace(LIVE, optimizer_s=0, param_byte_s=0), costs.stage_params(lo, hi), len(g)
+            )
+            whole = sum(optimizer_s(peers[p].overheads, costs.stage_params(lo, hi), len(g)) for p in g) / len(g)
+            out.append({"optimizer": (calls + k * (whole - calls)) * 1e3})
+        return out
+
+    assert plans.optimizer_scale(plan, costs, two, m, took(2.5)) == pytest.approx(2.5)
+    assert plans.optimizer_scale(plan, costs, two, m, []) == 1.0  # the run printed no breakdown
+    slower = dataclasses.replace(m, optimizer_scale=2.5)
+    a0 = {q.id: q for q in plans.emulated_peers(two, slower)}["a0"]
+    assert a0.overheads.optimizer_s == pytest.approx(LIVE.optimizer_s * 2.5 / m.throttles["a0"])
+    assert a0.overheads.handoff_s == LIVE.handoff_s  # handing off is not the update
+    assert "optimizer x2.50" in slower.describe(two) and "optimizer" not in m.describe(two)
+    assert "call's own work 0.40 ms" in dataclasses.replace(m, call_s=4e-4).describe(two)
 
 
 def test_a_machine_without_namespaces_or_a_bad_topology_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -311,6 +386,57 @@ def test_a_transfer_against_another_the_other_way_is_not_slowed() -> None:
         made.close()
     assert made.leftovers() == []
     assert max(took) < 0.6, f"b's and a's took {took} s (alone: 0.45 s)"
+
+
+_ONE_WAY = r"""
+import socket, sys, time
+if sys.argv[1] == "serve":
+    c, _ = socket.create_server(("0.0.0.0", 9000)).accept()
+    while (n := int.from_bytes(c.recv(4, socket.MSG_WAITALL), "big")):
+        c.recv(n, socket.MSG_WAITALL)
+        c.sendall(b"k")
+    sys.exit()
+for _ in range(100):
+    try:
+        c = socket.create_connection((sys.argv[1], 9000))
+        break
+    except OSError:
+        time.sleep(0.05)
+c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+for _ in range(4):
+    time.sleep(0.3)  # idle: a bucket would fill
+    start = time.perf_counter()
+    c.sendall((67584).to_bytes(4, "big") + b"x" * 67584)
+    c.recv(1)
+    print(time.perf_counter() - start)
+c.sendall((0).to_bytes(4, "big"))
+"""
+
+
+@needs_root
+def test_a_message_after_an_idle_spell_takes_the_links_rate() -> None:
+    """A micro-batch's 67.6 kB at 5 Mbit/s takes 108 ms on a real link; with a 16 kB
+    bucket it took 84 ms, and the estimator's prices for the slow links were 11-12% high
+    (``lab.BURST_S``, ``lab.MAX_SEGMENT_BYTES``)."""
+    import subprocess
+    import sys
+
+    made = lab.Lab({"a": "10.78.0.10", "b": "10.78.0.11"}, {("a", "b"): 5.0, ("b", "a"): 5.0})
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        made.build()
+        for me, arg in (("b", "serve"), ("a", "10.78.0.11")):
+            cmd = ["ip", "netns", "exec", made.ns[me], sys.executable, "-c", _ONE_WAY, arg]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
+        took = [float(x) for x in procs[1].communicate(timeout=30)[0].split()]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        made.close()
+    assert made.leftovers() == []
+    at_rate = 67584 * 8 / 5e6
+    assert len(took) == 4 and min(took) > 0.94 * at_rate, f"took {took} s; the link's rate gives {at_rate:.3f}"
 
 
 @needs_root

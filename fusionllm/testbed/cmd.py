@@ -4,6 +4,7 @@ under each scheduler's plan on the same links, report, remove everything."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -103,17 +104,22 @@ class _Bed:
 
 
 def _calibrated(bed: _Bed, costs: Any, compute: topo.ComputeMap, scheduler: str, mb: int, say: Any) -> topo.ComputeMap:
-    """The compute mapping corrected by a short run of ``scheduler``'s plan: the peers'
-    delivered compute over the one-thread reading (``plans.delivered_scale``) scales
-    the reading, as one thread measured alone on a shared machine is no guide to what
-    it delivers beside the swarm's processes (it read 3 to 50 GFLOP/s)."""
+    """The compute mapping corrected by a short run of ``scheduler``'s plan: what one
+    thread delivers beside the swarm's processes and a compute call's own work
+    (``plans.fit_compute``), as one thread measured alone on a shared machine is no
+    guide to it (it read 3 to 50 GFLOP/s); the optimizer as the run took it
+    (``plans.optimizer_scale``)."""
     (first,) = plans.predict_all([scheduler], costs, bed.topology, compute, mb)
     m = bed.run(first, "none", CALIBRATION_STEPS, compute, name="calibration")
-    scale = plans.delivered_scale(plans.compute_ratios(first.plan, costs, bed.topology, compute, m.stage_compute_s, mb))
+    flops, call_s = plans.fit_compute(first.plan, costs, bed.topology, compute, m.stage_compute_s, mb)
+    slower = plans.optimizer_scale(first.plan, costs, bed.topology, compute, m.stage_parts)
+    reading = f"{compute.base_flops / 1e9:.2f} GFLOP/s read alone"
     say(
-        f"calibration: the peers delivered x{scale:.2f} the one-thread reading ({compute.base_flops / 1e9:.2f} GFLOP/s)"
+        f"calibration: one thread delivered {flops / 1e9:.2f} GFLOP/s ({reading}) and {call_s * 1e3:.2f} ms a "
+        f"compute call; the optimizer x{slower:.2f}"
     )
-    return topo.map_compute(bed.topology, compute.base_flops * scale, compute.cores)
+    mapped = topo.map_compute(bed.topology, flops, compute.cores)
+    return dataclasses.replace(mapped, optimizer_scale=slower, call_s=call_s)
 
 
 def _emulated(topology: str, model: str, model_args: str, micro_batches: int) -> tuple[Any, Any, topo.ComputeMap]:
@@ -153,8 +159,8 @@ def _result(
     topology: str, t: Any, compute: topo.ComputeMap, predicted: list[plans.Predicted], runs: dict, costs: Any, mb: int
 ) -> dict:
     """The report: each scheduler's row, its prediction made again for the compute its
-    peers delivered (``plans.as_delivered``; with each stage's own, and as mapped,
-    beside it), the ratios."""
+    stages' peers delivered (``plans.as_delivered``; with one scale for all, and as
+    mapped, beside it), the ratios."""
     rows = {}
     ran = {_key(p): p.scheduler for p in predicted if (p.scheduler, "none") in runs}
     for p in predicted:
@@ -163,7 +169,7 @@ def _result(
         rows[p.scheduler] = report.row(m.step_s, d.estimated_s, d.simulated_s, m.wire_bytes, p.plan.groups)
         rows[p.scheduler].update(codecs=m.codecs, final_loss=m.final_loss, compute_ratio=d.ratios)
         rows[p.scheduler].update(delivered_compute=round(d.scale, 3), estimated_mapped_s=round(p.estimated_s, 5))
-        rows[p.scheduler].update(estimated_per_stage_s=round(d.estimated_per_stage_s, 5))
+        rows[p.scheduler].update(estimated_one_scale_s=round(d.estimated_one_scale_s, 5))
         rows[p.scheduler].update(simulated_mapped_s=round(p.simulated_s, 5))
         if ran[_key(p)] != p.scheduler:
             rows[p.scheduler]["same_plan_as"] = ran[_key(p)]

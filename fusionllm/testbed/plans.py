@@ -11,11 +11,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from coordinator.delivered import again
-from coordinator.estimator import DagCosts, Plan, compute_s, dealt
+from coordinator.estimator import PASSES, DagCosts, Plan, compute_s, dealt
 from coordinator.netmodel import PeerProfile
 from coordinator.opdag import build_opdag
-from coordinator.overheads import LIVE, slowed
+from coordinator.overheads import LIVE, optimizer_s
 from coordinator.plan_eval import Options, ScheduleError
 from coordinator.scheduler import plan as schedule
 from fusionllm.testbed.topo import ComputeMap, TestbedError, addresses
@@ -81,13 +83,28 @@ def one_thread_flops(job: JobSpec, costs: DagCosts, seconds: float = 1.0, at_lea
 
 def emulated_peers(topo: Topology, compute: ComputeMap) -> list[PeerProfile]:
     """The topology's peers at the FLOP/s they deliver on this machine (no per-kernel
-    cost added: a measured step holds it, as for a live swarm's peers), with a live
-    swarm's fixed costs (``coordinator.overheads.LIVE``): they run the real swarm, and
-    the throttle idles after the optimizer's compute as after the rest (``slowed``)."""
+    cost added: a call's own work stands for it), with a live swarm's fixed costs as
+    calibrated (``ComputeMap.overheads``): they run the real swarm, and the throttle
+    idles after the optimizer's compute as after the rest."""
     return [
-        replace(p, flops=compute.flops(p.id), op_overhead_s=0.0, overheads=slowed(LIVE, 1 / compute.throttles[p.id]))
-        for p in topo.peers
+        replace(p, flops=compute.flops(p.id), op_overhead_s=0.0, overheads=compute.overheads(p.id)) for p in topo.peers
     ]
+
+
+def optimizer_scale(plan: Plan, costs: DagCosts, topo: Topology, compute: ComputeMap, parts: list[dict]) -> float:
+    """How many times the estimator's optimizer (``overheads.LIVE``'s norms and update,
+    slowed by each peer's throttle; its hand-offs aside) the stages' measured one took
+    (``parts``: each stage's step breakdown, as ``swarm.Measured.stage_parts``); 1.0
+    where none was printed. On ``far-lab`` 2.4-2.9x: the 2-core machine's peers beside
+    each other run the update slower than the quiet demo LIVE was measured on."""
+    peers = {q.id: q for q in emulated_peers(topo, replace(compute, optimizer_scale=1.0))}
+    got = modelled = 0.0
+    for (lo, hi), group, part in zip(plan.ranges(costs.num_ops), plan.groups, parts, strict=False):
+        params = costs.stage_params(lo, hi)
+        whole = statistics.fmean(optimizer_s(peers[p].overheads, params, len(group)) for p in group)
+        calls = optimizer_s(replace(LIVE, optimizer_s=0.0, param_byte_s=0.0), params, len(group))
+        got, modelled = got + part.get("optimizer", 0.0) / 1e3 - calls, modelled + whole - calls
+    return got / modelled if got > 0 and modelled > 0 else 1.0
 
 
 def predict_all(
@@ -115,6 +132,28 @@ def predict_all(
     return out
 
 
+def stage_compute(
+    plan: Plan, costs: DagCosts, topo: Topology, compute: ComputeMap, micro_batches: int = 0
+) -> list[tuple[float, float]]:
+    """Per stage, the estimator's compute per micro-batch, forward and backward, as the
+    coordinator's per-stage line takes the measured one: the median over the stage's
+    replicas of each one's compute per micro-batch it ran, a replica dealt none counting
+    its step's compute (the norms, the sum: 0 to the estimator) whole. With
+    ``micro_batches`` 0, every replica runs some. Split in two: the FLOPs' time
+    (``compute_s``) and the two calls' own work (``Overheads.call_s``). (The
+    coordinator's own per-stage prediction is a period with a replicated stage's
+    gradient sends in it: not comparable with what its peers computed; nor is the
+    group's slowest peer, where the median replica is faster, or idle.)"""
+    by_id = {p.id: p for p in emulated_peers(topo, compute)}
+    out = []
+    for (lo, hi), group in zip(plan.ranges(costs.num_ops), plan.groups, strict=True):
+        runs = dealt(micro_batches, len(group)) if micro_batches else [1] * len(group)
+        each = [(compute_s(costs, lo, hi, [by_id[x]]), 2 * by_id[x].overheads.call_s) if n else (0.0, 0.0)
+                for x, n in zip(group, runs)]  # fmt: skip
+        out.append((statistics.median(f for f, _ in each), statistics.median(c for _, c in each)))
+    return out
+
+
 def compute_ratios(
     plan: Plan,
     costs: DagCosts,
@@ -123,21 +162,41 @@ def compute_ratios(
     measured_s: list[float | None],
     micro_batches: int = 0,
 ) -> list[float | None]:
-    """Each stage's measured compute per micro-batch over the estimator's compute alone
-    (``compute_s``: forward and backward, as mapped), both as the coordinator's
-    per-stage line takes it: the median over the stage's replicas of each one's compute
-    per micro-batch it ran, a replica dealt none counting its step's compute (the norms,
-    the sum: 0 to the estimator) whole. With ``micro_batches`` 0, every replica runs
-    some. (The coordinator's own per-stage prediction is a period with a replicated
-    stage's gradient sends in it: not comparable with what its peers computed; nor is
-    the group's slowest peer, where the median replica is faster, or idle.)"""
-    by_id = {p.id: p for p in emulated_peers(topo, compute)}
+    """Each stage's measured compute per micro-batch over the estimator's
+    (``stage_compute``)."""
     out: list[float | None] = []
-    for (lo, hi), group, got in zip(plan.ranges(costs.num_ops), plan.groups, measured_s, strict=False):
-        runs = dealt(micro_batches, len(group)) if micro_batches else [1] * len(group)
-        est = statistics.median(compute_s(costs, lo, hi, [by_id[x]]) if n else 0.0 for x, n in zip(group, runs))
+    for (flops_s, calls_s), got in zip(stage_compute(plan, costs, topo, compute, micro_batches), measured_s):
+        est = flops_s + calls_s
         out.append(round(got / est, 3) if got and est > 0 else None)
     return out
+
+
+def fit_compute(
+    plan: Plan, costs: DagCosts, topo: Topology, compute: ComputeMap, measured_s: list[float | None], mb: int
+) -> tuple[float, float]:
+    """What one thread delivers beside the swarm's processes, from a run of ``plan``
+    whose stages computed ``measured_s`` a micro-batch: (FLOP/s, a compute call's own
+    work in seconds), fitted over the stages by least squares, as each stage's compute
+    is its FLOPs at that speed and two calls, both stretched by its throttle. On
+    ``far-lab`` 19-24 GFLOP/s and 0.45-0.51 ms a call: the head's stage, a seventh of
+    the blocks' FLOPs, took a fifth of their time. Where the stages cannot tell the two
+    apart (one stage, or a fit below zero): no call cost, and the FLOP/s that the median
+    stage gives (``delivered_scale``)."""
+    rows, got = [], []
+    for (flops_s, _), (lo, hi), m in zip(
+        stage_compute(plan, costs, topo, compute, mb), plan.ranges(costs.num_ops), measured_s
+    ):
+        if m and flops_s > 0:
+            stretch = (
+                flops_s * compute.base_flops / (PASSES * costs.stage_flops(lo, hi))
+            )  # 1 / the median replica's throttle
+            rows.append((flops_s, 2 * stretch))
+            got.append(m)
+    fallback = (compute.base_flops * delivered_scale(compute_ratios(plan, costs, topo, compute, measured_s, mb)), 0.0)
+    if len(rows) < 2 or len({round(a / b, 9) for a, b in rows}) < 2:
+        return fallback
+    (slower, call_s), *_ = np.linalg.lstsq(np.array(rows), np.array(got), rcond=None)
+    return (float(compute.base_flops / slower), float(call_s)) if slower > 0 and call_s >= 0 else fallback
 
 
 def delivered_scale(compute_ratio: list[float | None]) -> float:
@@ -147,15 +206,19 @@ def delivered_scale(compute_ratio: list[float | None]) -> float:
     return 1.0 / statistics.median(ratios) if ratios else 1.0
 
 
-def stage_scales(plan: Plan, compute_ratio: list[float | None]) -> dict[str, float]:
-    """Each peer's FLOP/s scale for the compute its stage delivered: one over its
-    stage's ratio (``compute_ratios``), a stage with none taking ``delivered_scale``'s.
-    A diagnostic beside the one scale: with every stage's compute as measured, what
-    is left of the estimator's error is its time model's own (on ``far-lab`` OP-Fence's
-    plan -9% to -18%, dtfm's +11% to +12%: no better than one scale, whose error on
-    OP-Fence's plan comes from the first stage computing faster than the second)."""
-    fill = delivered_scale(compute_ratio)
-    return {p: 1.0 / r if r else fill for group, r in zip(plan.groups, compute_ratio, strict=True) for p in group}
+def stage_scales(
+    plan: Plan, costs: DagCosts, topo: Topology, compute: ComputeMap, measured_s: list[float | None], mb: int
+) -> dict[str, float]:
+    """Each peer's FLOP/s scale for the compute its stage delivered (``measured_s`` a
+    micro-batch): the stage's FLOPs' time (``stage_compute``) over what the measured
+    compute leaves of it besides the calls' own work; a stage with none, or no more
+    than the calls, takes ``delivered_scale``'s. Per stage, as the live swarm's summary
+    takes each peer's own."""
+    fill = delivered_scale(compute_ratios(plan, costs, topo, compute, measured_s, mb))
+    out = {}
+    for group, (flops_s, calls_s), m in zip(plan.groups, stage_compute(plan, costs, topo, compute, mb), measured_s):
+        out.update(dict.fromkeys(group, flops_s / (m - calls_s) if m and m > calls_s and flops_s > 0 else fill))
+    return {p: out.get(p, fill) for g in plan.groups for p in g}
 
 
 def repredict(
@@ -168,11 +231,12 @@ def repredict(
 ) -> tuple[float, float]:
     """The estimator's and the simulator's time for ``p``'s plan with every peer's
     FLOP/s times ``scale`` (one for all, or each peer's): the prediction for the
-    compute the peers delivered (``coordinator.delivered.again``; throttled peers:
-    their optimizer's too)."""
+    compute the peers delivered (``coordinator.delivered.again``). The optimizer keeps
+    its cost as calibrated (``ComputeMap.optimizer_scale``): it is not the stage's
+    forward and backward, whose speed per FLOP the scale measures."""
     peers = {q.id: q for q in emulated_peers(topo, compute)}
     scales = scale if isinstance(scale, dict) else dict.fromkeys(peers, scale)
-    plan, by_id = again(costs, p.plan, peers, topo.network, micro_batches, scales, throttled=True)
+    plan, by_id = again(costs, p.plan, peers, topo.network, micro_batches, scales)
     return plan.iteration_s, iteration_seconds(costs, p.plan, by_id, topo.network, micro_batches)
 
 
@@ -180,14 +244,14 @@ def repredict(
 class Delivered:
     """A run's plan predicted again for the compute its peers delivered: the stages'
     ``compute_ratios``, ``delivered_scale`` (one for all), the estimator's and the
-    simulator's time with that scale, and the estimator's with each stage's own
-    (``stage_scales``) beside them."""
+    simulator's time with each stage's own (``stage_scales``), and the estimator's with
+    the one scale beside them."""
 
     ratios: list[float | None]
     scale: float
     estimated_s: float
     simulated_s: float
-    estimated_per_stage_s: float
+    estimated_one_scale_s: float
 
 
 def as_delivered(
@@ -197,6 +261,6 @@ def as_delivered(
     priced again for that compute (``Delivered``)."""
     ratios = compute_ratios(p.plan, costs, topo, compute, stage_compute_s, mb)
     scale = delivered_scale(ratios)
-    est, sim = repredict(p, costs, topo, compute, mb, scale)
-    per_stage, _ = repredict(p, costs, topo, compute, mb, stage_scales(p.plan, ratios))
-    return Delivered(ratios, scale, est, sim, per_stage)
+    est, sim = repredict(p, costs, topo, compute, mb, stage_scales(p.plan, costs, topo, compute, stage_compute_s, mb))
+    one, _ = repredict(p, costs, topo, compute, mb, scale)
+    return Delivered(ratios, scale, est, sim, one)

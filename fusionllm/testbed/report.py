@@ -33,19 +33,19 @@ def row(measured_s: float, estimated_s: float, simulated_s: float, wire: list[in
 
 def summary(schedulers: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The ratios over the rows: OP-Fence against the best blind baseline and dtfm (on
-    what was run), the largest estimator error, and the largest with each stage's
-    delivered compute (``estimated_per_stage_s``, where the rows have it)."""
+    what was run), the largest estimator error, and the largest with one delivered
+    scale for every peer (``estimated_one_scale_s``, where the rows have it)."""
     measured = {k: v["measured_s"] for k, v in schedulers.items()}
     blind = [measured[k] for k in BLIND if k in measured]
     errors = [abs(v["estimator_error"]) for v in schedulers.values() if v["estimator_error"] is not None]
-    staged = [
-        _error(v["estimated_per_stage_s"], v["measured_s"]) for v in schedulers.values() if "estimated_per_stage_s" in v
+    one = [
+        _error(v["estimated_one_scale_s"], v["measured_s"]) for v in schedulers.values() if "estimated_one_scale_s" in v
     ]
     return {
         "opfence_vs_best_blind_measured": ratio(min(blind), measured.get("opfence")) if blind else None,
         "opfence_vs_dtfm_measured": ratio(measured.get("opfence"), measured.get("dtfm")),
         "estimator_error_max": round(max(errors), 4) if errors else None,
-        "estimator_error_max_per_stage": round(max(staged), 4) if staged else None,
+        "estimator_error_max_one_scale": round(max(one), 4) if one else None,
     }
 
 

@@ -33,6 +33,8 @@ _ESTIMATE = re.compile(r"^estimator: predicted ([\d.]+) ms per step, measured ([
 _STAGE = re.compile(r"([\d.]+)/([\d.]+) ms")
 _BOUNDARY = re.compile(r"^\s+boundary (\d+) .*?: (\S+), ([\d.]+) MB on the wire")
 _LOSS = re.compile(r"^loss ([\d.]+) -> ([\d.]+) ")
+_PARTS = re.compile(r"^  stage (\d+) step [\d.]+ ms(?: \(predicted [\d.]+\))?: (.*) ms$")
+_PART = re.compile(r"([a-z_]+) ([\d.]+)")
 
 
 @dataclass
@@ -47,6 +49,8 @@ class Measured:
     final_loss: float = float("nan")
     #: each stage's measured compute per micro-batch (seconds), as the coordinator's summary prints it
     stage_compute_s: list[float | None] = field(default_factory=list)
+    #: each stage's step breakdown (part -> mean ms per step over its peers; a part not printed is 0)
+    stage_parts: list[dict[str, float]] = field(default_factory=list)
 
 
 def parse_summary(lines: list[str]) -> Measured:
@@ -62,6 +66,9 @@ def parse_summary(lines: list[str]) -> Measured:
             out.wire_bytes.append(round(float(m.group(3)) * 1e6))
         elif m := _LOSS.match(line):
             out.final_loss = float(m.group(2))
+        elif (m := _PARTS.match(line)) and int(m.group(1)) == len(out.stage_parts):
+            shown = re.sub(r"\([^)]*\)", "", m.group(2))  # the predictions beside the parts
+            out.stage_parts.append({k: float(v) for k, v in _PART.findall(shown)})
     return out
 
 

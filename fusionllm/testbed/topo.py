@@ -6,10 +6,11 @@ every ordered pair, and how the topology's FLOP/s map onto this machine's cores.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from coordinator.overheads import LIVE, Overheads, slowed
 from sim.topology import Topology, TopologyError, load, parse
 
 #: each peer is a process (and a p2p daemon) on this machine
@@ -154,6 +155,17 @@ class ComputeMap:
     base_flops: float
     throttles: dict[str, float]
     cores: int
+    #: the peers' optimizer took this many times ``overheads.LIVE``'s (slowed by the
+    #: throttle) in the calibration run (``plans.optimizer_scale``; 1.0: not measured)
+    optimizer_scale: float = 1.0
+    #: a compute call's own work at a whole thread's speed, in seconds (``plans.fit_compute``)
+    call_s: float = 0.0
+
+    def overheads(self, pid: str) -> Overheads:
+        """Peer ``pid``'s fixed costs: a live swarm's (``overheads.LIVE``), its optimizer
+        as calibrated, that and a call's own work stretched by its throttle (``slowed``)."""
+        thr = self.throttles[pid]
+        return replace(slowed(LIVE, self.optimizer_scale / thr), call_s=self.call_s / thr)
 
     @property
     def cores_used(self) -> float:
@@ -171,8 +183,13 @@ class ComputeMap:
             f"compute: {top / 1e12:g} TFLOP/s -> {self.base_flops * max(self.throttles.values()) / 1e9:.2f} GFLOP/s "
             f"(x{scale:.2g}; one thread delivers {self.base_flops / 1e9:.2f} GFLOP/s on this model, each peer "
             f"throttled to its share); the peers use {self.cores_used:.2f} of {self.cores} cores "
-            f"({self.cores_used / self.cores:.0%})"
+            f"({self.cores_used / self.cores:.0%})" + self._calibrated()
         )
+
+    def _calibrated(self) -> str:
+        call = f"; a compute call's own work {self.call_s * 1e3:.2f} ms" if self.call_s else ""
+        slower = f"; the optimizer x{self.optimizer_scale:.2f} the estimator's" if self.optimizer_scale != 1 else ""
+        return call + slower
 
 
 def map_compute(
