@@ -3,7 +3,7 @@ scheduler's plan on links shaped to a topology (network namespaces, an ``htb`` c
 per destination, latency in the send path; ``fusionllm testbed``), measured beside the
 estimator's and the simulator's iteration time for the same plan.
 
-Full mode: the ``far-lab`` preset (8 peers on two sites 5 Mbit/s apart: a lab of two
+Full mode: the ``far-lab`` preset (8 peers on two sites 1 Mbit/s apart: a lab of two
 peers twice as fast as the six of a second site, 1 Gbit/s inside each): mixed
 bandwidth where placement matters (a bandwidth-blind plan mixes the sites in each
 stage, a data-parallel one sends every gradient over the slow link) and where no

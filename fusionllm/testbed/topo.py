@@ -93,12 +93,15 @@ def slow_link() -> dict[str, Any]:
 
 
 def far_lab() -> dict[str, Any]:
-    """8 peers on two sites 5 Mbit/s apart: a lab of two peers twice as fast as each of
-    the six at a second site, 1 Gbit/s inside each. A plan that puts one site's replicas
-    beside the other's, or every peer a replica of the whole model, pays for the slow
-    link; one boundary between the sites, where a micro-batch's activations take
-    longer than a stage computes, is where ``auto`` puts a codec."""
-    return _two_sites(("lab", "lab", 2), ("site", "site", 6), 5)
+    """8 peers on two sites 1 Mbit/s apart (a home uplink, a congested path between
+    continents): a lab of two peers twice as fast as each of the six at a second site,
+    1 Gbit/s inside each. No plan avoids the slow link: a pipeline's boundary between
+    the sites, where a micro-batch's activations take longer than a stage computes one,
+    is where ``auto`` puts a codec; a plan that puts one site's replicas beside the
+    other's, or every peer a replica of the whole model, sends its gradients over it.
+    (At 5 Mbit/s OP-Fence kept its boundary inside the second site once the links sent
+    nothing early, and no codec paid.)"""
+    return _two_sites(("lab", "lab", 2), ("site", "site", 6), 1)
 
 
 PRESETS = {
