@@ -48,8 +48,8 @@ class Overheads:
     optimizer_s: float = 0.0  # per step: the norms and the update, their fixed part
     param_byte_s: float = 0.0  # per parameter byte of the stage: the update
     commit_s: float = 0.0  # per step: StepDone to Commit on the peer that finishes last
-    # per forward or backward: the call's own fixed work (Python, the stage's graph),
-    # done at the peer's speed; 0 for a live peer, whose measured compute holds it
+    # per compute call: its own fixed work (Python, the stage's graph), at the host's
+    # speed whatever the device's; 0 for a live peer, whose measured compute holds it
     call_s: float = 0.0
 
 
@@ -75,11 +75,9 @@ LIVE = Overheads(
 def slowed(o: Overheads, factor: float) -> Overheads:
     """``o`` on a peer whose compute takes ``factor`` times as long (``join --throttle``
     idles after every compute call, the norms and the update included): the optimizer's
-    parts and a call's own work scale, handing off and encoding do not (they are not
-    compute calls)."""
-    return replace(
-        o, optimizer_s=o.optimizer_s * factor, param_byte_s=o.param_byte_s * factor, call_s=o.call_s * factor
-    )
+    parts scale; handing off, encoding and a call's own work (``join
+    --throttle-call-ms``) do not."""
+    return replace(o, optimizer_s=o.optimizer_s * factor, param_byte_s=o.param_byte_s * factor)
 
 
 def pass_s(o: Overheads) -> float:
@@ -126,7 +124,7 @@ def optimizer_s(o: Overheads, param_bytes: float, replicas: int = 1) -> float:
     """A stage's end of step on one of its peers: the norms, its replicas' sum (when it
     has replicas) and the update, each handed to the compute thread."""
     calls = STEP_CALLS + (REPLICA_CALLS if replicas > 1 else 0)
-    return calls * o.handoff_s + o.optimizer_s + param_bytes * o.param_byte_s
+    return calls * (o.handoff_s + o.call_s) + o.optimizer_s + param_bytes * o.param_byte_s
 
 
 def step_fixed_s(groups: Sequence[Sequence[Overheads]], stage_params: Sequence[float]) -> float:

@@ -268,6 +268,15 @@ def _add_join_compute_flags(p: argparse.ArgumentParser) -> None:
         "times the measured FLOP/s; to try out rebalancing",
     )
     g.add_argument(
+        "--throttle-call-ms",
+        type=t.call_ms,
+        default=0.0,
+        metavar="MS",
+        help="with --throttle, leave the first MS milliseconds of each compute call's work unstretched: its own "
+        "fixed work (Python, the stage's graph), as on a device slower at its FLOPs whose host is not "
+        "(0 to 1000; default: 0, all of it stretched; the testbed measures it)",
+    )
+    g.add_argument(
         "--throttle-file",
         default=None,
         metavar="PATH",

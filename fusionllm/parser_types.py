@@ -55,6 +55,13 @@ def seconds(text: str) -> float:
     return positive_float(text, "a number of seconds", "a positive number of seconds")
 
 
+def call_ms(text: str) -> float:
+    value = positive_float(text, "a number of milliseconds", "a number of milliseconds from 0 to 1000", zero=True)
+    if value > 1000:
+        raise argparse.ArgumentTypeError(f"{value} is not a number of milliseconds from 0 to 1000")
+    return value
+
+
 def port(text: str) -> int:
     return whole(text, 0, 65535, "a port number", "a port (0-65535)")
 

@@ -334,6 +334,7 @@ async def _join(args: argparse.Namespace) -> int:
             allow_ops=list(args.allow_ops),
             swarm_secret=args.swarm_secret,
             throttle_file=os.path.expanduser(args.throttle_file) if args.throttle_file else None,
+            throttle_call_s=args.throttle_call_ms / 1e3,
         )
     )
     node.on_event = lambda text: print(f"{time.strftime('%H:%M:%S')} {clean(text)}", flush=True)

@@ -28,6 +28,7 @@ class PeerConfig:
     coordinator_grace: float = 120.0  # how long to wait for a lost coordinator to come back
     throttle: float = 1.0  # compute at this fraction of the peer's speed (peer.throttle); in (0, 1]
     throttle_file: str | None = None  # read the throttle from this file about once a second while running
+    throttle_call_s: float = 0.0  # a compute call's own work the throttle leaves unstretched (peer.throttle)
     advertise_flops: float | None = None  # advertise this instead of the measured FLOP/s (a lying peer, for tests)
     coordinator_key: str | None = None  # the coordinator's Ed25519 key (hex), pinned; None: trust on first use
     allow_code: list[str] = field(default_factory=list)  # model modules (MODULE or file.py) this peer may import

@@ -85,7 +85,8 @@ class PeerNode:
         self.clock = clock
         self._make_transport = transport
         self.device = pick_device(config.device)
-        self.throttle = Throttle(config.throttle, on_change=self._event)  # ThrottleError if out of (0, 1]
+        # ThrottleError if out of (0, 1]
+        self.throttle = Throttle(config.throttle, on_change=self._event, call_s=config.throttle_call_s)
         self.compute = Compute(self.device, self.throttle)
         self.credentials = Credentials(config, clock)
         self.dht: hivemind.DHT | None = None

@@ -55,9 +55,12 @@ class Throttle:
     """The fraction of its speed a peer computes at. ``on_change`` is told each change
     (one line, e.g. ``throttle: 0.25 (from PATH)``), which is also logged at INFO."""
 
-    def __init__(self, value: float = 1.0, on_change: Callable[[str], None] | None = None) -> None:
+    def __init__(self, value: float = 1.0, on_change: Callable[[str], None] | None = None, call_s: float = 0.0) -> None:
         self._value = check_throttle(value)
         self.on_change = on_change
+        #: a compute call's own work (Python, the stage's graph) that is not stretched:
+        #: an emulated device slower at its FLOPs whose host runs Python as fast
+        self.call_s = call_s if math.isfinite(call_s) and call_s > 0 else 0.0
         self._refused: str | None = None  # the last bad file content warned about
 
     @property
@@ -79,11 +82,13 @@ class Throttle:
     def pause_for(self, compute_s: float, work_s: float | None = None) -> float:
         """Seconds to idle after a compute call that took ``compute_s`` and did
         ``work_s`` of work (its CPU time; None: ``compute_s``): the call then lasts
-        ``work_s / F`` in all, or as long as it took if that is longer."""
+        ``work_s / F`` in all (the part beyond ``call_s`` stretched, the rest not), or
+        as long as it took if that is longer."""
         work = compute_s if work_s is None else min(work_s, compute_s)
         if self._value >= 1.0 or not work > 0.0 or math.isinf(compute_s):
             return 0.0
-        return max(0.0, work / self._value - compute_s)
+        own = min(work, self.call_s)
+        return max(0.0, (work - own) / self._value + own - compute_s)
 
     async def idle(self, compute_s: float, work_s: float | None = None) -> float:
         """Idle on the event loop (the compute thread stays free) for

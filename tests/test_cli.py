@@ -127,7 +127,7 @@ def test_parsing_imports_nothing_heavy() -> None:
 
     argvs = [
         ["demo", "--steps", "3", "--spot-check", "0.1", "--stages-as", "code", "--betas", "0.9,0.95"],
-        ["join", "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--throttle", "0.5"],
+        ["join", "--initial-peers", "/ip4/127.0.0.1/tcp/1", "--throttle", "0.5", "--throttle-call-ms", "0.4"],
         ["plan", "--topology", "testbed1", "--model", "gpt2", "--precision", "fp16", "--scheduler", "dtfm"],
         ["sim", "--topology", "testbed1", "--schedulers", "opfence,even", "--policy", "none"],
     ]
@@ -155,8 +155,13 @@ def test_parsing_imports_nothing_heavy() -> None:
         ),
         (["sim", "--topology", "testbed1", "--plot", "/no/such/out.png"], 2, "argument --plot: /no/such/out.png: no"),
         (["sim", "-v", "--help"], 0, ""),
+        (
+            ["join", "--throttle-call-ms", "1e9"],
+            2,
+            "argument --throttle-call-ms: 1000000000.0 is not a number of milliseconds from 0 to 1000",
+        ),
     ],
-    ids=["bad-value", "bad-flag", "help", "plan-steps", "plot-folder", "verbose-help"],
+    ids=["bad-value", "bad-flag", "help", "plan-steps", "plot-folder", "verbose-help", "call-ms"],
 )
 def test_usage_errors_and_help_import_nothing_heavy(args: list[str], code: int, needle: str) -> None:
     import subprocess

@@ -184,7 +184,7 @@ def test_each_stage_is_priced_at_the_compute_it_delivered() -> None:
     p = plans.Predicted("by hand", Plan((10,), [["a0"], ["b0", "b1"]], [Codec()]), 0.0, 0.0)
     mapped_s = plans.repredict(p, costs, two, m, 2, 1.0)[0]
     (f0, c0), (f1, c1) = plans.stage_compute(p.plan, costs, two, m, 2)
-    assert c0 == pytest.approx(2e-4 / m.throttles["a0"]) and c1 == pytest.approx(2e-4 / m.throttles["b0"])
+    assert c0 == c1 == pytest.approx(2e-4)  # the throttle leaves a call's own work unstretched
     # the first stage's FLOPs took a quarter of their mapped time (its calls as mapped), the second as mapped
     got = [f0 / 4 + c0, f1 + c1]
     scales = plans.stage_scales(p.plan, costs, two, m, got, 2)
@@ -221,13 +221,15 @@ def test_a_calibration_run_gives_the_flops_and_a_calls_own_work() -> None:
     two = topo.load_topology("two-clusters")
     read = topo.map_compute(two, 40e9, cores=2)  # what one thread read alone
     plan = Plan((10,), [["a0"], ["b0", "b1"]], [Codec()])
-    truth = dataclasses.replace(read, base_flops=20e9, call_s=4e-4)  # what it delivers, on the same throttles
-    got = [f + c for f, c in plans.stage_compute(plan, costs, two, truth, 2)]
+    truth = dataclasses.replace(read, base_flops=20e9)  # what it delivers, on the same throttles
+    # each stage's FLOPs and its two calls' own work of 0.4 ms, both stretched (no --throttle-call-ms yet)
+    thr = [read.throttles["a0"], read.throttles["b0"]]
+    got = [f + 2 * 4e-4 / t for (f, _), t in zip(plans.stage_compute(plan, costs, two, truth, 2), thr, strict=True)]
     flops, call_s = plans.fit_compute(plan, costs, two, read, got, 2)
     assert flops == pytest.approx(20e9, rel=1e-6) and call_s == pytest.approx(4e-4, rel=1e-6)
     # one stage cannot tell them apart: no call cost, the FLOP/s its compute gives
     whole = Plan((), [["a0"]], [])
-    (only,) = [f + c for f, c in plans.stage_compute(whole, costs, two, truth, 2)]
+    ((only, _),) = plans.stage_compute(whole, costs, two, truth, 2)
     ((mapped, _),) = plans.stage_compute(whole, costs, two, read, 2)
     assert plans.fit_compute(whole, costs, two, read, [only], 2) == (pytest.approx(40e9 * mapped / only, rel=1e-3), 0.0)
 
@@ -236,7 +238,7 @@ def test_the_optimizer_is_calibrated_by_what_the_peers_took() -> None:
     import dataclasses
 
     from coordinator.estimator import Plan
-    from coordinator.overheads import LIVE, optimizer_s
+    from coordinator.overheads import LIVE, STEP_CALLS, optimizer_s
     from fusionllm.testbed import plans
     from protocol.model.job import JobSpec
     from protocol.wire.codecs import Codec
@@ -264,6 +266,10 @@ def test_the_optimizer_is_calibrated_by_what_the_peers_took() -> None:
     a0 = {q.id: q for q in plans.emulated_peers(two, slower)}["a0"]
     assert a0.overheads.optimizer_s == pytest.approx(LIVE.optimizer_s * 2.5 / m.throttles["a0"])
     assert a0.overheads.handoff_s == LIVE.handoff_s  # handing off is not the update
+    # the calibration stretched its calls' own work; the runs after it do not
+    own = {q.id: q for q in plans.emulated_peers(two, dataclasses.replace(slower, call_s=1e-4))}["a0"].overheads
+    assert own.call_s == 1e-4
+    assert own.optimizer_s == pytest.approx((LIVE.optimizer_s * 2.5 - STEP_CALLS * 1e-4) / m.throttles["a0"])
     assert "optimizer x2.50" in slower.describe(two) and "optimizer" not in m.describe(two)
     assert "call's own work 0.40 ms" in dataclasses.replace(m, call_s=4e-4).describe(two)
 

@@ -47,6 +47,17 @@ def test_pause_counts_the_work_not_the_wait_for_a_core(f: float, compute_s: floa
     assert Throttle(f).pause_for(compute_s, work_s) == pytest.approx(pause)
 
 
+@pytest.mark.parametrize(
+    ("work_s", "call_s", "pause"),
+    [(0.1, 0.02, 0.24), (0.01, 0.02, 0.0), (0.1, 0.0, 0.3), (0.1, -1.0, 0.3), (0.1, math.nan, 0.3)],
+)
+def test_a_calls_own_work_is_not_stretched(work_s: float, call_s: float, pause: float) -> None:
+    """``join --throttle-call-ms``: at F = 0.25 a call of 0.1 s of work, 0.02 of it its
+    own (Python, the graph), lasts 0.02 + 0.08 / 0.25 in all; a call no longer than its
+    own work is not stretched; a bad or absent figure stretches all of it."""
+    assert Throttle(0.25, call_s=call_s).pause_for(work_s, work_s) == pytest.approx(pause)
+
+
 def test_no_pause_for_no_compute() -> None:
     t = Throttle(0.1)
     assert t.pause_for(0.0) == 0.0 and t.pause_for(-1.0) == 0.0 and t.pause_for(math.nan) == 0.0
@@ -77,9 +88,9 @@ def test_set_tells_each_change_once() -> None:
 
 
 def test_peer_node_owns_the_configured_throttle() -> None:
-    node = PeerNode(PeerConfig(initial_peers=[], throttle=0.5, throttle_file="/nowhere"))
+    node = PeerNode(PeerConfig(initial_peers=[], throttle=0.5, throttle_file="/nowhere", throttle_call_s=0.002))
     try:
-        assert node.throttle.value == 0.5
+        assert node.throttle.value == 0.5 and node.throttle.call_s == 0.002
         told: list[str] = []
         node.on_event = told.append
         node.throttle.set(0.75, "f")

@@ -99,7 +99,9 @@ class _Bed:
         folder.mkdir(parents=True, exist_ok=True)
         plan_file = p.write(self.topology, folder / "plan.json")
         args = [*self.job_args, "--steps", str(steps)]
-        spec = SwarmSpec(args, plan_file, folder, compute.throttles, self.delays, mode, self.timeout_s)
+        spec = SwarmSpec(
+            args, plan_file, folder, compute.throttles, self.delays, mode, self.timeout_s, compute.call_s * 1e3
+        )
         return _one_run(self.lab, spec, f"{name or p.scheduler} ({mode})")
 
 

@@ -133,6 +133,7 @@ class SwarmSpec:
     delays: dict[str, str]  # peer -> FUSIONLLM_LINK_DELAY_MS
     compression: str = "none"
     timeout_s: float = 600.0
+    call_ms: float = 0.0  # every peer's --throttle-call-ms
 
 
 class Swarm:
@@ -167,7 +168,8 @@ class Swarm:
             # a flag beside its value, as on a command line (fmt: skip below)
             cmd = [
                 "join", *join, "--threads", "1",
-                "--throttle", f"{spec.throttles[h]:.4f}", "--identity", str(spec.work / f"{h}.key"),
+                "--throttle", f"{spec.throttles[h]:.4f}", "--throttle-call-ms", f"{spec.call_ms:.4f}",
+                "--identity", str(spec.work / f"{h}.key"),
                 "--host-maddrs", f"/ip4/{lab.hosts[h]}/tcp/0",
             ]  # fmt: skip
             env = self._env(**{DELAY_VAR: spec.delays.get(h, "")})

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from coordinator.overheads import LIVE, Overheads, slowed
+from coordinator.overheads import LIVE, STEP_CALLS, Overheads, slowed
 from sim.topology import Topology, TopologyError, load, parse
 
 #: each peer is a process (and a p2p daemon) on this machine
@@ -161,14 +161,18 @@ class ComputeMap:
     #: the peers' optimizer took this many times ``overheads.LIVE``'s (slowed by the
     #: throttle) in the calibration run (``plans.optimizer_scale``; 1.0: not measured)
     optimizer_scale: float = 1.0
-    #: a compute call's own work at a whole thread's speed, in seconds (``plans.fit_compute``)
+    #: a compute call's own work in seconds (``plans.fit_compute``), which the peers'
+    #: throttle leaves unstretched (``join --throttle-call-ms``)
     call_s: float = 0.0
 
     def overheads(self, pid: str) -> Overheads:
-        """Peer ``pid``'s fixed costs: a live swarm's (``overheads.LIVE``), its optimizer
-        as calibrated, that and a call's own work stretched by its throttle (``slowed``)."""
-        thr = self.throttles[pid]
-        return replace(slowed(LIVE, self.optimizer_scale / thr), call_s=self.call_s / thr)
+        """Peer ``pid``'s fixed costs: a live swarm's (``overheads.LIVE``) with the
+        optimizer as calibrated (the calibration run stretched its calls' own work,
+        which the runs after it do not: ``STEP_CALLS`` of them come out of the fixed
+        part) and stretched by its throttle (``slowed``), and a call's own work."""
+        fixed = max(self.optimizer_scale * LIVE.optimizer_s - STEP_CALLS * self.call_s, 0.0)
+        calibrated = replace(LIVE, optimizer_s=fixed, param_byte_s=self.optimizer_scale * LIVE.param_byte_s)
+        return replace(slowed(calibrated, 1 / self.throttles[pid]), call_s=self.call_s)
 
     @property
     def cores_used(self) -> float:
