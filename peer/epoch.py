@@ -52,9 +52,9 @@ from protocol.wire.step_parts import BREAKDOWN_V
 
 logger = logging.getLogger(__name__)
 
-#: the most later replicas of its own stage a peer probes its link to before training
-#: (one 1 MiB probe each, ``PeerConfig.link_probe_bytes``; a group of up to 5 replicas
-#: has every pair measured)
+#: the most replicas of its own stage a peer probes its link to before training (one
+#: 1 MiB probe each, ``PeerConfig.link_probe_bytes``; a group of up to 9 has every
+#: pair measured)
 SIBLING_PROBES = 4
 
 __all__ = ["EpochEnv", "EpochHost", "EpochRunner", "Poisoned"]
@@ -256,14 +256,17 @@ class EpochRunner:
 
     def _probed(self) -> list[str]:
         """The peers whose links this one measures before it trains: every peer of the
-        next stage (the activations' way) and up to ``SIBLING_PROBES`` of its own
-        stage's later replicas (the gradients' way; a probe of one direction stands for
-        both). Guessed from the peers' uplinks, two replicas on sites 5 Mbit/s apart
+        next stage (the activations' way) and the next ``SIBLING_PROBES`` replicas of its
+        own stage round the group, at most half of it (the gradients' way; a probe of
+        one direction stands for both: every pair of a group of up to 9 is measured).
+        Guessed from the peers' uplinks, two replicas on sites 5 Mbit/s apart were
         priced as 1 Gbit/s: the summary's prediction for a plan's delivered compute
         read 66% under its measured step, and a rebalance check prices such links."""
         a = self.a
         later = list(a.stages[self.s + 1]) if self.s < self.k - 1 else []
-        return later + list(a.stages[self.s][self.r + 1 : self.r + 1 + SIBLING_PROBES])
+        mine = a.stages[self.s]
+        n = len(mine)
+        return later + [mine[(self.r + i) % n] for i in range(1, min(SIBLING_PROBES, n // 2) + 1)]
 
     async def _ready(self, held: HeldStage, build_s: float) -> None:
         tp, a = self.env.transport, self.a

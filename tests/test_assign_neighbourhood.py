@@ -218,21 +218,29 @@ def test_a_peer_admits_exactly_its_neighbourhood_and_the_coordinator() -> None:
     assert set(tp0.gate.keys) == set(stages[0] + stages[1]) - {stages[0][0]} | {"coord"}
 
 
-def test_a_peer_probes_the_next_stage_and_its_later_replicas() -> None:
+def test_a_peer_probes_the_next_stage_and_the_replicas_round_its_group() -> None:
     """The gradients' links are measured as the activations' are: guessed from uplinks,
-    replicas on two sites 5 Mbit/s apart were priced as 1 Gbit/s."""
+    replicas on two sites 5 Mbit/s apart were priced as 1 Gbit/s. Each replica probes
+    the next ones round its group, at most half of it: every pair of up to 9."""
     from peer.epoch import SIBLING_PROBES
 
-    stages = _plan([2, 7, 3])
+    stages = _plan([2, 9, 3, 1])
     assigns = _assigns(stages)
     first, _ = _runner(assigns[stages[1][0]], stages[1][0])
-    assert first._probed() == stages[2] + stages[1][1 : 1 + SIBLING_PROBES]
-    middle, _ = _runner(assigns[stages[1][5]], stages[1][5])
-    assert middle._probed() == stages[2] + stages[1][6:]
-    last, _ = _runner(assigns[stages[2][2]], stages[2][2])
-    assert last._probed() == []  # no next stage, no later replica: its links were probed by the others
-    lone, _ = _runner(assigns[stages[0][0]], stages[0][0])
-    assert lone._probed() == stages[1] + stages[0][1:]
+    assert SIBLING_PROBES == 4 and first._probed() == stages[2] + stages[1][1:5]
+    last_of_nine, _ = _runner(assigns[stages[1][8]], stages[1][8])
+    assert last_of_nine._probed() == stages[2] + stages[1][:4]  # round the group
+    probed = set()
+    for me in stages[1]:
+        runner, _ = _runner(assigns[me], me)
+        probed |= {frozenset((me, p)) for p in runner._probed() if p in stages[1]}
+    assert len(probed) == 9 * 8 // 2  # every pair of the nine
+    of_three, _ = _runner(assigns[stages[2][2]], stages[2][2])
+    assert of_three._probed() == stages[3] + stages[2][:1]  # half of a group of three: one
+    pair, _ = _runner(assigns[stages[0][1]], stages[0][1])
+    assert pair._probed() == stages[1] + stages[0][:1]
+    alone, _ = _runner(assigns[stages[3][0]], stages[3][0])
+    assert alone._probed() == []  # the last stage, no replica
 
 
 def test_the_dispatcher_sends_each_peer_its_neighbourhood_in_bounded_parallel(tmp_path: Path) -> None:

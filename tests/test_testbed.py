@@ -204,6 +204,8 @@ def test_each_stage_is_priced_at_the_compute_it_delivered() -> None:
     rows = {"opfence": {**report.row(1.0, 1.1, 1.0, [], []), "estimated_one_scale_s": 0.7}}
     s = report.summary(rows)
     assert s["estimator_error_max"] == pytest.approx(0.1) and s["estimator_error_max_one_scale"] == pytest.approx(0.3)
+    zero = {"x": {**report.row(0.0, 1.0, 1.0, [], []), "estimated_one_scale_s": 1.0}}  # no measured step
+    assert report.summary(zero)["estimator_error_max_one_scale"] is None  # not inf: the JSON stays JSON
 
 
 def test_a_calibration_run_gives_the_flops_and_a_calls_own_work() -> None:
@@ -227,6 +229,8 @@ def test_a_calibration_run_gives_the_flops_and_a_calls_own_work() -> None:
     got = [f + 2 * 4e-4 / t for (f, _), t in zip(plans.stage_compute(plan, costs, two, truth, 2), thr, strict=True)]
     flops, call_s = plans.fit_compute(plan, costs, two, read, got, 2)
     assert flops == pytest.approx(20e9, rel=1e-6) and call_s == pytest.approx(4e-4, rel=1e-6)
+    # stages too alike, or a fit beyond reason (a call of over 50 ms): no call cost
+    assert plans.fit_compute(plan, costs, two, read, [got[0] / 100, got[1] * 100], 2)[1] == 0.0
     # one stage cannot tell them apart: no call cost, the FLOP/s its compute gives
     whole = Plan((), [["a0"]], [])
     ((only, _),) = plans.stage_compute(whole, costs, two, truth, 2)
@@ -257,10 +261,13 @@ def test_the_optimizer_is_calibrated_by_what_the_peers_took() -> None:
                 dataclasses.replace(LIVE, optimizer_s=0, param_byte_s=0), costs.stage_params(lo, hi), len(g)
             )
             whole = sum(optimizer_s(peers[p].overheads, costs.stage_params(lo, hi), len(g)) for p in g) / len(g)
-            out.append({"optimizer": (calls + k * (whole - calls)) * 1e3})
+            out.append({"optimizer": k * (whole - calls) * 1e3, "handoff": calls * 1e3})  # hand-offs apart
         return out
 
     assert plans.optimizer_scale(plan, costs, two, m, took(2.5)) == pytest.approx(2.5)
+    # five updates in six windows (the first step's falls in the second's): the mean holds 5/6 of one
+    five_of_six = [{"optimizer": part["optimizer"] * 5 / 6} for part in took(2.5)]
+    assert plans.optimizer_scale(plan, costs, two, m, five_of_six, updates=5 / 6) == pytest.approx(2.5)
     assert plans.optimizer_scale(plan, costs, two, m, []) == 1.0  # the run printed no breakdown
     slower = dataclasses.replace(m, optimizer_scale=2.5)
     a0 = {q.id: q for q in plans.emulated_peers(two, slower)}["a0"]

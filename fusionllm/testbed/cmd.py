@@ -114,7 +114,8 @@ def _calibrated(bed: _Bed, costs: Any, compute: topo.ComputeMap, scheduler: str,
     (first,) = plans.predict_all([scheduler], costs, bed.topology, compute, mb)
     m = bed.run(first, "none", CALIBRATION_STEPS, compute, name="calibration")
     flops, call_s = plans.fit_compute(first.plan, costs, bed.topology, compute, m.stage_compute_s, mb)
-    slower = plans.optimizer_scale(first.plan, costs, bed.topology, compute, m.stage_parts)
+    updates = (CALIBRATION_STEPS - 1) / CALIBRATION_STEPS  # the first step's window holds no update
+    slower = plans.optimizer_scale(first.plan, costs, bed.topology, compute, m.stage_parts, updates)
     reading = f"{compute.base_flops / 1e9:.2f} GFLOP/s read alone"
     say(
         f"calibration: one thread delivered {flops / 1e9:.2f} GFLOP/s ({reading}) and {call_s * 1e3:.2f} ms a "

@@ -25,6 +25,10 @@ from protocol.model.job import JobSpec
 from sim.engine import iteration_seconds
 from sim.topology import Topology
 
+#: the most a compute call's own work may be fitted at (``join --throttle-call-ms``
+#: takes up to a second; a fit above this comes from stages too alike to tell apart)
+MAX_CALL_S = 0.05
+
 
 @dataclass(frozen=True)
 class Predicted:
@@ -91,19 +95,24 @@ def emulated_peers(topo: Topology, compute: ComputeMap) -> list[PeerProfile]:
     ]
 
 
-def optimizer_scale(plan: Plan, costs: DagCosts, topo: Topology, compute: ComputeMap, parts: list[dict]) -> float:
+def optimizer_scale(
+    plan: Plan, costs: DagCosts, topo: Topology, compute: ComputeMap, parts: list[dict], updates: float = 1.0
+) -> float:
     """How many times the estimator's optimizer (``overheads.LIVE``'s norms and update,
-    slowed by each peer's throttle; its hand-offs aside) the stages' measured one took
-    (``parts``: each stage's step breakdown, as ``swarm.Measured.stage_parts``); 1.0
-    where none was printed. On ``far-lab`` 2.4-2.9x: the 2-core machine's peers beside
-    each other run the update slower than the quiet demo LIVE was measured on."""
+    slowed by each peer's throttle) the stages' measured one took (``parts``: each
+    stage's step breakdown, as ``swarm.Measured.stage_parts``, whose ``optimizer``
+    leaves the hand-offs to ``handoff``; ``updates``: the share of its windows that
+    hold an update: a step's update falls in the next step's window, so a run's first
+    holds none); 1.0 where none was printed. On ``far-lab`` 2.1-3.3x: the 2-core
+    machine's peers beside each other run the update slower than the quiet demo
+    ``LIVE`` was measured on."""
     peers = {q.id: q for q in emulated_peers(topo, replace(compute, optimizer_scale=1.0))}
     got = modelled = 0.0
     for (lo, hi), group, part in zip(plan.ranges(costs.num_ops), plan.groups, parts, strict=False):
         params = costs.stage_params(lo, hi)
         whole = statistics.fmean(optimizer_s(peers[p].overheads, params, len(group)) for p in group)
         calls = optimizer_s(replace(LIVE, optimizer_s=0.0, param_byte_s=0.0), params, len(group))
-        got, modelled = got + part.get("optimizer", 0.0) / 1e3 - calls, modelled + whole - calls
+        got, modelled = got + part.get("optimizer", 0.0) / 1e3 / updates, modelled + whole - calls
     return got / modelled if got > 0 and modelled > 0 else 1.0
 
 
@@ -177,10 +186,11 @@ def fit_compute(
     """What one thread delivers beside the swarm's processes, from a run of ``plan``
     whose stages computed ``measured_s`` a micro-batch: (FLOP/s, a compute call's own
     work in seconds), fitted over the stages by least squares, as each stage's compute
-    is its FLOPs at that speed and two calls, both stretched by its throttle. On
-    ``far-lab`` 19-24 GFLOP/s and 0.45-0.51 ms a call: the head's stage, a seventh of
+    is its FLOPs at that speed and two calls, both stretched by its throttle (the run's
+    peers stretch all of it: ``--throttle-call-ms`` 0). On ``far-lab`` 19-27 GFLOP/s
+    and 0.2-0.5 ms a call: the head's stage, a seventh of
     the blocks' FLOPs, took a fifth of their time. Where the stages cannot tell the two
-    apart (one stage, or a fit below zero): no call cost, and the FLOP/s that the median
+    apart (one stage, or a fit below zero or above ``MAX_CALL_S``): no call cost, and the FLOP/s that the median
     stage gives (``delivered_scale``)."""
     rows, got = [], []
     for (flops_s, _), (lo, hi), m in zip(
@@ -196,7 +206,8 @@ def fit_compute(
     if len(rows) < 2 or len({round(a / b, 9) for a, b in rows}) < 2:
         return fallback
     (slower, call_s), *_ = np.linalg.lstsq(np.array(rows), np.array(got), rcond=None)
-    return (float(compute.base_flops / slower), float(call_s)) if slower > 0 and call_s >= 0 else fallback
+    sane = slower > 0 and 0 <= call_s <= MAX_CALL_S
+    return (float(compute.base_flops / slower), float(call_s)) if sane else fallback
 
 
 def delivered_scale(compute_ratio: list[float | None]) -> float:

@@ -39,7 +39,10 @@ def summary(schedulers: dict[str, dict[str, Any]]) -> dict[str, Any]:
     blind = [measured[k] for k in BLIND if k in measured]
     errors = [abs(v["estimator_error"]) for v in schedulers.values() if v["estimator_error"] is not None]
     one = [
-        _error(v["estimated_one_scale_s"], v["measured_s"]) for v in schedulers.values() if "estimated_one_scale_s" in v
+        abs(x)
+        for v in schedulers.values()
+        if "estimated_one_scale_s" in v
+        and (x := ratio(v["estimated_one_scale_s"] - v["measured_s"], v["measured_s"])) is not None
     ]
     return {
         "opfence_vs_best_blind_measured": ratio(min(blind), measured.get("opfence")) if blind else None,
@@ -47,10 +50,6 @@ def summary(schedulers: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "estimator_error_max": round(max(errors), 4) if errors else None,
         "estimator_error_max_one_scale": round(max(one), 4) if one else None,
     }
-
-
-def _error(estimated_s: float, measured_s: float) -> float:
-    return abs(estimated_s - measured_s) / measured_s if measured_s > 0 else math.inf
 
 
 def table(result: dict[str, Any]) -> str:
