@@ -23,6 +23,7 @@ from peer.compute import Compute
 from peer.config import PeerConfig
 from peer.executor import StageExecutor
 from peer.mailbox import Mailbox
+from peer.probing import epoch_links
 from peer.spotcheck import SpotChecks, as_evidence
 from peer.stage import ForeignCode, HeldStage, RunRefused, StageBuilder
 from peer.timing import StepTimes
@@ -51,11 +52,6 @@ from protocol.wire.reject import Reject
 from protocol.wire.step_parts import BREAKDOWN_V
 
 logger = logging.getLogger(__name__)
-
-#: the most replicas of its own stage a peer probes its link to before training (one
-#: 1 MiB probe each, ``PeerConfig.link_probe_bytes``; a group of up to 9 has every
-#: pair measured)
-SIBLING_PROBES = 4
 
 __all__ = ["EpochEnv", "EpochHost", "EpochRunner", "Poisoned"]
 
@@ -254,30 +250,13 @@ class EpochRunner:
             raise RunRefused(f"this peer holds the state of step {ex.steps_done}; the plan starts at step {start}")
         held.pending = None
 
-    def _probed(self) -> list[str]:
-        """The peers whose links this one measures before it trains: every peer of the
-        next stage (the activations' way) and the next ``SIBLING_PROBES`` replicas of its
-        own stage round the group, at most half of it (the gradients' way; a probe of
-        one direction stands for both: every pair of a group of up to 9 is measured).
-        Guessed from the peers' uplinks, two replicas on sites 5 Mbit/s apart were
-        priced as 1 Gbit/s: the summary's prediction for a plan's delivered compute
-        read 66% under its measured step, and a rebalance check prices such links."""
-        a = self.a
-        later = list(a.stages[self.s + 1]) if self.s < self.k - 1 else []
-        mine = a.stages[self.s]
-        n = len(mine)
-        return later + [mine[(self.r + i) % n] for i in range(1, min(SIBLING_PROBES, n // 2) + 1)]
-
     async def _ready(self, held: HeldStage, build_s: float) -> None:
-        tp, a = self.env.transport, self.a
-        next_mbps = {}
-        for pid in self._probed():
-            if pid in tp.forward_via:  # through the coordinator: this peer's uplink to it bounds the path
-                next_mbps[pid] = self.env.up_mbps
-                continue
-            next_mbps[pid], _ = await tp.measure_bandwidth(pid, self.env.config.link_probe_bytes, down=False)
-        ready = Ready(a.run_id, self.s, self.r, build_s, next_mbps, a.epoch)
-        await tp.send(self.env.coordinator, ready)
+        a, env = self.a, self.env
+        later = a.stages[self.s + 1] if self.s < self.k - 1 else []
+        mbps = await epoch_links(
+            env.transport, later, a.stages[self.s], self.r, env.config.link_probe_bytes, env.up_mbps
+        )
+        await env.transport.send(env.coordinator, Ready(a.run_id, self.s, self.r, build_s, mbps, a.epoch))
 
     async def _links(self) -> None:
         plan_msg = (await self.mailbox.get("links", self.timeout)).message

@@ -85,7 +85,6 @@ class PeerNode:
         self.clock = clock
         self._make_transport = transport
         self.device = pick_device(config.device)
-        # ThrottleError if out of (0, 1]
         self.throttle = Throttle(config.throttle, on_change=self._event, call_s=config.throttle_call_s)
         self.compute = Compute(self.device, self.throttle)
         self.credentials = Credentials(config, clock)

@@ -1,8 +1,10 @@
-"""A peer's answers to the coordinator's probe requests (``ProbeLink``, before it
-commits to a plan): as the answering end it lets the named peer's bandwidth probe in
-for a while; as the prober it measures its upload to the other end with the same
-probe the epochs use (``Transport.measure_bandwidth``), one request at a time, and
-sends back a ``ProbeResult``.
+"""A peer's link probes: an epoch's, before it trains (``epoch_links``: the next
+stage's peers and some of its own stage's replicas), and its answers to the
+coordinator's probe requests (``ProbeLink``, before it commits to a plan): as the
+answering end it lets the named peer's bandwidth probe in for a while; as the prober
+it measures its upload to the other end with the same probe the epochs use
+(``Transport.measure_bandwidth``), one request at a time, and sends back a
+``ProbeResult``.
 
 What bounds it is this peer's, not the request's: at most ``cap_bytes`` (its
 ``link_probe_bytes``) and ``PROBE_TIMEOUT_S`` a probe, at most ``MAX_WAITING``
@@ -13,13 +15,14 @@ never dialled), over libp2p, which makes sure the one answering is that peer."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from protocol.net.clock import SYSTEM_CLOCK, Clock
-from protocol.net.transport import Transport
+from protocol.net.transport import PeerUnreachable, Transport
 from protocol.trust.advert_check import advert_problem
 from protocol.trust.identity import IdentityError, check_record
 from protocol.trust.text import clean
@@ -34,6 +37,12 @@ logger = logging.getLogger(__name__)
 PROBE_TIMEOUT_S = 2.5
 #: requests waiting at once; the rest are dropped (the coordinator's wait ends them)
 MAX_WAITING = 16
+#: the most replicas of its own stage a peer probes its link to before an epoch's
+#: training (one ``link_probe_bytes`` probe each; every pair of a group of up to 9)
+SIBLING_PROBES = 4
+#: the most a peer spends on those probes together (a stalled replica must not hold
+#: its epoch; 1 MiB at 1 Mbit/s takes 8.4 s)
+SIBLING_PROBES_S = 20.0
 
 T = TypeVar("T")
 
@@ -133,3 +142,39 @@ class LinkProber:
 
     def _failed(self, msg: ProbeLink, why: str) -> ProbeResult:
         return ProbeResult(self.run_id, msg.nonce, msg.peer, error=clean(why)[:MAX_ERROR_CHARS] or "failed")
+
+
+def replicas_probed(group: list[str], r: int) -> list[str]:
+    """The replicas of its stage (``group``) that replica ``r`` probes before training:
+    the next ``SIBLING_PROBES`` round the group, at most half of it (a probe of one
+    direction stands for both: every pair of a group of up to 9 is measured). Guessed
+    from the peers' uplinks, two replicas on sites 5 Mbit/s apart were priced as
+    1 Gbit/s: the summary's prediction for a plan's delivered compute read 66% under
+    its measured step, and a rebalance check prices such links."""
+    n = len(group)
+    return [group[(r + i) % n] for i in range(1, min(SIBLING_PROBES, n // 2) + 1)]
+
+
+async def epoch_links(
+    transport: Transport, later: list[str], group: list[str], r: int, nbytes: int, up_mbps: float
+) -> dict[str, float]:
+    """What an epoch's peer (replica ``r`` of ``group``) measures before it trains, for
+    its ``Ready``: its upload in Mbit/s to every peer of the next stage (``later``: the
+    activations' way; a broken link there ends the epoch) and to ``replicas_probed``
+    (the gradients' way: as many as answer within ``SIBLING_PROBES_S``). A peer reached
+    through the coordinator gets this peer's uplink (``up_mbps``), which bounds the path."""
+
+    async def probe(pid: str) -> float:
+        if pid in transport.forward_via:
+            return up_mbps
+        return (await transport.measure_bandwidth(pid, nbytes, down=False))[0]
+
+    out = {pid: await probe(pid) for pid in later}
+    try:
+        async with asyncio.timeout(SIBLING_PROBES_S):
+            for pid in replicas_probed(group, r):
+                with contextlib.suppress(PeerUnreachable):
+                    out[pid] = await probe(pid)
+    except TimeoutError:
+        logger.info("replica %d: its links to the other replicas took over %.0f s to probe", r, SIBLING_PROBES_S)
+    return out

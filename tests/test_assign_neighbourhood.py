@@ -218,29 +218,55 @@ def test_a_peer_admits_exactly_its_neighbourhood_and_the_coordinator() -> None:
     assert set(tp0.gate.keys) == set(stages[0] + stages[1]) - {stages[0][0]} | {"coord"}
 
 
-def test_a_peer_probes_the_next_stage_and_the_replicas_round_its_group() -> None:
+def test_a_peer_probes_the_replicas_round_its_group() -> None:
     """The gradients' links are measured as the activations' are: guessed from uplinks,
     replicas on two sites 5 Mbit/s apart were priced as 1 Gbit/s. Each replica probes
     the next ones round its group, at most half of it: every pair of up to 9."""
-    from peer.epoch import SIBLING_PROBES
+    from peer.probing import SIBLING_PROBES, replicas_probed
 
-    stages = _plan([2, 9, 3, 1])
+    nine = _plan([9])[0]
+    assert SIBLING_PROBES == 4 and replicas_probed(nine, 0) == nine[1:5]
+    assert replicas_probed(nine, 8) == nine[:4]  # round the group
+    pairs = {frozenset((nine[r], p)) for r in range(9) for p in replicas_probed(nine, r)}
+    assert len(pairs) == 9 * 8 // 2  # every pair of the nine
+    three = _plan([3])[0]
+    assert replicas_probed(three, 2) == three[:1]  # half of a group of three: one
+    assert replicas_probed(three[:2], 1) == three[:1] and replicas_probed(three[:1], 0) == []
+
+
+def test_a_replica_that_does_not_answer_its_probe_does_not_hold_the_epoch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next stage's links are the plan's: a broken one ends the epoch, as before.
+    A replica's is priced from a guess without it: one that breaks is left out, and
+    the replicas' probes together stop at ``SIBLING_PROBES_S``."""
+    from peer import probing
+    from protocol.net.transport import PeerUnreachable
+
+    stages = _plan([3, 1])
     assigns = _assigns(stages)
-    first, _ = _runner(assigns[stages[1][0]], stages[1][0])
-    assert SIBLING_PROBES == 4 and first._probed() == stages[2] + stages[1][1:5]
-    last_of_nine, _ = _runner(assigns[stages[1][8]], stages[1][8])
-    assert last_of_nine._probed() == stages[2] + stages[1][:4]  # round the group
-    probed = set()
-    for me in stages[1]:
-        runner, _ = _runner(assigns[me], me)
-        probed |= {frozenset((me, p)) for p in runner._probed() if p in stages[1]}
-    assert len(probed) == 9 * 8 // 2  # every pair of the nine
-    of_three, _ = _runner(assigns[stages[2][2]], stages[2][2])
-    assert of_three._probed() == stages[3] + stages[2][:1]  # half of a group of three: one
-    pair, _ = _runner(assigns[stages[0][1]], stages[0][1])
-    assert pair._probed() == stages[1] + stages[0][:1]
-    alone, _ = _runner(assigns[stages[3][0]], stages[3][0])
-    assert alone._probed() == []  # the last stage, no replica
+    me = stages[0][0]
+    runner, tp = _runner(assigns[me], me)
+    broken, stalled, sent = {stages[0][1]}, set(), []
+
+    async def measure(pid: str, nbytes: int, down: bool = True) -> tuple[float, float]:
+        if pid in broken:
+            raise PeerUnreachable(f"bandwidth probe with peer {pid} broke", pid)
+        if pid in stalled:
+            await asyncio.sleep(3600)
+        return 100.0, 0.0
+
+    async def send(to: str, msg: Message) -> None:
+        sent.append(msg)
+
+    tp.measure_bandwidth, tp.send = measure, send
+    asyncio.run(runner._ready(None, 0.1))  # type: ignore[arg-type]
+    assert sent[-1].next_mbps == {stages[1][0]: 100.0}  # the broken replica left out
+    broken, stalled = set(), {stages[0][1]}
+    monkeypatch.setattr(probing, "SIBLING_PROBES_S", 0.05)
+    asyncio.run(runner._ready(None, 0.1))  # type: ignore[arg-type]
+    assert sent[-1].next_mbps == {stages[1][0]: 100.0}  # the stalled one given up on
+    broken = {stages[1][0]}
+    with pytest.raises(PeerUnreachable):
+        asyncio.run(runner._ready(None, 0.1))  # type: ignore[arg-type]
 
 
 def test_the_dispatcher_sends_each_peer_its_neighbourhood_in_bounded_parallel(tmp_path: Path) -> None:

@@ -135,8 +135,7 @@ class Ready(Message, sender="peer"):
     stage: int
     replica: int
     build_s: float
-    # peer id -> measured upload Mbit/s: the next stage's peers and some of its stage's later replicas
-    next_mbps: dict[str, float] = field(default_factory=dict)
+    next_mbps: dict[str, float] = field(default_factory=dict)  # peer id -> upload Mbit/s: next stage's, replicas'
     epoch: int = 0
 
 
