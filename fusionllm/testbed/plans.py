@@ -17,7 +17,6 @@ from coordinator.delivered import again
 from coordinator.estimator import PASSES, DagCosts, Plan, compute_s, dealt
 from coordinator.netmodel import PeerProfile
 from coordinator.opdag import build_opdag
-from coordinator.overheads import LIVE, optimizer_s
 from coordinator.plan_eval import Options, ScheduleError
 from coordinator.scheduler import plan as schedule
 from fusionllm.testbed.topo import ComputeMap, TestbedError, addresses
@@ -110,9 +109,10 @@ def optimizer_scale(
     got = modelled = 0.0
     for (lo, hi), group, part in zip(plan.ranges(costs.num_ops), plan.groups, parts, strict=False):
         params = costs.stage_params(lo, hi)
-        whole = statistics.fmean(optimizer_s(peers[p].overheads, params, len(group)) for p in group)
-        calls = optimizer_s(replace(LIVE, optimizer_s=0.0, param_byte_s=0.0), params, len(group))
-        got, modelled = got + part.get("optimizer", 0.0) / 1e3 / updates, modelled + whole - calls
+        slowed_part = statistics.fmean(
+            peers[p].overheads.optimizer_s + params * peers[p].overheads.param_byte_s for p in group
+        )
+        got, modelled = got + part.get("optimizer", 0.0) / 1e3 / updates, modelled + slowed_part
     return got / modelled if got > 0 and modelled > 0 else 1.0
 
 
@@ -188,18 +188,15 @@ def fit_compute(
     work in seconds), fitted over the stages by least squares, as each stage's compute
     is its FLOPs at that speed and two calls, both stretched by its throttle (the run's
     peers stretch all of it: ``--throttle-call-ms`` 0). On ``far-lab`` 19-27 GFLOP/s
-    and 0.2-0.5 ms a call: the head's stage, a seventh of
-    the blocks' FLOPs, took a fifth of their time. Where the stages cannot tell the two
-    apart (one stage, or a fit below zero or above ``MAX_CALL_S``): no call cost, and the FLOP/s that the median
-    stage gives (``delivered_scale``)."""
+    and 0.2-0.7 ms a call: the head's stage, a seventh of the blocks' FLOPs, took a
+    fifth of their time. Where the stages cannot tell the two apart (one stage, or a
+    fit below zero or above ``MAX_CALL_S``): no call cost, and the FLOP/s that the
+    median stage gives (``delivered_scale``)."""
     rows, got = [], []
-    for (flops_s, _), (lo, hi), m in zip(
-        stage_compute(plan, costs, topo, compute, mb), plan.ranges(costs.num_ops), measured_s
-    ):
+    stages = zip(stage_compute(plan, costs, topo, compute, mb), plan.ranges(costs.num_ops), measured_s)
+    for (flops_s, _), (lo, hi), m in stages:
         if m and flops_s > 0:
-            stretch = (
-                flops_s * compute.base_flops / (PASSES * costs.stage_flops(lo, hi))
-            )  # 1 / the median replica's throttle
+            stretch = flops_s * compute.base_flops / (PASSES * costs.stage_flops(lo, hi))  # 1 / its throttle
             rows.append((flops_s, 2 * stretch))
             got.append(m)
     fallback = (compute.base_flops * delivered_scale(compute_ratios(plan, costs, topo, compute, measured_s, mb)), 0.0)
