@@ -10,6 +10,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 
 from coordinator.asking import Pair, deciding_links
+from coordinator.codec_choice import AUTO_MODES
 from coordinator.estimator import DagCosts, Plan, predict
 from coordinator.host_share import busy_shares, lockstep, shared
 from coordinator.netmodel import Network, PeerProfile
@@ -81,14 +82,14 @@ def assign(
     standby: bool = False,
     measured: dict[tuple[str, str], float] | None = None,
     nat: Collection[str] = (),
-    compression: bool = False,
+    compression: str = "none",
 ) -> Assignment:
     """Every advertised peer gets a stage (``num_stages`` defaults to one per peer), or,
     with ``standby``, OP-Fence may leave peers out and choose the stage count itself
     when ``num_stages`` is None. ``measured``: links probed so far; ``nat``: peers behind
-    NATs (``network_from_adverts``); ``compression`` (the run's ``auto``): the plan
-    carries the codecs the planner priced, and they are the ones that run
-    (``coordinator.links.live_codecs``)."""
+    NATs (``network_from_adverts``); ``compression``: the run's mode; under ``auto`` or
+    ``auto-lowrank`` the plan carries the codecs the planner priced, and they are the
+    ones that run (``coordinator.links.live_codecs``)."""
     if not adverts:
         raise ValueError("no peers to assign")
     k = num_stages or (None if standby else len(adverts))
@@ -96,7 +97,8 @@ def assign(
         raise ValueError(f"{k} stages need at least {k} peers, {len(adverts)} joined")
     costs = DagCosts.from_opdag(dag)
     peers = [live_profile(a) for a in shared(adverts)]  # peers on one machine share its cores
-    options = Options(micro_batches=micro_batches, stages=k, standby=standby, compression=compression)
+    auto = compression in AUTO_MODES
+    options = Options(micro_batches, stages=k, standby=standby, compression=auto, lowrank=compression == "auto-lowrank")
     network = network_from_adverts(adverts, measured, nat)
     try:
         plans = finalists(costs, peers, network, options)

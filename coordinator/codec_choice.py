@@ -21,10 +21,19 @@ from protocol.wire.codecs import Codec, matrix_shape
 #: AdaTopK never keeps less than this fraction, however slow the link (accuracy first;
 #: --topk-fraction overrides it)
 MIN_FRACTION = 0.1  # lower fractions made the demo GPT diverge (3% kept: val loss 6.0 after 300 steps)
-#: ``auto`` never sends activations at a lower rank than this (accuracy first)
+#: ``auto-lowrank`` never sends activations at a lower rank than this
 MIN_RANK = 8  # rank 8 of 128 kept the demo GPT within 1% of its uncompressed loss (4 seeds, in one process)
-#: ``auto``'s strongest compression: the fewest bytes an edge ever sends, however slow
-STRONGEST = Codec("lowrank", rank=MIN_RANK, grad=Codec("int4", stochastic=True))
+#: the compression modes that pick a codec per slow edge from a ladder: ``auto`` takes only
+#: the rungs that keep a run's loss within 1% of uncompressed training (fp16, int8: the
+#: measured ``loss_ratio`` of benchmarks/convergence.py, ``coordinator/codec_steps.json``);
+#: ``auto-lowrank`` goes on to low-rank activations with 4-bit gradients, faster on the slowest
+#: links but measured 1.4% over uncompressed (300 steps of the demo GPT; 20 on the testbed)
+AUTO_MODES = ("auto", "auto-lowrank")
+#: the fewest bytes each auto mode's edge ever sends, however slow its link
+STRONGEST = {
+    "auto": Codec("int8"),
+    "auto-lowrank": Codec("lowrank", rank=MIN_RANK, grad=Codec("int4", stochastic=True)),
+}
 #: ``auto``'s steps, mildest first: (how many times fewer bytes it sends at least, codec)
 _AUTO_STEPS = ((2.0, "fp16"), (3.9, "int8"))
 #: modes that put one codec on every edge
@@ -54,19 +63,20 @@ def choose_codecs(
     compression.
 
     ``mode="auto"`` (it needs ``edge_specs``, the values crossing each edge) takes
-    the mildest codec that makes a slow edge fast enough: fp16, then int8, then
-    activations at the rank the bandwidth allows (never below ``MIN_RANK``) with
-    their gradients as unbiased 4-bit codes (``lowrank:R/int4sr``); ``rank`` pins R.
-    Other modes put that codec on every edge.
+    the mildest codec that makes a slow edge fast enough, fp16, then int8; int8
+    where none does. ``mode="auto-lowrank"`` goes on from int8 to activations at the
+    rank the bandwidth allows (never below ``MIN_RANK``) with their gradients as
+    unbiased 4-bit codes (``lowrank:R/int4sr``); ``rank`` pins R. Other modes put
+    that codec on every edge.
     """
     if mode in FIXED_MODES:
         return [Codec(mode) for _ in edge_bytes]
     bottleneck = max(stage_seconds, default=0.0)
-    if mode == "auto":
+    if mode in AUTO_MODES:
         if edge_specs is None or len(edge_specs) != len(edge_bytes):
             raise ValueError("auto compression needs the values crossing every edge")
         edges = zip(edge_bytes, edge_mbps, edge_specs, strict=True)
-        return [auto_codec(n, mbps, bottleneck, spec, rank) for n, mbps, spec in edges]
+        return [auto_codec(n, mbps, bottleneck, spec, rank, mode) for n, mbps, spec in edges]
     if mode != "adatopk":
         raise ValueError(f"unknown compression mode {mode!r}")
     out = []
@@ -90,8 +100,9 @@ def planned_or_repicked(
     stage_seconds: list[float],
     edge_specs: list[list[Any]],
     rank: int | None = None,
+    mode: str = "auto",
 ) -> tuple[list[Codec], list[bool]]:
-    """``auto`` on the live swarm: each boundary runs the codec the planner priced for
+    """``auto`` (or ``auto-lowrank``: ``mode``) on the live swarm: each boundary runs the codec the planner priced for
     it (``planned``, chosen for ``planned_mbps``) unless the link its peers measured
     differs from that by more than ``REPICK_SHARE``; then the same choice
     (``auto_codec``) picks again for the measured bandwidth against the plan's slowest
@@ -100,7 +111,7 @@ def planned_or_repicked(
     codecs, again = [], []
     for codec, want, got, n, spec in zip(planned, planned_mbps, measured_mbps, edge_bytes, edge_specs, strict=True):
         off = abs(got - want) > REPICK_SHARE * want
-        codecs.append(auto_codec(n, got, bottleneck, spec, rank) if off else codec)
+        codecs.append(auto_codec(n, got, bottleneck, spec, rank, mode) if off else codec)
         again.append(off)
     return codecs, again
 
@@ -115,10 +126,12 @@ def keep_fraction(float_bytes: float, other_bytes: float, mbps: float, bound_s: 
     return min(1.0, max(floor, budget / (float_bytes * KEPT_BYTES / 4)))
 
 
-def auto_codec(nbytes: float, mbps: float, bound_s: float, spec: list[Any], rank: int | None = None) -> Codec:
-    """``auto``'s codec for one edge carrying ``nbytes`` floating bytes per micro-batch
-    each way (values described by ``spec``) that must move within ``bound_s``;
-    ``rank`` pins the rank where it takes low-rank activations."""
+def auto_codec(
+    nbytes: float, mbps: float, bound_s: float, spec: list[Any], rank: int | None = None, mode: str = "auto"
+) -> Codec:
+    """``auto``'s (``mode``: or ``auto-lowrank``'s) codec for one edge carrying ``nbytes``
+    floating bytes per micro-batch each way (values described by ``spec``) that must
+    move within ``bound_s``; ``rank`` pins the rank where it takes low-rank activations."""
     seconds = transfer_s(nbytes, mbps)
     if nbytes <= 0 or seconds <= bound_s:
         return Codec()
@@ -127,6 +140,8 @@ def auto_codec(nbytes: float, mbps: float, bound_s: float, spec: list[Any], rank
     for factor, name in _AUTO_STEPS:
         if 1 < factor * narrow and need <= factor * narrow:  # fp16 does nothing to bf16 values: skip it
             return Codec(name)
+    if mode == "auto":
+        return STRONGEST[mode]
     budget = link_bytes(bound_s, mbps)  # bytes the edge moves in time, each way
     r = rank if rank is not None else lowrank_rank(spec, budget)
     return Codec("lowrank", rank=r, grad=Codec("int4", stochastic=True))

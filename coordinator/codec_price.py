@@ -1,8 +1,9 @@
 """What compressing a cut edge costs the plan, the way the live swarm compresses.
 
 The live swarm's ``auto`` mode (``coordinator/codec_choice.py``) gives a slow edge the
-mildest codec that makes it fast enough: fp16, then int8, then activations at low
-rank with their gradients as unbiased 4-bit codes (``lowrank:R/int4sr``). The
+mildest codec that makes it fast enough: fp16, then int8 (``auto-lowrank`` goes on to
+activations at low rank with their gradients as unbiased 4-bit codes,
+``lowrank:R/int4sr``). The
 planner needs three things of that choice, per edge: the codec, the bytes it puts
 on the wire each way (forward activations and backward gradients differ under
 ``lowrank/int4sr``), and its statistical price, the factor by which it stretches
@@ -62,6 +63,7 @@ def edge_price(
     bound_s: float,
     rank: int | None = None,
     itemsize: int = 4,
+    mode: str = "auto",
 ) -> EdgePrice:
     """The codec ``auto`` gives an edge carrying ``float_bytes`` of floating tensors
     (elements of ``itemsize`` bytes) and ``other_bytes`` of raw ones per micro-batch,
@@ -70,16 +72,16 @@ def edge_price(
     which sets the low-rank size: rank R costs R x (2 x (rows + cols) + 4) bytes.
     As in the live swarm, only the floating bytes decide the codec; the raw ones
     ride along uncompressed, forward only (integers have no gradients).
-    ``rank`` pins the low rank, as ``--rank`` does."""
+    ``rank`` pins the low rank, as ``--rank`` does; ``mode``: ``auto`` or ``auto-lowrank``."""
     spec = matrix_spec(float_bytes, cols, itemsize)
-    codec = choose_codecs([float_bytes], [mbps], [bound_s], "auto", edge_specs=[spec], rank=rank)[0]
+    codec = choose_codecs([float_bytes], [mbps], [bound_s], mode, edge_specs=[spec], rank=rank)[0]
     return price(codec, float_bytes, other_bytes, cols, itemsize)
 
 
-def floor_price(float_bytes: float, other_bytes: float, cols: int, itemsize: int = 4) -> EdgePrice:
-    """The edge at ``auto``'s strongest compression (low rank ``MIN_RANK``): the
-    fewest bytes it can ever send, however slow the link."""
-    return price(STRONGEST, float_bytes, other_bytes, cols, itemsize)
+def floor_price(float_bytes: float, other_bytes: float, cols: int, itemsize: int = 4, mode: str = "auto") -> EdgePrice:
+    """The edge at ``mode``'s strongest compression (``auto``: int8; ``auto-lowrank``: low
+    rank ``MIN_RANK``): the fewest bytes it can ever send, however slow the link."""
+    return price(STRONGEST[mode], float_bytes, other_bytes, cols, itemsize)
 
 
 def price(codec: Codec, float_bytes: float, other_bytes: float, cols: int, itemsize: int = 4) -> EdgePrice:

@@ -9,7 +9,6 @@ import bisect
 
 import numpy as np
 
-from coordinator.codec_choice import STRONGEST
 from coordinator.estimator import (
     DagCosts,
     GroupModel,
@@ -18,7 +17,6 @@ from coordinator.estimator import (
 )
 from coordinator.netmodel import BoundaryModel, Network, PeerProfile, boundary_models
 from coordinator.plan_eval import Options, ScheduleError
-from protocol.wire.codecs import Codec
 
 
 def nearest_allowed(allowed: list[int], goal: int, lo: int, hi: int) -> int | None:
@@ -47,7 +45,7 @@ def bottleneck_cut(
     """Cut positions minimizing the slowest stage or link (binary search on the bound;
     each stage takes the most ops it can run within the bound and its memory, and
     ends at the furthest position whose boundary tensors cross the link in time,
-    compressed as far as ``STRONGEST`` where allowed; under 1F1B also where the round
+    compressed as far as ``Options.strongest`` where allowed; under 1F1B also where the round
     trip to the next stage and back, that stage taken at the bound, keeps up: see
     ``_Cutter``). None: nothing fits."""
     k = len(stages)
@@ -99,7 +97,7 @@ class _Cutter:
     <= (gap + 1) * bound``. A boundary where fewer bytes cross may end a stage earlier.
 
     Each allowed end of a stage has the least bound its link needs there (steady
-    bytes and that round trip), per wire table: uncompressed first, then ``STRONGEST``."""
+    bytes and that round trip), per wire table: uncompressed first, then ``Options.strongest``."""
 
     def __init__(self, costs: DagCosts, stages: list[GroupModel], links: list[BoundaryModel], options: Options) -> None:
         self.costs, self.stages, self.k = costs, stages, len(stages)
@@ -110,7 +108,7 @@ class _Cutter:
             ("latest", self.k), lambda: _latest_boundaries(costs, self.positions, self.k, self.least)
         )
         plain = costs.cached("plain", lambda: np.array(costs.cross_bytes, dtype=np.float64)[allowed])
-        codec = STRONGEST if options.compression else Codec()
+        codec = options.strongest()
         floor = costs.cached(
             ("floor", str(codec)), lambda: np.array(costs.wire_table(codec), dtype=np.float64)[allowed]
         )
@@ -147,7 +145,7 @@ class _Cutter:
     def end(self, s: int, lo: int, bound: float) -> int | None:
         """Where stage s (from ``lo``) ends within the bound: the furthest allowed
         position (within its time, its memory, and room for the later stages) whose
-        link keeps up, uncompressed if one does, else at ``STRONGEST``."""
+        link keeps up, uncompressed if one does, else at ``Options.strongest``."""
         periods, fit_end, needs = self.row(s, lo)
         limit = min(self.latest[s], fit_end)  # type: ignore[index]
         hi = lo + int(np.searchsorted(periods[lo : limit + 1], bound, side="right")) - 1

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from coordinator.assign import Assignment, live_profile, network_from_adverts
-from coordinator.codec_choice import choose_codecs, float_bytes, planned_or_repicked
+from coordinator.codec_choice import AUTO_MODES, choose_codecs, float_bytes, planned_or_repicked
 from coordinator.estimator import DagCosts, compute_s, edge_rates
 from coordinator.opdag import OpDag
 from protocol.model.graph import Cut, build_stage, partition, trace
@@ -75,11 +75,11 @@ def live_codecs(
     ]
     edge_bytes = [float_bytes(spec) for spec in specs[1:]]
     priced = plan.plan
-    if mode == "auto" and priced is not None and len(priced.edge_mbps) == len(mbps) == len(priced.codecs):
+    if mode in AUTO_MODES and priced is not None and len(priced.edge_mbps) == len(mbps) == len(priced.codecs):
         probed = {(p, q): v for p, got in measured.items() for q, v in got.items()}
         rates = edge_rates(plan.stages, network_from_adverts(list(adverts.values()), probed), micro_batches)
         codecs, again = planned_or_repicked(
-            priced.codecs, priced.edge_mbps, rates, edge_bytes, priced.stage_s, specs[1:], rank
+            priced.codecs, priced.edge_mbps, rates, edge_bytes, priced.stage_s, specs[1:], rank, mode
         )
         for b, c in enumerate(codecs):
             how = "picked again for the measured link" if again[b] else "as the planner priced it"

@@ -10,14 +10,12 @@ import itertools
 import math
 from typing import Any
 
-from coordinator.codec_choice import STRONGEST
 from coordinator.cutter import balanced_period, cut_for
 from coordinator.estimator import DagCosts, PeerTable, Plan, boundary_positions, group_models, stage_memory
 from coordinator.netmodel import Network, PeerProfile, boundary_models
 from coordinator.placement import alike, groupings, moves, order_clusters, pools, set_partitions
 from coordinator.plan_eval import DEFAULT_OPTIONS, Options, ScheduleError, evaluate, rank
 from protocol.model.schedule import uses_1f1b
-from protocol.wire.codecs import Codec
 
 #: up to this many peers, every grouping of peers into stages (Bell(6) = 203 of them)
 TINY_SWARM = 6
@@ -194,12 +192,11 @@ def plan_floor(costs: DagCosts, groups: list[list[PeerProfile]], network: Networ
 def least_crossing(costs: DagCosts, k: int, options: Options) -> float:
     """The fewest bytes a micro-batch sends over any boundary of a ``k``-stage cut:
     the least, over positions that leave both sides a stage's least FLOPs, of what
-    crosses there uncompressed or compressed as far as ``STRONGEST``."""
+    crosses there uncompressed or compressed as far as ``Options.strongest``."""
 
     def make() -> float:
         least, n = costs.min_stage_flops(k), costs.num_ops
-        codec = STRONGEST if options.compression else Codec()
-        strong = costs.wire_table(codec)
+        strong = costs.wire_table(options.strongest())
         ok = [
             min(costs.cross_bytes[p], strong[p])
             for p in boundary_positions(costs)
@@ -207,7 +204,7 @@ def least_crossing(costs: DagCosts, k: int, options: Options) -> float:
         ]
         return float(min(ok, default=0.0))
 
-    return float(costs.cached(("least crossing", k, options.compression), make))
+    return float(costs.cached(("least crossing", k, str(options.strongest())), make))
 
 
 #: rounds of OP-Fence's peer-move search (each takes the best single move, if it

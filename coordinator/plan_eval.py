@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from coordinator.codec_choice import choose_codecs
+from coordinator.codec_choice import STRONGEST, choose_codecs
 from coordinator.codec_price import matrix_spec
 from coordinator.estimator import DagCosts, Plan, predict
 from coordinator.netmodel import Network, PeerProfile, rounds_of
@@ -23,6 +23,16 @@ class Options:
     seed: int = 0
     stages: int | None = None  # force the number of stages
     standby: bool = True  # OP-Fence may leave peers out (on standby) when that is faster
+    lowrank: bool = False  # with compression, as ``auto-lowrank``: low-rank activations past int8
+
+    @property
+    def auto_mode(self) -> str:
+        """The live swarm's compression mode whose codecs the plan prices."""
+        return "auto-lowrank" if self.lowrank else "auto"
+
+    def strongest(self) -> Codec:
+        """The fewest bytes an edge ever sends under these options, as a codec."""
+        return STRONGEST[self.auto_mode] if self.compression else Codec()
 
 
 #: the options a scheduler gets when none are given
@@ -43,7 +53,7 @@ def plan_codecs(costs: DagCosts, plan_: Plan, options: Options) -> list[Codec]:
         return [Codec()] * len(plan_.cut)
     floating = [costs.float_cross[pos] for pos in plan_.cut]
     specs = [matrix_spec(f, costs.cross_cols[pos], costs.float_itemsize) for f, pos in zip(floating, plan_.cut)]
-    return choose_codecs(floating, plan_.edge_mbps, plan_.stage_s, "auto", edge_specs=specs)
+    return choose_codecs(floating, plan_.edge_mbps, plan_.stage_s, options.auto_mode, edge_specs=specs)
 
 
 def evaluate(

@@ -71,11 +71,11 @@ def _add_planner_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-stages", type=t.positive, default=32, metavar="K", help="the most stages a plan may have")
     g.add_argument(
         "--compression",
-        choices=["auto", "none"],
+        choices=["auto", "auto-lowrank", "none"],
         default="auto",
         help="auto: slow links get the codec the live swarm's auto mode would give them (fp16, "
-        "int8, low rank with int4 gradients), or none where that reaches the loss sooner (each "
-        "codec's measured steps factor); none: no codec",
+        "int8), or none where that reaches the loss sooner (each codec's measured steps factor); "
+        "auto-lowrank: as the live swarm's, also low rank with int4 gradients; none: no codec",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 

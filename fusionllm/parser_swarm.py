@@ -39,7 +39,9 @@ def _add_pipeline_flags(p: argparse.ArgumentParser) -> None:
         default="none",
         help="codec on the stage boundaries: none, fp16, bf16, int8, int4 (every link); adatopk (links too slow "
         "for the compute get block-wise top-k, the kept fraction from their measured bandwidth); auto (slow links "
-        "get the mildest codec that suffices: fp16, int8, or low-rank activations with 4-bit unbiased gradients)",
+        "get the mildest codec that suffices, fp16 or int8: the loss stays within 1%% of uncompressed); "
+        "auto-lowrank (auto, then low-rank activations with 4-bit unbiased gradients: faster on the slowest links, "
+        "the loss measured 1.4%% higher)",
     )
     g.add_argument(
         "--topk-fraction",
@@ -53,7 +55,7 @@ def _add_pipeline_flags(p: argparse.ArgumentParser) -> None:
         type=t.rank,
         default=None,
         metavar="R",
-        help="pin the rank of auto's low-rank activations on slow links, R >= 1 (default: from each link)",
+        help="pin the rank of auto-lowrank's low-rank activations on slow links, R >= 1 (default: from each link)",
     )
     g.add_argument(
         "--link-mbps",

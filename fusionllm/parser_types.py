@@ -14,7 +14,7 @@ from protocol.model.options import RecipeError, parse_betas
 from protocol.trust.admission import MAX_CERT_TTL_S, MIN_CERT_TTL_S
 
 #: what ``--compression`` takes on a live swarm (``demo``, ``coordinator``)
-COMPRESSION_MODES = ("none", "fp16", "bf16", "int8", "int4", "adatopk", "auto")
+COMPRESSION_MODES = ("none", "fp16", "bf16", "int8", "int4", "adatopk", "auto", "auto-lowrank")
 
 positive = positive_int
 

@@ -99,6 +99,7 @@ def _options(args: argparse.Namespace, batch: Batch | None = None) -> Any:
         micro_batches=(batch or batch_of(args)).micro_batches,
         max_stages=args.max_stages,
         compression=args.compression != "none",
+        lowrank=args.compression == "auto-lowrank",
         seed=args.seed,
         stages=args.stages,
     )

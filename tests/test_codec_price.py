@@ -38,9 +38,9 @@ MBPS = 100.0
 SECONDS = FLOAT_BYTES * 8 / (MBPS * 1e6)  # 2.013 s to move the floating values
 
 
-def _price(too_slow: float, rank: int | None = None) -> codec_price.EdgePrice:
-    """The edge on a link ``too_slow`` times slower than its bound."""
-    return edge_price(FLOAT_BYTES, OTHER, COLS, MBPS, SECONDS / too_slow, rank)
+def _price(too_slow: float, rank: int | None = None, mode: str = "auto-lowrank") -> codec_price.EdgePrice:
+    """The edge on a link ``too_slow`` times slower than its bound (under ``mode``)."""
+    return edge_price(FLOAT_BYTES, OTHER, COLS, MBPS, SECONDS / too_slow, rank, mode=mode)
 
 
 def test_fast_link_gets_no_codec_and_costs_no_steps() -> None:
@@ -79,16 +79,27 @@ def test_link_50x_too_slow_gets_the_rank_that_fits() -> None:
 def test_lowrank_never_below_min_rank() -> None:
     p = _price(1000.0)  # the budget fits rank 1
     assert p.codec.name == "lowrank" and p.codec.rank == MIN_RANK
-    assert p.forward_bytes == floor_price(FLOAT_BYTES, OTHER, COLS).forward_bytes
+    assert p.forward_bytes == floor_price(FLOAT_BYTES, OTHER, COLS, mode="auto-lowrank").forward_bytes
     assert _price(50.0, rank=10).codec.rank == 10  # --rank pins it
+
+
+@pytest.mark.parametrize("too_slow", [50.0, 1000.0])
+def test_auto_stops_at_int8_however_slow_the_link(too_slow: float) -> None:
+    """``auto`` keeps the loss within 1%: past int8 it takes nothing stronger (the
+    edge's floor is int8's bytes), where ``auto-lowrank`` goes on to low rank."""
+    p = _price(too_slow, mode="auto")
+    assert p.codec == Codec("int8") and p.steps_factor == shipped_factors()["int8"]
+    assert p.forward_bytes == floor_price(FLOAT_BYTES, OTHER, COLS).forward_bytes
+    assert _price(too_slow, rank=10, mode="auto").codec == Codec("int8"), "--rank applies to low rank only"
 
 
 @pytest.mark.parametrize("too_slow", [0.9, 1.0, 1.2, 2.0, 2.5, 3.9, 4.0, 7.0, 50.0, 400.0, 1e5])
 def test_same_choice_as_the_live_swarm(too_slow: float) -> None:
     """The live choice reads the value specs; a [8, 1024, 768] tensor is the same matrix."""
     spec = [{"t": "tensor", "dtype": "float32", "shape": [8, 1024, COLS]}, {"t": "tensor", "dtype": "int64"}]
-    live = auto_codec(FLOAT_BYTES, MBPS, SECONDS / too_slow, spec)
-    assert _price(too_slow).codec == live
+    for mode in ("auto", "auto-lowrank"):
+        live = auto_codec(FLOAT_BYTES, MBPS, SECONDS / too_slow, spec, mode=mode)
+        assert _price(too_slow, mode=mode).codec == live
 
 
 @pytest.mark.parametrize("text", ["none", "fp16", "int8", "lowrank:28/int4sr", "lowrank:8/int4sr"])

@@ -286,13 +286,16 @@ def test_codec_choice_compresses_only_links_slower_than_compute() -> None:
 
 def test_auto_codec_takes_the_mildest_codec_that_suffices() -> None:
     """1 MB of fp32 activations (2048 x 128) per micro-batch, stages take 10 ms:
-    1000 Mbit/s needs nothing, 500 fp16, 250 int8; slower links get low-rank
-    activations (rank from the bandwidth, never below MIN_RANK) with unbiased 4-bit
-    gradients."""
+    1000 Mbit/s needs nothing, 500 fp16, 250 int8; under ``auto`` slower links keep
+    int8 (nothing stronger keeps the loss within 1%), under ``auto-lowrank`` they get
+    low-rank activations (rank from the bandwidth, never below MIN_RANK) with unbiased
+    4-bit gradients."""
     spec = [{"t": "tensor", "dtype": "float32", "shape": [16, 128, 128]}, {"t": "py", "v": None}]
     nbytes = 16 * 128 * 128 * 4
     rates = [2000, 600, 300, 100, 1]
-    codecs = choose_codecs([nbytes] * len(rates), rates, [0.01], "auto", edge_specs=[spec] * len(rates))
+    accurate = choose_codecs([nbytes] * len(rates), rates, [0.01], "auto", edge_specs=[spec] * len(rates))
+    assert [c.name for c in accurate] == ["none", "fp16", "int8", "int8", "int8"]
+    codecs = choose_codecs([nbytes] * len(rates), rates, [0.01], "auto-lowrank", edge_specs=[spec] * len(rates))
     assert [c.name for c in codecs] == ["none", "fp16", "int8", "lowrank", "lowrank"]
     fast, slowest = codecs[3], codecs[4]
     assert fast.grad == Codec("int4", stochastic=True)
@@ -301,7 +304,7 @@ def test_auto_codec_takes_the_mildest_codec_that_suffices() -> None:
     assert fast.rank == int(budget // per_rank), "the largest rank the link moves in time"
     assert fast.forward.wire_bytes(2048 * 128, torch.float32, [2048, 128]) <= budget
     assert slowest.rank == MIN_RANK
-    pinned = choose_codecs([nbytes] * 2, [2000, 100], [0.01], "auto", edge_specs=[spec] * 2, rank=3)
+    pinned = choose_codecs([nbytes] * 2, [2000, 100], [0.01], "auto-lowrank", edge_specs=[spec] * 2, rank=3)
     assert pinned[0] == Codec() and pinned[1].rank == 3, "a pinned rank applies where low-rank is chosen"
     with pytest.raises(ValueError):
         choose_codecs([nbytes], [1], [0.01], "auto")

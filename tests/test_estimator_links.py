@@ -83,7 +83,7 @@ def test_the_live_plan_under_auto_carries_the_codecs_the_planner_priced() -> Non
     job = JobSpec(model="gpt", model_args="n_layer=2,n_embd=64,n_head=4")
     dag = build_opdag(job.build_model(), job.first_micro_batch())
     ads = [Advert(p, [], "cpu", 1e12, 1 << 30, 0.05, 0.05, "2", 1, 0.0) for p in ("a", "b")]
-    auto = assign(dag, ads, num_stages=2, compression=True)
+    auto = assign(dag, ads, num_stages=2, compression="auto")
     assert auto.plan is not None and [c.name for c in auto.plan.codecs] != ["none"]
     assert auto.plan.edge_mbps == [pytest.approx(0.05)]
     plain = assign(dag, ads, num_stages=2)

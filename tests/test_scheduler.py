@@ -80,18 +80,18 @@ def test_memory_forces_a_split_and_unfit_plans_are_flagged() -> None:
     assert not whole.fits_memory
 
 
-def test_slow_links_get_autos_codec_when_it_reaches_the_loss_sooner() -> None:
+@pytest.mark.parametrize(("lowrank", "codec"), [(False, "int8"), (True, "lowrank")])
+def test_slow_links_get_autos_codec_when_it_reaches_the_loss_sooner(lowrank: bool, codec: str) -> None:
     """Every boundary carries 256 MB; the slow link between the clusters gets the codec
-    the swarm's auto mode would give it (here low rank: nothing milder keeps up), the
-    fast ones none; the plan reaches the loss sooner than uncompressed, its steps
-    factor counted."""
+    the swarm's auto mode would give it (nothing milder than low rank keeps up: auto
+    takes int8, its strongest, auto-lowrank low rank), the fast ones none; the plan
+    reaches the loss sooner than uncompressed, its steps factor counted."""
     costs = _chain([10**12] * 4, [256 << 20] * 3, params=50 << 20)
     peers, net = _two_clusters(slow=100.0)
-    p = opfence(costs, peers, net, Options(micro_batches=8, standby=False))
+    p = opfence(costs, peers, net, Options(micro_batches=8, standby=False, lowrank=lowrank))
     slow = [b for b in range(len(p.cut)) if p.groups[b][0][0] != p.groups[b + 1][0][0]]
-    assert slow and all(
-        p.codecs[b].name == "lowrank" and p.codecs[b].grad == Codec("int4", stochastic=True) for b in slow
-    )
+    assert slow and all(p.codecs[b].name == codec for b in slow)
+    assert not lowrank or all(p.codecs[b].grad == Codec("int4", stochastic=True) for b in slow)
     assert all(p.codecs[b] == Codec() for b in range(len(p.cut)) if b not in slow)
     assert p.steps_factor == pytest.approx(steps_factor(p.codecs[slow[0]]) ** len(slow)) and p.steps_factor > 1
     plain = opfence(costs, peers, net, Options(micro_batches=8, standby=False, compression=False))

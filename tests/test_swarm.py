@@ -208,18 +208,18 @@ def test_demo_interrupted_stops_every_process(sig: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("mode", "codec", "mbps"), [("adatopk", r"adatopk:[\d.]+", 5), ("auto", r"lowrank:\d+/int4sr", 3)]
+    ("mode", "codec", "mbps"), [("adatopk", r"adatopk:[\d.]+", 5), ("auto-lowrank", r"lowrank:\d+/int4sr", 3)]
 )
 def test_demo_compresses_only_the_slow_link(tmp_path: Path, mode: str, codec: str, mbps: int) -> None:
-    """With --compression adatopk (or auto), the boundary paced to 5 Mbit/s gets
+    """With --compression adatopk (or auto-lowrank), the boundary paced to 5 Mbit/s gets
     AdaTopK (or low-rank activations and 4-bit unbiased gradients: each direction
     checked against the plan by the receiving gate) and the fast one stays
     uncompressed; the demo reports bytes per link and the ratio.
 
     The demo's own GPT, not the small one: a small model's stages compute in ~3 ms,
     which an unpaced loopback link on two busy cores does not always beat, and then
-    that link rightly gets compressed too (seen once in CI). ``auto`` takes the mildest
-    codec fast enough, so its link is paced to 3 Mbit/s: at 10, a slower CI machine's
+    that link rightly gets compressed too (seen once in CI). ``auto-lowrank`` takes the
+    mildest codec fast enough, so its link is paced to 3 Mbit/s: at 10, a slower CI machine's
     stages computed long enough for int8 to do (and int8 it rightly took). AdaTopK's
     link is paced to 5: at 10, with the next step's data fed ahead, a quiet machine's
     stages left it time to keep 69% of the values (a ratio of 1.9, seen once in CI)."""
