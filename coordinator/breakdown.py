@@ -12,7 +12,7 @@ import statistics
 from typing import TYPE_CHECKING, Any
 
 from coordinator.estimator import DagCosts, Plan, wire_pair
-from coordinator.overheads import REPLICA_CALLS, STEP_CALLS, StageFacts, replica_messages
+from coordinator.overheads import LIVE, REPLICA_CALLS, STEP_CALLS, Overheads, StageFacts, fitted, replica_messages
 from protocol.wire.messages import StepDone
 from protocol.wire.step_parts import BREAKDOWN_V, STEP_PARTS
 
@@ -125,3 +125,13 @@ def stage_facts(costs: DagCosts, plan: Plan, micro_batches: int) -> dict[int, St
         calls = 2 * runs + STEP_CALLS + (REPLICA_CALLS if r > 1 else 0)
         out[s] = StageFacts(calls, 2 * runs * len(near) + grads, runs * sum(near) + grads * params, params)
     return out
+
+
+def run_overheads(means_ms: dict[int, dict[str, float]], costs: DagCosts, plan: Plan, micro_batches: int) -> Overheads:
+    """The swarm's own fixed costs (``overheads.fitted``) from its peers' breakdowns
+    (``StepBreakdown.means_ms``, taken on the event loop) against what each stage of the
+    running ``plan`` does: the commit's round trip, handing off, encoding and the
+    optimizer as this machine delivers them, ``LIVE``'s figures where no stage reports
+    a part. A 2-core machine shared by four peers, their daemons and the coordinator
+    took 2-3x ``LIVE``'s commit (a quiet one's)."""
+    return fitted(means_ms, stage_facts(costs, plan, micro_batches), LIVE)

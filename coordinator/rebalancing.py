@@ -18,6 +18,7 @@ from typing import Any
 from coordinator import host_share, replan
 from coordinator.assign import Assignment, network_from_adverts, on_own_share
 from coordinator.auditing import Auditor
+from coordinator.breakdown import run_overheads
 from coordinator.checkpointing import Checkpoints
 from coordinator.estimator import DagCosts, Plan
 from coordinator.host import Host
@@ -213,7 +214,8 @@ class Rebalancer:
         ads = [a for p, a in self.host.adverts.items() if p in st.planned or p in standby]
         epoch, links, nat = st.epoch, dict(st.link_mbps), set(self.planner.behind_nat())
         try:
-            priced = await asyncio.to_thread(self._price, ads, links, nat)
+            means = st.breakdown.means_ms()  # on the event loop, which appends to its windows
+            priced = await asyncio.to_thread(self._price, ads, links, nat, means)
         except Exception as exc:  # no plan for these peers now: keep the current one
             self._said(f"rebalance check at step {st.step}: no plan for the measured speeds: {exc}")
             return None
@@ -289,17 +291,23 @@ class Rebalancer:
         m.gain = before / max(after, 1e-9)
         return previous
 
-    def _price(self, ads: list[Advert], links: dict[tuple[str, str], float], nat: set[str]) -> Priced:
+    def _price(
+        self, ads: list[Advert], links: dict[tuple[str, str], float], nat: set[str], means: dict[int, dict[str, float]]
+    ) -> Priced:
         """On the worker thread: the measured speeds, OP-Fence's plan on them, and both
-        plans priced; from copies of what the event loop changes (``links``, ``nat``;
-        adverts are frozen; the plan and the epoch change only between steps)."""
+        plans priced; from copies of what the event loop changes (``links``, ``nat``, the
+        breakdown's ``means``; adverts are frozen; the plan and the epoch change only
+        between steps). The current plan's price (the summary's prediction) takes the
+        swarm's own fixed costs from its breakdown (``breakdown.run_overheads``)."""
         st = self.st
         assert st.plan is not None
         network = self._network(ads, links, nat)
         ads = self.measured(ads, network)
         logger.debug("measured speeds (GFLOP/s): %s", {a.peer_id[-6:]: round(a.flops / 1e9, 2) for a in ads})
         candidate = self.planner.plan(ads, 0, True, links, nat)
-        current = self._predicted_plan(ads, self._running(), LIVE, network)
+        running = self._running()
+        own = run_overheads(means, self._dag_costs(), running, self.job.micro_batches)
+        current = self._predicted_plan(ads, running, own, network)
         if candidate.cut == st.plan.cut and candidate.stages == st.plan.stages or candidate.plan is None:
             return Priced(candidate, None, current)
         # the bar is set on what the two plans differ in: both priced without the swarm's
@@ -320,10 +328,13 @@ class Rebalancer:
         shared as the plan keeps it busy (``assign.on_own_share``), with the peers'
         fixed costs ``overheads``."""
         plan = self._current() if other is None else other.bare()
+        network = network or self._network(ads)
+        return on_own_share(self._dag_costs(), plan, ads, network, self.job.micro_batches, overheads)[0]
+
+    def _dag_costs(self) -> DagCosts:
         if self._costs is None:
             self._costs = DagCosts.from_opdag(self.dag)
-        network = network or self._network(ads)
-        return on_own_share(self._costs, plan, ads, network, self.job.micro_batches, overheads)[0]
+        return self._costs
 
     def _move_seconds(self) -> float:
         """What moving costs: a checkpoint (measured, or guessed before the first) and

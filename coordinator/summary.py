@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from coordinator.assign import Assignment, live_profile, network_from_adverts
-from coordinator.breakdown import breakdown_table
+from coordinator.breakdown import breakdown_table, run_overheads
 from coordinator.delivered import for_delivered
 from coordinator.estimator import DagCosts
 from coordinator.opdag import OpDag
@@ -75,7 +75,8 @@ def _estimate(st: RunState, adverts: dict[str, Advert], micro_batches: int, dag:
 def delivered_step(costs: DagCosts, st: RunState, adverts: dict[str, Advert], micro_batches: int) -> float | None:
     """The run's plan predicted again (``coordinator.delivered.for_delivered``) with each
     peer at the compute it delivered (the median of its steps' compute over the
-    micro-batches dealt to it) over the links as last measured; None when a peer of the
+    micro-batches dealt to it) over the links as last measured, with the swarm's own
+    fixed costs (``breakdown.run_overheads``); None when a peer of the
     plan's groups has no advert or compute, or when the stages no longer are those groups
     (a recovery dropped a replica without planning again: the plan names a peer gone)."""
     plan = st.plan.plan if st.plan else None
@@ -85,7 +86,8 @@ def delivered_step(costs: DagCosts, st: RunState, adverts: dict[str, Advert], mi
     if any(p not in adverts or not st.compute.get(p) for p in peers):
         return None
     live = [adverts[p] for p in peers]
-    profiles = {a.peer_id: live_profile(a) for a in live}
+    own = run_overheads(st.breakdown.means_ms(), costs, plan, micro_batches)  # as the checks price the plan
+    profiles = {a.peer_id: live_profile(a, own) for a in live}
     network = network_from_adverts(live, st.link_mbps)
     per_mb = per_micro_batch(st.plan, st.compute, micro_batches)
     return for_delivered(costs, plan, profiles, network, micro_batches, per_mb).iteration_s

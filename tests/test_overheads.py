@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from coordinator.assign import live_profile
-from coordinator.breakdown import stage_facts
+from coordinator.breakdown import run_overheads, stage_facts
 from coordinator.estimator import DagCosts, PeerTable, Plan, predict
 from coordinator.netmodel import Network, PeerProfile
 from coordinator.overheads import (
@@ -146,3 +146,24 @@ def test_replicas_pay_for_encoding_and_decoding_each_others_gradients() -> None:
     assert replica_messages(2, 1, 2) == 2 and replica_messages(3, 2, 4) == 6 and replica_messages(1, 4, 4) == 0
     assert est == pytest.approx(before + 2 * (0.3e-3 + 2e-9 * 2_000_000))
     assert sim == pytest.approx(est)
+
+
+def test_a_running_swarm_is_priced_with_its_own_fixed_costs() -> None:
+    """The rebalance check's price of the running plan (the summary's prediction) and the
+    delivered line take the fixed costs the peers' breakdowns show (``run_overheads``):
+    a commit of 12 ms on the stage that finished last, where ``LIVE`` says 4.3; a run
+    with no breakdown yet keeps ``LIVE``."""
+    plan = Plan((4,), [["p0"], ["p1", "p2"]], [Codec()])
+    facts = stage_facts(_chain(), plan, 4)
+    own = replace(LIVE, handoff_s=0.3e-3, commit_s=12e-3)
+    means = {s: _breakdown(own, f, 12.0 + 20.0 * s) for s, f in facts.items()}
+    got = run_overheads(means, _chain(), plan, 4)
+    assert (got.handoff_s, got.commit_s) == pytest.approx((0.3e-3, 12e-3))
+    assert run_overheads({}, _chain(), plan, 4) == LIVE
+    net = Network(dict.fromkeys(("p0", "p1", "p2"), "c"), {("c", "c"): (8000.0, 0.0)})
+
+    def step_s(o: Overheads) -> float:
+        peers = PeerTable(PeerProfile(p, 1e12, 1 << 40, "c", 0.0, o) for p in ("p0", "p1", "p2"))
+        return predict(_chain(), plan, peers, net, 4).iteration_s
+
+    assert step_s(got) - step_s(replace(got, commit_s=LIVE.commit_s)) == pytest.approx(12e-3 - LIVE.commit_s)
