@@ -52,13 +52,14 @@ Prints one JSON object:
   about refused records; ``tests/dht_attacks.py``)
 
 ``--short`` runs each smaller, for the test suite: one flood of each kind in 2 s
-(frames) or 3 s (status page, hellos) or 4 s (junk records) windows, measured once
-however busy the machine is; the three floods on a public swarm (frames, status page,
-junk records) share one swarm, each flood still between clean windows of its own (the
-full mode starts one for each); 2 claims and 4 over-asking probes (8 and 16), each
-attack's write given 3 s (10), and a probe read for 1 s past its whole answer (until
-the answerer closes); one pair of 50-step spot-check runs (five of 300); a cheater
-run of 15 steps of 32 micro-batches (60 of 64). Both modes end the cheater's run
+windows (frames, status page, hellos, junk records; a flood's own window lasts as long
+as the flood if longer), measured once however busy the machine is; the three floods
+on a public swarm (frames, status page, junk records) share one swarm, each flood
+still between clean windows of its own (the full mode starts one for each); 2 claims
+and 4 over-asking probes (8 and 16), each attack's write given 3 s (10), and a probe
+read for 1 s past its whole answer (until the answerer closes); one pair of 50-step
+spot-check runs (five of 300); a cheater run of 15 steps of 32 micro-batches (60 of
+64). Both modes end the cheater's run
 once it is excluded."""
 
 from __future__ import annotations

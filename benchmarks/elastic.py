@@ -6,7 +6,11 @@ finished step (resume_s), the steps redone after the rollback, whether the final
 weights equal ``fusionllm train --reference`` (same seed, steps and threads), and
 what checkpoints cost: the mean step time (from tokens/s) of runs with checkpoints
 at the default (automatic) interval over runs without (only the final one),
-alternated in one process so the machine's noise hits both. Prints one JSON object."""
+alternated in one process so the machine's noise hits both. Prints one JSON object.
+The peers of each run start together (their start-ups overlap).
+
+``--short`` runs the same paths smaller, for the test suite: the small model, the kill's
+run 120 steps with the kill at step 30, and one pair of 40-step runs for the checkpoints."""
 
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from fusionllm.local import compare_checkpoints  # noqa: E402
 from tests.conftest import run_cli  # noqa: E402
-from tests.swarmproc import SMALL, Swarm, wait_for  # noqa: E402
+from tests.swarmproc import SMALL, Swarm, join_together, wait_for  # noqa: E402
 
 #: the model: the demo's GPT, or a smaller one in the short mode
 MODEL: list[str] = []
@@ -39,8 +43,19 @@ def _args(tmp: Path, steps: int, every: int | None) -> list[str]:
     return [*run, *files, "--spot-check", "0"]
 
 
+def _swarm(tmp: Path, args: list[str]) -> Swarm:
+    """The coordinator and its 4 peers, started together (their start-ups overlap)."""
+    swarm = Swarm(tmp, args, peers=0)
+    try:
+        join_together(swarm, [[] for _ in range(4)])
+    except BaseException:
+        swarm.close()
+        raise
+    return swarm
+
+
 def _kill_run(tmp: Path, steps: int, kill_at: int) -> dict[str, float | int | bool]:
-    swarm = Swarm(tmp, _args(tmp, steps, None), peers=4)
+    swarm = _swarm(tmp, _args(tmp, steps, None))
     try:
         state = wait_for(swarm.url, lambda s: s["training"]["step"] >= kill_at, 300)
         victim = next(p["id"] for p in state["peers"] if p.get("state") == "serving" and p["stage"] == 2)
@@ -79,7 +94,7 @@ def _tokens_per_s(tmp: Path, steps: int, every: int | None) -> tuple[float, int]
     """Tokens per second of a clean run (over all its steps, from the coordinator's
     summary: the inverse of the mean step time), and how many checkpoints it wrote
     before the final one."""
-    swarm = Swarm(tmp, _args(tmp, steps, every), peers=4)
+    swarm = _swarm(tmp, _args(tmp, steps, every))
     try:
         wait_for(swarm.url, lambda s: s["training"]["step"] >= 1, 300)
         code = swarm.coord.wait(600)
@@ -99,7 +114,8 @@ def main() -> None:
     steps, rounds = (40, 1) if args.short else (400, 3)
     # the kill's run: the status page's state may be a second old, and the short mode's
     # small model runs ~25 steps a second, so its victim is picked with 90 steps to go
-    kill_steps, kill_at = (150, 60) if args.short else (400, 300)
+    # (and early: the steps before the kill are redone after it)
+    kill_steps, kill_at = (120, 30) if args.short else (400, 300)
     MODEL[:] = SMALL if args.short else []
     with tempfile.TemporaryDirectory(prefix="fusionllm-elastic-") as d:
         tmp = Path(d)

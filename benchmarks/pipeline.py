@@ -18,7 +18,7 @@ time goes, per stage (``step_breakdown_ms``: each part's mean ms per step, from 
 run's summary).
 
 ``--short`` runs the same paths smaller, for the test suite: 2 peers instead of
-4, 12 training steps instead of 60 (the anchor's pipelining too, on the 2
+4, 8 training steps instead of 60 (the anchor's pipelining too, on the 2
 peers' cut) and 16 MiB messages instead of 64 MiB (still
 above the lane threshold, so they travel over parallel streams); the
 ``*_64mib_*`` keys then hold the 16 MiB figures.
@@ -79,7 +79,7 @@ class Sizes:
 
 
 FULL = Sizes(steps=60, message=64 << 20, repeats=9)
-SHORT = Sizes(steps=12, message=16 << 20, repeats=3, peers=2)
+SHORT = Sizes(steps=8, message=16 << 20, repeats=3, peers=2)
 #: how long the RAD and TCP transfers may take together (a hang leaves the rest their time)
 TRANSFERS_TIMEOUT_S = 60.0
 

@@ -18,12 +18,13 @@ one JSON object.
 ``--short`` runs the same paths smaller, for the test suite: the demo's GPT at 2
 layers of width 64, a check every 10 steps instead of 20 (the plan settles after 40),
 200 steps, the slowed peer at a tenth of its speed (``SHORT_SLOW``); the simulation
-with 1 seed, 3 churn events and a 2-layer model on 200 volunteers instead of 1,000
-(``sim_1000_peers.peers`` says how many)."""
+with 1 seed, 3 churn events and a 2-layer model on 30 volunteers in 3 regions instead
+of 1,000 (``sim_1000_peers.peers`` says how many)."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing
 import re
@@ -52,10 +53,11 @@ SHORT_EVERY = 10
 SLOW = ["0.25"]
 SHORT_SLOW = "0.1"
 SIM_MODEL = "n_layer=24,n_embd=1024,n_head=16"
-#: the short mode's: 2 layers on 200 volunteers in 10 regions (the same generator as
-#: internet-1k's), so that its plans take a fraction of a second, not five
+#: the short mode's: 2 layers on 30 volunteers in 3 regions (the same generator as
+#: internet-1k's), so that its plans take a second or two, not five each (on 200 in 10
+#: regions each policy's run took 6-13 s here, for the same path)
 SHORT_SIM_MODEL = "n_layer=2,n_embd=1024,n_head=16"
-SHORT_SIM_PEERS, SHORT_SIM_REGIONS = 200, 10
+SHORT_SIM_PEERS, SHORT_SIM_REGIONS = 30, 3
 SIM_ITERATIONS = 20_000
 SIM_CHURN = 40
 #: the full mode's simulations run this many at a time, after the live runs (one
@@ -148,19 +150,30 @@ def _ideal(tmp: Path, steps: int, slow_index: int) -> float:
     return rate
 
 
-def _goodput(task: tuple[int, str, int, str, int]) -> float:
-    """One simulation: (churn seed, policy, events, model, peers) -> its goodput."""
-    seed, policy, events, model, peers = task
+@functools.cache
+def _sim_args(model: str, events: int) -> tuple[argparse.Namespace, Any]:
+    """The ``sim`` command's arguments for ``model`` and the model's traced costs, once
+    per process for all the policies and seeds simulated on it (tracing the model takes
+    seconds; the simulation does not change the costs)."""
     from fusionllm.cli import build_parser
-    from fusionllm.plan_cmds import _costs, _options, _topology, churn_events
-    from sim.engine import simulate
-    from sim.presets import internet
-    from sim.topology import parse
+    from fusionllm.plan_cmds import _costs
 
     model_flags = ["--model", "zoo.gpt:gpt2", "--model-args", model]
     scale = ["--iterations", str(SIM_ITERATIONS), "--churn", str(events)]
     args = build_parser().parse_args(["sim", "--topology", "internet-1k", *model_flags, *scale])
-    costs, options = _costs(args), _options(args)
+    return args, _costs(args)
+
+
+def _goodput(task: tuple[int, str, int, str, int]) -> float:
+    """One simulation: (churn seed, policy, events, model, peers) -> its goodput."""
+    seed, policy, events, model, peers = task
+    from fusionllm.plan_cmds import _options, _topology, churn_events
+    from sim.engine import simulate
+    from sim.presets import internet
+    from sim.topology import parse
+
+    args, costs = _sim_args(model, events)
+    options = _options(args)
     topo = _topology(args.topology) if peers == 1000 else parse(internet(peers, SHORT_SIM_REGIONS, 1), "internet")
     churn, held = churn_events(topo, SIM_ITERATIONS, events, seed)
     return simulate(costs, topo, "opfence", options, SIM_ITERATIONS, churn, held_out=held, policy=policy).goodput

@@ -137,7 +137,7 @@ def public_junk_flood(short: bool, target: Any = None) -> dict[str, float]:
 
     if target is None:
         return on_own_target(lambda own: public_junk_flood(short, own))
-    seconds = FLOOD_S / 2 if short else 3 * FLOOD_S
+    seconds = FLOOD_S / 4 if short else 3 * FLOOD_S
     outsider = None
     try:
         coord = target.swarm.coord

@@ -93,7 +93,7 @@ def status_flood_ratio(short: bool, target: Any = None) -> dict[str, float]:
 
     if target is None:
         return on_own_target(lambda own: status_flood_ratio(short, own))
-    cleans, floods, tallies = _status_windows(target, *((3.0, 1) if short else (10.0, STATUS_ROUNDS)))
+    cleans, floods, tallies = _status_windows(target, *((2.0, 1) if short else (10.0, STATUS_ROUNDS)))
     coord = target.swarm.coord
     lines, times = list(coord.lines), list(coord.times)
     clean = sum(w.rate(lines, times) for w in cleans) / len(cleans)
@@ -134,7 +134,7 @@ def hello_flood_cpu(short: bool) -> dict[str, float]:
     from tests.flooder import FloodTarget
     from tests.swarmproc import Proc, api
 
-    seconds = 3.0 if short else 10.0
+    seconds = 2.0 if short else 10.0
     with tempfile.TemporaryDirectory() as tmp:
         target = _private_target(Path(tmp), FloodTarget)
         try:

@@ -47,6 +47,17 @@ def _common(tmp_path: Path, steps: int) -> list[str]:
     return ["--steps", str(steps), "--seed", "0", *SMALL, *files, "--step-timeout", "120"]
 
 
+def _swarm(tmp_path: Path, args: list[str], peers: int) -> Swarm:
+    """A coordinator and ``peers`` peers started together (their start-ups overlap)."""
+    swarm = Swarm(tmp_path, args, peers=0)
+    try:
+        join_together(swarm, [[] for _ in range(peers)])
+    except BaseException:
+        swarm.close()
+        raise
+    return swarm
+
+
 def _at_step(swarm: Swarm, step: int) -> dict:
     return wait_for(swarm.url, lambda st: st["training"]["step"] >= step)
 
@@ -58,7 +69,7 @@ def test_replica_killed_mid_step_no_rollback(tmp_path: Path) -> None:
     checkpoint before it, as ``test_hostile`` shows for a check that fails.)"""
     steps = 60
     args = [*_common(tmp_path, steps), "--min-peers", "4", "--stages", "2", "--spot-check", "0"]
-    swarm = Swarm(tmp_path, args, peers=4)
+    swarm = _swarm(tmp_path, args, 4)
     try:
         st = _at_step(swarm, 12)
         serving = swarm.serving(st)
@@ -77,7 +88,7 @@ def test_only_peer_of_a_stage_killed_standby_takes_over(tmp_path: Path) -> None:
     steps = 60
     args = [*_common(tmp_path, steps), "--min-peers", "3", "--stages", "2", "--standby", "1"]
     args += ["--checkpoint-every", "10"]
-    swarm = Swarm(tmp_path, args, peers=3)
+    swarm = _swarm(tmp_path, args, 3)
     try:
         st = _at_step(swarm, 25)
         victim = next(p for p, (s, _) in swarm.serving(st).items() if s == 1)
@@ -94,7 +105,7 @@ def test_only_peer_of_a_stage_killed_no_standby_replans(tmp_path: Path) -> None:
     """(c) kill -9 the only peer of a stage, no standby: the others are re-planned."""
     steps = 60
     args = [*_common(tmp_path, steps), "--min-peers", "3", "--stages", "3", "--checkpoint-every", "10"]
-    swarm = Swarm(tmp_path, args, peers=3)
+    swarm = _swarm(tmp_path, args, 3)
     try:
         st = _at_step(swarm, 25)
         victim = next(p for p, (s, _) in swarm.serving(st).items() if s == 1)
@@ -112,21 +123,27 @@ def test_only_peer_of_a_stage_killed_no_standby_replans(tmp_path: Path) -> None:
 
 
 def test_stalled_peer_is_replaced_and_its_old_frames_refused(tmp_path: Path) -> None:
-    """(d) SIGSTOP a peer for 20 s, then SIGCONT: it is dropped after the stall bound,
-    the run goes on, and its frames of the old epoch are refused with their code. (The
-    run is long enough to outlast the stall: at 700 steps a fast machine finished it on
-    the two others before the late peer woke, and the status page was gone.)"""
+    """(d) SIGSTOP a peer past the stall bound (3 s here), then SIGCONT once the run
+    goes on without it: it is dropped after the stall bound, the run goes on, and its
+    frames of the old epoch are refused with their code. (It wakes only once the others
+    train in the new epoch, so every frame it had under way is of the old one; the run
+    is long enough to outlast the stall: at 700 steps a fast machine finished it on the
+    two others before the late peer woke, and the status page was gone.)"""
     steps = 1500
     args = [*_common(tmp_path, steps), "--min-peers", "3", "--stages", "3", "--checkpoint-every", "20"]
-    swarm = Swarm(tmp_path, args, peers=3)
+    swarm = _swarm(tmp_path, [*args, "--stall-timeout", "3"], 3)
     try:
         st = _at_step(swarm, 30)
         victim = next(p for p, (s, _) in swarm.serving(st).items() if s == 2)
         proc = swarm.peers[victim]
+        seen = len(swarm.coord.lines)
         proc.signal(signal.SIGSTOP)
         try:
-            swarm.coord.wait_line(rf"peer {victim} \(stage 2, replica 0\) failed: stalled", 30)
-            time.sleep(20 - 8)  # the stall lasts 20 s in all (SIGSTOP has no event to wait on)
+            swarm.coord.wait_line(rf"peer {victim} \(stage 2, replica 0\) failed: stalled", 30, after=seen)
+            # it wakes once the others have re-planned and trained a step of the new epoch
+            epoch = int(swarm.coord.wait_line(r"epoch (\d+): ", 60, after=seen).group(1))
+            moved = wait_for(swarm.url, lambda s: s["training"]["epoch"] >= epoch and s["phase"] == "training", 60)
+            wait_for(swarm.url, lambda s: s["training"]["step"] > moved["training"]["step"], 60, 0.02)
         finally:
             proc.signal(signal.SIGCONT)
         # its own frames, not the survivors' last ones of the old epoch
@@ -149,7 +166,7 @@ def test_coordinator_killed_and_resumed(tmp_path: Path) -> None:
     """(e) kill -9 the coordinator mid-run, restart it with --resume: the peers reattach."""
     steps = 80
     args = [*_common(tmp_path, steps), "--min-peers", "2", "--stages", "2", "--checkpoint-every", "10"]
-    swarm = Swarm(tmp_path, args, peers=2)
+    swarm = _swarm(tmp_path, args, 2)
     try:
         _at_step(swarm, 25)
         swarm.coord.signal(signal.SIGKILL)
