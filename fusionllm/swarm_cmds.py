@@ -34,12 +34,28 @@ _command_pid = 0  # the process that installed ``_interrupted`` (forked children
 
 
 def _interrupted(signum: int, frame: Any) -> None:
-    if os.getpid() != _command_pid:  # hivemind's DHT child, forked: the signal's default (it ends)
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+    if _in_a_child(signum):
         return
     exit_within(EXIT_INTERRUPTED)  # however the shutdown goes, it ends
     raise KeyboardInterrupt
+
+
+def _in_a_child(signum: int) -> bool:
+    """In hivemind's DHT child (forked, it inherits the handlers): the signal's default (it ends)."""
+    if os.getpid() == _command_pid:
+        return False
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    return True
+
+
+def _shutting_down(signum: int, frame: Any) -> None:
+    """A signal while the event loop shuts down after the command has its exit code (a
+    demo stops its peers as their runs end): ignored, the loop's shutdown goes on and the
+    process ends with that code (within ``EXIT_GRACE_S`` however it goes). Raised as
+    KeyboardInterrupt there, it stopped uvloop's executor shutdown half way, and a
+    thread's traceback went into the peer's log."""
+    _in_a_child(signum)
 
 
 async def _bounded(coro: Coroutine[Any, Any, int]) -> int:
@@ -55,6 +71,9 @@ async def _bounded(coro: Coroutine[Any, Any, int]) -> int:
         raise
     finally:
         exit_within(code)
+        if os.getpid() == _command_pid:  # run_async's own process, on its main thread
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, _shutting_down)
 
 
 def _one_line(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:

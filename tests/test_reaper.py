@@ -399,3 +399,28 @@ def test_the_watchdog_reads_the_same_descendants_as_psutil_from_the_children_fil
     finally:
         os.killpg(tree.pid, signal.SIGKILL)
         tree.wait()
+
+
+SIGNALLED_IN_SHUTDOWN = """
+import asyncio, os, signal, sys, threading, time
+from fusionllm.swarm_cmds import run_async
+
+async def command() -> int:
+    asyncio.get_running_loop().run_in_executor(None, time.sleep, 1.0)  # the loop's shutdown waits for it
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    return 4
+
+sys.exit(run_async(command()))
+"""
+
+
+def test_a_signal_while_the_loop_shuts_down_is_no_traceback() -> None:
+    """A peer whose run had ended got the demo's SIGTERM while its event loop shut down
+    (waiting for its executor's threads): the KeyboardInterrupt stopped uvloop's
+    executor shutdown half way and its thread printed a traceback into the peer's log.
+    The shutdown now goes on; the process ends with the command's own code, nothing printed."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-c", SIGNALLED_IN_SHUTDOWN], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert proc.returncode == 4 and proc.stderr.strip() == "", proc.stderr
