@@ -225,13 +225,15 @@ def test_topology_links_override_clusters_symmetrically() -> None:
 
 
 def test_simulation_is_seeded_and_survives_churn() -> None:
+    """(The first plan's asking, which takes most of a run's time here, has its own
+    tests: test_search's.)"""
     topo = preset("testbed3")
     costs = DagCosts.synthetic(80, seed=5)
-    first = simulate(costs, topo, "opfence", Options(micro_batches=8), 6)
-    planned = [pid for g in opfence(costs, topo.peers, topo.network, Options(micro_batches=8)).groups for pid in g]
+    first = simulate(costs, topo, "opfence", Options(micro_batches=8), 6, asking=False)
+    planned = [pid for g in first.first_plan.groups for pid in g]  # OP-Fence's plan: no asking
     churn = [Churn(2, "leave", planned[0]), Churn(3, "slow", planned[-1], 0.25), Churn(4, "join", "home7")]
-    a = simulate(costs, topo, "opfence", Options(micro_batches=8), 6, churn, held_out={"home7"})
-    b = simulate(costs, topo, "opfence", Options(micro_batches=8), 6, churn, held_out={"home7"})
+    a = simulate(costs, topo, "opfence", Options(micro_batches=8), 6, churn, held_out={"home7"}, asking=False)
+    b = simulate(costs, topo, "opfence", Options(micro_batches=8), 6, churn, held_out={"home7"}, asking=False)
     assert a.iteration_s == b.iteration_s, "same seed, same run"
     assert len(a.iteration_s) == 6 and all(t > 0 for t in a.iteration_s)
     assert any(it == 2 for it, _ in a.replans), "a planned peer left: re-planned at once"
@@ -302,12 +304,16 @@ def test_plan_and_sim_commands(tmp_path: Path) -> None:
 def test_simulated_policies_rebalance_beats_waiting_and_restarting() -> None:
     """testbed1's plan keeps one A100 per stage; one of them drops to a tenth
     of its speed, and spare peers join later. The live rules move once (the move pays for
-    itself); no rebalancing keeps the slow peer; restart-only also restarts for every join."""
+    itself); no rebalancing keeps the slow peer; restart-only also restarts for every join.
+    (The first plan's asking has its own tests: test_search's.)"""
     topo = preset("testbed1")
     costs = DagCosts.synthetic(80, seed=5)
     opts = Options(micro_batches=8)
     churn = [Churn(100, "slow", "@0", 0.1), Churn(1500, "join", "a6"), Churn(2500, "join", "a7")]
-    runs = {p: simulate(costs, topo, "opfence", opts, 5000, churn, held_out={"a6", "a7"}, policy=p) for p in POLICIES}
+    held = {"a6", "a7"}
+    runs = {
+        p: simulate(costs, topo, "opfence", opts, 5000, churn, held_out=held, policy=p, asking=False) for p in POLICIES
+    }
     assert [it for it, _ in runs["none"].replans] == []
     assert [it for it, _ in runs["restart"].replans] == [101, 1500, 2500]
     assert [it for it, _ in runs["rebalance"].replans] == [101], "joins that do not pay are not taken in"
