@@ -44,7 +44,7 @@ with) and ``homes30_asked_plan_vs_unasked`` (simulated time to the loss of the p
 chosen after asking over the one chosen without).
 
 ``--short`` runs the same paths smaller, for the test suite: two-layer shapes of
-the workloads on two presets, dtfm with a small budget, ``internet-1k`` with 10
+the workloads on one preset (``testbed1``), dtfm with a small budget, ``internet-1k`` with 10
 simulated iterations; the keys stay those of the full run.
 """
 
@@ -90,7 +90,7 @@ class Sizes:
 
 ASK_RUNS = tuple((w, n, seed) for w in ("gpt2-xl", "llama-7b") for n in (1, 3) for seed in range(3))
 FULL = Sizes(MIXED, {}, None, 10_000, ASK_RUNS, "internet-10k", 100, 3)
-SHORT = Sizes(("testbed1", "lab-crowd"), {"n_layer": 2}, 200, 400, (("llama-7b", 1, 0),), "internet-1k", 10, 1)
+SHORT = Sizes(("testbed1",), {"n_layer": 2}, 200, 400, (("llama-7b", 1, 0),), "internet-1k", 10, 1)
 
 
 def workload(name: str, shape: dict[str, Any]) -> tuple[DagCosts, int]:
