@@ -9,7 +9,7 @@
   envelope head) over k x (value bytes + index bytes), k = 1% of the elements.
 - ``fp16_encode_gbps``: the fp16 cast codec.
 - ``int4sr_encode_gbps``: 4-bit codes with stochastic rounding (blocks of 128) (the gradients of
-  ``auto``'s slow links); ``lowrank8_encode_gbps``: rank 8 of the same 16M
+  ``auto-lowrank``'s slow links); ``lowrank8_encode_gbps``: rank 8 of the same 16M
   elements as a 131072 x 128 matrix (activations of 128 channels: an exact SVD),
   and ``lowrank8_wire_ratio`` its fp32 bytes over its bytes on the wire.
 - ``sign_verify_fraction_of_transfer``: the signing and checking that stand on a

@@ -83,13 +83,15 @@ def assign(
     measured: dict[tuple[str, str], float] | None = None,
     nat: Collection[str] = (),
     compression: str = "none",
+    rank: int | None = None,
 ) -> Assignment:
     """Every advertised peer gets a stage (``num_stages`` defaults to one per peer), or,
     with ``standby``, OP-Fence may leave peers out and choose the stage count itself
     when ``num_stages`` is None. ``measured``: links probed so far; ``nat``: peers behind
     NATs (``network_from_adverts``); ``compression``: the run's mode; under ``auto`` or
-    ``auto-lowrank`` the plan carries the codecs the planner priced, and they are the
-    ones that run (``coordinator.links.live_codecs``)."""
+    ``auto-lowrank`` the plan carries the codecs the planner priced (``rank`` pins
+    ``auto-lowrank``'s low rank), and they are the ones that run
+    (``coordinator.links.live_codecs``)."""
     if not adverts:
         raise ValueError("no peers to assign")
     k = num_stages or (None if standby else len(adverts))
@@ -98,7 +100,8 @@ def assign(
     costs = DagCosts.from_opdag(dag)
     peers = [live_profile(a) for a in shared(adverts)]  # peers on one machine share its cores
     auto = compression in AUTO_MODES
-    options = Options(micro_batches, stages=k, standby=standby, compression=auto, lowrank=compression == "auto-lowrank")
+    lowrank = compression == "auto-lowrank"
+    options = Options(micro_batches, stages=k, standby=standby, compression=auto, lowrank=lowrank, rank=rank)
     network = network_from_adverts(adverts, measured, nat)
     try:
         plans = finalists(costs, peers, network, options)

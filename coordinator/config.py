@@ -31,7 +31,7 @@ class CoordinatorConfig:
     identity: str | None = None  # key file; None: a fresh key for this process only
     compression: str = "none"  # none, fp16, bf16, int8, int4 (every link), adatopk, auto or auto-lowrank (per link)
     topk_fraction: float | None = None  # pin AdaTopK's kept fraction on the links that need compressing
-    lowrank_rank: int | None = None  # pin auto's rank on the links that get low-rank activations
+    lowrank_rank: int | None = None  # pin auto-lowrank's rank on the links that get low-rank activations
     link_mbps: list[float] = field(default_factory=list)  # pace each stage boundary's link (loopback demos)
     status: bool = True  # serve the status page, /api/v1/state and /metrics
     status_host: str = "127.0.0.1"

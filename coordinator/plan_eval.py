@@ -24,6 +24,7 @@ class Options:
     stages: int | None = None  # force the number of stages
     standby: bool = True  # OP-Fence may leave peers out (on standby) when that is faster
     lowrank: bool = False  # with compression, as ``auto-lowrank``: low-rank activations past int8
+    rank: int | None = None  # pins that low rank (``--rank``)
 
     @property
     def auto_mode(self) -> str:
@@ -53,7 +54,8 @@ def plan_codecs(costs: DagCosts, plan_: Plan, options: Options) -> list[Codec]:
         return [Codec()] * len(plan_.cut)
     floating = [costs.float_cross[pos] for pos in plan_.cut]
     specs = [matrix_spec(f, costs.cross_cols[pos], costs.float_itemsize) for f, pos in zip(floating, plan_.cut)]
-    return choose_codecs(floating, plan_.edge_mbps, plan_.stage_s, options.auto_mode, edge_specs=specs)
+    mode, rank = options.auto_mode, options.rank
+    return choose_codecs(floating, plan_.edge_mbps, plan_.stage_s, mode, edge_specs=specs, rank=rank)
 
 
 def evaluate(

@@ -63,7 +63,8 @@ class Planner:
             nat = self.behind_nat() if nat is None else nat
             links = self.st.link_mbps if links is None else links
             mode = self.host.config.compression  # under auto, the plan's priced codecs are the ones that run
-            plan = assign(self.dag, use, k, self.micro_batches, leave_out, links, nat=nat, compression=mode)
+            rank = self.host.config.lowrank_rank
+            plan = assign(self.dag, use, k, self.micro_batches, leave_out, links, nat=nat, compression=mode, rank=rank)
         except ValueError as exc:
             raise SwarmError(f"cannot plan the run: {exc}") from None
         if plan.deciding:  # asked by plan_asking (the first plan); later, the epochs' own probes answer them

@@ -62,11 +62,12 @@ class Priced:
     """What a check's worker thread found: OP-Fence's plan on the measured speeds, the
     current plan priced on them with the fixed costs and the codecs it runs (``current``)
     and, where the candidate is another plan, both priced without the fixed costs
-    (``bare``: current, candidate)."""
+    (``bare``: current, candidate) and the candidate with them (``candidate_s``)."""
 
     candidate: Assignment
     bare: tuple[float, float] | None = None
     current: Plan | None = None  # the current plan priced with the fixed costs
+    candidate_s: float = 0.0  # the candidate's step seconds with the same fixed costs
 
     @property
     def current_s(self) -> float:
@@ -241,7 +242,7 @@ class Rebalancer:
         if not decision.go:
             return None
         # what the move must deliver is the whole step's speed-up, fixed costs included
-        self.record.why, self.record.gain = decision.why, priced.current_s / candidate.plan.iteration_s
+        self.record.why, self.record.gain = decision.why, priced.current_s / priced.candidate_s
         self.record.moved_gain = gain
         return candidate
 
@@ -314,7 +315,7 @@ class Rebalancer:
         # fixed costs, which every plan pays alike (with them, the liar's first check
         # read 78.6 ms against under 20% more and declined; the bar was set without them)
         bare = self._predicted(ads, None, NONE, network), self._predicted(ads, candidate.plan, NONE, network)
-        return Priced(candidate, bare, current)
+        return Priced(candidate, bare, current, self._predicted(ads, candidate.plan, own, network))
 
     def _predicted(
         self, ads: list[Advert], other: Plan | None = None, overheads: Overheads = LIVE, network: Network | None = None

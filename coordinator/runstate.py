@@ -97,9 +97,10 @@ class RunState:
     def next_epoch(self, plan: Assignment) -> None:
         """The plan changes: a new epoch, whose stages are yet to be set up. The peers'
         compute per step starts again (each now runs other operators, or is dealt other
-        micro-batches), and so does the step breakdown where the cut moved (a stage's
-        number names other operators)."""
-        if self.plan is None or plan.cut != self.plan.cut:
+        micro-batches), and so does the step breakdown where the cut or a stage's replica
+        count changed (a stage's number names other operators, or its peers do other work)."""
+        sizes = [len(g) for g in plan.stages]
+        if self.plan is None or plan.cut != self.plan.cut or sizes != [len(g) for g in self.plan.stages]:
             self.breakdown = StepBreakdown()
         self.plan, self.epoch, self.dispatched, self.repriced = plan, self.epoch + 1, False, None
         self.compute = {}

@@ -3,6 +3,7 @@ across each stage boundary and the estimator's prediction next to what ran."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from typing import Any
 
@@ -85,6 +86,8 @@ def delivered_step(costs: DagCosts, st: RunState, adverts: dict[str, Advert], mi
     peers = [p for group in plan.groups for p in group]
     if any(p not in adverts or not st.compute.get(p) for p in peers):
         return None
+    if len(st.codecs) == len(plan.cut):  # the codecs its links run
+        plan = dataclasses.replace(plan, codecs=list(st.codecs))
     live = [adverts[p] for p in peers]
     own = run_overheads(st.breakdown.means_ms(), costs, plan, micro_batches)  # as the checks price the plan
     profiles = {a.peer_id: live_profile(a, own) for a in live}

@@ -56,7 +56,7 @@ def add_testbed_commands(sub: argparse._SubParsersAction) -> None:
         type=_compression,
         default="none",
         metavar="none|auto",
-        help="codecs on the stage boundaries: none, or auto (slow links get the mildest codec that keeps up)",
+        help="codecs on the stage boundaries: none, or auto (slow links get fp16 or int8, the mildest that keeps up)",
     )
     r.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     r.add_argument(

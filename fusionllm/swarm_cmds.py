@@ -51,11 +51,19 @@ def _in_a_child(signum: int) -> bool:
 
 def _shutting_down(signum: int, frame: Any) -> None:
     """A signal while the event loop shuts down after the command has its exit code (a
-    demo stops its peers as their runs end): ignored, the loop's shutdown goes on and the
-    process ends with that code (within ``EXIT_GRACE_S`` however it goes). Raised as
+    demo stops its peers as their runs end): the first is ignored, the loop's shutdown
+    goes on and the process ends with that code (within ``EXIT_GRACE_S`` however it
+    goes); a second (Ctrl-C again) ends it at once with that code. Raised as
     KeyboardInterrupt there, it stopped uvloop's executor shutdown half way, and a
     thread's traceback went into the peer's log."""
-    _in_a_child(signum)
+    if _in_a_child(signum):
+        return
+    if _signalled_in_shutdown:
+        os._exit(_ended[0])
+    _signalled_in_shutdown.append(signum)
+
+
+_signalled_in_shutdown: list[int] = []
 
 
 async def _bounded(coro: Coroutine[Any, Any, int]) -> int:
@@ -71,6 +79,7 @@ async def _bounded(coro: Coroutine[Any, Any, int]) -> int:
         raise
     finally:
         exit_within(code)
+        _ended[0] = code
         if os.getpid() == _command_pid:  # run_async's own process, on its main thread
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, _shutting_down)
@@ -164,8 +173,9 @@ def _summary(summary: Any, save: str | None) -> str:
         )
         if est.get("repriced_at_step") is not None:
             lines.append(
-                f"estimator: that prediction is the plan's price at step {est['repriced_at_step']} on the speeds the "
-                f"swarm measured (a rebalance check that kept it); on the peers' start-up readings it was "
+                f"estimator: that prediction is the plan's price at step {est['repriced_at_step']} on the speeds and "
+                f"fixed costs the swarm measured (a rebalance check that kept it); on the peers' start-up readings "
+                f"it was "
                 f"{est['planned_step_s'] * 1e3:.1f} ms"
             )
         if est.get("delivered_step_s"):
@@ -214,11 +224,20 @@ def _check_init(path: str | None, model: Any) -> None:
             raise UsageError(str(exc)) from None
 
 
+def _check_codec_flags(args: argparse.Namespace) -> None:
+    """A codec's pin given without its mode would be ignored: refused instead."""
+    if args.rank is not None and args.compression != "auto-lowrank":
+        raise UsageError("--rank pins the low rank of --compression auto-lowrank; give that mode too")
+    if args.topk_fraction is not None and args.compression != "adatopk":
+        raise UsageError("--topk-fraction pins the kept fraction of --compression adatopk; give that mode too")
+
+
 async def _coordinate(args: argparse.Namespace, on_ready: Any = None) -> int:
     from coordinator.config import CoordinatorConfig
     from coordinator.outcome import SwarmError
     from coordinator.swarm import Coordinator
 
+    _check_codec_flags(args)
     job = job_from_args(args)
     model = job.checked_model()  # fails early on a bad model or data
     _check_init(job.init, model)

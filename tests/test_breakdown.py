@@ -110,8 +110,10 @@ def test_the_table_puts_the_estimator_beside_the_medians() -> None:
 def test_a_new_plan_epoch_starts_the_breakdown_again() -> None:
     """A rebalance from four stages to two left stages 2 and 3's windows of the old plan
     in the demo's summary, and their few windows set the steps the coordinator's mean
-    covered: a new cut starts the breakdown again (a recovery on the same cut keeps
-    it), and every new epoch the peers' compute per step."""
+    covered: a new cut starts the breakdown again, and so does a replica fewer on the
+    same cut (each replica's calls and bytes change: the fitted fixed costs read the
+    windows against the new plan); a new epoch of the same shape keeps it. Every new
+    epoch starts the peers' compute per step again."""
     from coordinator.assign import Assignment
     from coordinator.runstate import RunState
     from protocol.model.graph import Cut
@@ -125,8 +127,10 @@ def test_a_new_plan_epoch_starts_the_breakdown_again() -> None:
     assert list(st.breakdown.means_ms()) == [0] and st.breakdown.means_ms()[0]["forward"] == 20.0
     assert st.compute == {}  # a peer's compute per step was of its old stage
     st.compute = {"a": [0.03]}
-    st.next_epoch(Assignment(Cut((3,)), [["a"], ["b"]]))  # a recovery: the same cut, a replica fewer
+    st.next_epoch(Assignment(Cut((3,)), [["a"], ["c", "d"]]))  # the same cut and replica counts
     assert list(st.breakdown.means_ms()) == [0] and st.compute == {}
+    st.next_epoch(Assignment(Cut((3,)), [["a"], ["c"]]))  # a recovery: the same cut, a replica fewer
+    assert list(st.breakdown.means_ms()) == []
 
 
 def _stage_lines(out: str) -> dict[int, tuple[float, float]]:

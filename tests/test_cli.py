@@ -74,6 +74,8 @@ def test_inspect_json_and_text(cli) -> None:
         (["demo", "--topk-fraction", "1.5"], "1.5 is not in (0, 1]"),
         (["demo", "--rank", "0"], "0 is not in [1, 65536]"),
         (["demo", "--rank", "2.5"], "'2.5' is not a whole number"),
+        (["demo", "--compression", "auto", "--rank", "8"], "--rank pins the low rank of --compression auto-lowrank"),
+        (["demo", "--topk-fraction", "0.2"], "--topk-fraction pins the kept fraction of --compression adatopk"),
         (["demo", "--link-mbps", "10,fast"], "is not a comma-separated list of Mbit/s"),
         (["demo", "--link-mbps", "10,-1"], "rates must be finite and at least 0"),
         (["demo", "--peers", "3", "--link-mbps", "10"], "--link-mbps gives 1 rates for 2 stage boundaries"),

@@ -118,7 +118,7 @@ def test_a_rebalance_checks_price_of_the_kept_plan_is_the_prediction_printed() -
     assert [s["predicted_ms"] for s in est["stages"]] == [round(x * 1e3, 3) for x in again.stage_s]
     assert est["repriced_at_step"] == 25 and est["planned_step_s"] == round(planned.iteration_s, 5)
     lines = _printed(est)
-    assert lines[1].startswith("estimator: that prediction is the plan's price at step 25 on the speeds the swarm")
+    assert lines[1].startswith("estimator: that prediction is the plan's price at step 25 on the speeds and fixed")
     assert lines[1].endswith(f"it was {planned.iteration_s * 1e3:.1f} ms")
     st.next_epoch(st.plan)
     assert st.repriced is None and estimate(st, MB)["predicted_step_s"] == round(planned.iteration_s, 5)

@@ -99,3 +99,27 @@ def test_the_live_plan_under_auto_carries_the_codecs_the_planner_priced() -> Non
             dag, auto, specs, measured, {a.peer_id: a for a in ads}, "auto", None, None, 4, said.append
         )
         assert codecs == [codec] and how in said[-1]
+
+
+def test_a_pinned_rank_reaches_the_plan_and_the_links() -> None:
+    """``--compression auto-lowrank --rank 3`` on links too slow for int8: the planner
+    prices rank 3 and the live swarm runs it (the rank was dropped when the planner's
+    codecs became the ones that run); ``auto`` keeps int8 there."""
+    from coordinator.assign import assign
+    from coordinator.links import boundary_specs, live_codecs
+    from coordinator.opdag import build_opdag
+    from protocol.model.job import JobSpec
+    from protocol.wire.messages import Advert
+
+    job = JobSpec(model="gpt", model_args="n_layer=2,n_embd=64,n_head=4")
+    dag = build_opdag(job.build_model(), job.first_micro_batch())
+    ads = [Advert(p, [], "cpu", 1e12, 1 << 30, 0.05, 0.05, "2", 1, 0.0) for p in ("a", "b")]
+    pinned = assign(dag, ads, num_stages=2, compression="auto-lowrank", rank=3)
+    assert pinned.plan is not None and pinned.plan.codecs[0].name == "lowrank" and pinned.plan.codecs[0].rank == 3
+    specs = boundary_specs(job.build_model(), pinned.cut, job.first_micro_batch())
+    measured = {"a": {"b": 0.05}, "b": {"a": 0.05}}
+    adverts = {a.peer_id: a for a in ads}
+    codecs, _ = live_codecs(dag, pinned, specs, measured, adverts, "auto-lowrank", None, 3, 4)
+    assert codecs == pinned.plan.codecs
+    accurate = assign(dag, ads, num_stages=2, compression="auto")
+    assert accurate.plan is not None and accurate.plan.codecs == [Codec("int8")]
