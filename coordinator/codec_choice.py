@@ -23,11 +23,12 @@ from protocol.wire.codecs import Codec, matrix_shape
 MIN_FRACTION = 0.1  # lower fractions made the demo GPT diverge (3% kept: val loss 6.0 after 300 steps)
 #: ``auto-lowrank`` never sends activations at a lower rank than this
 MIN_RANK = 8  # rank 8 of 128 kept the demo GPT within 1% of its uncompressed loss (4 seeds, in one process)
-#: the compression modes that pick a codec per slow edge from a ladder: ``auto`` takes only
-#: the rungs that keep a run's loss within 1% of uncompressed training (fp16, int8: the
-#: measured ``loss_ratio`` of benchmarks/convergence.py, ``coordinator/codec_steps.json``);
-#: ``auto-lowrank`` goes on to low-rank activations with 4-bit gradients, faster on the slowest
-#: links but measured 1.4% over uncompressed (300 steps of the demo GPT; 20 on the testbed)
+#: the compression modes that pick a codec per slow edge from a ladder: ``auto`` takes fp16
+#: and int8 (steps factors 1.10 and 1.09, ``coordinator/codec_steps.json``; int8's loss 0.03%
+#: over uncompressed after 20 steps on the testbed's far-lab); ``auto-lowrank`` goes on to
+#: low-rank activations with 4-bit gradients, faster on the slowest links but at a steps
+#: factor of 1.25 and 1.38% over on far-lab (the demo GPT's 300-step runs are too chaotic to
+#: rank them by loss: fp16 alone moved one seed's by 7%)
 AUTO_MODES = ("auto", "auto-lowrank")
 #: the fewest bytes each auto mode's edge ever sends, however slow its link
 STRONGEST = {

@@ -39,9 +39,8 @@ def _add_pipeline_flags(p: argparse.ArgumentParser) -> None:
         default="none",
         help="codec on the stage boundaries: none, fp16, bf16, int8, int4 (every link); adatopk (links too slow "
         "for the compute get block-wise top-k, the kept fraction from their measured bandwidth); auto (slow links "
-        "get the mildest codec that suffices, fp16 or int8: the loss stays within 1%% of uncompressed); "
-        "auto-lowrank (auto, then low-rank activations with 4-bit unbiased gradients: faster on the slowest links, "
-        "the loss measured 1.4%% higher)",
+        "get the mildest codec that suffices, fp16 or int8, accuracy first); auto-lowrank (auto, then low-rank "
+        "activations with 4-bit unbiased gradients: faster on the slowest links, at a measured cost in loss)",
     )
     g.add_argument(
         "--topk-fraction",
