@@ -292,7 +292,10 @@ def rebalance(
     faster = candidate_s < (1 - REPLAN_GAIN - doubt) * current_s
     go = faster and gain >= REBALANCE_PAYBACK * move_s
     if not faster:
-        why = f"the best plan ({candidate_s * 1e3:.1f} ms) is not {REPLAN_GAIN + doubt:.0%} faster than the current one"
+        why = (
+            f"the best plan ({candidate_s * 1e3:.1f} ms) is not {REPLAN_GAIN + doubt:.0%} faster than "
+            f"the current one ({current_s * 1e3:.1f} ms)"
+        )
     elif not go:
         why = f"saving {gain:.1f} s over {remaining_steps} steps does not pay for a {move_s:.1f} s move"
     else:

@@ -108,8 +108,11 @@ def _args(tmp_path: Path, steps: int, peers: int, model: list[str] = SMALL) -> l
 
 
 def test_a_lying_peer_is_corrected_at_the_first_check(tmp_path: Path) -> None:
-    """(b) a peer advertising 1000x its speed gets most of the model at first; the
-    first rebalance check, on measured speeds, takes that work off it. (The demo's
+    """(b) a slow peer (computing at 0.4 of the machine's speed) advertising 1000x that
+    speed gets most of the model at first; the first rebalance check, on measured
+    speeds, takes that work off it. (Slow, not only lying: three peers sharing two
+    cores, an honest-speed liar's stage is priced only 1.4-1.7x the best plan's, and CI
+    once read 1.2 at step 20 with another test busy beside it and declined. The demo's
     model, not the smallest: there each attention op is so large a share of a stage
     that the claim wins the liar only about half of the model, and the predicted gain
     of undoing that is under the 20% a move needs. The run is long enough that the
@@ -123,7 +126,7 @@ def test_a_lying_peer_is_corrected_at_the_first_check(tmp_path: Path) -> None:
     swarm = Swarm(tmp_path, _args(tmp_path, steps, 3, DEMO), peers=0)
     try:
         honest = [swarm.add_peer(i) for i in range(2)]
-        liar = swarm.add_peer(2, "--advertise-flops", "1e15")
+        liar = swarm.add_peer(2, "--advertise-flops", "1e15", "--throttle", "0.4")
         state = wait_for(swarm.url, lambda s: s["training"]["step"] >= 1, 300)
         before = _ops(state, liar)
         assert before > max(_ops(state, p) for p in honest), "the claim won it the most work"
