@@ -118,7 +118,7 @@ class StepPipeline:
         update = self._decide(step, norms)
         # the step counts from here: a peer lost now finds the survivors holding or applying it
         self._count(step, update, losses, t0, audited, batch[0].numel())
-        candidate = await self.rebalancer.check()
+        candidate = self.rebalancer.poll()
         checkpoint = self.checkpoints.due(force=candidate is not None)
         if checkpoint:
             self.scales.record(st.step)

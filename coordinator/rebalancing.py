@@ -102,6 +102,7 @@ class Rebalancer:
         self.on_event = on_event
         self.record = RebalanceRecord()
         self._costs: DagCosts | None = None
+        self._planning: asyncio.Task[tuple[Assignment, int, int] | None] | None = None  # a check planning
 
     def measure(self, sender: str, msg: StepDone) -> None:
         """A peer's effective speed from its report of one step's compute."""
@@ -171,29 +172,87 @@ class Rebalancer:
                 logger.info("peer %s changed speed for good: the doubt of earlier moves is cleared", p)
                 m.doubt = 0.0
 
-    async def check(self) -> Assignment | None:
-        """Every ``rebalance_every`` steps (a full period into the epoch, and not within
-        the cool-down after the last rebalance): the plan to move to, if any."""
+    def poll(self) -> Assignment | None:
+        """At each committed step: the plan to move to, if any. That is a revert
+        (``judge_last``) or what a check that finished planning decided; every
+        ``rebalance_every`` steps (a full period into the epoch, and not within the
+        cool-down after the last rebalance) a check starts planning beside the steps.
+        The swarm does not wait for it: a check that planned took 1.1-2.0 s on the demo,
+        and every peer waited that long for the step's commit."""
         st, every = self.st, self.every
         assert st.plan is not None
-        if not every or st.step % every:
+        if st.step >= self.job.steps:
+            self.stop()
             return None
+        found = self._collect()
+        if found is not None or not every or st.step % every:
+            return found
         self.record_levels()
-        if st.step >= self.job.steps or st.step - st.epoch_start < every:
+        if st.step - st.epoch_start < every:
             return None
         revert = self.judge_last()
         if revert is not None:
             return revert
         if st.step - self.record.last_rebalance < replan.cooldown_steps(every):
             return None
+        if self._planning is not None:
+            logger.debug("rebalance check at step %d skipped: the last one is still planning", st.step)
+            return None
         began, m, speeds = self.clock.now(), self.record, self._speeds()
         if not replan.check_affordable(began - m.checked_at, m.check_cost_s, speeds, m.checked_speeds):
             logger.debug("rebalance check at step %d skipped: no change, the last took %.2f s", st.step, m.check_cost_s)
             return None
+        self._planning = asyncio.create_task(self._timed_check(began, speeds, self._inputs()))
+        return None
+
+    async def check(self) -> Assignment | None:
+        """``poll``, and the check it started (if any) planned to its end: its decision."""
+        found = self.poll()
+        if found is not None or self._planning is None:
+            return found
+        await asyncio.wait({self._planning})
+        return self._collect()
+
+    def stop(self) -> None:
+        """The run ended (or failed): a check still planning is dropped."""
+        if self._planning is not None:
+            self._planning.cancel()
+            self._planning = None
+
+    async def _timed_check(
+        self, began: float, speeds: dict[str, float], inputs: tuple[int, int, tuple[Any, ...]]
+    ) -> tuple[Assignment, int, int] | None:
+        m = self.record
         try:
-            return await self._plan_check()
+            return await self._plan_check(*inputs)
         finally:
             m.checked_at, m.check_cost_s, m.checked_speeds = began, self.clock.now() - began, speeds
+
+    def _collect(self) -> Assignment | None:
+        """What a finished check decided: its plan, unless the swarm changed since it began."""
+        task = self._planning
+        if task is None or not task.done():
+            return None
+        self._planning = None
+        if task.cancelled() or task.exception() is not None:
+            if not task.cancelled():
+                logger.error("a rebalance check failed: %s", task.exception())
+            return None
+        found = task.result()
+        if found is None:
+            return None
+        if self._stale(*found):
+            self._said(f"rebalance check at step {found[1]}: the swarm changed while it planned")
+            return None
+        return found[0]
+
+    def _stale(self, candidate: Assignment, step: int, epoch: int) -> bool:
+        """Whether a plan checked at ``step`` of plan epoch ``epoch`` no longer applies."""
+        st = self.st
+        gone = set(st.lost) | set(self.mailbox.failed)
+        if st.epoch != epoch or st.step >= self.job.steps:
+            return True
+        return any(p in gone or p not in self.host.adverts for g in candidate.stages for p in g)
 
     def _speeds(self) -> dict[str, float]:
         """The planned and standby peers' speeds: measured, else advertised."""
@@ -205,46 +264,58 @@ class Rebalancer:
             if p in pool
         }
 
-    async def _plan_check(self) -> Assignment | None:
-        """The planning part of a check: the measured speeds, OP-Fence on them and both
-        plans priced, on a worker thread (on a thousand peers this takes seconds, and the
-        coordinator's event loop goes on serving the swarm meanwhile); then the rule."""
+    def _inputs(self) -> tuple[int, int, tuple[Any, ...]]:
+        """A check's step, plan epoch and ``_price``'s inputs, copied at the step it
+        begins (the swarm trains on while it plans): the adverts of the planned and
+        standby peers, the links, the peers behind NATs, the breakdown's means."""
         st = self.st
-        assert st.plan is not None
         standby = self.planner.standby()
         ads = [a for p, a in self.host.adverts.items() if p in st.planned or p in standby]
-        epoch, links, nat = st.epoch, dict(st.link_mbps), set(self.planner.behind_nat())
+        means = st.breakdown.means_ms()
+        return st.step, st.epoch, (ads, dict(st.link_mbps), set(self.planner.behind_nat()), means)
+
+    async def _plan_check(self, step: int, epoch: int, inputs: tuple[Any, ...]) -> tuple[Assignment, int, int] | None:
+        """The planning part of a check begun at ``step`` of plan epoch ``epoch`` on
+        ``inputs`` (``_inputs``): the measured speeds, OP-Fence on them and both plans
+        priced, on a worker thread (on a thousand peers this takes seconds, and the swarm
+        goes on training meanwhile); then the rule. The plan to move to, with the step and
+        plan epoch it was checked at."""
+        st = self.st
+        said = f"rebalance check at step {step}"
         try:
-            means = st.breakdown.means_ms()  # on the event loop, which appends to its windows
-            priced = await asyncio.to_thread(self._price, ads, links, nat, means)
-        except Exception as exc:  # no plan for these peers now: keep the current one
-            self._said(f"rebalance check at step {st.step}: no plan for the measured speeds: {exc}")
+            priced = await asyncio.to_thread(self._price, *inputs)
+        except Exception as exc:  # no plan for these peers now (or a recovery changed them): keep the current one
+            changed = st.epoch != epoch
+            self._said(
+                f"{said}: "
+                + ("the swarm changed while it planned" if changed else f"no plan for the measured speeds: {exc}")
+            )
             return None
         candidate, bare = priced.candidate, priced.bare
-        gone = set(st.lost) | set(self.mailbox.failed)
-        if st.epoch != epoch or any(p in gone or p not in self.host.adverts for g in candidate.stages for p in g):
-            self._said(f"rebalance check at step {st.step}: the swarm changed while it planned")
+        if self._stale(candidate, step, epoch):
+            self._said(f"{said}: the swarm changed while it planned")
             return None
         if priced.current is not None:  # kept unless the rule below moves: its price on what the swarm measured
-            st.repriced = (st.step, priced.current)
+            st.repriced = (step, priced.current)
         if bare is None or candidate.plan is None:
-            self._said(f"rebalance check at step {st.step}: the plan on measured speeds is the current one")
+            self._said(f"{said}: the plan on measured speeds is the current one")
             return None
         remaining, move = self.job.steps - st.step, self._move_seconds()
         gain = bare[0] / max(bare[1], 1e-12)
         undone = self.record.reverted.get(signature(candidate))
         if undone is not None and replan.still_banned(undone, gain):
-            self._said(f"rebalance check at step {st.step}: the plan on measured speeds was tried and undone")
+            self._said(f"{said}: the plan on measured speeds was tried and undone")
             return None
         damped = replan.damping([r["step"] for r in st.rebalances], st.step, self.every)
         decision = replan.rebalance(*bare, remaining, move, max(self.record.doubt, damped))
-        self._said(f"rebalance check at step {st.step}: {decision.why}")
+        self._said(f"{said}: {decision.why}")
         if not decision.go:
             return None
         # what the move must deliver is the whole step's speed-up, fixed costs included
-        self.record.why, self.record.gain = decision.why, priced.current_s / priced.candidate_s
+        self.record.why = f"checked at step {step}: {decision.why}"
+        self.record.gain = priced.current_s / priced.candidate_s
         self.record.moved_gain = gain
-        return candidate
+        return candidate, step, epoch
 
     def _said(self, text: str) -> None:
         """A rebalance check's outcome: logged, and shown on the page (its own history)."""

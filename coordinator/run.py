@@ -153,6 +153,7 @@ class Driver:
                     await self.recovery.recover(exc.lost, exc.rollback_to)
         finally:
             watcher.cancel()
+            self.rebalancer.stop()
             await self.auditor.drop()
             await self.mailbox.close(AUDIT_GRACE_S)
         await self.dispatcher.release()

@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import math
 import random
 import re
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -499,6 +501,51 @@ def test_a_rebalance_check_plans_beside_the_event_loop_and_drops_a_stale_plan(tm
     assert len(ticks) >= 10, "the loop ran while OP-Fence planned"
     checks = [e["text"] for e in host.board.state()["events"] if e["kind"] == "check"]
     assert checks == ["rebalance check at step 5: the swarm changed while it planned"], checks
+
+
+def test_the_steps_go_on_while_a_rebalance_check_plans(tmp_path: Path) -> None:
+    """A check that plans (1.1-2.0 s on the demo) no longer holds the step's commit:
+    ``poll`` starts it and returns at once, the steps after it go on, and the step after
+    it finished moves to its plan (the move says which step it was checked at). A check
+    still planning when the run ends is dropped."""
+    driver, host, st, rebalancer = _liar_measured(tmp_path)
+    real, release = driver.planner.plan, threading.Event()
+
+    def held_plan(*args: Any) -> Any:
+        assert release.wait(30), "the test released the planner"
+        return real(*args)
+
+    async def steps() -> list[Any]:
+        seen = [rebalancer.poll()]  # step 5: the check starts planning
+        for _ in range(3):  # steps 6-8 commit while it plans
+            st.step += 1
+            seen.append(rebalancer.poll())
+        release.set()
+        while rebalancer._planning is not None and not rebalancer._planning.done():
+            await asyncio.sleep(0.01)
+        st.step += 1
+        seen.append(rebalancer.poll())  # step 9: the decided move
+        return seen
+
+    with patch.object(driver.planner, "plan", held_plan):
+        seen = asyncio.run(steps())
+    assert seen[:4] == [None] * 4 and isinstance(seen[4], Assignment), seen
+    assert rebalancer.record.why.startswith("checked at step 5: "), rebalancer.record.why
+
+    async def ended() -> bool:
+        release.clear()
+        st.step = rebalancer.job.steps - 1 - (rebalancer.job.steps - 1) % 5
+        st.epoch_start, rebalancer.record.last_rebalance, rebalancer.record.checked_at = 0, -(10**9), -math.inf
+        with patch.object(driver.planner, "plan", held_plan):
+            assert rebalancer.poll() is None and rebalancer._planning is not None
+            task = rebalancer._planning
+            st.step = rebalancer.job.steps
+            assert rebalancer.poll() is None
+            await asyncio.sleep(0)
+            release.set()
+            return task.cancelled()
+
+    assert asyncio.run(ended()), "the run's end dropped the check still planning"
 
 
 def test_rebalances_that_do_not_deliver_raise_the_bar() -> None:

@@ -69,7 +69,7 @@ def test_a_peer_slowed_down_gets_less_work(tmp_path: Path) -> None:
         at, seen = state["training"]["step"], len(swarm.coord.lines)
         files[slow].write_text("0.05\n")
         swarm.peers[slow].wait_line(r"throttle: 0\.05", 10)
-        line = swarm.coord.wait_line(r"rebalanced at step (\d+): ", 300, after=seen)
+        line = swarm.coord.wait_line(r"rebalanced at step \d+: checked at step (\d+): ", 300, after=seen)
         told = [x for x in swarm.coord.lines if "rebalance" in x]
         assert int(line.group(1)) <= at + 3 * EVERY, f"re-planned within two periods (one to measure): {told}"
         epoch = state["training"]["epoch"] + 1
@@ -130,7 +130,7 @@ def test_a_lying_peer_is_corrected_at_the_first_check(tmp_path: Path) -> None:
         state = wait_for(swarm.url, lambda s: s["training"]["step"] >= 1, 300)
         before = _ops(state, liar)
         assert before > max(_ops(state, p) for p in honest), "the claim won it the most work"
-        line = swarm.coord.wait_line(r"rebalanced at step (\d+): ", 300)
+        line = swarm.coord.wait_line(r"rebalanced at step \d+: checked at step (\d+): ", 300)
         checks = [e["text"] for e in api(swarm.url)["events"] if e["kind"] == "check"]
         assert int(line.group(1)) == EVERY, ("corrected at the first check", checks, line.group(0))
         after = wait_for(swarm.url, lambda s: s["training"]["epoch"] >= 1 and s["phase"] == "training", 60)
