@@ -60,7 +60,10 @@ and 4 over-asking probes (8 and 16), each attack's write given 3 s (10), and a p
 read for 1 s past its whole answer (until the answerer closes); one pair of 50-step
 spot-check runs (five of 300); a cheater run of 15 steps of 32 micro-batches (60 of
 64). Both modes end the cheater's run
-once it is excluded."""
+once it is excluded. The short mode runs the parts that time nothing side by side, once
+the timed ones are done: the cheater's run (a step count) beside the allocation attacks
+and probes (bytes, and the benchmark's own RSS) and then the shadowing store's swarm
+(whether it trains); the full mode runs every part alone."""
 
 from __future__ import annotations
 
@@ -72,6 +75,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -243,15 +247,17 @@ def _part(name: str) -> None:
 
 def public_floods(short: bool) -> dict[str, object]:
     """The floods on a public training swarm (frames, its status page, junk DHT records)
-    and the outsider's shadowing store. ``short``: the three floods share one swarm (its
-    clean windows are measured around each flood all the same; the junk flood last, as its
-    records stay in the DHT); the full mode starts one swarm for each."""
-    from dht_attacks import public_shadow_store_trains
+    and (the full mode) the outsider's shadowing store. ``short``: the three floods share
+    one swarm (its clean windows are measured around each flood all the same; the junk
+    flood last, as its records stay in the DHT); the full mode starts one swarm for each."""
     from flooder import on_own_target
 
-    if short:
+    if short:  # its shadowing store runs beside the cheater's run (``side_by_side``)
         _part("a public swarm, for three floods")
-    out = on_own_target(_floods) if short else _floods(None)
+        return on_own_target(_floods)
+    from dht_attacks import public_shadow_store_trains
+
+    out = _floods(None)
     _part("an outsider's shadowing DHT store")
     out["public_shadow_store_trains"] = public_shadow_store_trains(short)
     return out
@@ -276,6 +282,21 @@ def _floods(shared: Any) -> dict[str, object]:
     return out
 
 
+def side_by_side(out: dict[str, object]) -> tuple[int, float, float]:
+    """(``--short``) The parts that time nothing, at once: the cheater's run (its figure
+    is the step of its exclusion) on a thread, and beside it the allocation attacks and
+    probes (bytes and this process's RSS; the swarm's processes are others) and the
+    shadowing store's swarm (whether it trains to its end); ``cheater_caught``'s figures."""
+    from dht_attacks import public_shadow_store_trains
+
+    with ThreadPoolExecutor(1) as pool:
+        _part("a cheater, beside the allocation attacks and the shadowing DHT store")
+        cheater = pool.submit(cheater_caught, True)
+        out.update(asyncio.run(_attacks(True)))
+        out["public_shadow_store_trains"] = public_shadow_store_trains(True)
+        return cheater.result()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--short", action="store_true", help="smaller runs, for the test suite")
@@ -285,13 +306,17 @@ def main() -> None:
     out = public_floods(short)
     _part("a hello flood on a private swarm")
     out.update(hello_flood_cpu(short))
-    _part("allocation attacks and probes")
-    out.update(asyncio.run(_attacks(short)))
+    if not short:
+        _part("allocation attacks and probes")
+        out.update(asyncio.run(_attacks(short)))
     t0 = time.perf_counter()
     _part("spot-check overhead")
     out.update(spot_check_overhead(short))
-    _part("a cheater")
-    step, alive, gradients_only = cheater_caught(short)
+    if short:
+        step, alive, gradients_only = side_by_side(out)
+    else:
+        _part("a cheater")
+        step, alive, gradients_only = cheater_caught(short)
     _part("done")
     out["cheater_caught_within_steps"] = step
     out["cheater_survival_20_steps"] = round(alive, 4)
