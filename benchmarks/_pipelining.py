@@ -47,7 +47,7 @@ RANK_TIMEOUT_S = 600.0
 
 @dataclass(frozen=True)
 class PipeliningResult:
-    tokens_per_s: float  # tokens over the sum of the steps' times, as the swarm's summary counts them
+    tokens_per_s: float  # tokens over the sum of the steps' times (they tile the run), as the swarm counts
     median_step_ms: float
     steps: int
     losses: list[float]  # each step's loss, the mean over its micro-batches (as the swarm's)

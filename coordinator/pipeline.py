@@ -76,6 +76,7 @@ class StepPipeline:
         self._done_at: dict[str, float] = {}  # when each peer's last StepDone came (clock seconds)
         self._fed: tuple[int, int, tuple[torch.Tensor, ...]] | None = None  # (epoch, step, batch) fed ahead
         self._feeding: asyncio.Task[None] | None = None
+        self._counted: tuple[tuple[int, int], float] = ((-1, -1), 0.0)  # the last step counted: (epoch, step), when
 
     def _batch(self, step: int) -> tuple[torch.Tensor, ...]:
         """Batch ``step`` of the deterministic data stream (after a resume or a rollback, the
@@ -92,7 +93,9 @@ class StepPipeline:
         (spot checks, a checkpoint, an evaluation, a rebalance)."""
         st = self.st
         assert st.plan is not None
-        step, t0 = st.step, self.clock.now()
+        # the steps of an epoch tile the run's time: each from the previous one's count,
+        # so its commit, a check, an evaluation or a spot check's start are in the next
+        step, t0 = st.step, self._counted[1] if self._counted[0] == (st.epoch, st.step - 1) else self.clock.now()
         audited = self.auditor.under_way  # the last step's spot checks run in this one's time
         fed, self._fed = self._fed, None
         if fed is not None and fed[:2] == (st.epoch, step):
@@ -177,7 +180,9 @@ class StepPipeline:
         self.scales.commit(st.step, update)
         st.losses.append(loss)
         self.run_dir.record_loss(step, loss)
-        seconds = self.clock.now() - began
+        now = self.clock.now()
+        seconds = now - began
+        self._counted = ((st.epoch, step), now)
         st.step_seconds.append(seconds)
         st.audited.append(audited)
         st.tokens += tokens

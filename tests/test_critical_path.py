@@ -98,3 +98,31 @@ def test_losses_are_recorded_unsynced_and_kept_and_the_rest_stays_synced(tmp_pat
     again = RunDir(tmp_path / "run").open()
     assert again.losses() == [1.5, 2.5, 3.5]
     again.close()
+
+
+def test_the_steps_of_an_epoch_tile_the_runs_time(tmp_path: Path) -> None:
+    """Each step's seconds run from the previous step's count (its commit, a rebalance
+    check or an evaluation after it are in the next step's time, as a pipelining loop's
+    iterations follow each other), so tokens/s is over the time the run took."""
+
+    async def go() -> list[float]:
+        driver = _plain_driver(tmp_path)
+        clock = driver.pipeline.clock
+        real_commit = driver.pipeline._commit
+
+        async def slow_commit(*args: object) -> None:
+            await real_commit(*args)  # type: ignore[arg-type]
+            clock._now += 0.25  # type: ignore[attr-defined]  # what follows the count took a quarter second
+
+        driver.pipeline._commit = slow_commit  # type: ignore[method-assign]
+        for step in range(2):
+            task = asyncio.ensure_future(driver.pipeline.step())
+            for _ in range(50):
+                await asyncio.sleep(0)
+            clock._now += 0.5  # type: ignore[attr-defined]  # the step's own compute
+            await _put(driver, _inbound("p0", StepDone("r", step, 1, 0, MBS)))
+            await _put(driver, _inbound("p1", StepDone("r", step, 0, 0)))
+            await task
+        return driver.st.step_seconds
+
+    assert asyncio.run(go()) == pytest.approx([0.5, 0.75])
