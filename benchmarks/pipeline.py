@@ -21,7 +21,8 @@ run's summary).
 4, 8 training steps instead of 60 (the anchor's pipelining too, on the 2
 peers' cut) and 16 MiB messages instead of 64 MiB (still
 above the lane threshold, so they travel over parallel streams); the
-``*_64mib_*`` keys then hold the 16 MiB figures.
+``*_64mib_*`` keys then hold the 16 MiB figures. The recipes' swarms run at once
+there (``recipe_runs``): their ratios then say only that each recipe trains.
 
 RAD against TCP, on the event loop the peers run (uvloop): rounds of one 64 MiB
 transfer of each, back to back (in turn RAD first and TCP first), after a round that
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import faulthandler
 import itertools
@@ -113,6 +115,22 @@ def swarm_run(sizes: Sizes, flags: list[str]) -> SwarmRun:
         [int(x) for x in cut.group(1).split(",") if x.strip()],
         step_breakdown(out),
     )
+
+
+def recipe_runs(sizes: Sizes, together: bool) -> dict[str, SwarmRun]:
+    """``swarm_run`` of each recipe and of ``CODE``: one after another, or (``together``,
+    the short mode, whose ratios are checked only for their order of magnitude) all at
+    once, their start-ups overlapping (each swarm's start-up is most of an 8-step run)."""
+    todo = {**RECIPES, "code": CODE}
+    if together:
+        with concurrent.futures.ThreadPoolExecutor(len(todo)) as pool:
+            futures = {name: pool.submit(swarm_run, sizes, flags) for name, flags in todo.items()}
+            runs = {name: f.result() for name, f in futures.items()}
+    else:
+        runs = {name: swarm_run(sizes, flags) for name, flags in todo.items()}
+    for name, run in runs.items():
+        logger.info("%s swarm: %s", name, run)
+    return runs
 
 
 def step_breakdown(summary: str) -> dict[str, dict[str, float]]:
@@ -352,10 +370,7 @@ def main() -> None:
     unchecked = swarm_run(sizes, UNCHECKED)
     logger.info("unchecked swarm: %s", unchecked)
     anchor = _anchor(unchecked.cut, sizes.steps, args.short)
-    runs = {"unchecked": unchecked}
-    for name, flags in {**RECIPES, "code": CODE}.items():
-        runs[name] = swarm_run(sizes, flags)
-        logger.info("%s swarm: %s", name, runs[name])
+    runs = {"unchecked": unchecked, **recipe_runs(sizes, together=args.short)}
     swarm = runs["fp32"].tokens_per_s
     ms = {name: run.median_step_ms for name, run in runs.items()}
     staged = staged_step_ms(sizes)
