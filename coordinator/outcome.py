@@ -41,6 +41,8 @@ class RunSummary:
     checkpoint_s: list[float] = field(default_factory=list)  # seconds each checkpoint write took
     step_seconds: list[float] = field(default_factory=list)
     rebalances: list[dict[str, Any]] = field(default_factory=list)  # step, why, what moved, tokens/s before
+    checks_planned: int = 0  # rebalance checks that planned, beside the steps
+    check_planning_s: float = 0.0  # how long they planned, in all
     val_losses: list[tuple[int, float]] = field(default_factory=list)  # (steps done, validation loss)
     spot_checks: int = 0  # micro-batches re-executed by another replica
     audit_wait_s: float = 0.0  # seconds commits waited for spot checks still under way

@@ -222,11 +222,12 @@ class Rebalancer:
     async def _timed_check(
         self, began: float, speeds: dict[str, float], inputs: tuple[int, int, tuple[Any, ...]]
     ) -> tuple[Assignment, int, int] | None:
-        m = self.record
+        m, st = self.record, self.st
         try:
             return await self._plan_check(*inputs)
         finally:
             m.checked_at, m.check_cost_s, m.checked_speeds = began, self.clock.now() - began, speeds
+            st.checks_planned, st.check_planning_s = st.checks_planned + 1, st.check_planning_s + m.check_cost_s
 
     def _collect(self) -> Assignment | None:
         """What a finished check decided: its plan, unless the swarm changed since it began."""

@@ -77,6 +77,8 @@ class RunState:
     audit_compute_s: float = 0.0  # the peers' compute on spot checks (as they report it)
     train_compute_s: float = 0.0  # the peers' compute on training steps (as they report it)
     rebalances: list[dict[str, Any]] = field(default_factory=list)
+    checks_planned: int = 0  # rebalance checks that planned (beside the steps)
+    check_planning_s: float = 0.0  # how long they planned, in all
     breakdown: StepBreakdown = field(default_factory=StepBreakdown)  # where the peers' step time goes, per stage
     # the last rebalance check's price of the current plan on the speeds the swarm
     # measured, where the check kept it: (the step it was made at, the plan priced)

@@ -53,6 +53,8 @@ def summarize(
         checkpoint_s=list(st.checkpoint_s),
         step_seconds=list(st.step_seconds),
         rebalances=list(st.rebalances),
+        checks_planned=st.checks_planned,
+        check_planning_s=st.check_planning_s,
         val_losses=list(st.val_losses),
         spot_checks=st.spot_checks,
         audit_wait_s=st.audit_wait_s,

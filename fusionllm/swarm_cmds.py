@@ -144,7 +144,9 @@ def _summary(summary: Any, save: str | None) -> str:
         f"in {summary.seconds:.0f} s, {summary.tokens / max(summary.seconds, 1e-9):,.0f} tokens/s",
         f"cut {summary.assignment.cut.to_list()}",
         f"{len(summary.checkpoint_s)} checkpoints, {summary.epochs} plan epochs, {summary.failures} peers lost, "
-        f"{summary.steps_redone} steps redone, {len(summary.rebalances)} rebalances, {summary.spot_checks} spot checks "
+        f"{summary.steps_redone} steps redone, {len(summary.rebalances)} rebalances (checks that planned: "
+        f"{summary.checks_planned}, for {summary.check_planning_s:.1f} s beside the steps), "
+        f"{summary.spot_checks} spot checks "
         f"({summary.audit_share:.1%} of the peers' training compute; commits waited "
         f"{summary.audit_wait_s:.1f} s for them{_check_cost(summary.check_overhead)})",
     ]

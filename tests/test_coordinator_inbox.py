@@ -531,6 +531,7 @@ def test_the_steps_go_on_while_a_rebalance_check_plans(tmp_path: Path) -> None:
         seen = asyncio.run(steps())
     assert seen[:4] == [None] * 4 and isinstance(seen[4], Assignment), seen
     assert rebalancer.record.why.startswith("checked at step 5: "), rebalancer.record.why
+    assert st.checks_planned == 1 and st.check_planning_s >= 0  # the summary says what checks cost
 
     async def ended() -> bool:
         release.clear()
