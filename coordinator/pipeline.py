@@ -93,9 +93,10 @@ class StepPipeline:
         (spot checks, a checkpoint, an evaluation, a rebalance)."""
         st = self.st
         assert st.plan is not None
-        # the steps of an epoch tile the run's time: each from the previous one's count,
-        # so its commit, a check, an evaluation or a spot check's start are in the next
-        step, t0 = st.step, self._counted[1] if self._counted[0] == (st.epoch, st.step - 1) else self.clock.now()
+        # the steps of an epoch tile the run's training time: each from the previous one's
+        # count, so its commit and a spot check's start are in the next (an evaluation is not)
+        began = self.clock.now()
+        step, t0 = st.step, self._counted[1] if self._counted[0] == (st.epoch, st.step - 1) else began
         audited = self.auditor.under_way  # the last step's spot checks run in this one's time
         fed, self._fed = self._fed, None
         if fed is not None and fed[:2] == (st.epoch, step):
@@ -104,7 +105,7 @@ class StepPipeline:
             batch = self._batch(step)
             await self._feed(step, split_batch(batch, self.job.micro_batches))
         try:
-            losses, norms = await self.await_done(step, self.job.micro_batches, t0)
+            losses, norms = await self.await_done(step, self.job.micro_batches, began)
         except BaseException:
             if self._feeding is not None:  # the step failed: what follows it is fed anew
                 self._feeding.cancel()
@@ -129,8 +130,11 @@ class StepPipeline:
         await self._commit(step, update, checkpoint, evaluate, checks)
         if checks:
             self.auditor.start(step, checks, self.mb_losses)
-        if evaluate:
+        if evaluate:  # validation is not training: out of the steps' time, as a move's set-up is
+            evaluated = self.clock.now()
             await self.evaluate(step)
+            (key, at), spent = self._counted, self.clock.now() - evaluated
+            self._counted = (key, at + spent)
         if candidate is not None:
             await self.rebalancer.move_to(candidate)
 

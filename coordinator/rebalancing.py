@@ -44,6 +44,7 @@ class RebalanceRecord:
     levels: dict[str, list[float | None]] = dataclasses.field(default_factory=dict)  # peer -> speed at each check
     levels_epoch: int = -1  # the plan epoch of the last check that recorded levels
     last_rebalance: int = -(10**9)  # the step of the last rebalance
+    before_tokens_per_s: float | None = None  # the decided rebalance's tokens/s before it (its check's)
     why: str = ""  # why the decided rebalance moves
     gain: float = 1.0  # the speed-up the decided rebalance predicts (current / candidate step time)
     doubt: float = 0.0  # what the next rebalance must gain on top of REPLAN_GAIN (replan.next_doubt)
@@ -55,6 +56,23 @@ class RebalanceRecord:
     checked_at: float = -math.inf  # when the last check that planned began (clock seconds)
     check_cost_s: float = 0.0  # how long it planned (``replan.check_affordable``)
     checked_speeds: dict[str, float] = dataclasses.field(default_factory=dict)  # the speeds it planned on
+
+
+@dataclasses.dataclass(frozen=True)
+class Decided:
+    """A check's decision to move, kept until it is collected at a later step (and
+    dropped there if the swarm changed since): the plan, the step and plan epoch it was
+    checked at, why it moves, the speed-up it must deliver (fixed costs included), the
+    speed-up it was decided on (both plans priced bare) and the tokens/s before it
+    (the steps up to the check's, not those it planned beside)."""
+
+    candidate: Assignment
+    step: int
+    epoch: int
+    why: str
+    gain: float
+    moved_gain: float
+    tokens_per_s: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +120,7 @@ class Rebalancer:
         self.on_event = on_event
         self.record = RebalanceRecord()
         self._costs: DagCosts | None = None
-        self._planning: asyncio.Task[tuple[Assignment, int, int] | None] | None = None  # a check planning
+        self._planning: asyncio.Task[Decided | None] | None = None  # a check planning
 
     def measure(self, sender: str, msg: StepDone) -> None:
         """A peer's effective speed from its report of one step's compute."""
@@ -185,11 +203,11 @@ class Rebalancer:
             self.stop()
             return None
         found = self._collect()
-        if found is not None or not every or st.step % every:
+        if not every or st.step % every:
             return found
         self.record_levels()
-        if st.step - st.epoch_start < every:
-            return None
+        if found is not None or st.step - st.epoch_start < every:
+            return found
         revert = self.judge_last()
         if revert is not None:
             return revert
@@ -214,20 +232,23 @@ class Rebalancer:
         return self._collect()
 
     def stop(self) -> None:
-        """The run ended (or failed): a check still planning is dropped."""
-        if self._planning is not None:
-            self._planning.cancel()
-            self._planning = None
+        """The run ended or failed, or peers were lost: a check still planning is dropped
+        (its thread runs to its end; what it finds is not used)."""
+        task, self._planning = self._planning, None
+        if task is None:
+            return
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            logger.error("a rebalance check failed: %s", task.exception())
+        task.cancel()
 
     async def _timed_check(
-        self, began: float, speeds: dict[str, float], inputs: tuple[int, int, tuple[Any, ...]]
-    ) -> tuple[Assignment, int, int] | None:
+        self, began: float, speeds: dict[str, float], inputs: tuple[int, int, float, tuple[Any, ...]]
+    ) -> Decided | None:
         m, st = self.record, self.st
-        try:
-            return await self._plan_check(*inputs)
-        finally:
-            m.checked_at, m.check_cost_s, m.checked_speeds = began, self.clock.now() - began, speeds
-            st.checks_planned, st.check_planning_s = st.checks_planned + 1, st.check_planning_s + m.check_cost_s
+        found = await self._plan_check(*inputs)  # a check dropped (``stop``) is not counted
+        m.checked_at, m.check_cost_s, m.checked_speeds = began, self.clock.now() - began, speeds
+        st.checks_planned, st.check_planning_s = st.checks_planned + 1, st.check_planning_s + m.check_cost_s
+        return found
 
     def _collect(self) -> Assignment | None:
         """What a finished check decided: its plan, unless the swarm changed since it began."""
@@ -242,10 +263,12 @@ class Rebalancer:
         found = task.result()
         if found is None:
             return None
-        if self._stale(*found):
-            self._said(f"rebalance check at step {found[1]}: the swarm changed while it planned")
+        if self._stale(found.candidate, found.step, found.epoch):
+            self._said(f"rebalance check at step {found.step}: the swarm changed while it planned")
             return None
-        return found[0]
+        m = self.record
+        m.why, m.gain, m.moved_gain, m.before_tokens_per_s = found.why, found.gain, found.moved_gain, found.tokens_per_s
+        return found.candidate
 
     def _stale(self, candidate: Assignment, step: int, epoch: int) -> bool:
         """Whether a plan checked at ``step`` of plan epoch ``epoch`` no longer applies."""
@@ -265,17 +288,18 @@ class Rebalancer:
             if p in pool
         }
 
-    def _inputs(self) -> tuple[int, int, tuple[Any, ...]]:
-        """A check's step, plan epoch and ``_price``'s inputs, copied at the step it
-        begins (the swarm trains on while it plans): the adverts of the planned and
-        standby peers, the links, the peers behind NATs, the breakdown's means."""
+    def _inputs(self) -> tuple[int, int, float, tuple[Any, ...]]:
+        """A check's step, plan epoch, tokens/s so far and ``_price``'s inputs, copied at
+        the step it begins (the swarm trains on while it plans): the adverts of the
+        planned and standby peers, the links, the peers behind NATs, the breakdown's means."""
         st = self.st
         standby = self.planner.standby()
         ads = [a for p, a in self.host.adverts.items() if p in st.planned or p in standby]
         means = st.breakdown.means_ms()
-        return st.step, st.epoch, (ads, dict(st.link_mbps), set(self.planner.behind_nat()), means)
+        inputs = (ads, dict(st.link_mbps), set(self.planner.behind_nat()), means)
+        return st.step, st.epoch, self.tokens_per_s(), inputs
 
-    async def _plan_check(self, step: int, epoch: int, inputs: tuple[Any, ...]) -> tuple[Assignment, int, int] | None:
+    async def _plan_check(self, step: int, epoch: int, before: float, inputs: tuple[Any, ...]) -> Decided | None:
         """The planning part of a check begun at ``step`` of plan epoch ``epoch`` on
         ``inputs`` (``_inputs``): the measured speeds, OP-Fence on them and both plans
         priced, on a worker thread (on a thousand peers this takes seconds, and the swarm
@@ -313,10 +337,8 @@ class Rebalancer:
         if not decision.go:
             return None
         # what the move must deliver is the whole step's speed-up, fixed costs included
-        self.record.why = f"checked at step {step}: {decision.why}"
-        self.record.gain = priced.current_s / priced.candidate_s
-        self.record.moved_gain = gain
-        return candidate, step, epoch
+        why, must = f"checked at step {step}: {decision.why}", priced.current_s / priced.candidate_s
+        return Decided(candidate, step, epoch, why, must, gain, before)
 
     def _said(self, text: str) -> None:
         """A rebalance check's outcome: logged, and shown on the page (its own history)."""
@@ -423,9 +445,12 @@ class Rebalancer:
         ckpts = self.checkpoints
         await self.mailbox.next((), set(), until=lambda: ckpts.latest is not None and ckpts.latest.step == st.step)
         await self.auditor.settled()  # the old plan's peers hold what its spot checks need
-        before = self.tokens_per_s()
-        moved = _moves(st.plan, candidate)
         revert = candidate is m.before
+        # a checked move's tokens/s before it are those up to its check: not the steps
+        # it planned beside, which shared the coordinator's and the peers' cores with it
+        before = m.before_tokens_per_s if m.before_tokens_per_s is not None and not revert else self.tokens_per_s()
+        m.before_tokens_per_s = None
+        moved = _moves(st.plan, candidate)
         text = f"rebalanced at step {st.step}: {m.why}; {moved}; {before:,.0f} tokens/s before"
         self.host.board.event("rebalance", text)
         self.on_event(f"epoch {st.epoch + 1}: {text}")

@@ -62,6 +62,7 @@ class Recovery:
         self._drop(lost)
         self.host.gate.epoch = st.epoch + 1  # frames of the ending epoch are stale from now on
         self.rebalancer.supersede()
+        self.rebalancer.stop()  # a check planning for the old peers: dropped, not collected later
         await self.planner.refresh_adverts()
         rec = replan.recover(st.plan.stages, set(st.lost), self.planner.standby())
         for p in self.mailbox.rejoined & set(st.lost):

@@ -506,10 +506,12 @@ def test_a_rebalance_check_plans_beside_the_event_loop_and_drops_a_stale_plan(tm
 def test_the_steps_go_on_while_a_rebalance_check_plans(tmp_path: Path) -> None:
     """A check that plans (1.1-2.0 s on the demo) no longer holds the step's commit:
     ``poll`` starts it and returns at once, the steps after it go on, and the step after
-    it finished moves to its plan (the move says which step it was checked at). A check
-    still planning when the run ends is dropped."""
+    it finished moves to its plan (the move says which step it was checked at), with the
+    tokens/s up to its check as the "before" it is judged on, not the steps it planned
+    beside. A check still planning when the run ends is dropped, and not counted."""
     driver, host, st, rebalancer = _liar_measured(tmp_path)
     real, release = driver.planner.plan, threading.Event()
+    st.tokens_per_step, st.step_seconds = 100, [0.1] * 10  # 1,000 tokens/s up to the check
 
     def held_plan(*args: Any) -> Any:
         assert release.wait(30), "the test released the planner"
@@ -517,8 +519,9 @@ def test_the_steps_go_on_while_a_rebalance_check_plans(tmp_path: Path) -> None:
 
     async def steps() -> list[Any]:
         seen = [rebalancer.poll()]  # step 5: the check starts planning
-        for _ in range(3):  # steps 6-8 commit while it plans
+        for _ in range(3):  # steps 6-8 commit while it plans (slower: it shares their cores)
             st.step += 1
+            st.step_seconds.append(0.5)
             seen.append(rebalancer.poll())
         release.set()
         while rebalancer._planning is not None and not rebalancer._planning.done():
@@ -532,6 +535,7 @@ def test_the_steps_go_on_while_a_rebalance_check_plans(tmp_path: Path) -> None:
     assert seen[:4] == [None] * 4 and isinstance(seen[4], Assignment), seen
     assert rebalancer.record.why.startswith("checked at step 5: "), rebalancer.record.why
     assert st.checks_planned == 1 and st.check_planning_s >= 0  # the summary says what checks cost
+    assert rebalancer.record.before_tokens_per_s == pytest.approx(1000)
 
     async def ended() -> bool:
         release.clear()
@@ -547,6 +551,7 @@ def test_the_steps_go_on_while_a_rebalance_check_plans(tmp_path: Path) -> None:
             return task.cancelled()
 
     assert asyncio.run(ended()), "the run's end dropped the check still planning"
+    assert st.checks_planned == 1, "a dropped check is not counted as one that planned"
 
 
 def test_rebalances_that_do_not_deliver_raise_the_bar() -> None:

@@ -11,7 +11,9 @@ host, transport and clock)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
+from unittest.mock import patch
 
 import pytest
 
@@ -126,3 +128,30 @@ def test_the_steps_of_an_epoch_tile_the_runs_time(tmp_path: Path) -> None:
         return driver.st.step_seconds
 
     assert asyncio.run(go()) == pytest.approx([0.5, 0.75])
+
+
+def test_an_evaluation_is_not_in_the_steps_time(tmp_path: Path) -> None:
+    """Validation is not training: in the next step's seconds it made one step look
+    slow, and a rebalance judged on the steps around it could be undone for nothing."""
+
+    async def go() -> list[float]:
+        driver = _plain_driver(tmp_path)
+        pipe, clock = driver.pipeline, driver.pipeline.clock
+        pipe.job = dataclasses.replace(pipe.job, eval_every=1)
+
+        async def evaluate(step: int) -> None:
+            clock._now += 1.0  # type: ignore[attr-defined]  # a validation pass of a second
+
+        pipe.evaluate = evaluate  # type: ignore[method-assign]
+        with patch.object(driver.stages, "eval_micro_batches", lambda specs: [None]):
+            for step in range(2):
+                task = asyncio.ensure_future(pipe.step())
+                for _ in range(50):
+                    await asyncio.sleep(0)
+                clock._now += 0.5  # type: ignore[attr-defined]
+                await _put(driver, _inbound("p0", StepDone("r", step, 1, 0, MBS)))
+                await _put(driver, _inbound("p1", StepDone("r", step, 0, 0)))
+                await task
+        return driver.st.step_seconds
+
+    assert asyncio.run(go()) == pytest.approx([0.5, 0.5])
