@@ -5,14 +5,13 @@ torch, numpy or hivemind here: parsing must answer at once."""
 from __future__ import annotations
 
 import argparse
-import math
 import os
 from pathlib import Path
 
 from coordinator.plan_options import SCHEDULERS
 from fusionllm.usage import positive_int
 from protocol.model.options import RecipeError, parse_betas
-from protocol.trust.admission import MAX_CERT_TTL_S, min_cert_ttl
+from protocol.trust.admission import MAX_CERT_TTL_S, MIN_CERT_TTL_S
 
 #: what ``--compression`` takes on a live swarm (``demo``, ``coordinator``)
 COMPRESSION_MODES = ("none", "fp16", "bf16", "int8", "int4", "adatopk", "auto", "auto-lowrank")
@@ -68,7 +67,7 @@ def port(text: str) -> int:
 
 
 def cert_ttl(text: str) -> int:
-    low, high = math.ceil(min_cert_ttl()), int(MAX_CERT_TTL_S)  # the minimum as the environment says now
+    low, high = int(MIN_CERT_TTL_S), int(MAX_CERT_TTL_S)
     return whole(text, low, high, "a whole number of seconds", f"between {low} and {high} seconds")
 
 

@@ -6,7 +6,6 @@ rotates the token from the run directory while the run goes on."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import re
 import time
@@ -24,22 +23,17 @@ from peer.node import JoinError, PeerConfig, PeerNode
 from protocol.net.tasks import cancel_and_wait
 from protocol.trust.admission import (
     CERT_TTL_S,
-    LOWEST_CERT_TTL_S,
     MAX_CERT_TTL_S,
-    MIN_CERT_TTL_ENV,
     MIN_CERT_TTL_S,
     CertificateError,
     Token,
     TokenError,
-    bounded_ttl,
     check_certificate,
     hello_proof,
     issue_certificate,
     lifetime,
-    min_cert_ttl,
     new_secret,
     parse_token,
-    renewal_period,
 )
 from protocol.trust.identity import Identity, sign_record
 from protocol.trust.run_records import RunRecords, record_subkey, shard_name
@@ -234,24 +228,6 @@ def test_a_certificate_without_finite_times_admits_nobody_and_its_lifetime_is_bo
     )
 
 
-def test_only_the_environment_lowers_the_shortest_certificate(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``FUSIONLLM_MIN_CERT_TTL_S`` (for tests) lowers the 15 s minimum that issuers,
-    holders and ``--cert-ttl`` keep to, read when asked (not at import), never below
-    ``LOWEST_CERT_TTL_S``; any other value leaves the minimum as it is."""
-    from fusionllm.parser_types import cert_ttl
-
-    monkeypatch.delenv(MIN_CERT_TTL_ENV, raising=False)
-    assert min_cert_ttl() == MIN_CERT_TTL_S and bounded_ttl(8.0) == MIN_CERT_TTL_S
-    with pytest.raises(argparse.ArgumentTypeError, match="between 15 and"):
-        cert_ttl("8")
-    monkeypatch.setenv(MIN_CERT_TTL_ENV, "8")
-    assert bounded_ttl(5.0) == 8.0 and cert_ttl("8") == 8 and renewal_period(8.0) == 8.0 / 6
-    assert lifetime(issue_certificate(Identity.generate(), "run", "p", "ab", 1000.0, ttl=8.0)) == 8.0
-    for ignored in (str(LOWEST_CERT_TTL_S / 2), "20", "nan", "soon", ""):
-        monkeypatch.setenv(MIN_CERT_TTL_ENV, ignored)
-        assert min_cert_ttl() == MIN_CERT_TTL_S, ignored
-
-
 def test_a_sender_past_its_certificate_is_refused_and_counted() -> None:
     """The gate refuses frames (and lane streams and probes) from a sender whose
     certificate ended, with its own code; renewing it admits the sender again."""
@@ -328,24 +304,14 @@ def _refuses(receiver: Proc, sender: str, after: int = 0) -> None:
     receiver.wait_line(rf"rejected a message from {sender}: (not_admitted|expired): ", 60, after)
 
 
-#: the run-out test's certificates: under the command line's minimum (15 s), lowered for its processes
-#: through the environment; renewed every 1.3 s, a neighbour's end still has 6.7 s to reach each peer
-SHORT_CERT_TTL_S = 8
-
-
-def test_forged_and_run_out_certificates_are_refused_by_every_receiver(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_forged_and_run_out_certificates_are_refused_by_every_receiver(tmp_path: Path) -> None:
     """A forger (the token's public parts, a certificate it signed itself) and a member
     banned mid-run that goes on sending after its certificate ran out: the coordinator
     and every peer refuse their heartbeats, activations and bandwidth probes, and count
     them. (The members and the forger start together; the forger sends nothing before
-    the test says go. Certificates hold ``SHORT_CERT_TTL_S``, not 15 s: the banned
-    member's runs out 7 s sooner.)"""
-    monkeypatch.setenv(MIN_CERT_TTL_ENV, str(SHORT_CERT_TTL_S))  # every process the test starts inherits it
+    the test says go.)"""
     run_dir = tmp_path / "run"
-    ttl = ["--cert-ttl", str(SHORT_CERT_TTL_S)]
-    args = ["--private", *ttl, "--steps", "5000", "--seed", "0", *SMALL, "--min-peers", "3"]
+    args = ["--private", "--cert-ttl", "15", "--steps", "5000", "--seed", "0", *SMALL, "--min-peers", "3"]
     # the banned member must keep neighbours to send to: no rebalancing (on by default; a move
     # can leave it without any, and a repeat of the suite saw it send to nobody)
     swarm = Swarm(tmp_path, [*args, "--rebalance-every", "0", "--run-dir", str(run_dir)], peers=0)

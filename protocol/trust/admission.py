@@ -9,7 +9,6 @@ import hashlib
 import hmac
 import json
 import math
-import os
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -72,11 +71,7 @@ def proof_ok(secret: str, run: str, peer_id: str, pubkey: str, proof: object) ->
 #: ``RENEWALS_PER_TTL``-th of it (slack for a busy coordinator or a slow link), so a peer it stops renewing
 #: (banned or excluded) is refused everywhere within this time, and leaves when it sees it
 CERT_TTL_S = 60.0
-#: the shortest lifetime a certificate may have, unless the environment variable ``MIN_CERT_TTL_ENV`` lowers it
-#: (for tests, whose banned peers' certificates then run out sooner) to no less than ``LOWEST_CERT_TTL_S``
 MIN_CERT_TTL_S = 15.0
-MIN_CERT_TTL_ENV = "FUSIONLLM_MIN_CERT_TTL_S"
-LOWEST_CERT_TTL_S = 3.0
 MAX_CERT_TTL_S = 24 * 3600.0
 RENEWALS_PER_TTL = 6
 #: the longest one renewal may take to reach its peer (its share of the period, within these bounds)
@@ -96,21 +91,9 @@ def issue_certificate(
     return sign_record(coordinator, {**body, "expires_at": now + bounded_ttl(ttl)})
 
 
-def min_cert_ttl() -> float:
-    """The shortest lifetime a certificate may have: ``MIN_CERT_TTL_S``, or what
-    ``FUSIONLLM_MIN_CERT_TTL_S`` says if it is a number from ``LOWEST_CERT_TTL_S`` up to
-    that (anything else is ignored). Read at each call, never at import: a process
-    forked from a warm zygote imported this module before its environment was set."""
-    try:
-        lowered = float(os.environ.get(MIN_CERT_TTL_ENV, ""))
-    except ValueError:
-        return MIN_CERT_TTL_S
-    return lowered if LOWEST_CERT_TTL_S <= lowered <= MIN_CERT_TTL_S else MIN_CERT_TTL_S
-
-
 def bounded_ttl(seconds: float) -> float:
     """A certificate's lifetime as issuers give it and holders take it."""
-    return min(max(seconds, min_cert_ttl()), MAX_CERT_TTL_S)
+    return min(max(seconds, MIN_CERT_TTL_S), MAX_CERT_TTL_S)
 
 
 def renewal_period(ttl: float) -> float:
