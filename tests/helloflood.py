@@ -78,6 +78,10 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _go(tmp: Path, name: str) -> Path:
+    return tmp / f"go-{name}-{time.monotonic_ns()}"
+
+
 def status_flood_ratio(short: bool, target: Any = None) -> dict[str, float]:
     """Steps/s of a 2-peer swarm (``target``, a :class:`tests.flooder.FloodTarget`, or
     one of its own) while an outsider floods its status page (``STATUS_RATE``
@@ -143,23 +147,34 @@ class StatusFlood:
 
 def hello_flood_cpu(short: bool) -> dict[str, float]:
     """Coordinator CPU-seconds per 1,000 hellos an outsider without the token sent a
-    private 2-peer training swarm (the flooder on the last CPU, started while the swarm
-    warms up), over what its CPU use was in the clean windows around the flood."""
+    private 2-peer training swarm (the flooder on the last CPU), over what its CPU use
+    was in the clean windows around the flood."""
     from tests.flooder import FloodTarget
-    from tests.swarmproc import Proc
+    from tests.swarmproc import Proc, api
 
     seconds = 2.0 if short else 10.0
     with tempfile.TemporaryDirectory() as tmp:
         target = _private_target(Path(tmp), FloodTarget)
         try:
-            swarm, go = target.swarm, target.go_file("hello")
+            swarm, pid = target.swarm, target.swarm.coord.popen.pid
+            go = _go(Path(tmp), "hello")
             token = swarm.join_args[swarm.join_args.index("--token") + 1]
             args = ["--token", token, "--seconds", str(seconds), "--go-file", str(go), *target.cpu_arg]
             flooder = Proc(*args, module="tests.helloflood")
             swarm.procs.append(flooder)
-            target.warm_up()
             flooder.wait_line("^ready$", 60)
-            spans, tally = _hello_spans(target, flooder, go, seconds)
+            spans = []
+            for flood in (False, True, False):
+                rejected = sum(api(swarm.url)["rejected"].values())
+                cpu, t0 = _cpu_s(pid), time.monotonic()
+                if flood:
+                    go.touch()
+                    tally = json.loads(flooder.wait_line(r"^\{.*\}$", seconds + 60).group(0))
+                else:
+                    time.sleep(seconds)
+                took = time.monotonic() - t0
+                time.sleep(1.1)  # the page's snapshot catches up
+                spans.append((_cpu_s(pid) - cpu, took, sum(api(swarm.url)["rejected"].values()) - rejected))
         finally:
             target.close()
     clean_rate = (spans[0][0] / spans[0][1] + spans[2][0] / spans[2][1]) / 2
@@ -171,41 +186,8 @@ def hello_flood_cpu(short: bool) -> dict[str, float]:
     }
 
 
-def _hello_spans(target: Any, flooder: Any, go: Path, seconds: float) -> tuple[list[tuple[float, float, int]], Any]:
-    """A clean span of ``seconds``, the hello flood's, a clean span: each span's
-    coordinator CPU-seconds (``/proc``), its seconds, and (the flood's) the rejections
-    its status page counted in it; and the flooder's tally. The flood's span lasts until
-    the page shows a snapshot of the board taken after the flood ended (a snapshot is
-    up to ``SNAPSHOT_S`` old), its CPU-seconds read then."""
-    from tests.swarmproc import api, wait_for
-
-    url, pid = target.swarm.url, target.swarm.coord.popen.pid
-    tally = None
-
-    def span(flood: bool) -> tuple[float, float, int]:
-        nonlocal tally
-        rejected = _rejected(api(url)) if flood else 0
-        cpu, t0 = _cpu_s(pid), time.monotonic()
-        if flood:
-            go.touch()
-            tally = json.loads(flooder.wait_line(r"^\{.*\}$", seconds + 60).group(0))
-            ended = time.time()  # on the board's clock: a snapshot's "now"
-            rejected = _rejected(wait_for(url, lambda s: s["now"] >= ended, 30)) - rejected
-        else:
-            time.sleep(seconds)
-        return _cpu_s(pid) - cpu, time.monotonic() - t0, rejected
-
-    return [span(False), span(True), span(False)], tally
-
-
-def _rejected(state: dict[str, Any]) -> int:
-    """The messages the coordinator rejected so far, as its status page says."""
-    return sum(state["rejected"].values())
-
-
 def _private_target(tmp: Path, cls: Any) -> Any:
-    """A FloodTarget whose swarm is private (only the token's holders are admitted), not
-    yet warmed up."""
+    """A FloodTarget whose swarm is private (only the token's holders are admitted)."""
     from tests import swarmproc
 
     original = swarmproc.Swarm
@@ -216,7 +198,7 @@ def _private_target(tmp: Path, cls: Any) -> Any:
 
     swarmproc.Swarm = PrivateSwarm  # type: ignore[misc]
     try:
-        return cls(tmp, warm=False)
+        return cls(tmp)
     finally:
         swarmproc.Swarm = original  # type: ignore[misc]
 
