@@ -53,12 +53,9 @@ Prints one JSON object:
 
 ``--short`` runs each smaller, for the test suite: one flood of each kind in 2 s
 windows (frames, status page, hellos, junk records; a flood's own window lasts as long
-as the flood if longer), measured once however busy the machine is; the floods on a
-public swarm (a burst and a sustained frame flood, the status page, junk records) share
-one swarm and go in turn, each between two clean windows that it shares with the floods
-before and after it (a flood's ratio is against its own two neighbours, as in the full
-mode's rounds), their flooders and the outsider's DHT node started while the swarm warms
-up (the full mode starts a swarm for each kind); 2 claims
+as the flood if longer), measured once however busy the machine is; the three floods
+on a public swarm (frames, status page, junk records) share one swarm, each flood
+still between clean windows of its own (the full mode starts one for each); 2 claims
 and 4 over-asking probes (8 and 16), each attack's write given 3 s (10), and a probe
 read for 1 s past its whole answer (until the answerer closes); one pair of 50-step
 spot-check runs (five of 300); a cheater run of 15 steps of 32 micro-batches (60 of
@@ -250,53 +247,38 @@ def _part(name: str) -> None:
 
 def public_floods(short: bool) -> dict[str, object]:
     """The floods on a public training swarm (frames, its status page, junk DHT records)
-    and (the full mode) the outsider's shadowing store. ``short``: the floods share one
-    swarm, in turn (``_floods_in_turn``); the full mode starts one swarm for each kind."""
-    if short:  # its shadowing store runs beside the cheater's run (``side_by_side``)
-        _part("a public swarm, for four floods in turn")
-        return _floods_in_turn()
-    from dht_attacks import public_junk_flood, public_shadow_store_trains
-    from flooder import flood_ratios
-    from helloflood import status_flood_ratio
+    and (the full mode) the outsider's shadowing store. ``short``: the three floods share
+    one swarm (its clean windows are measured around each flood all the same; the junk
+    flood last, as its records stay in the DHT); the full mode starts one swarm for each."""
+    from flooder import on_own_target
 
-    _part("a flood, then a sustained flood")
-    burst, sustained = flood_ratios(short)
-    out: dict[str, object] = {"flood_throughput_ratio": round(burst, 3)}
-    out["flood_sustained_throughput_ratio"] = round(sustained, 3)
-    _part("a status-page flood")
-    out.update(status_flood_ratio(short))
-    _part("an outsider's junk DHT records")  # tests/dht_attacks.py
-    out.update(public_junk_flood(short))
+    if short:  # its shadowing store runs beside the cheater's run (``side_by_side``)
+        _part("a public swarm, for three floods")
+        return on_own_target(_floods)
+    from dht_attacks import public_shadow_store_trains
+
+    out = _floods(None)
     _part("an outsider's shadowing DHT store")
     out["public_shadow_store_trains"] = public_shadow_store_trains(short)
     return out
 
 
-def _floods_in_turn() -> dict[str, object]:
-    """(``--short``) On one public swarm, a burst and a sustained frame flood, a status-page
-    flood and the junk records (last: its records stay in the DHT) in turn, each between
-    two clean windows it shares with the floods before and after it; the flooders and the
-    outsider's DHT node start while the swarm warms up, so nothing starts between windows."""
-    from dht_attacks import JunkFlood, junk_figures
-    from flooder import FLOOD_S, FRAMES, FloodTarget, FrameFlood, in_turn, linger_s
-    from helloflood import StatusFlood, status_figures
+def _floods(shared: Any) -> dict[str, object]:
+    """The figures of the three floods, on ``shared`` (a ``FloodTarget``: short) or each
+    on a swarm of its own (``None``: the full mode)."""
+    from dht_attacks import public_junk_flood
+    from flooder import flood_ratios
+    from helloflood import status_flood_ratio
 
-    seconds = FLOOD_S / 4
-    with tempfile.TemporaryDirectory() as tmp:
-        target = FloodTarget(Path(tmp), warm=False)
-        try:
-            linger = linger_s(4, seconds)
-            frames = [FrameFlood(target, FRAMES, "wrong_run", lasting, linger) for lasting in (0.0, seconds)]
-            floods = [*frames, StatusFlood(target, seconds), JunkFlood(target)]
-            target.warm_up()
-            burst, sustained, status, junk = in_turn(floods, seconds)
-            lines, times = list(target.swarm.coord.lines), list(target.swarm.coord.times)
-        finally:
-            target.close()
-    out: dict[str, object] = {"flood_throughput_ratio": round(burst.ratio(lines, times), 3)}
-    out["flood_sustained_throughput_ratio"] = round(sustained.ratio(lines, times), 3)
-    out.update(status_figures([status], lines, times))
-    out.update(junk_figures(junk, lines, times))
+    short = shared is not None
+    _part("a flood, then a sustained flood")
+    burst, sustained = flood_ratios(short, shared)
+    out: dict[str, object] = {"flood_throughput_ratio": round(burst, 3)}
+    out["flood_sustained_throughput_ratio"] = round(sustained, 3)
+    _part("a status-page flood")
+    out.update(status_flood_ratio(short, shared))
+    _part("an outsider's junk DHT records")  # tests/dht_attacks.py
+    out.update(public_junk_flood(short, shared))
     return out
 
 

@@ -133,62 +133,38 @@ def public_junk_flood(short: bool, target: Any = None) -> dict[str, float]:
     and the coordinator's lines about refused records, per minute of flood (goal: at
     most one per sender and minute; here the refusing node knows no sender, so one
     per key)."""
-    from tests.flooder import FLOOD_S, in_turn, on_own_target
+    from tests.flooder import FLOOD_S, _clean, _Window, on_own_target
 
     if target is None:
         return on_own_target(lambda own: public_junk_flood(short, own))
     seconds = FLOOD_S / 4 if short else 3 * FLOOD_S
-    (junk,) = in_turn([JunkFlood(target)], seconds)
-    coord = target.swarm.coord
-    return junk_figures(junk, list(coord.lines), list(coord.times))
-
-
-def junk_figures(junk: Any, lines: list[str], times: list[float]) -> dict[str, float]:
-    """``public_junk_flood``'s figures from its flood measured in turn (a
-    ``tests.flooder.Measured``), and the coordinator's lines and when each was read."""
-    flood_s = junk.flood.stop - junk.flood.start
-    return {
-        "public_junk_flood_ratio": round(junk.ratio(lines, times), 3),
-        "public_junk_flood_rss_growth_mb": round(junk.report["rss_growth_mb"], 1),
-        "public_junk_flood_log_lines_per_min": round(junk.report["refusals"] * 60.0 / max(flood_s, 60.0), 2),
-    }
-
-
-class JunkFlood:
-    """An :class:`Outsider` in ``target``'s swarm (its DHT process on the flood CPU) that
-    stores its junk when fired (``tests.flooder.Armed``)."""
-
-    def __init__(self, target: Any) -> None:
+    outsider = None
+    try:
+        coord = target.swarm.coord
         mine = os.sched_getaffinity(0)
         os.sched_setaffinity(0, set(target.flood_cpus))  # its DHT process inherits it
         try:
-            self.outsider: Outsider | None = Outsider(target.swarm.join_args, "fusionllm")
+            outsider = Outsider(target.swarm.join_args, "fusionllm")
         finally:
             os.sched_setaffinity(0, mine)
-        self.coord = target.swarm.coord
-        target.floods.append(self)
-
-    def ready(self) -> None:
-        pass
-
-    def fire(self, seconds: float) -> tuple[Any, dict[str, Any]]:
-        """The window from the flood's start (``seconds``, or as long as the stores take):
-        the coordinator's RSS growth in it, and its lines about refused records."""
-        from tests.flooder import _Window
-
-        assert self.outsider is not None, "fired after it was closed"
-        pid = self.coord.popen.pid
-        rss0, lines0 = _rss_mb(pid), len(self.coord.lines)
+        before = _clean(seconds)
+        rss0, lines0 = _rss_mb(coord.popen.pid), len(coord.lines)
         window, peak = _Window(), rss0
-        self.outsider.junk(FLOOD_JUNK, FLOOD_WRONG)
+        outsider.junk(FLOOD_JUNK, FLOOD_WRONG)
         while time.monotonic() < window.start + seconds:
-            peak = max(peak, _rss_mb(pid))
+            peak = max(peak, _rss_mb(coord.popen.pid))
             time.sleep(0.25)
         window.end()
-        refusals = sum(1 for line in self.coord.lines[lines0:] if _REFUSAL.search(line))
-        return window, {"rss_growth_mb": max(0.0, peak - rss0), "refusals": refusals}
-
-    def close(self) -> None:
-        if self.outsider is not None:
-            self.outsider.close()
-            self.outsider = None
+        refusals = sum(1 for line in coord.lines[lines0:] if _REFUSAL.search(line))
+        after = _clean(seconds)
+        lines, times = list(coord.lines), list(coord.times)
+        clean = (before.rate(lines, times) + after.rate(lines, times)) / 2
+        flood_s = window.stop - window.start
+        return {
+            "public_junk_flood_ratio": round(window.rate(lines, times) / clean, 3),
+            "public_junk_flood_rss_growth_mb": round(max(0.0, peak - rss0), 1),
+            "public_junk_flood_log_lines_per_min": round(refusals * 60.0 / max(flood_s, 60.0), 2),
+        }
+    finally:
+        if outsider is not None:
+            outsider.close()

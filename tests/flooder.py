@@ -15,17 +15,13 @@ sent, seconds, streams opened and refused; then it stays up ``--linger`` seconds
 :func:`measure_flood` runs a loopback swarm, trains, and compares the steps per
 second of windows during floods with those of the windows without flood around
 them (:class:`FloodTarget` is that swarm); :func:`flood_ratios` gives a benchmark its two
-numbers, a burst and a sustained flood measured on one swarm. :func:`in_turn` measures
-floods armed beforehand (:class:`FrameFlood`, and the status page's and the DHT's in
-``tests/helloflood.py`` and ``tests/dht_attacks.py``) one after another, each between
-clean windows it shares with its neighbours.
+numbers, a burst and a sustained flood measured on one swarm.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import os
 import re
@@ -34,7 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 #: the frames of one flood, and how long it lasts at least
 FRAMES = 100_000
@@ -242,92 +238,33 @@ def _flooded(flooder: Any, go: Path, seconds: float, frames: int) -> tuple[_Wind
     return window, tally
 
 
-class Armed(Protocol):
-    """A flood whose processes are started and wait for the word: measured by
-    :func:`in_turn` (:class:`FrameFlood`, ``tests.helloflood.StatusFlood``,
-    ``tests.dht_attacks.JunkFlood``)."""
-
-    def ready(self) -> None:
-        """Wait until :meth:`fire` starts the flood at once."""
-
-    def fire(self, seconds: float) -> tuple[_Window, dict[str, Any]]:
-        """The flood: its window from its start (``seconds``, or as long as it lasts), and what it reports."""
-
-    def close(self) -> None:
-        """End what it started (a second time does no harm)."""
+#: clean windows, flood windows, and the last flooder's tally
+Windows = tuple[list[_Window], list[_Window], dict[str, Any]]
 
 
-@dataclass
-class Measured:
-    """One flood's window between its two clean neighbours, and what the flood reported."""
+def _windows(swarm: Any, flood_args: list[str], tmp: Path, seconds: float, rounds: int, frames: int) -> Windows:
+    """Clean, flood, clean, ... flood, clean windows back to back, with every flooder's
+    process up (each waits for its go file) in all of them: (clean, flood windows,
+    the last flooder's tally)."""
+    from tests.swarmproc import Proc
 
-    before: _Window
-    flood: _Window
-    after: _Window
-    report: dict[str, Any]
-
-    def clean_rate(self, lines: list[str], times: list[float]) -> float:
-        """Steps/s without flood around it: the mean of its neighbours'."""
-        return (self.before.rate(lines, times) + self.after.rate(lines, times)) / 2
-
-    def ratio(self, lines: list[str], times: list[float]) -> float:
-        return self.flood.rate(lines, times) / self.clean_rate(lines, times)
-
-
-def cleans_of(measured: list[Measured]) -> list[_Window]:
-    """The clean windows of floods measured in turn, each once."""
-    return [m.before for m in measured] + [measured[-1].after]
-
-
-def in_turn(floods: list[Armed], seconds: float) -> list[Measured]:
-    """Clean, flood, clean, ... flood, clean windows back to back, one flood of each of
-    ``floods`` (each armed before the first window, so nothing starts between two):
-    each flood between two clean windows of ``seconds``, which it shares with the flood
-    before and after it. Every flood's processes are up until the last window ended;
-    then all are closed."""
-    try:
-        for flood in floods:
-            flood.ready()
-        cleans, out = [_clean(seconds)], []
-        for flood in floods:
-            window, report = flood.fire(seconds)
-            cleans.append(_clean(seconds))
-            out.append(Measured(cleans[-2], window, cleans[-1], report))
-        return out
-    finally:
-        for flood in floods:
-            flood.close()
-
-
-def linger_s(floods: int, seconds: float) -> float:
-    """How long a frame flooder stays up after its flood when ``floods`` floods are
-    measured in turn with ``seconds`` windows: until the last window ended, however long
-    each flood lasts (``MAX_FLOOD_S`` at most); :func:`in_turn` ends it then."""
-    return floods * (seconds + MAX_FLOOD_S) + seconds + 5
-
-
-class FrameFlood:
-    """A flooder of frames (this module's command, on the flood CPU) for ``target``'s
-    coordinator: started, waiting for its go file (:class:`Armed`)."""
-
-    def __init__(self, target: FloodTarget, frames: int, mode: str, lasting: float, linger: float) -> None:
-        from tests.swarmproc import Proc
-
-        self.frames, self.go = frames, target.go_file("frames")
-        args = ["--frames", str(frames), "--mode", mode, "--min-seconds", str(lasting), "--linger", str(linger)]
-        go = ["--go-file", str(self.go)]
-        self.proc = Proc(*target.swarm.join_args, *args, *target.cpu_arg, *go, module="tests.flooder")
-        target.swarm.procs.append(self.proc)
-        target.floods.append(self)
-
-    def ready(self) -> None:
-        self.proc.wait_line(r"^ready$", 60)
-
-    def fire(self, seconds: float) -> tuple[_Window, dict[str, Any]]:
-        return _flooded(self.proc, self.go, seconds, self.frames)
-
-    def close(self) -> None:
-        self.proc.kill_all()
+    tag = len(list(tmp.glob("go-*")))
+    goes = [tmp / f"go-{tag + i}" for i in range(rounds)]
+    flooders = []
+    for go in goes:
+        flooders.append(Proc(*swarm.join_args, *flood_args, "--go-file", str(go), module="tests.flooder"))
+        swarm.procs.append(flooders[-1])
+    for f in flooders:
+        f.wait_line(r"^ready$", 60)
+    cleans, floods = [_clean(seconds)], []
+    tally: dict[str, Any] = {}
+    for flooder, go in zip(flooders, goes, strict=True):
+        window, tally = _flooded(flooder, go, seconds, frames)
+        floods.append(window)
+        cleans.append(_clean(seconds))
+    for f in flooders:
+        f.kill_all()
+    return cleans, floods, tally
 
 
 def measure_flood(
@@ -364,17 +301,13 @@ def measure_flood(
 
 class FloodTarget:
     """The training swarm that floods are measured against (see :func:`measure_flood`):
-    started on construction and trained past its warm-up (with ``warm`` false: once
-    :meth:`warm_up` is called, so that floods can be armed meanwhile), measured by
-    :meth:`measure` as often as asked (each time with flooders of its own), ended by
-    :meth:`close` with every flood armed on it."""
+    started on construction, trained past its warm-up, measured by :meth:`measure` as
+    often as asked (each time with flooders of its own), ended by :meth:`close`."""
 
-    def __init__(self, tmp: Path, split_cpus: bool = True, warm: bool = True) -> None:
-        from tests.swarmproc import SMALL, Swarm, join_together
+    def __init__(self, tmp: Path, split_cpus: bool = True) -> None:
+        from tests.swarmproc import SMALL, Swarm, join_together, wait_for
 
         self.tmp = tmp
-        self.floods: list[Armed] = []
-        self._goes = itertools.count()
         cpus = sorted(os.sched_getaffinity(0))
         self.swarm_cpus, self.flood_cpus = cpus, cpus
         if split_cpus and len(cpus) >= 2:
@@ -394,13 +327,6 @@ class FloodTarget:
             os.sched_setaffinity(0, set(cpus))
         self.split = f"swarm on CPUs {self.swarm_cpus}, flooder on {self.flood_cpus}" if self.flood_cpus != cpus else ""
         self.cpu_arg = ["--cpus", ",".join(map(str, self.flood_cpus))] if self.flood_cpus != cpus else []
-        if warm:
-            self.warm_up()
-
-    def warm_up(self) -> None:
-        """Wait until the swarm has trained past its first steps' warm-up."""
-        from tests.swarmproc import wait_for
-
         try:
             wait_for(self.swarm.url, lambda s: s["training"]["step"] >= 20, timeout=120)
             time.sleep(1.0)  # past the first steps' warm-up
@@ -408,39 +334,34 @@ class FloodTarget:
             self.close()
             raise
 
-    def go_file(self, name: str) -> Path:
-        """A go file's path for a flood of ``name``, one no other flood on this target has."""
-        return self.tmp / f"go-{name}-{next(self._goes)}"
-
     def measure(
         self, frames: int, seconds: float, mode: str, sustained: bool, attempts: int, rounds: int
     ) -> FloodResult:
         from tests.swarmproc import api
 
         coord = self.swarm.coord
-        lasting, linger = seconds if sustained else 0.0, linger_s(rounds, seconds)
+        linger = (2 * rounds + 1) * seconds + 5
+        lasting = ["--min-seconds", str(seconds if sustained else 0), "--linger", str(linger)]
+        flood_args = ["--frames", str(frames), "--mode", mode, *lasting, *self.cpu_arg]
         tries: list[tuple[float, float, float]] = []
         while True:
-            floods: list[Armed] = [FrameFlood(self, frames, mode, lasting, linger) for _ in range(rounds)]
-            measured = in_turn(floods, seconds)
+            cleans, floods, tally = _windows(self.swarm, flood_args, self.tmp, seconds, rounds, frames)
             lines, times = list(coord.lines), list(coord.times)
-            clean_rate = sum(m.clean_rate(lines, times) for m in measured) / rounds
-            flood_rate = sum(m.flood.rate(lines, times) for m in measured) / rounds
-            others = (max(w.others for w in cleans_of(measured)), max(m.flood.others for m in measured))
+            base = [(a.rate(lines, times) + b.rate(lines, times)) / 2 for a, b in zip(cleans, cleans[1:])]
+            flooded = [w.rate(lines, times) for w in floods]
+            clean_rate, flood_rate = sum(base) / rounds, sum(flooded) / rounds
+            others = (max(w.others for w in cleans), max(w.others for w in floods))
             tries.append((round(flood_rate / clean_rate, 3), round(others[0], 2), round(others[1], 2)))
             if max(others) <= OTHERS_MAX or len(tries) >= attempts:
                 break
         state = api(self.swarm.url)
         assert coord.popen.poll() is None, coord.output[-3000:]
-        window_s = sum(m.flood.stop - m.flood.start for m in measured) / rounds
-        tally = measured[-1].report
+        window_s = sum(w.stop - w.start for w in floods) / rounds
         return FloodResult(
             clean_rate, flood_rate, tally, state, coord.output, window_s, others, len(tries), tries, rounds, self.split
         )
 
     def close(self) -> None:
-        for flood in self.floods:
-            flood.close()
         self.swarm.close()
 
 

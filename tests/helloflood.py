@@ -89,25 +89,15 @@ def status_flood_ratio(short: bool, target: Any = None) -> dict[str, float]:
     clean windows between the floods (clean, flood, clean, ... clean: ``STATUS_ROUNDS``
     floods, one with ``short``: one window pair reads within about 15% of 1.0 with no
     flood at all); and the requests written and answered a second."""
-    from tests.flooder import in_turn, on_own_target
+    from tests.flooder import on_own_target
 
     if target is None:
         return on_own_target(lambda own: status_flood_ratio(short, own))
-    seconds, rounds = (2.0, 1) if short else (10.0, STATUS_ROUNDS)
-    measured = in_turn([StatusFlood(target, seconds) for _ in range(rounds)], seconds)
+    cleans, floods, tallies = _status_windows(target, *((2.0, 1) if short else (10.0, STATUS_ROUNDS)))
     coord = target.swarm.coord
-    return status_figures(measured, list(coord.lines), list(coord.times))
-
-
-def status_figures(measured: list[Any], lines: list[str], times: list[float]) -> dict[str, float]:
-    """``status_flood_ratio``'s figures from status floods measured in turn
-    (``tests.flooder.Measured``), and the coordinator's lines and when each was read."""
-    from tests.flooder import cleans_of
-
-    cleans = cleans_of(measured)
+    lines, times = list(coord.lines), list(coord.times)
     clean = sum(w.rate(lines, times) for w in cleans) / len(cleans)
-    flooded = sum(m.flood.rate(lines, times) for m in measured) / len(measured)
-    tallies = [m.report for m in measured]
+    flooded = sum(w.rate(lines, times) for w in floods) / len(floods)
     return {
         "status_flood_ratio": round(flooded / clean, 3),
         "status_flood_requests_per_s": min(t["written_per_s"] for t in tallies),
@@ -116,33 +106,25 @@ def status_figures(measured: list[Any], lines: list[str], times: list[float]) ->
     }
 
 
-class StatusFlood:
-    """A status flooder (``tests.statusflood``, from the flood CPU) for ``target``'s page,
-    ``seconds`` long: started, waiting for its go file (``tests.flooder.Armed``)."""
+def _status_windows(target: Any, seconds: float, rounds: int) -> tuple[list[Any], list[Any], list[dict[str, Any]]]:
+    """Clean, flood, clean, ... clean windows of ``seconds`` on ``target``'s swarm, each
+    flood from a status flooder of its own: (clean windows, flood windows, the floods' tallies)."""
+    from tests.flooder import _clean, _Window
+    from tests.swarmproc import Proc
 
-    def __init__(self, target: Any, seconds: float) -> None:
-        from tests.swarmproc import Proc
-
-        self.go = target.go_file("status")
-        args = [target.swarm.url, "--rate", str(STATUS_RATE), "--seconds", str(seconds), "--go-file", str(self.go)]
-        self.proc = Proc(*args, *target.cpu_arg, module="tests.statusflood")
-        target.swarm.procs.append(self.proc)
-        target.floods.append(self)
-
-    def ready(self) -> None:
-        self.proc.wait_line("^ready$", 30)
-
-    def fire(self, seconds: float) -> tuple[Any, dict[str, Any]]:
-        from tests.flooder import _Window
-
-        self.go.touch()
-        window = _Window()
-        tally = json.loads(self.proc.wait_line(r"^\{.*\}$", seconds + 30).group(0))
-        window.end(window.start + seconds)
-        return window, tally
-
-    def close(self) -> None:
-        self.proc.kill_all()
+    cleans, floods, tallies = [_clean(seconds)], [], []
+    for _ in range(rounds):
+        go = _go(target.tmp, "status")
+        args = [target.swarm.url, "--rate", str(STATUS_RATE), "--seconds", str(seconds), "--go-file", str(go)]
+        flooder = Proc(*args, *target.cpu_arg, module="tests.statusflood")
+        target.swarm.procs.append(flooder)
+        flooder.wait_line("^ready$", 30)
+        go.touch()
+        floods.append(_Window())
+        tallies.append(json.loads(flooder.wait_line(r"^\{.*\}$", seconds + 30).group(0)))
+        floods[-1].end(floods[-1].start + seconds)
+        cleans.append(_clean(seconds))
+    return cleans, floods, tallies
 
 
 def hello_flood_cpu(short: bool) -> dict[str, float]:
