@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -16,7 +17,18 @@ import uvloop
 from blake3 import blake3
 from p2p import transport_pair
 
-from protocol.net.direct import ANSWER, CHALLENGE_BYTES, MAC_BYTES, MAGIC, OFFER, Direct, answer_mac, mac
+from protocol.net import upgrade
+from protocol.net.direct import (
+    ANSWER,
+    CHALLENGE_BYTES,
+    MAC_BYTES,
+    MAGIC,
+    OFFER,
+    REFUSED_RETRY_S,
+    Direct,
+    answer_mac,
+    mac,
+)
 from protocol.net.direct_io import DirectReader, connect, serve
 from protocol.net.payload_first import PAYLOAD_FIRST_MIN, pieces
 from protocol.net.streams import PAYLOAD_FIRST, PAYLOAD_SIZE
@@ -382,3 +394,75 @@ def test_an_address_that_resets_mid_handshake_means_libp2p_not_a_traceback() -> 
         uvloop.run(go())
     finally:
         listener.close()
+
+
+def test_a_stream_opened_over_libp2p_moves_direct_and_its_frames_stay_in_order() -> None:
+    """The receiver refused the first ticket (it was not ready): the message stream opened
+    over libp2p. Once a ticket may be asked for again, a later write moves the stream onto
+    the direct path on the side; frames sent back to back across the move all arrive, in
+    the order sent (the receiver reads the libp2p stream's last frames first)."""
+
+    async def go() -> None:
+        async with transport_pair("r") as (a, b):
+            b.direct.allowed = False
+            x = torch.randn(1 << 18)  # 1 MiB: several are on their way through the daemons at the move
+            assert torch.equal(await _roundtrip(a, b, x), x)
+            assert not a.direct_to, "refused: over libp2p"
+            b.direct.allowed = True
+            a.direct.clock = lambda: time.monotonic() + REFUSED_RETRY_S  # the refusal's wait is over
+            read = b._frame
+
+            async def slowly_over_libp2p(reader, sender, via=None, direct=False):  # type: ignore[no-untyped-def]
+                if not direct:  # frames queue up on the libp2p stream, as behind a slow link
+                    await asyncio.sleep(0.01)
+                return await read(reader, sender, via, direct)
+
+            b._frame = slowly_over_libp2p  # type: ignore[method-assign]
+            moved_at = None
+            for step in range(1, 61):
+                await a.send(b.peer_id, Activations("r", step, 0, 1), [x * step])
+                moved_at = moved_at or (step if a.direct_to else None)
+            got = [await asyncio.wait_for(b.inbox.get(), 30) for _ in range(60)]
+            assert [g.message.step for g in got] == list(range(1, 61))
+            assert all(torch.equal(g.values()[0], x * g.message.step) for g in got)
+            assert a.direct_to == {b.peer_id}, "the stream moved onto the direct path"
+            assert moved_at is not None and 1 < moved_at < 60, f"moved between frames ({moved_at})"
+            assert await _roundtrip(a, b, x, 61) is not None
+
+    asyncio.run(go())
+
+
+def test_a_senders_next_stream_is_read_once_its_last_one_ended_or_after_the_fence(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(upgrade, "FENCE_S", 0.3)
+    order = upgrade.InOrder()
+    seen: list[str] = []
+
+    async def reader(name: str, sender: str, hold: asyncio.Event | None) -> None:
+        async with order.turn(sender):
+            seen.append(f"{name} starts")
+            if hold is not None:
+                await hold.wait()
+            seen.append(f"{name} ends")
+
+    async def go() -> None:
+        first_done = asyncio.Event()
+        first = asyncio.create_task(reader("old", "p", first_done))
+        await asyncio.sleep(0)
+        second = asyncio.create_task(reader("new", "p", None))
+        other = asyncio.create_task(reader("other", "q", None))  # another sender does not wait
+        await asyncio.sleep(0.05)
+        assert seen == ["old starts", "other starts", "other ends"]
+        first_done.set()
+        await asyncio.gather(first, second, other)
+        assert seen[-3:] == ["old ends", "new starts", "new ends"]
+        seen.clear()
+        stuck = asyncio.create_task(reader("stuck", "p", asyncio.Event()))  # never ends by itself
+        await asyncio.sleep(0)
+        start = time.monotonic()
+        await reader("after", "p", None)
+        assert 0.25 <= time.monotonic() - start < 2.0, "waited for the fence, no longer"
+        stuck.cancel()
+
+    asyncio.run(go())

@@ -39,6 +39,7 @@ from protocol.net.pacing import Pacer
 from protocol.net.payload_first import PAYLOAD_FIRST_MIN
 from protocol.net.probe import BW_PROTOCOL, ProbeBudget
 from protocol.net.streams import discard, read_frame_head, read_payload
+from protocol.net.upgrade import InOrder, Upgrades
 from protocol.trust.identity import Identity
 from protocol.wire.encoding import Frame, Link
 from protocol.wire.envelope import Envelope, Sealer, inline_payload, lane_id
@@ -126,6 +127,11 @@ class Transport:
         self.direct = Direct([MSG_PROTOCOL, LANE_PROTOCOL, BW_PROTOCOL], self._may_go_direct)
         self.direct.allowed = direct
         self.direct_to: set[str] = set()
+        self.in_order = InOrder()  # each sender's message streams read one after the other
+        self.upgrades = Upgrades(
+            self.direct, MSG_PROTOCOL, self._streams, self._locks, self._stays, self._addrs_of,
+            self._ask_ticket, self.direct_to.add,
+        )  # fmt: skip
         gate.on_mute.append(self._cut_off)
 
     @property
@@ -171,8 +177,7 @@ class Transport:
         """A new stream to ``peer_id``: direct where it can be (``protocol.net.direct``),
         else over libp2p (``_open_p2p``)."""
         if peer_id not in self.dials_in and self.direct.worth_trying(peer_id, protocol):
-            addrs = self._known.get(peer_id) or await self._connected_addrs(peer_id)
-            streams = await self.direct.open(peer_id, protocol, addrs, self._ask_ticket)
+            streams = await self.direct.open(peer_id, protocol, await self._addrs_of(peer_id), self._ask_ticket)
             if streams is not None:
                 if protocol == MSG_PROTOCOL:
                     self.direct_to.add(peer_id)
@@ -180,6 +185,14 @@ class Transport:
         if protocol == MSG_PROTOCOL:
             self.direct_to.discard(peer_id)
         return await self._open_p2p(peer_id, protocol)
+
+    def _stays(self, peer_id: str) -> bool:
+        """Whether the message stream to ``peer_id`` stays where it is (``Upgrades``)."""
+        return peer_id in self.direct_to or peer_id in self.dials_in or peer_id in self.forward_via
+
+    async def _addrs_of(self, peer_id: str) -> list[str]:
+        """Where to dial ``peer_id`` directly: its advert's addresses, else its connection's."""
+        return self._known.get(peer_id) or await self._connected_addrs(peer_id)
 
     async def _connected_addrs(self, peer_id: str) -> list[str]:
         """Where the p2p daemon's connections to ``peer_id`` lead (none known from an advert)."""
@@ -220,6 +233,8 @@ class Transport:
         async with self._locks[key]:
             if key not in self._streams:
                 self._streams[key] = await self._open(peer_id, protocol)
+            elif key == peer_id and protocol == MSG_PROTOCOL:
+                self.upgrades.maybe(peer_id)  # over libp2p though it may go direct now: moved on the side
             _, writer = self._streams[key]
             try:
                 return await emit(writer)
@@ -314,8 +329,9 @@ class Transport:
             if self.gate.refuse_stream(sender):
                 return
             direct = getattr(info, "direct", False)
-            while await self._frame(reader, sender, direct=direct):
-                pass
+            async with self.in_order.turn(sender):
+                while await self._frame(reader, sender, direct=direct):
+                    pass
         except Rejected as exc:
             self._charge(exc, sender, None, direct)
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -470,6 +486,7 @@ class Transport:
         return {info.peer_id.to_base58() for info in await self.p2p.list_peers()}
 
     async def aclose(self) -> None:
+        self.upgrades.cancel()
         for task in [*self._laned, *self._cutting]:
             task.cancel()
         for _, writer in self._streams.values():  # main and lane streams
