@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
 import time
 from collections.abc import AsyncIterator
 
@@ -24,7 +25,9 @@ from protocol.net.direct import (
     MAC_BYTES,
     MAGIC,
     OFFER,
+    REFUSED_RETRY_MAX_S,
     REFUSED_RETRY_S,
+    RETRY_S,
     Direct,
     answer_mac,
     mac,
@@ -407,7 +410,10 @@ def test_a_stream_opened_over_libp2p_moves_direct_and_its_frames_stay_in_order()
             b.direct.allowed = False
             x = torch.randn(1 << 18)  # 1 MiB: several are on their way through the daemons at the move
             assert torch.equal(await _roundtrip(a, b, x), x)
+            large = torch.randn((LANE_THRESHOLD + (1 << 20)) // 4)
+            assert torch.equal(await _roundtrip(a, b, large), large)
             assert not a.direct_to, "refused: over libp2p"
+            assert any("/lane" in key for key in a._streams), "the large frame went on lanes"
             b.direct.allowed = True
             a.direct.clock = lambda: time.monotonic() + REFUSED_RETRY_S  # the refusal's wait is over
             read = b._frame
@@ -426,17 +432,20 @@ def test_a_stream_opened_over_libp2p_moves_direct_and_its_frames_stay_in_order()
             assert [g.message.step for g in got] == list(range(1, 61))
             assert all(torch.equal(g.values()[0], x * g.message.step) for g in got)
             assert a.direct_to == {b.peer_id}, "the stream moved onto the direct path"
+            assert not any("/lane" in key for key in a._streams), "its lanes were closed"
             assert moved_at is not None and 1 < moved_at < 60, f"moved between frames ({moved_at})"
             assert await _roundtrip(a, b, x, 61) is not None
 
     asyncio.run(go())
 
 
-def test_a_senders_next_stream_is_read_once_its_last_one_ended_or_after_the_fence(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_senders_next_stream_is_read_once_its_last_one_ended_or_went_quiet(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sender's new message stream is read after its previous one ends; while the old
+    one still delivers (a slow link's tail) it is waited for past ``FENCE_S``; one that
+    went quiet (half-open on a dead path) is given up on after ``FENCE_S``."""
     monkeypatch.setattr(upgrade, "FENCE_S", 0.3)
-    order = upgrade.InOrder()
+    heard = {"p": 0.0}
+    order = upgrade.InOrder(lambda sender: heard.get(sender, 0.0))
     seen: list[str] = []
 
     async def reader(name: str, sender: str, hold: asyncio.Event | None) -> None:
@@ -445,6 +454,11 @@ def test_a_senders_next_stream_is_read_once_its_last_one_ended_or_after_the_fenc
             if hold is not None:
                 await hold.wait()
             seen.append(f"{name} ends")
+
+    async def delivering(until: float) -> None:  # the old stream's bytes keep arriving
+        while time.monotonic() < until:
+            heard["p"] = time.monotonic()
+            await asyncio.sleep(0.05)
 
     async def go() -> None:
         first_done = asyncio.Event()
@@ -458,11 +472,53 @@ def test_a_senders_next_stream_is_read_once_its_last_one_ended_or_after_the_fenc
         await asyncio.gather(first, second, other)
         assert seen[-3:] == ["old ends", "new starts", "new ends"]
         seen.clear()
-        stuck = asyncio.create_task(reader("stuck", "p", asyncio.Event()))  # never ends by itself
+        slow_done = asyncio.Event()
+        slow = asyncio.create_task(reader("slow", "p", slow_done))
+        await asyncio.sleep(0)
+        feed = asyncio.create_task(delivering(time.monotonic() + 0.9))
+        asyncio.get_running_loop().call_later(1.0, slow_done.set)
+        await reader("after slow", "p", None)
+        assert seen == ["slow starts", "slow ends", "after slow starts", "after slow ends"], "waited past FENCE_S"
+        await asyncio.gather(slow, feed)
+        seen.clear()
+        stuck = asyncio.create_task(reader("stuck", "p", asyncio.Event()))  # never ends by itself, sends nothing
         await asyncio.sleep(0)
         start = time.monotonic()
-        await reader("after", "p", None)
-        assert 0.25 <= time.monotonic() - start < 2.0, "waited for the fence, no longer"
+        await reader("after stuck", "p", None)
+        assert 0.25 <= time.monotonic() - start < 1.5, "gave up after FENCE_S of quiet"
+        assert seen == ["stuck starts", "after stuck starts", "after stuck ends"]
         stuck.cancel()
 
     asyncio.run(go())
+
+
+def test_a_refused_ticket_is_asked_for_again_soon_then_less_often_and_a_failed_dial_waits_long() -> None:
+    now = [100.0]
+    d = Direct([MSG_PROTOCOL], lambda peer: True, clock=lambda: now[0])
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+    free.close()  # nothing listens there: a granted ticket's dial fails at once
+    answers = {"refuse": OFFER.pack(0, 0, bytes(16), bytes(32)), "grant": OFFER.pack(1, port, bytes(16), bytes(32))}
+
+    async def waits(answer: str, times: int) -> list[float]:
+        out = []
+        for _ in range(times):
+            assert (
+                await d.open("p", MSG_PROTOCOL, ["/ip4/127.0.0.1/tcp/1"], lambda peer: _bytes(answers[answer])) is None
+            )
+            out.append(d._retry["p"] - now[0])
+            now[0] = d._retry["p"]  # the wait is over: asked again
+        return out
+
+    async def go() -> None:
+        assert await waits("refuse", 4) == [REFUSED_RETRY_S * f for f in (1, 2, 4, 8)]
+        assert (await waits("refuse", 10))[-1] == REFUSED_RETRY_MAX_S
+        assert await waits("grant", 1) == [RETRY_S], "granted, but its port did not answer"
+        assert await waits("refuse", 1) == [REFUSED_RETRY_S], "a grant ends the refusals in a row"
+
+    asyncio.run(go())
+
+
+async def _bytes(raw: bytes) -> bytes:
+    return raw

@@ -19,8 +19,11 @@ what one TCP socket does on loopback. A direct stream opens so:
 
 What it gives up is libp2p's encryption: an observer on the path sees the frames
 (not able to alter them unseen). ``--data-path libp2p`` keeps everything in libp2p.
-A dial that fails leaves the peer on libp2p for ``RETRY_S``; a refused ticket (the
-receiver has not admitted us yet) for ``REFUSED_RETRY_S``.
+A dial that fails leaves the peer on libp2p for ``RETRY_S``. A refused ticket (the
+receiver has not admitted us yet: a greeting, a probe before the plan) for
+``REFUSED_RETRY_S``, doubled at each refusal in a row up to ``REFUSED_RETRY_MAX_S``: an
+admission comes soon after a hello, and a stream that opened over libp2p meanwhile moves
+onto the direct path at its next write once a ticket is granted (``protocol.net.upgrade``).
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ MAX_TICKETS_PER_PEER = 16
 MAX_UNPROVEN = 64  # connections that have not yet answered their challenge
 HANDSHAKE_S = 5.0  # each step of a direct stream's opening
 RETRY_S = 300.0
-REFUSED_RETRY_S = 10.0
+REFUSED_RETRY_S = 0.5
+REFUSED_RETRY_MAX_S = 60.0
 
 #: asks the receiver for a ticket over libp2p: the raw ``OFFER`` bytes
 AskTicket = Callable[[str], Awaitable[bytes]]
@@ -117,6 +121,7 @@ class Direct:
         self._incoming: dict[str, set[asyncio.StreamWriter]] = {}
         self._unproven = 0
         self._retry: dict[str, float] = {}  # peer -> when a direct stream may be tried again
+        self._refusals: dict[str, int] = {}  # peer -> tickets it refused in a row
         self._denied: dict[str, float] = {}  # peer -> until when it gets no ticket (``demote``)
 
     # the receiver's side
@@ -238,8 +243,10 @@ class Direct:
             logger.debug("no direct ticket from %s: %s", peer, exc)
             granted = 0
         if not granted:
-            self._retry[peer] = self.clock() + REFUSED_RETRY_S
+            refusals = self._refusals[peer] = self._refusals.get(peer, 0) + 1
+            self._retry[peer] = self.clock() + min(REFUSED_RETRY_S * 2 ** (refusals - 1), REFUSED_RETRY_MAX_S)
             return None
+        self._refusals.pop(peer, None)
         streams = await self._dial(hosts, port, ticket, secret, self.protocols.index(protocol))
         if streams is None:
             logger.debug("no direct stream to %s at %s port %d: libp2p for %.0f s", peer, hosts, port, RETRY_S)

@@ -127,7 +127,7 @@ class Transport:
         self.direct = Direct([MSG_PROTOCOL, LANE_PROTOCOL, BW_PROTOCOL], self._may_go_direct)
         self.direct.allowed = direct
         self.direct_to: set[str] = set()
-        self.in_order = InOrder()  # each sender's message streams read one after the other
+        self.in_order = InOrder(lambda peer: self.last_activity.get(peer, 0.0))  # a sender's streams in turn
         self.upgrades = Upgrades(
             self.direct, MSG_PROTOCOL, self._streams, self._locks, self._stays, self._addrs_of,
             self._ask_ticket, self.direct_to.add,
@@ -243,6 +243,7 @@ class Transport:
                 if isinstance(exc, RuntimeError) and not writer.transport.is_closing():
                     raise
                 self._streams.pop(key, None)
+                writer.close()  # the receiver's reader ends too: the next stream is not held at its fence
                 raise PeerUnreachable(f"stream to peer {peer_id} broke: {exc}", peer_id) from None
             except asyncio.CancelledError:  # a frame cut in half: the stream cannot carry another
                 self._streams.pop(key, None)
@@ -480,6 +481,7 @@ class Transport:
         for key in [k for k in self._streams if k == peer_id or k.startswith(peer_id + "/")]:
             self._streams.pop(key)[1].close()
         self.direct_to.discard(peer_id)
+        self.upgrades.drop(peer_id)
 
     async def connected(self) -> set[str]:
         """Peer ids the p2p daemon holds a connection to now."""
