@@ -434,3 +434,30 @@ def test_a_signal_while_the_loop_shuts_down_is_no_traceback(signals: int, busy_s
     )
     assert proc.returncode == 4 and proc.stderr.strip() == "", proc.stderr
     assert time.monotonic() - started < 10, "before the exit deadline (EXIT_GRACE_S, 20 s)"
+
+
+def test_the_exit_watcher_sleeps_until_a_deadline_is_set_then_ends_the_process_at_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The watcher thread does not wake to poll (it took the GIL from a peer's compute
+    ten times a second); armed, it ends the process at the deadline."""
+    import fusionllm.reaper as reaper
+
+    ended: list[tuple[int, float]] = []
+    monkeypatch.setattr(reaper, "_exit_at", [])
+    monkeypatch.setattr(reaper, "_armed", reaper.threading.Event())
+    monkeypatch.setattr(reaper, "_watcher", [])
+    monkeypatch.setattr(reaper, "_expire", lambda code, grace: ended.append((code, time.monotonic())))
+    sleeps: list[float] = []
+    real_sleep = time.sleep
+    monkeypatch.setattr(reaper.time, "sleep", lambda s: (sleeps.append(s), real_sleep(s)))
+    reaper.watch_exit()
+    real_sleep(0.3)
+    assert sleeps == [] and ended == [], "asleep until armed"
+    armed = time.monotonic()
+    reaper.exit_within(3, 0.2)
+    reaper.exit_within(4, 0.0)  # only the first call counts
+    reaper._watcher[0].join(5)
+    assert [code for code, _ in ended] == [3]
+    assert 0.2 <= ended[0][1] - armed < 1.0
+    assert len(sleeps) <= 2, sleeps
