@@ -8,6 +8,7 @@ import argparse
 import gc
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -32,6 +33,12 @@ COMMANDS = {
 
 #: defaults that say nothing when shown: an unset option, an off switch, an empty list
 _UNSHOWN = (None, False, "", [], argparse.SUPPRESS)
+#: how long a thread holds the GIL while another waits for it (Python's default: 5 ms).
+#: A peer's event loop shares its process with the compute thread, the coordinator's with
+#: a rebalance check's planner: at 5 ms, a frame that arrived waited up to 5 ms for its
+#: loop. At 0.5 ms the demo's swarm ran 16% faster, side by side with the default (4 runs
+#: each, docs/benchmarks.md "Stop 57"). ``FUSIONLLM_SWITCH_S`` sets another (measuring).
+SWITCH_INTERVAL_S = 0.0005
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -103,7 +110,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def switch_interval() -> float:
+    """``SWITCH_INTERVAL_S``, or ``FUSIONLLM_SWITCH_S`` where set to a positive number."""
+    try:
+        given = float(os.environ.get("FUSIONLLM_SWITCH_S", ""))
+    except ValueError:
+        return SWITCH_INTERVAL_S
+    return given if 0 < given <= 1 else SWITCH_INTERVAL_S
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    sys.setswitchinterval(switch_interval())  # every command, and the peers the zygote forks
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args, extras = parser.parse_known_args(argv)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -345,3 +346,22 @@ def test_rebalancing_is_on_unless_turned_off() -> None:
 
     assert DEFAULT_REBALANCE_EVERY > 0 and every() == DEFAULT_REBALANCE_EVERY
     assert every("--rebalance-every", "0") == 0 and every("--rebalance-every", "7") == 7
+
+
+def test_every_command_runs_with_the_short_gil_switch_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer's event loop waits for the GIL at most ``SWITCH_INTERVAL_S`` behind its
+    compute thread (Python's 5 ms held frames up); ``FUSIONLLM_SWITCH_S`` overrides it
+    with a sane number only."""
+    from fusionllm import cli
+
+    before = sys.getswitchinterval()
+    try:
+        for given, expected in (("", cli.SWITCH_INTERVAL_S), ("0.002", 0.002), ("x", cli.SWITCH_INTERVAL_S),
+                                ("-1", cli.SWITCH_INTERVAL_S), ("50", cli.SWITCH_INTERVAL_S)):  # fmt: skip
+            monkeypatch.setenv("FUSIONLLM_SWITCH_S", given)
+            sys.setswitchinterval(0.005)
+            with pytest.raises(SystemExit):
+                cli.main(["demo", "--help"])
+            assert sys.getswitchinterval() == pytest.approx(expected), given
+    finally:
+        sys.setswitchinterval(before)
