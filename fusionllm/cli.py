@@ -36,9 +36,10 @@ _UNSHOWN = (None, False, "", [], argparse.SUPPRESS)
 #: how long a thread holds the GIL while another waits for it (Python's default: 5 ms).
 #: A peer's event loop shares its process with the compute thread, the coordinator's with
 #: a rebalance check's planner: at 5 ms, a frame that arrived waited up to 5 ms for its
-#: loop. At 0.5 ms the demo's swarm ran 16% faster, side by side with the default (4 runs
-#: each, docs/benchmarks.md "Stop 57"). ``FUSIONLLM_SWITCH_S`` sets another (measuring).
-SWITCH_INTERVAL_S = 0.0005
+#: loop. At 0.5 ms the demo's swarm ran 16% faster than at 5 ms, and 0.2 ms beat 0.5 and
+#: 1 ms again (3 runs each; docs/benchmarks.md "Stop 57"). ``FUSIONLLM_SWITCH_S`` sets
+#: another (for measuring).
+SWITCH_INTERVAL_S = 0.0002
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
