@@ -300,9 +300,15 @@ def test_payload_first_frames_are_checked_like_any_other_and_only_taken_on_direc
             # on the same direct stream, a payload altered after signing: on plain TCP anyone on the
             # path could have altered it, so it is counted against no one, and the sender goes back to libp2p
             payload = bytes(4096)
+            heard: list[tuple[str, str, str]] = []
+            b.gate.listeners.append(lambda *event: heard.append(event))
             await a._write(b.peer_id, b.peer_id, MSG_PROTOCOL, [_payload_first(a.sealer, payload, bytes(4095) + b"x")])
             await _until(lambda: b.gate.counts[Reject.BAD_DIGEST] == 1)
             assert a.peer_id not in b.gate._abuse
+            # the status page counts it as any other refusal (a banned member's frames on its direct
+            # stream were missing from it), saying it is not held against the sender
+            assert [(who, code) for who, code, _ in heard] == [(a.peer_id, "bad_digest")]
+            assert heard[0][2].endswith("(on a direct stream: not held against it)")
             a.forget(b.peer_id)
             assert torch.equal(await _roundtrip(a, b, torch.ones(3), 2), torch.ones(3)), "over libp2p now"
             assert b.peer_id not in a.direct_to

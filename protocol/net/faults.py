@@ -40,8 +40,8 @@ def charge(gate: Gate, direct_path: Direct, exc: Rejected, sender: str, via: str
     altered (``TAMPERED``) the sender's direct streams closed and refused a while (on
     libp2p its faults are its own again); the rest are the sender's."""
     unproven = exc.code in UNSIGNED or exc.code is Reject.BAD_DIGEST
-    if direct and unproven:
-        gate.counts[exc.code] += 1
+    if direct and unproven:  # on the status page too: a member's frames refused over its direct stream
+        gate.count_unblamed(sender, exc, "on a direct stream: not held against it")
         if exc.code in TAMPERED:
             direct_path.demote(sender)
         return ""

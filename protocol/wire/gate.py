@@ -215,6 +215,13 @@ class Gate:
         for listener in self.listeners:
             listener(sender, exc.code.value, exc.detail)
 
+    def count_unblamed(self, sender: str, exc: Rejected, why: str) -> None:
+        """Count a rejection that proves nothing against ``sender`` (``why``): the listeners
+        (the status page) hear of it as of any other; nothing is held against the sender."""
+        self.counts[exc.code] += 1
+        for listener in self.listeners:
+            listener(sender, exc.code.value, f"{exc.detail} ({why})")
+
     def muted(self, sender: str) -> bool:
         """Whether ``sender``'s streams are to be closed unread: it is muted, or its
         rejections just crossed ``MUTE_REJECTS`` in ``MUTE_WINDOW_S``, which mutes it for
