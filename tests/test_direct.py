@@ -10,6 +10,7 @@ import asyncio
 import random
 import socket
 import time
+from collections import defaultdict
 from collections.abc import AsyncIterator
 
 import pytest
@@ -528,3 +529,48 @@ def test_a_refused_ticket_is_asked_for_again_soon_then_less_often_and_a_failed_d
 
 async def _bytes(raw: bytes) -> bytes:
     return raw
+
+
+def test_a_move_with_nothing_to_dial_waits_and_a_refused_one_waits_as_the_direct_path_says() -> None:
+    now = [100.0]
+    d = Direct([MSG_PROTOCOL], lambda peer: True, clock=lambda: now[0])
+    moved: list[str] = []
+
+    def upgrades(addrs: list[str], answer: bytes) -> upgrade.Upgrades:
+        async def where(peer: str) -> list[str]:
+            return addrs
+
+        async def ask(peer: str) -> bytes:
+            return answer
+
+        streams = {p: (None, None) for p in ("p", "q")}
+        return upgrade.Upgrades(
+            d,
+            MSG_PROTOCOL,
+            streams,
+            defaultdict(asyncio.Lock),
+            lambda peer: False,
+            where,
+            ask,
+            moved.append,  # type: ignore[arg-type]
+        )
+
+    async def go() -> None:
+        nowhere = upgrades([], b"")  # no IP address: the direct path sets no wait
+        nowhere.maybe("p")
+        await asyncio.sleep(0.05)
+        assert nowhere._next["p"] == now[0] + upgrade.NOTHING_TO_DIAL_S
+        nowhere.maybe("p")
+        assert "p" not in nowhere._tasks, "waits"
+        now[0] += upgrade.NOTHING_TO_DIAL_S
+        nowhere.maybe("p")
+        assert "p" in nowhere._tasks
+        await asyncio.sleep(0.05)
+        refused = upgrades(["/ip4/127.0.0.1/tcp/1"], OFFER.pack(0, 0, bytes(16), bytes(32)))
+        refused.maybe("q")
+        await asyncio.sleep(0.05)
+        assert "q" not in refused._next, "no wait of its own on top of the refusal's"
+        assert d._retry["q"] == now[0] + REFUSED_RETRY_S
+        assert moved == []
+
+    asyncio.run(go())

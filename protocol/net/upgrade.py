@@ -120,8 +120,9 @@ class Upgrades:
         placed = False
         try:
             new = await self.direct.open(peer, self.protocol, await self.addrs(peer), self.ask)
-            if new is None:  # refused or not reached (``direct`` says when to try again), or no address
-                self._next[peer] = self.direct.clock() + NOTHING_TO_DIAL_S
+            if new is None:  # refused or not reached: ``direct`` says when to try again
+                if self.direct.worth_trying(peer, self.protocol):  # no address to dial: no wait set
+                    self._next[peer] = self.direct.clock() + NOTHING_TO_DIAL_S
                 return
             async with self.locks[peer]:
                 old = self.streams.get(peer)
