@@ -540,9 +540,6 @@ def test_a_move_with_nothing_to_dial_waits_and_a_refused_one_waits_as_the_direct
         async def where(peer: str) -> list[str]:
             return addrs
 
-        async def ask(peer: str) -> bytes:
-            return answer
-
         streams = {p: (None, None) for p in ("p", "q")}
         return upgrade.Upgrades(
             d,
@@ -551,24 +548,24 @@ def test_a_move_with_nothing_to_dial_waits_and_a_refused_one_waits_as_the_direct
             defaultdict(asyncio.Lock),
             lambda peer: False,
             where,
-            ask,
+            lambda peer: _bytes(answer),
             moved.append,  # type: ignore[arg-type]
         )
 
+    async def moved_once(up: upgrade.Upgrades, peer: str) -> None:
+        up.maybe(peer)
+        await up._tasks[peer]  # the move, to its end
+
     async def go() -> None:
         nowhere = upgrades([], b"")  # no IP address: the direct path sets no wait
-        nowhere.maybe("p")
-        await asyncio.sleep(0.05)
+        await moved_once(nowhere, "p")
         assert nowhere._next["p"] == now[0] + upgrade.NOTHING_TO_DIAL_S
         nowhere.maybe("p")
         assert "p" not in nowhere._tasks, "waits"
         now[0] += upgrade.NOTHING_TO_DIAL_S
-        nowhere.maybe("p")
-        assert "p" in nowhere._tasks
-        await asyncio.sleep(0.05)
+        await moved_once(nowhere, "p")  # tried again once the wait is over
         refused = upgrades(["/ip4/127.0.0.1/tcp/1"], OFFER.pack(0, 0, bytes(16), bytes(32)))
-        refused.maybe("q")
-        await asyncio.sleep(0.05)
+        await moved_once(refused, "q")
         assert "q" not in refused._next, "no wait of its own on top of the refusal's"
         assert d._retry["q"] == now[0] + REFUSED_RETRY_S
         assert moved == []
