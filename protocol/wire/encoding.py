@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy
 import torch
 
+from protocol.wire.buffers import BUFFERS
 from protocol.wire.codecs import Codec, CodecError, ErrorFeedback, encode_parts
 from protocol.wire.codecs import decode as decode_tensor
 
@@ -441,7 +441,7 @@ async def _read_lazily(reader: Any, size: int, on_chunk: Callable[[], None] | No
     held grows with what arrived, as above, without copying it twice); each
     ``READ_CHUNK`` is hashed once it is full."""
     try:
-        payload = memoryview(numpy.empty(size, dtype=numpy.uint8)).cast("B")
+        payload = BUFFERS.take(size)
     except MemoryError:  # no room to reserve it at once: grown as it arrives, as on other streams
         return await _read_chunks(reader, size, on_chunk, digest)
     hashed, hashing = 0, None
