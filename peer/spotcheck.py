@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from blake3 import blake3
 
 from peer.compute import Compute
 from peer.executor import StageExecutor
@@ -31,6 +33,9 @@ from protocol.wire.gate import signed_frame
 from protocol.wire.messages import Audit, Evidence, Recheck, Verdict
 
 logger = logging.getLogger(__name__)
+
+#: what an arbiter keeps of the stages it built before the last (their weights and buffers)
+KEEP_BYTES = 256 << 20
 
 
 def as_evidence(inbound: Inbound) -> list[torch.Tensor]:
@@ -202,13 +207,20 @@ def _cannot(msg: Recheck, detail: str, checked: bool = False) -> Verdict:
 class Arbiter:
     """Re-executes micro-batches of other stages of the cut (two of a stage's replicas
     disagreed, or its only peer is checked); keeps the last stage it built, and the
-    weights it loaded, while it arbitrates the same stage."""
+    weights it loaded, while it arbitrates the same stage. Stages it built before are
+    kept too, while they total ``KEEP_BYTES`` at most, and used again (their weights
+    loaded anew) when the same program comes back: a checker drawn at random rebuilt
+    its stage at most checks, and the build was about half of what a check cost."""
 
-    def __init__(self, num_stages: int, build: Callable[[int, list[Any]], StageExecutor]) -> None:
+    def __init__(
+        self, num_stages: int, build: Callable[[int, list[Any]], StageExecutor], keep_bytes: int = KEEP_BYTES
+    ) -> None:
         self.num_stages = num_stages
         self.build = build  # stage, its program (if any) -> the stage (ProgramError, SpecError)
+        self.keep_bytes = keep_bytes
         self.others: dict[int, StageExecutor] = {}
         self.loaded: tuple[int, int] | None = None  # (stage, step) of the weights last loaded
+        self.built: OrderedDict[tuple[int, str], tuple[StageExecutor, int]] = OrderedDict()  # -> (stage, bytes)
 
     def verdict(
         self,
@@ -230,7 +242,7 @@ class Arbiter:
         if msg.same_weights and (self.loaded != (msg.stage, msg.step) or msg.stage not in self.others):
             return _cannot(msg, f"it holds no weights of stage {msg.stage} at step {msg.step} to arbitrate with")
         try:
-            other = self.others.get(msg.stage) or self.build(msg.stage, program)
+            other = self.others.get(msg.stage) or self.stage(msg.stage, program)
         except (ProgramError, SpecError) as exc:  # it could not check: the coordinator drops it, blames no one
             return _cannot(msg, f"could not build the stage: {exc}"[:400])
         self.others, self.loaded = {msg.stage: other}, None  # kept while it arbitrates the same stage
@@ -242,6 +254,29 @@ class Arbiter:
         self.loaded = (msg.stage, msg.step)
         other.loss_scale = scale
         return rechecker(other, msg.stage, msg.keys).verdict(msg, evidence, None)
+
+    def stage(self, s: int, program: list[Any]) -> StageExecutor:
+        """Stage ``s`` as ``program`` builds it: one built before from the same program, or
+        a new one (kept, the oldest let go past ``keep_bytes``; the newest always)."""
+        key = (s, _digest(program))
+        if key in self.built:
+            self.built.move_to_end(key)
+            return self.built[key][0]
+        ex = self.build(s, program)
+        self.built[key] = (ex, sum(t.numel() * t.element_size() for t in ex.module.state_dict().values()))
+        while len(self.built) > 1 and sum(size for _, size in self.built.values()) > self.keep_bytes:
+            self.built.popitem(last=False)
+        return ex
+
+
+def _digest(program: list[Any]) -> str:
+    """A BLAKE3 digest of a program's tensors (its JSON, then its constants)."""
+    h = blake3()
+    for t in program:
+        if isinstance(t, torch.Tensor):
+            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        h.update(b"|")
+    return h.hexdigest()
 
 
 class SpotChecks:
