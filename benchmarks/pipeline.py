@@ -13,7 +13,11 @@ in the same run (``pipelining_tokens_per_s``, ``swarm_vs_pipelining``;
 ``pipelining_loss_gap``: the largest gap between its loss and the whole model's in
 one process at any step, so that both are seen to do the same work); what spot
 checks at their default rate cost in tokens/s (``spot_check_cost``: 1 - the
-default swarm's over the unchecked one's); and where the unchecked swarm's step
+default swarm's over the unchecked one's: two runs, whose plans may differ, so it
+swung from -0.08 to 0.20; ``spot_check_cost_in_run``: what the default swarm's
+summary says its checks cost its steps, from its steps with and without a check
+under way, ``protocol.trust.spotcheck.step_overhead``; null where the run had too
+few of either); and where the unchecked swarm's step
 time goes, per stage (``step_breakdown_ms``: each part's mean ms per step, from the
 run's summary).
 
@@ -100,6 +104,7 @@ class SwarmRun:
     median_step_ms: float
     cut: list[int]
     breakdown_ms: dict[str, dict[str, float]]  # stage -> part -> mean ms per step, as the summary prints them
+    check_overhead: float | None  # what its spot checks cost its steps, measured within it (None: not said)
 
 
 def swarm_run(sizes: Sizes, flags: list[str]) -> SwarmRun:
@@ -108,12 +113,14 @@ def swarm_run(sizes: Sizes, flags: list[str]) -> SwarmRun:
     tokens = re.search(r"([\d,]+) tokens/s", out)
     median = re.search(r"measured ([\d.]+) ms \(median\)", out)
     cut = re.search(r"^cut \[([\d, ]*)\]$", out, re.MULTILINE)
+    checks = re.search(r"steps ([+-][\d.]+)% on average against those with no check under way", out)
     assert tokens and median and cut, out
     return SwarmRun(
         float(tokens.group(1).replace(",", "")),
         float(median.group(1)),
         [int(x) for x in cut.group(1).split(",") if x.strip()],
         step_breakdown(out),
+        float(checks.group(1)) / 100 if checks else None,
     )
 
 
@@ -380,6 +387,7 @@ def main() -> None:
         "swarm_unchecked_tokens_per_s": round(unchecked.tokens_per_s, 1),
         "swarm_vs_pipelining": anchor and round(unchecked.tokens_per_s / anchor.tokens_per_s, 3),
         "spot_check_cost": round(1 - swarm / unchecked.tokens_per_s, 3),
+        "spot_check_cost_in_run": runs["fp32"].check_overhead,
         "step_ms_pipelining": anchor and round(anchor.median_step_ms, 1),
         "pipelining_loss_gap": anchor and float(f"{loss_gap(anchor, reference):.3g}"),
         "step_ms_unchecked": ms["unchecked"],

@@ -23,6 +23,7 @@ from protocol.model.graph import Cut
 from protocol.net.clock import Clock
 from protocol.net.tasks import log_failure
 from protocol.net.transport import Inbound
+from protocol.wire.codecs import finite
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class Checkpoints:
             return
         values = inbound.frame.values()
         problem = self.check_part(msg.stage, msg.names, values)
-        if not problem and not all(bool(torch.isfinite(v).all()) for v in values if v.is_floating_point()):
+        if not problem and not all(finite(v) for v in values if v.is_floating_point()):
             raise self._diverged(msg.stage, msg.step, inbound.sender)
         if problem:
             logger.warning("ignoring the checkpoint state of stage %d from %s: %s", msg.stage, inbound.sender, problem)

@@ -308,3 +308,22 @@ def test_auto_codec_takes_the_mildest_codec_that_suffices() -> None:
     assert pinned[0] == Codec() and pinned[1].rank == 3, "a pinned rank applies where low-rank is chosen"
     with pytest.raises(ValueError):
         choose_codecs([nbytes], [1], [0.01], "auto")
+
+
+def test_finite_agrees_with_an_elementwise_check_on_every_dtype_and_layout() -> None:
+    """``finite`` reads only a tensor's least and greatest values: it must see a NaN or
+    an infinity anywhere, in every floating dtype, in a view that is not contiguous,
+    and next to the largest finite numbers (which are finite)."""
+    from protocol.wire.codecs import finite
+
+    gen = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        base = torch.randn(37, 41, generator=gen).to(dtype)
+        assert finite(base) and finite(base.t()) and finite(torch.empty(0, dtype=dtype))
+        assert finite(torch.full((5,), torch.finfo(dtype).max, dtype=dtype))
+        for bad in (math.nan, math.inf, -math.inf):
+            for where in [(0, 0), (36, 40), (int(torch.randint(37, (1,), generator=gen)), 17)]:
+                t = base.clone()
+                t[where] = bad
+                assert not finite(t) and not finite(t.t()), (dtype, bad, where)
+                assert finite(t) == bool(torch.isfinite(t).all())

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from protocol.wire.buffers import BUFFERS
-from protocol.wire.codecs import Codec, CodecError, ErrorFeedback, encode_parts
+from protocol.wire.codecs import Codec, CodecError, ErrorFeedback, encode_parts, finite
 from protocol.wire.codecs import decode as decode_tensor
 
 MAGIC = b"FLM1"
@@ -477,7 +477,7 @@ async def write_frame(writer: asyncio.StreamWriter, header: dict[str, Any], valu
 def all_finite(value: Any) -> bool:
     """Whether every floating tensor in a decoded value holds only finite numbers."""
     if isinstance(value, torch.Tensor):
-        return not value.is_floating_point() or bool(torch.isfinite(value).all())
+        return not value.is_floating_point() or finite(value)
     if isinstance(value, (tuple, list)):
         return all(all_finite(v) for v in value)
     return True
