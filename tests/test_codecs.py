@@ -327,3 +327,12 @@ def test_finite_agrees_with_an_elementwise_check_on_every_dtype_and_layout() -> 
                 t[where] = bad
                 assert not finite(t) and not finite(t.t()), (dtype, bad, where)
                 assert finite(t) == bool(torch.isfinite(t).all())
+
+
+def test_finite_falls_back_where_a_dtype_has_no_aminmax() -> None:
+    from protocol.wire.codecs import finite
+
+    values = torch.tensor([1.0, -2.0, 3.0])
+    assert finite(values.to(torch.float8_e5m2))
+    assert not finite(torch.tensor([1.0, math.nan]).to(torch.float8_e5m2))
+    assert not finite(torch.tensor([1.0, math.inf]).to(torch.float8_e5m2))

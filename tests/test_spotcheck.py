@@ -298,6 +298,14 @@ def test_an_arbiter_uses_again_a_stage_it_built_from_the_same_program_and_keeps_
     assert built == [0, 1, 2, 0, 0]
     lone = Arbiter(4, build, keep_bytes=0)  # none fits: the newest is kept all the same
     assert lone.stage(3, program(3)) is lone.stage(3, program(3))
+    few = Arbiter(2, build, keep_bytes=1 << 40)  # no more than one per stage of the cut, whatever their size
+    firsts = [few.stage(0, [torch.tensor([i], dtype=torch.uint8)]) for i in range(3)]
+    assert len(few.built) == 2 and few.stage(0, [torch.tensor([2], dtype=torch.uint8)]) is firsts[2]
+    built.clear()
+    same_bytes = [torch.zeros(2, 3), torch.zeros(3, 2), torch.zeros(6, dtype=torch.int32)]
+    for t in same_bytes:  # the same bytes under another shape or dtype are another program
+        few.stage(1, [t])
+    assert built == [1, 1, 1]
 
 
 class _OnAnotherDevice:
