@@ -208,9 +208,10 @@ class Arbiter:
     """Re-executes micro-batches of other stages of the cut (two of a stage's replicas
     disagreed, or its only peer is checked); keeps the last stage it built, and the
     weights it loaded, while it arbitrates the same stage. Stages it built before are
-    kept too, while they total ``KEEP_BYTES`` at most, and used again (their weights
-    loaded anew) when the same program comes back: a checker drawn at random rebuilt
-    its stage at most checks, and the build was about half of what a check cost."""
+    kept too (``stage``: ``KEEP_BYTES`` of them at most, one per stage of the cut) and
+    used again, their weights loaded anew, when the same program comes back: a checker
+    drawn at random rebuilt its stage at most checks, and the build was about half of
+    what a check cost."""
 
     def __init__(
         self, num_stages: int, build: Callable[[int, list[Any]], StageExecutor], keep_bytes: int = KEEP_BYTES
@@ -220,7 +221,7 @@ class Arbiter:
         self.keep_bytes = keep_bytes
         self.others: dict[int, StageExecutor] = {}
         self.loaded: tuple[int, int] | None = None  # (stage, step) of the weights last loaded
-        self.built: OrderedDict[tuple[int, str], tuple[StageExecutor, int]] = OrderedDict()  # -> (stage, bytes)
+        self.built: OrderedDict[tuple[int, str], tuple[StageExecutor, int]] = OrderedDict()  # -> (it, its bytes)
 
     def verdict(
         self,

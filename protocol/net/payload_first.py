@@ -10,7 +10,8 @@ payload, hashed while it is on the wire (from ``THREADED_HASH_MIN``, on another
 thread that the writes never wait for), then the head signed over that digest. The
 receiver checks the size against its limits and the sender's byte budget before
 reading a byte of it, hashes it as it arrives, then checks the head exactly as a
-head-first frame's: what is delivered, and the evidence kept, are the same. Only a direct stream's receiver accepts one.
+head-first frame's: what is delivered, and the evidence kept, are the same. Only a
+direct stream's receiver accepts one.
 """
 
 from __future__ import annotations
