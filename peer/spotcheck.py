@@ -8,6 +8,7 @@ another stage rebuilt from the weights shown."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
@@ -15,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from blake3 import blake3
 
 from peer.compute import Compute
 from peer.executor import StageExecutor
@@ -29,6 +29,7 @@ from protocol.trust.identity import IdentityError, public_key
 from protocol.trust.spotcheck import differs, fingerprint, loss_differs, seed_of, wrong_frame
 from protocol.wire.codecs import Codec
 from protocol.wire.encoding import Frame, Link, encode_values
+from protocol.wire.envelope import payload_digest
 from protocol.wire.gate import signed_frame
 from protocol.wire.messages import Audit, Evidence, Recheck, Verdict
 
@@ -282,17 +283,10 @@ def _held_bytes(module: torch.nn.Module) -> int:
 
 
 def _digest(program: list[Any]) -> str:
-    """A BLAKE3 digest of a program's tensors (its JSON, then its constants), each with
-    its dtype, shape and length, so that no two programs share one."""
-    h = blake3()
-    for t in program:
-        if isinstance(t, torch.Tensor):
-            data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-            h.update(f"{t.dtype}|{list(t.shape)}|{len(data)}|".encode())
-            h.update(data)
-        else:
-            h.update(f"{type(t).__name__}|".encode())
-    return h.hexdigest()
+    """A digest of a program's tensors as the wire encodes them: their descriptions
+    (dtype, shape, length) and then their bytes, so that no two programs share one."""
+    descriptions, chunks = encode_values(list(program))
+    return payload_digest([memoryview(json.dumps(descriptions).encode()), *chunks])
 
 
 class SpotChecks:
