@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from fusionllm import reaper
 from fusionllm.reaper import POLL_S, descendants
 from protocol.net.ports import PortTaken, check_listen_ports
 from tests.conftest import ROOT, run_cli
@@ -399,6 +400,31 @@ def test_the_watchdog_reads_the_same_descendants_as_psutil_from_the_children_fil
     finally:
         os.killpg(tree.pid, signal.SIGKILL)
         tree.wait()
+
+
+@pytest.mark.parametrize(("newest", "scans"), [(["7", "7", "7", "9", "9"], 2), ([None, None, "7", None], 4)])
+def test_the_watchdog_scans_again_only_once_a_process_was_created(
+    monkeypatch: pytest.MonkeyPatch, newest: list[str | None], scans: int
+) -> None:
+    """A scan of the descendants is repeated only when ``/proc/loadavg``'s newest pid
+    moved (or cannot be read); the parent is still checked at every poll."""
+    polls = iter(newest)
+    done: list[int] = []
+    checked: list[int] = []
+    monkeypatch.setattr(
+        reaper, "_parent_alive", lambda parent, ppid: (checked.append(1), len(checked) <= len(newest))[1]
+    )
+    monkeypatch.setattr(reaper, "last_pid", lambda: next(polls))
+    monkeypatch.setattr(reaper, "_refresh", lambda parent, seen, me: done.append(1))
+    monkeypatch.setattr(reaper, "_reap", lambda seen, grace_s: None)
+    reaper.watch(os.getpid(), poll_s=0)
+    assert len(done) == scans and len(checked) == len(newest) + 1
+
+
+def test_last_pid_moves_when_a_process_is_created() -> None:
+    before = reaper.last_pid()
+    subprocess.run(["true"], check=True)
+    assert before is not None and reaper.last_pid() != before
 
 
 SIGNALLED_IN_SHUTDOWN = """
