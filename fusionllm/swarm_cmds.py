@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -510,7 +511,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.save is None:
         args.save = "fusionllm-demo.safetensors"
     log_dir = Path(tempfile.mkdtemp(prefix="fusionllm-demo-"))
-    if args.run_dir is None:
+    own_run_dir = args.run_dir is None  # the demo's own: let go once the run finished (kept for --resume otherwise)
+    if own_run_dir:
         args.run_dir = str(log_dir / "run")
     procs: list[Started] = []
     peer_env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -560,4 +562,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
         tail = (log_dir / f"peer{i}.log").read_text(errors="replace").strip().splitlines()[-3:]
         if tail:
             print(f"peer {i} log ({log_dir / f'peer{i}.log'}): " + " | ".join(tail), file=sys.stderr)
+    if code == 0 and own_run_dir:  # its checkpoints (5 MB a demo) are of no more use: the model is saved
+        shutil.rmtree(args.run_dir, ignore_errors=True)
     return code

@@ -150,6 +150,8 @@ def test_demo_lowers_loss_and_leaves_nothing_behind(tmp_path: Path) -> None:
     m = re.search(r"loss ([\d.]+) -> ([\d.]+)", r.stdout)
     assert m and float(m.group(2)) < float(m.group(1)) - 0.5, r.stdout
     assert "saved fusionllm-demo.safetensors" in r.stdout and (tmp_path / "fusionllm-demo.safetensors").is_file()
+    run_dir = re.search(r"^run directory: (\S+) ", r.stdout, re.MULTILINE)
+    assert run_dir and not Path(run_dir.group(1)).exists(), "a finished demo's checkpoints are let go"
     assert _no_new_p2pd(before)
     assert not stray_commands()
 
