@@ -12,10 +12,10 @@ The anchor: the swarm with spot checks off against ``torch.distributed.pipelinin
 in the same run: three pairs of the two, each run 200 steps and the two of a pair
 back to back (``anchor_pairs``: the machine's load drifts over minutes, and a short
 run weighs the swarm's one-time costs as a demo's 1,200 steps do not);
-``swarm_vs_pipelining`` is the median of the pairs' ratios
-(``swarm_vs_pipelining_runs``: each pair's), ``pipelining_tokens_per_s`` and
-``swarm_unchecked_tokens_per_s`` the medians of each side, and the cut, the step
-breakdown and ``step_ms_pipelining`` the median pair's (``pipelining_loss_gap``: the
+``swarm_vs_pipelining``, the cut, the step breakdown and both sides' median step ms
+are the median pair's (``swarm_vs_pipelining_runs``: each pair's ratio, null where its
+anchor failed), ``pipelining_tokens_per_s`` and ``swarm_unchecked_tokens_per_s``
+the medians of each side (``pipelining_loss_gap``: the
 largest gap between the anchor's loss and the whole model's in one process at any
 of the reference's steps, so that both are seen to do the same work); what spot
 checks at their default rate cost in tokens/s (``spot_check_cost``: 1 - the
@@ -200,7 +200,8 @@ def anchor_pairs(sizes: Sizes, short: bool) -> list[Pair]:
 
 
 def _median_pair(pairs: list[Pair]) -> Pair:
-    """The pair of the median ratio (the first pair where the anchor failed in all)."""
+    """The pair of the median ratio, the lower of the middle two where an anchor failed
+    and an even number are left (the first pair where every anchor failed)."""
     measured = sorted((p for p in pairs if p.ratio is not None), key=lambda p: p.ratio or 0.0)
     return measured[(len(measured) - 1) // 2] if measured else pairs[0]
 
@@ -416,7 +417,7 @@ def main() -> None:
     logger.info("reference %.1f tokens/s", ref)
     pairs = anchor_pairs(sizes, args.short)
     mid = _median_pair(pairs)
-    ratios = [round(p.ratio, 3) for p in pairs if p.ratio is not None]
+    ratios = [p.ratio and round(p.ratio, 3) for p in pairs]  # None: that pair's anchor failed
     anchors = [p.anchor for p in pairs if p.anchor is not None]
     # the default swarm right after one as long without checks (``spot_check_cost``), then the other recipes
     unchecked = swarm_run(sizes, UNCHECKED)
@@ -429,14 +430,14 @@ def main() -> None:
     out: dict[str, object] = {
         "pipelining_tokens_per_s": round(statistics.median(a.tokens_per_s for a in anchors), 1) if anchors else None,
         "swarm_unchecked_tokens_per_s": round(statistics.median(p.swarm.tokens_per_s for p in pairs), 1),
-        "swarm_vs_pipelining": statistics.median(ratios) if ratios else None,
+        "swarm_vs_pipelining": mid.ratio and round(mid.ratio, 3),
         "swarm_vs_pipelining_runs": ratios,
         "anchor_steps": sizes.anchor_steps,
         "spot_check_cost": round(1 - swarm / unchecked.tokens_per_s, 3),
         "spot_check_cost_in_run": runs["fp32"].check_overhead,
         "step_ms_pipelining": mid.anchor and round(mid.anchor.median_step_ms, 1),
         "pipelining_loss_gap": float(f"{max(loss_gap(a, reference) for a in anchors):.3g}") if anchors else None,
-        "step_ms_unchecked": ms["unchecked"],
+        "step_ms_unchecked": mid.swarm.median_step_ms,
         "cut": mid.swarm.cut,
         "step_breakdown_ms": mid.swarm.breakdown_ms,
         "swarm_tokens_per_s": round(swarm, 1),

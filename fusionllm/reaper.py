@@ -15,6 +15,7 @@ ends what it started.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import signal
@@ -30,6 +31,9 @@ import psutil
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.2  # how often the watchdog looks at the parent and its descendants
+#: a full scan of the descendants at least every this many polls, whatever ``last_pid`` says
+#: (a child linked to its parent after its pid moved the cursor, a gVisor whose loadavg is fixed)
+SCAN_EVERY = 5
 GRACE_S = 2.0  # SIGTERM, then this long, then SIGKILL
 
 EXIT_GRACE_S = 20.0  # how long a command may take to shut down once it is done or interrupted
@@ -160,17 +164,19 @@ def descendants(parent: psutil.Process, me: int) -> dict[int, float]:
     return out
 
 
-def _refresh(parent: psutil.Process, seen: dict[int, float], me: int) -> None:
-    """Record the parent's descendants; keep earlier ones that still run (a dead middle re-parents them)."""
+def _refresh(parent: psutil.Process, seen: dict[int, float], me: int) -> bool:
+    """Record the parent's descendants; keep earlier ones that still run (a dead middle
+    re-parents them). False where the scan did not finish (the next poll scans again)."""
     try:
         now = descendants(parent, me)
     except psutil.Error:
-        return  # the parent or a child went away mid-scan; the next poll sees
+        return False  # the parent or a child went away mid-scan
     for pid, born in seen.items():
         if pid not in now and _same(pid, born) is not None:
             now[pid] = born
     seen.clear()
     seen.update(now)
+    return True
 
 
 def _same(pid: int, born: float) -> psutil.Process | None:
@@ -209,12 +215,13 @@ def watch(parent_pid: int, poll_s: float = POLL_S, grace_s: float = GRACE_S) -> 
     except psutil.Error:
         return
     seen: dict[int, float] = {}
-    scanned: str | None = None  # the newest pid at the last scan
-    while _parent_alive(parent, ppid):
+    scanned: str | None = None  # the newest pid at the last finished scan
+    for poll in itertools.count():
+        if not _parent_alive(parent, ppid):
+            break
         newest = last_pid()  # read before the scan: a fork during it shows at the next poll
-        if newest is None or newest != scanned:
-            _refresh(parent, seen, me)
-            scanned = newest
+        if newest is None or newest != scanned or poll % SCAN_EVERY == 0:
+            scanned = newest if _refresh(parent, seen, me) else None
         time.sleep(poll_s)
     _reap(seen, grace_s)
 
@@ -222,8 +229,11 @@ def watch(parent_pid: int, poll_s: float = POLL_S, grace_s: float = GRACE_S) -> 
 def last_pid() -> str | None:
     """The pid (or thread id) the kernel handed out last (``/proc/loadavg``'s last
     field); None where it cannot be read. Unchanged since a scan, no process was
-    created since, and the scan still holds: the coordinator's watchdog scanned its 26
-    descendants' 104 threads (1.8 ms) five times a second, 1.2 ms of CPU per demo step."""
+    created since, and the scan mostly still holds (``watch`` scans anyway every
+    ``SCAN_EVERY`` polls: a child is linked to its parent a moment after its pid is
+    handed out, and gVisor's loadavg never changes). The coordinator's watchdog scanned
+    its 26 descendants' 104 threads (1.8 ms) five times a second, 1.2 ms of CPU per demo
+    step."""
     try:
         with open("/proc/loadavg") as f:
             return f.read().split()[-1]

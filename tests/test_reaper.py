@@ -402,12 +402,22 @@ def test_the_watchdog_reads_the_same_descendants_as_psutil_from_the_children_fil
         tree.wait()
 
 
-@pytest.mark.parametrize(("newest", "scans"), [(["7", "7", "7", "9", "9"], 2), ([None, None, "7", None], 4)])
-def test_the_watchdog_scans_again_only_once_a_process_was_created(
-    monkeypatch: pytest.MonkeyPatch, newest: list[str | None], scans: int
+@pytest.mark.parametrize(
+    ("newest", "finished", "scanned"),
+    [
+        (["7", "7", "7", "9", "9", "9", "9", "9"], True, [0, 3, 5]),  # moved, then every SCAN_EVERY polls
+        (["0"] * 11, True, [0, 5, 10]),  # gVisor: loadavg never changes
+        ([None, None, "7", None], True, [0, 1, 2, 3]),  # unreadable: every poll
+        (["7", "7", "7"], False, [0, 1, 2]),  # a scan cut short is not trusted
+    ],
+)
+def test_the_watchdog_scans_again_once_a_process_was_created_and_every_few_polls(
+    monkeypatch: pytest.MonkeyPatch, newest: list[str | None], finished: bool, scanned: list[int]
 ) -> None:
-    """A scan of the descendants is repeated only when ``/proc/loadavg``'s newest pid
-    moved (or cannot be read); the parent is still checked at every poll."""
+    """A scan of the descendants is repeated when ``/proc/loadavg``'s newest pid moved
+    (or cannot be read), after a scan that did not finish, and every ``SCAN_EVERY``
+    polls whatever it says; the parent is checked at every poll."""
+    assert reaper.SCAN_EVERY == 5
     polls = iter(newest)
     done: list[int] = []
     checked: list[int] = []
@@ -415,10 +425,10 @@ def test_the_watchdog_scans_again_only_once_a_process_was_created(
         reaper, "_parent_alive", lambda parent, ppid: (checked.append(1), len(checked) <= len(newest))[1]
     )
     monkeypatch.setattr(reaper, "last_pid", lambda: next(polls))
-    monkeypatch.setattr(reaper, "_refresh", lambda parent, seen, me: done.append(1))
+    monkeypatch.setattr(reaper, "_refresh", lambda parent, seen, me: (done.append(len(checked) - 1), finished)[1])
     monkeypatch.setattr(reaper, "_reap", lambda seen, grace_s: None)
     reaper.watch(os.getpid(), poll_s=0)
-    assert len(done) == scans and len(checked) == len(newest) + 1
+    assert done == scanned and len(checked) == len(newest) + 1
 
 
 def test_last_pid_moves_when_a_process_is_created() -> None:
