@@ -187,7 +187,7 @@ class Pair:
 
 def anchor_pairs(sizes: Sizes, short: bool) -> list[Pair]:
     """``sizes.pairs`` pairs of ``sizes.anchor_steps`` steps each. Pairs, since this
-    machine's load drifts over minutes (the anchor alone ran at 10,853-12,907 tokens/s
+    machine's load drifts over minutes (the anchor alone ran at 10,853-15,200 tokens/s
     within one hour); that many steps, since a swarm's one-time costs (its first
     rebalance check plans for 0.7-0.9 s beside the steps, at step 25) took 8% of a
     60-step run's machine and are spread over a demo's 1,200."""
