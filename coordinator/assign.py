@@ -211,3 +211,26 @@ def forwarded_links(groups: list[list[str]], nat: Collection[str]) -> int:
     pairs = [(a, b) for g in groups for i, a in enumerate(g) for b in g[i + 1 :]]
     pairs += [(a, b) for g, h in zip(groups, groups[1:]) for a in g for b in h]
     return sum(a in nat and b in nat for a, b in pairs)
+
+
+def signature(plan: Assignment) -> str:
+    """A plan as a rebalance judges it: the cut and the set of peers of each stage (the
+    same replicas in another order once slipped past ``reverted``: CI saw a one-stage
+    plan of three replicas undone, then proposed again with its replicas reordered)."""
+    return f"{plan.cut.to_list()} {[sorted(group) for group in plan.stages]}"
+
+
+def moves_text(old: Assignment, new: Assignment) -> str:
+    """What a new plan changes, in words: the cut and the peers of each stage."""
+    parts = []
+    if old.cut != new.cut:
+        parts.append(f"cut {old.cut.to_list()} -> {new.cut.to_list()}")
+    old_peers = {p for g in old.stages for p in g}
+    new_peers = {p for g in new.stages for p in g}
+    if old_peers - new_peers:
+        parts.append("to standby: " + ", ".join(sorted(old_peers - new_peers)))
+    if new_peers - old_peers:
+        parts.append("taken in: " + ", ".join(sorted(new_peers - old_peers)))
+    if old.stages != new.stages and not parts[1:]:
+        parts.append(f"peers per stage {[len(g) for g in old.stages]} -> {[len(g) for g in new.stages]}")
+    return "; ".join(parts) or "peers regrouped"

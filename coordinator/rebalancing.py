@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from coordinator import host_share, replan
-from coordinator.assign import Assignment, network_from_adverts, on_own_share
+from coordinator.assign import Assignment, moves_text, network_from_adverts, on_own_share, signature
 from coordinator.auditing import Auditor
 from coordinator.breakdown import run_overheads
 from coordinator.checkpointing import Checkpoints
@@ -56,6 +56,7 @@ class RebalanceRecord:
     checked_at: float = -math.inf  # when the last check that planned began (clock seconds)
     check_cost_s: float = 0.0  # how long it planned (``replan.check_affordable``)
     checked_speeds: dict[str, float] = dataclasses.field(default_factory=dict)  # the speeds it planned on
+    checked_unsettled: bool = False  # a peer's speed was still moving then (``replan.speed_moved``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +218,10 @@ class Rebalancer:
             logger.debug("rebalance check at step %d skipped: the last one is still planning", st.step)
             return None
         began, m, speeds = self.clock.now(), self.record, self._speeds()
-        if not replan.check_affordable(began - m.checked_at, m.check_cost_s, speeds, m.checked_speeds):
+        affordable = replan.check_affordable(
+            began - m.checked_at, m.check_cost_s, speeds, m.checked_speeds, m.checked_unsettled
+        )
+        if not affordable:
             logger.debug("rebalance check at step %d skipped: no change, the last took %.2f s", st.step, m.check_cost_s)
             return None
         self._planning = asyncio.create_task(self._timed_check(began, speeds, self._inputs()))
@@ -245,8 +249,11 @@ class Rebalancer:
         self, began: float, speeds: dict[str, float], inputs: tuple[int, int, float, tuple[Any, ...]]
     ) -> Decided | None:
         m, st = self.record, self.st
+        # read before it plans, over this plan's steps only (a move changes what a speed measures)
+        unsettled = self._moved_over(min(2 * replan.SPEED_SAMPLES, st.step - st.epoch_start)) is not None
         found = await self._plan_check(*inputs)  # a check dropped (``stop``) is not counted
         m.checked_at, m.check_cost_s, m.checked_speeds = began, self.clock.now() - began, speeds
+        m.checked_unsettled = unsettled
         st.checks_planned, st.check_planning_s = st.checks_planned + 1, st.check_planning_s + m.check_cost_s
         return found
 
@@ -277,6 +284,18 @@ class Rebalancer:
         if st.epoch != epoch or st.step >= self.job.steps:
             return True
         return any(p in gone or p not in self.host.adverts for g in candidate.stages for p in g)
+
+    def _moved_over(self, span: int) -> str | None:
+        """The first planned peer whose speed changed level over its last ``span``
+        measurements (``replan.speed_moved``), in words; None if none did. CI saw a
+        move judged over steps in which a peer was throttled to a twentieth: it was
+        undone, and the undo and the move made the next one wait for a 50% gain."""
+        m = self.record
+        for p in sorted(self.st.planned):
+            moved = replan.speed_moved(m.speeds.get(p, []), span)
+            if moved > replan.CHANGED_SPEED:
+                return f"peer {p}'s speed moved {moved:.1f}x meanwhile"
+        return None
 
     def _speeds(self) -> dict[str, float]:
         """The planned and standby peers' speeds: measured, else advertised."""
@@ -360,8 +379,15 @@ class Rebalancer:
         last = st.rebalances[-1] if st.rebalances else None
         if last is None or "tokens_per_s_after" in last or st.step - m.last_rebalance < every:
             return None
-        after = self.tokens_per_s(last=max(1, min(every, st.step - m.last_rebalance) - 1))  # not the set-up step
-        last["tokens_per_s_after"] = after
+        span = max(1, min(every, st.step - m.last_rebalance) - 1)  # not the set-up step
+        moved = self._moved_over(span)
+        if moved is not None:  # its tokens/s say what that peer did, not what the move did
+            last["tokens_per_s_after"] = None
+            text = f"rebalance at step {last['step']}: not judged: {moved}"
+            self.host.board.event("rebalance", text)
+            self.on_event(text)
+            return None
+        after = last["tokens_per_s_after"] = self.tokens_per_s(last=span)
         if not last.get("revert"):  # a revert that delivered does not make the move it undid a success
             m.doubt = replan.next_doubt(m.gain, last["tokens_per_s_before"], after)
         text = (
@@ -450,7 +476,7 @@ class Rebalancer:
         # it planned beside, which shared the coordinator's and the peers' cores with it
         before = m.before_tokens_per_s if m.before_tokens_per_s is not None and not revert else self.tokens_per_s()
         m.before_tokens_per_s = None
-        moved = _moves(st.plan, candidate)
+        moved = moves_text(st.plan, candidate)
         text = f"rebalanced at step {st.step}: {m.why}; {moved}; {before:,.0f} tokens/s before"
         self.host.board.event("rebalance", text)
         self.on_event(f"epoch {st.epoch + 1}: {text}")
@@ -468,26 +494,3 @@ class Rebalancer:
         seconds = sum(self.st.step_seconds[-last:])
         tokens = self.st.tokens_per_step * min(last, len(self.st.step_seconds))
         return tokens / seconds if seconds > 0 else 0.0
-
-
-def signature(plan: Assignment) -> str:
-    """A plan as a rebalance judges it: the cut and the set of peers of each stage (the
-    same replicas in another order once slipped past ``reverted``: CI saw a one-stage
-    plan of three replicas undone, then proposed again with its replicas reordered)."""
-    return f"{plan.cut.to_list()} {[sorted(group) for group in plan.stages]}"
-
-
-def _moves(old: Assignment, new: Assignment) -> str:
-    """What a new plan changes, in words: the cut and the peers of each stage."""
-    parts = []
-    if old.cut != new.cut:
-        parts.append(f"cut {old.cut.to_list()} -> {new.cut.to_list()}")
-    old_peers = {p for g in old.stages for p in g}
-    new_peers = {p for g in new.stages for p in g}
-    if old_peers - new_peers:
-        parts.append("to standby: " + ", ".join(sorted(old_peers - new_peers)))
-    if new_peers - old_peers:
-        parts.append("taken in: " + ", ".join(sorted(new_peers - old_peers)))
-    if old.stages != new.stages and not parts[1:]:
-        parts.append(f"peers per stage {[len(g) for g in old.stages]} -> {[len(g) for g in new.stages]}")
-    return "; ".join(parts) or "peers regrouped"

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
-from unittest.mock import patch
+from unittest.mock import AsyncMock, patch
 
 import pytest
 import torch
@@ -626,6 +626,52 @@ def test_a_rebalance_that_made_things_worse_is_undone_once(tmp_path: Path) -> No
     driver.st.lost["p1"] = "gone"
     assert driver.rebalancer.revert_to(driver.st.rebalances[-1], 900.0) is None, "nothing to go back to without p1"
     assert replan.should_revert(1000, 940) and not replan.should_revert(1000, 960) and not replan.should_revert(0, 1)
+
+
+def test_a_move_is_not_judged_over_a_peer_that_changed_speed(tmp_path: Path) -> None:
+    """CI: a move at step 23, a peer throttled to a twentieth at step 47, the move judged
+    at 60 on tokens/s that fell with the throttle: it was undone, and the undo and the
+    move (two within ``FLAP_CHECKS``) made the next wait for a 50% gain that the best
+    plan for the slowed peer (1.44x) never reached. A peer whose speed changed level in
+    the judged steps makes them no measure of the move: not judged, nothing undone."""
+    events: list[str] = []
+    driver = _driver(tmp_path, [["p0"], ["p1"]], on_event=events.append, rebalance_every=9)
+    old = Assignment(Cut((30,)), [["p0"], ["p1"]])
+    st, rebalancer = driver.st, driver.rebalancer
+    record = rebalancer.record
+    record.last_rebalance, record.gain, record.before, st.step = 10, 2.0, old, 19
+    st.rebalances.append({"step": 10, "why": "t", "moved": "", "tokens_per_s_before": 1000.0, "revert": False})
+    st.tokens_per_step, st.step_seconds = 100, [0.5] * 20  # 200 tokens/s: a fifth of before
+    record.speeds = {"p0": [20.0] * 30, "p1": [20.0] * 24 + [1.0] * 6}  # p1 slowed at step 14
+    assert rebalancer.judge_last() is None and st.rebalances[-1]["tokens_per_s_after"] is None
+    assert record.doubt == 0.0 and not record.reverted
+    assert any("not judged: peer p1's speed moved 20.0x meanwhile" in e for e in events), events
+    record.speeds["p1"] = [1.0] * 30  # slowed before the move: the move's steps are a fair measure
+    del st.rebalances[-1]["tokens_per_s_after"]
+    assert rebalancer.judge_last() is old, "a fifth of before: undone"
+
+
+def test_a_check_that_planned_on_a_speed_still_moving_lets_the_next_plan(tmp_path: Path) -> None:
+    """CI: a check at step 60 planned on a throttled peer's median half-way down; the
+    next ones were skipped as unchanged against it while the speed crept on (the move
+    came at 160; the bound was 108). Such a check marks itself unsettled."""
+    driver = _driver(tmp_path, [["p0"], ["p1"]], rebalance_every=20)
+    st, rebalancer = driver.st, driver.rebalancer
+    record, st.step, st.epoch_start = rebalancer.record, 60, 0
+
+    async def planned() -> None:
+        with patch.object(rebalancer, "_plan_check", AsyncMock(return_value=None)):
+            await rebalancer._timed_check(0.0, {"p0": 20.0, "p1": 6.7}, (60, 0, 0.0, ()))
+
+    record.speeds = {"p0": [20.0] * 30, "p1": [20.0] * 9 + [1.7] * 7 + [20.0] * 2}
+    asyncio.run(planned())
+    assert record.checked_unsettled and record.checked_speeds == {"p0": 20.0, "p1": 6.7}
+    record.speeds["p1"] = [1.7] * 30
+    asyncio.run(planned())
+    assert not record.checked_unsettled, "a level held: the next check may be skipped as unchanged"
+    st.epoch_start, record.speeds["p1"] = 55, [20.0] * 25 + [1.7] * 5
+    asyncio.run(planned())
+    assert not record.checked_unsettled, "only this plan's steps count (a move changes what a speed measures)"
 
 
 def test_a_peer_whose_speed_keeps_changing_is_planned_at_its_average() -> None:

@@ -136,6 +136,23 @@ def test_rebalance_checks_plan_within_their_share_of_the_run() -> None:
     assert replan.check_affordable(2.5, 0.2, {**same, "c": 5.0}, same), "a peer joined: 10% of the time"
     assert not replan.check_affordable(1.5, 0.2, slowed, same), "but not more"
     assert not replan.check_affordable(2.5, 0.2, {"a": 14.0, "b": 11.0}, same), "under 2x: not changed"
+    assert replan.check_affordable(2.5, 0.2, same, same, last_unsettled=True), "it planned on a speed half-way"
+
+
+def test_a_speed_that_changed_level_over_a_window_is_seen() -> None:
+    """``speed_moved``: the medians of a window's first and last measurements. CI's
+    throttled peer: 21.9 GFLOP/s, then 1.7; single readings spread 4-5x do not count."""
+    from coordinator import replan
+
+    noisy = [20.0, 5.0, 25.0, 18.0, 22.0, 6.0, 30.0, 19.0, 21.0] * 2
+    assert replan.speed_moved(noisy) < replan.CHANGED_SPEED
+    assert replan.speed_moved([21.9] * 14 + [1.7] * 4) == pytest.approx(1.0), "4 of 9: not yet its median"
+    assert replan.speed_moved([21.9] * 12 + [1.7] * 6) == pytest.approx(21.9 / 1.7), "6 of 9: its median"
+    assert replan.speed_moved([21.9] * 9 + [1.7] * 9) == pytest.approx(21.9 / 1.7)
+    assert replan.speed_moved([21.9] * 30 + [1.7] * 6, span=12) == pytest.approx(21.9 / 1.7), "the span's own"
+    assert replan.speed_moved([21.9] * 3 + [1.7] * 3) == pytest.approx(21.9 / 1.7), "a short window: its halves"
+    assert replan.speed_moved([21.9] * 2 + [1.7] * 3) == 1.0, "two against two: too few to say"
+    assert replan.speed_moved([]) == 1.0 and replan.speed_moved([3.0] * 9, span=0) == 1.0
 
 
 def test_an_unmeasured_peer_reads_as_its_machines_measured_peers_delivered() -> None:
