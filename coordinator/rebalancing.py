@@ -250,7 +250,7 @@ class Rebalancer:
     ) -> Decided | None:
         m, st = self.record, self.st
         # read before it plans, over this plan's steps only (a move changes what a speed measures)
-        unsettled = self._moved_over(min(2 * replan.SPEED_SAMPLES, st.step - st.epoch_start)) is not None
+        unsettled = self._moved_over(min(2 * replan.SPEED_SAMPLES, st.step - st.epoch_start), steady=True) is not None
         found = await self._plan_check(*inputs)  # a check dropped (``stop``) is not counted
         m.checked_at, m.check_cost_s, m.checked_speeds = began, self.clock.now() - began, speeds
         m.checked_unsettled = unsettled
@@ -285,13 +285,16 @@ class Rebalancer:
             return True
         return any(p in gone or p not in self.host.adverts for g in candidate.stages for p in g)
 
-    def _moved_over(self, span: int) -> str | None:
-        """The first planned peer whose speed changed level over its last ``span``
-        measurements (``replan.speed_moved``), in words; None if none did. CI saw a
-        move judged over steps in which a peer was throttled to a twentieth: it was
-        undone, and the undo and the move made the next one wait for a 50% gain."""
+    def _moved_over(self, span: int, steady: bool = False) -> str | None:
+        """The first planned peer (``steady``: not volatile, whose plan speed is its
+        average) whose speed changed level over its last ``span`` measurements
+        (``replan.speed_moved``), in words; None if none did. CI saw a move judged over
+        steps in which a peer was throttled to a twentieth: it was undone, and the undo
+        and the move made the next one wait for a 50% gain."""
         m = self.record
         for p in sorted(self.st.planned):
+            if steady and replan.volatile(m.levels.get(p, [])):
+                continue
             moved = replan.speed_moved(m.speeds.get(p, []), span)
             if moved > replan.CHANGED_SPEED:
                 return f"peer {p}'s speed moved {moved:.1f}x meanwhile"
