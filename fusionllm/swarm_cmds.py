@@ -562,6 +562,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
         tail = (log_dir / f"peer{i}.log").read_text(errors="replace").strip().splitlines()[-3:]
         if tail:
             print(f"peer {i} log ({log_dir / f'peer{i}.log'}): " + " | ".join(tail), file=sys.stderr)
-    if code == 0 and own_run_dir and args.save:  # its checkpoints (5 MB a demo) are of no more use: the model is saved
+    if code == 0 and own_run_dir:  # its checkpoints (5 MB a demo) are of no more use: the model is saved
         shutil.rmtree(args.run_dir, ignore_errors=True)
     return code

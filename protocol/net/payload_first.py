@@ -26,7 +26,7 @@ from protocol.net.budget import ByteBudget
 from protocol.net.outgoing import Outgoing
 from protocol.net.streams import PAYLOAD_FIRST, PAYLOAD_SIZE, read_frame_head, read_payload
 from protocol.wire.encoding import HASH_STEP, THREADED_HASH_MIN, next_stop
-from protocol.wire.envelope import HEAD, Envelope
+from protocol.wire.envelope import HEAD, Envelope, hash_threads
 from protocol.wire.gate import Gate
 from protocol.wire.messages import Message
 from protocol.wire.reject import Reject, Rejected
@@ -55,14 +55,6 @@ def pieces(chunks: list[memoryview], size: int = PIECE) -> list[memoryview]:
     return out
 
 
-def _threads(size: int) -> int:
-    """BLAKE3's threads for a payload-first frame of ``size`` bytes: every core where it
-    is hashed in ``PIECE``s on a thread of its own (4 MiB pieces: 4.2-5.1 GB/s on one
-    core, 7.7 on both; RAD's 64 MiB from 1,830-1,974 to 1,983-2,125 MB/s), one for the
-    smaller steps hashed as they go (on 64 KiB-1 MiB pieces more threads cost more)."""
-    return blake3.AUTO if size >= THREADED_HASH_MIN else 1
-
-
 async def send(writer: asyncio.StreamWriter, out: Outgoing, direct: bool) -> int:
     """Write ``out`` payload first, its head sealed once the payload is hashed (on a
     stream that is not direct, or no longer: hashed, then head first). Returns the
@@ -75,7 +67,10 @@ async def send(writer: asyncio.StreamWriter, out: Outgoing, direct: bool) -> int
         return len(head) + out.payload_bytes
     chunks, total = out.chunks, out.payload_bytes
     writer.write(HEAD.pack(PAYLOAD_FIRST, 0) + PAYLOAD_SIZE.pack(total))
-    digest = blake3(max_threads=_threads(total))
+    # every core only where it is hashed in 4 MiB ``PIECE``s on a thread of its own (4.2-5.1 GB/s on
+    # one core, 7.7 on both: RAD's 64 MiB from 1,830-1,974 to 1,983-2,125 MB/s); on the smaller steps
+    # hashed as they go (64 KiB-1 MiB) more threads cost more
+    digest = blake3(max_threads=hash_threads(total, THREADED_HASH_MIN))
     if total < THREADED_HASH_MIN:  # (a thread's hand-off costs more than hashing it here)
         for piece in pieces(chunks, HASH_STEP):
             writer.write(piece)  # on its way while the next is hashed
@@ -129,7 +124,7 @@ async def receive(
     one that leaves the stream out of step has a code in ``faults.FATAL``."""
     if size > gate.max_payload:
         raise Rejected(Reject.OVERSIZED, f"payload-first frame of {size} bytes is over {gate.max_payload}")
-    digest = blake3(max_threads=_threads(size))
+    digest = blake3(max_threads=hash_threads(size, THREADED_HASH_MIN))  # as ``send``'s
     async with budget.hold(sender, size):  # held until the head is in: the payload is unproven till then
         payload = await read_payload(reader, size, active, digest)
         try:

@@ -164,9 +164,11 @@ def payload_digest(chunks: list[memoryview]) -> str:
     return digest.hexdigest()
 
 
-def hash_threads(nbytes: int) -> int:
-    """BLAKE3 hashes big payloads on every core; small ones are not worth a thread."""
-    return blake3.AUTO if nbytes >= 1 << 20 else 1
+def hash_threads(nbytes: int, least: int = 1 << 20) -> int:
+    """BLAKE3 hashes payloads of ``least`` bytes and up on every core; smaller ones are
+    not worth a thread (``least``: where each update is that big, as a whole payload
+    hashed at once is; payload-first frames hash in pieces, ``payload_first.send``)."""
+    return blake3.AUTO if nbytes >= least else 1
 
 
 def split_head(head: bytes) -> tuple[bytes, bytes, Envelope]:
