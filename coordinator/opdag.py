@@ -5,7 +5,7 @@ activation bytes, measured by running the traced graph once on example inputs
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -153,6 +153,8 @@ class OpDag:
     ops: list[OpInfo]
     meta: dict[str, ValueMeta]  # node name -> value description
     forbidden: dict[int, str]  # boundary position -> why it would split tied weights
+    #: cut -> each stage's FLOPs (``stage_flops``: read on every StepDone)
+    _flops: dict[Cut, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_ops(self) -> int:
@@ -173,6 +175,13 @@ class OpDag:
         """Bytes crossing each boundary of ``cut`` per example micro-batch (forward)."""
         part = self.partition(cut)
         return [sum(self.meta[v.name].nbytes for v in part.outputs[s]) for s in range(cut.num_stages - 1)]
+
+    def stage_flops(self, cut: Cut) -> tuple[int, ...]:
+        """Each stage's FLOPs under ``cut``, summed once per cut."""
+        got = self._flops.get(cut)
+        if got is None:
+            got = self._flops[cut] = tuple(c["flops"] for c in self.stage_costs(cut))
+        return got
 
     def stage_costs(self, cut: Cut) -> list[dict[str, int]]:
         out = []

@@ -129,7 +129,7 @@ class Rebalancer:
         assert st.plan is not None
         s, r = st.plan.stage_of(sender)
         n = len(range(r, self.job.micro_batches, len(st.plan.stages[s])))
-        flops = self.dag.stage_costs(st.plan.cut)[s]["flops"]
+        flops = self.dag.stage_flops(st.plan.cut)[s]
         if msg.compute_s > 0 and n and flops > 0:
             samples = self.record.speeds.setdefault(sender, [])
             samples.append(replan.effective_flops(flops, n, msg.compute_s))

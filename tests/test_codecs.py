@@ -311,16 +311,19 @@ def test_auto_codec_takes_the_mildest_codec_that_suffices() -> None:
 
 
 def test_finite_agrees_with_an_elementwise_check_on_every_dtype_and_layout() -> None:
-    """``finite`` reads only a tensor's least and greatest values: it must see a NaN or
-    an infinity anywhere, in every floating dtype, in a view that is not contiguous,
-    and next to the largest finite numbers (which are finite)."""
+    """``finite`` reads a tensor's sum, then where that is not finite its least and
+    greatest values: it must see a NaN or an infinity anywhere, in every floating
+    dtype, in a view that is not contiguous, and next to the largest finite numbers
+    (which are finite, though their sum is not)."""
     from protocol.wire.codecs import finite
 
     gen = torch.Generator().manual_seed(3)
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
         base = torch.randn(37, 41, generator=gen).to(dtype)
         assert finite(base) and finite(base.t()) and finite(torch.empty(0, dtype=dtype))
-        assert finite(torch.full((5,), torch.finfo(dtype).max, dtype=dtype))
+        big = torch.finfo(dtype).max
+        assert finite(torch.full((5,), big, dtype=dtype)), "a sum that overflows is not poison"
+        assert finite(torch.tensor([big, big, -big, -big] * 9, dtype=dtype)), "nor one that overflows both ways"
         for bad in (math.nan, math.inf, -math.inf):
             for where in [(0, 0), (36, 40), (int(torch.randint(37, (1,), generator=gen)), 17)]:
                 t = base.clone()

@@ -210,15 +210,20 @@ class Codec:
 
 
 def finite(t: torch.Tensor) -> bool:
-    """Whether a floating tensor holds only finite numbers: its least and greatest, which
-    NaN and infinity reach (``torch.aminmax`` carries NaN on). One pass with nothing
-    allocated, 3-6x faster here than ``torch.isfinite(t).all()``, which builds a mask
-    as large as the tensor (94 us for a 128 KiB activation, 4.7 ms for 4 MiB)."""
+    """Whether a floating tensor holds only finite numbers. First its sum: NaN and
+    infinity carry through any sum, so a finite sum proves every element finite (one
+    pass and one number read, 3.6 us for a 128 KiB activation here). A sum that is not
+    finite may be an overflow of finite numbers, so then its least and greatest
+    decide (``torch.aminmax`` carries NaN on; 33 us, and 3-6x faster than
+    ``torch.isfinite(t).all()``, which builds a mask as large as the tensor)."""
     if t.numel() == 0:
         return True
+    t = t.detach()
     try:
-        low, high = torch.aminmax(t.detach())
-    except (NotImplementedError, RuntimeError):  # a dtype without it here (float8 on a CPU)
+        if math.isfinite(float(t.sum())):
+            return True
+        low, high = torch.aminmax(t)
+    except (NotImplementedError, RuntimeError):  # a dtype without them here (float8 on a CPU)
         return bool(torch.isfinite(t).all())
     return bool(torch.isfinite(low) & torch.isfinite(high))
 
