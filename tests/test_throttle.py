@@ -356,7 +356,9 @@ def test_short_stage_pieces_run_on_the_loop_long_ones_and_spot_checks_on_the_thr
 
     def slow(tag: str) -> int:
         order.append(tag)
-        time.sleep(INLINE_MAX_S * 2)
+        end = time.perf_counter() + INLINE_MAX_S * 2
+        while time.perf_counter() < end:  # working, not waiting: long by its CPU time too
+            pass
         return threading.get_ident()
 
     order: list[str] = []
@@ -377,6 +379,29 @@ def test_short_stage_pieces_run_on_the_loop_long_ones_and_spot_checks_on_the_thr
             assert queued != here, "with the thread busy, a short piece waits for it there"
             await check
             assert order[-2:] == ["spot check", "forward"]
+        finally:
+            compute.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_piece_held_up_by_a_busy_machine_stays_on_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU peer computing on one thread, a piece counts as long by its CPU time: one
+    that took long only because it waited for a core (here: it sleeps) stays on the
+    event loop, where handing it to the thread would cost the hand-off and win nothing."""
+    monkeypatch.setattr("peer.compute.one_cpu_thread", lambda device: True)
+
+    def waits() -> int:
+        time.sleep(INLINE_MAX_S * 2)
+        return threading.get_ident()
+
+    async def main() -> None:
+        compute = Compute(torch.device("cpu"), Throttle())
+        here = threading.get_ident()
+        try:
+            assert (await compute.timed(waits, inline="forward"))[0] != here, "not measured yet: on the thread"
+            ran, seconds = await compute.timed(waits, inline="forward")
+            assert ran == here and seconds >= INLINE_MAX_S * 2, "long on the clock, short in CPU time: on the loop"
         finally:
             compute.shutdown()
 
