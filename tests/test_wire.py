@@ -77,6 +77,26 @@ def test_messages_decode_tolerantly_and_validate_strictly() -> None:
         Message.from_header({"kind": "done", "v": PROTOCOL_VERSION, "step": 1, "stage": 0, "replica": 0})
 
 
+def test_an_optional_field_takes_its_type_or_null_and_nothing_else() -> None:
+    """``float | None`` took any JSON value that was not a float (its ``None`` option
+    let everything through): a string where a loss is due reached the spot check's
+    arithmetic. Each field's check is also built once per type, not per frame."""
+    from protocol.wire.messages import Recheck
+    from protocol.wire.schema import check_field, checker
+
+    msg = Recheck("run", 3, 1, "peer", ["in"], ["key"], loss=1.5)
+    for loss in (None, 2.5, 7):
+        assert Message.from_header({**msg.header(), "loss": loss}).loss == loss
+    assert type(Message.from_header({**msg.header(), "loss": 7}).loss) is float
+    for bad in ("1.5", [1.5], {"x": 1.5}, True):
+        with pytest.raises(MessageError, match="field 'loss' has the wrong type"):
+            Message.from_header({**msg.header(), "loss": bad})
+    assert check_field("x", [1, 2], list[float]) == [1.0, 2.0]
+    with pytest.raises(MessageError, match="must be an object"):
+        check_field("x", {1: 2}, dict[str, int])
+    assert checker(dict[str, float]) is checker(dict[str, float])
+
+
 def test_split_buffers_keeps_bytes_in_order() -> None:
     chunks = [memoryview(bytes(range(i, i + 10))) for i in range(0, 50, 10)]
     parts = split_buffers(chunks, 4)

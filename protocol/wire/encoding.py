@@ -151,7 +151,7 @@ def _shape_numel(shape: Any) -> int:
     if (
         not isinstance(shape, list)
         or len(shape) > 16
-        or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in shape)
+        or not all(type(d) is int and 0 <= d < 1 << 40 for d in shape)  # JSON's true is a bool, not an int
     ):
         raise WireError(f"bad tensor shape {str(shape)[:64]}")
     n = 1

@@ -8,12 +8,11 @@ into stage 0). Receivers take their kinds from :func:`kinds_from`, never their o
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from protocol.wire.assign_shape import check_assign
-from protocol.wire.schema import MessageError, check_field, fields_and_types, fields_of
+from protocol.wire.schema import MessageError, field_checks, fields_of
 
 #: 2: ``Recheck.backward``. 3: ``Recheck.same_weights``. 4: DHT records under their signer's
 #: key (hex) as the subkey, adverts name their run. 5: an ``Assign`` names its neighbourhood
@@ -64,11 +63,11 @@ class Message:
         if version != PROTOCOL_VERSION:
             raise MessageError(f"protocol version {version!r}, this peer speaks {PROTOCOL_VERSION}")
         kwargs = {}
-        for f, hint in fields_and_types(target):
-            if f.name in header:
-                kwargs[f.name] = check_field(f.name, header[f.name], hint)
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise MessageError(f"{kind} lacks field '{f.name}'")
+        for name, check, required in field_checks(target):
+            if name in header:
+                kwargs[name] = check(name, header[name])
+            elif required:
+                raise MessageError(f"{kind} lacks field '{name}'")
         return target(**kwargs)
 
 

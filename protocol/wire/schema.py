@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import types
 import typing
+from collections.abc import Callable
 from typing import Any
 
 
@@ -23,37 +24,93 @@ def fields_and_types(cls: type) -> tuple[tuple[dataclasses.Field[Any], Any], ...
     return tuple((f, hints[f.name]) for f in dataclasses.fields(cls))
 
 
+#: a field's check: (field name, JSON value) -> the value as the field holds it
+Checker = Callable[[str, Any], Any]
+
+
 def check_field(name: str, value: Any, tp: Any) -> Any:
+    """``value`` as a field of type ``tp`` holds it (``MessageError`` if it cannot)."""
+    return checker(tp)(name, value)
+
+
+@functools.cache
+def checker(tp: Any) -> Checker:
+    """The check of one field type, its shape read once (reading it on every field of
+    every frame was most of a message's decoding)."""
     origin = typing.get_origin(tp)
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+    if tp is float:
+        return _float
+    if tp in (int, str, bool):
+        return functools.partial(_plain, tp)
+    if origin in (list, tuple):
+        (item_tp, *_) = typing.get_args(tp) or (Any,)
+        return functools.partial(_list, checker(item_tp))
+    if origin is dict:
+        (_, value_tp) = typing.get_args(tp) or (str, Any)
+        return functools.partial(_dict, checker(value_tp))
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        others = tuple(checker(o) for o in options if o is not type(None))
+        return functools.partial(_union, type(None) in options, others)
+    return _anything
+
+
+def _float(name: str, value: Any) -> Any:
+    if type(value) is float:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
         try:
             return float(value)
         except OverflowError:  # a JSON integer beyond any float
             raise MessageError(f"field '{name}' is out of range") from None
-    if tp in (int, float, str, bool):
-        if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
-            raise MessageError(f"field '{name}' must be {tp.__name__}, got {type(value).__name__}")
+    return _plain(float, name, value)
+
+
+def _plain(tp: type, name: str, value: Any) -> Any:
+    if type(value) is tp:
         return value
-    if origin in (list, tuple):
-        if not isinstance(value, list):
-            raise MessageError(f"field '{name}' must be a list")
-        (item_tp, *_) = typing.get_args(tp) or (Any,)
-        return [check_field(name, v, item_tp) for v in value]
-    if origin is dict:
-        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-            raise MessageError(f"field '{name}' must be an object")
-        (_, value_tp) = typing.get_args(tp) or (str, Any)
-        return {k: check_field(name, v, value_tp) for k, v in value.items()}
-    if origin in (typing.Union, types.UnionType):
-        for option in typing.get_args(tp):
-            if option is type(None) and value is None:
-                return None
-            try:
-                return check_field(name, value, option)
-            except MessageError:
-                continue
-        raise MessageError(f"field '{name}' has the wrong type")
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        raise MessageError(f"field '{name}' must be {tp.__name__}, got {type(value).__name__}")
     return value
+
+
+def _list(item: Checker, name: str, value: Any) -> list[Any]:
+    if not isinstance(value, list):
+        raise MessageError(f"field '{name}' must be a list")
+    return [item(name, v) for v in value]
+
+
+def _dict(item: Checker, name: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise MessageError(f"field '{name}' must be an object")
+    return {k: item(name, v) for k, v in value.items()}
+
+
+def _union(nullable: bool, options: tuple[Checker, ...], name: str, value: Any) -> Any:
+    """The first of ``options`` that takes ``value``; None where the type allows it (and
+    only None: a value that none of the others takes is refused)."""
+    if value is None and nullable:
+        return None
+    for option in options:
+        try:
+            return option(name, value)
+        except MessageError:
+            continue
+    raise MessageError(f"field '{name}' has the wrong type")
+
+
+def _anything(name: str, value: Any) -> Any:
+    return value
+
+
+@functools.cache
+def field_checks(cls: type) -> tuple[tuple[str, Checker, bool], ...]:
+    """A message class's fields: (name, its check, whether a header must carry it)."""
+    out = []
+    for f, hint in fields_and_types(cls):
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        out.append((f.name, checker(hint), required))
+    return tuple(out)
 
 
 def fields_of(obj: Any) -> dict[str, Any]:
