@@ -14,7 +14,7 @@ from hivemind.utils import get_dht_time
 from coordinator.adverts import Sharding
 from coordinator.roster import Endpoint
 from protocol.net.clock import SYSTEM_CLOCK, Clock
-from protocol.net.records import Publisher
+from protocol.net.records import Publisher, refresh_period
 from protocol.net.tasks import cancel_all, every
 from protocol.wire.messages import CoordinatorRecord
 
@@ -39,7 +39,11 @@ class Beacon:
         self._refresh = asyncio.create_task(
             # a warning: peers stop finding the run
             every(
-                self.ttl / 3, self.publish, what="coordinator record refresh", clock=self.clock, level=logging.WARNING
+                refresh_period(self.ttl),
+                self.publish,
+                what="coordinator record refresh",
+                clock=self.clock,
+                level=logging.WARNING,
             )
         )
 

@@ -19,6 +19,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from protocol.net.records import ADVERT_TTL_S, refresh_period
+
 #: bytes one advert costs on the wire in a lookup's reply (a ~570-byte signed record plus
 #: hivemind's framing), calibrated on issue 33's one-key figures: 126 kB/s at 20 peers
 ADVERT_WIRE_BYTES = 630
@@ -187,8 +189,8 @@ def growth_exponent(ns: list[int], loads: list[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
 
 
-#: seconds between a peer's advert refreshes (``peer.config``'s advert ttl of 6 s, over 3)
-ADVERT_REFRESH_S = 2.0
+#: seconds between a peer's advert refreshes (at ``peer.config``'s default advert ttl)
+ADVERT_REFRESH_S = refresh_period(ADVERT_TTL_S)
 #: seconds between a standby peer's heartbeats once planned peers' step reports are theirs
 STANDBY_BEAT_S = 10.0
 

@@ -17,7 +17,7 @@ from hivemind.utils import get_dht_time
 from peer.admission import Credentials
 from protocol.net.clock import SYSTEM_CLOCK, Clock
 from protocol.net.reach import HOW_TO_BE_REACHABLE
-from protocol.net.records import Publisher
+from protocol.net.records import Publisher, refresh_period
 from protocol.net.tasks import honour_cancel
 from protocol.trust.identity import Identity
 from protocol.trust.run_records import shard_name, shard_of
@@ -53,7 +53,7 @@ class RefreshPace:
     @property
     def period(self) -> float:
         """Seconds from one store's start to the next one's."""
-        return self.ttl / 3
+        return refresh_period(self.ttl)
 
     def lifetime(self) -> float:
         """Seconds the copy stored now is stamped to live, from now."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from protocol.net.hostaddrs import LOOPBACK_MADDRS
+from protocol.net.records import ADVERT_TTL_S
 
 
 class JoinError(RuntimeError):
@@ -19,7 +20,7 @@ class PeerConfig:
     announce_maddrs: list[str] = field(default_factory=list)  # where others should dial it (a forwarded port)
     data_path: str = "direct"  # "libp2p": every frame inside libp2p's streams (protocol.net.direct)
     device: str | None = None
-    advert_ttl: float = 6.0
+    advert_ttl: float = ADVERT_TTL_S
     join_timeout: float = 30.0
     bandwidth_probe_bytes: int = 4 << 20
     link_probe_bytes: int = 1 << 20

@@ -40,6 +40,16 @@ MAX_WANTED = 256
 READ_WORKERS_PER_KEY = 4
 #: the most concurrent requests of one read
 MAX_READ_WORKERS = 32
+#: a record is stored again this many times in the life (``ttl``) of each copy, so that
+#: copies outlive stores slowed down several times over (``peer.adverts.RefreshPace``)
+STORES_PER_TTL = 3
+#: how long each copy of a peer's advert lives unless configured (``PeerConfig.advert_ttl``)
+ADVERT_TTL_S = 6.0
+
+
+def refresh_period(ttl: float) -> float:
+    """Seconds between the starts of two stores of a record whose copies live ``ttl``."""
+    return ttl / STORES_PER_TTL
 
 
 class Publisher:
