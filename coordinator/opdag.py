@@ -154,7 +154,7 @@ class OpDag:
     meta: dict[str, ValueMeta]  # node name -> value description
     forbidden: dict[int, str]  # boundary position -> why it would split tied weights
     #: cut -> each stage's FLOPs (``stage_flops``: read on every StepDone)
-    _flops: dict[Cut, tuple[int, ...]] = field(default_factory=dict, repr=False, compare=False)
+    _flops: dict[Cut, tuple[int, ...]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_ops(self) -> int:

@@ -250,7 +250,7 @@ class StepPipeline:
     def _account(self, sender: str, msg: StepDone, began: float) -> None:
         """What a peer's StepDone says of its compute and traffic, on the record."""
         st = self.st
-        st.compute.setdefault(sender, []).append(msg.compute_s)
+        st.record_compute(sender, msg.compute_s)
         now = self.clock.now()  # no peer computes longer than the time that went by
         st.train_compute_s += reported_seconds(msg.compute_s, now - began)
         st.audit_compute_s += reported_seconds(msg.audit_s, now - self._done_at.get(sender, began))

@@ -8,6 +8,7 @@ checks under way."""
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 from dataclasses import dataclass, field
@@ -30,6 +31,9 @@ OPTIM_KEYS = ("exp_avg", "exp_avg_sq", "step")
 EXCLUDED = "excluded: "
 #: why a peer the swarm's host banned left the run
 BANNED = f"{EXCLUDED}banned by the swarm's host"
+#: the steps' compute kept per peer (the summary's medians are over these): the latest
+#: this many; an epoch of a million steps kept them all, 32 bytes a peer a step
+COMPUTE_KEEP = 1024
 
 
 class PeerLost(Exception):
@@ -65,7 +69,7 @@ class RunState:
     val_losses: list[tuple[int, float]] = field(default_factory=list)  # (steps done, validation loss)
     step_seconds: list[float] = field(default_factory=list)  # every step's, redone ones too
     audited: list[bool] = field(default_factory=list)  # per step_seconds: whether spot checks ran in its time
-    compute: dict[str, list[float]] = field(default_factory=dict)
+    compute: dict[str, collections.deque[float]] = field(default_factory=dict)  # ``record_compute``
     link_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
     raw_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
     checkpoint_s: list[float] = field(default_factory=list)
@@ -95,6 +99,12 @@ class RunState:
         for to, rate in mbps.items():
             if to != sender and math.isfinite(rate) and rate > 0:
                 self.link_mbps[(sender, to)] = rate
+
+    def record_compute(self, peer: str, seconds: float) -> None:
+        """A peer's compute in one step of this epoch (its latest ``COMPUTE_KEEP`` kept)."""
+        if peer not in self.compute:
+            self.compute[peer] = collections.deque(maxlen=COMPUTE_KEEP)
+        self.compute[peer].append(seconds)
 
     def next_epoch(self, plan: Assignment) -> None:
         """The plan changes: a new epoch, whose stages are yet to be set up. The peers'

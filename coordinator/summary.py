@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -98,8 +99,8 @@ def delivered_step(costs: DagCosts, st: RunState, adverts: dict[str, Advert], mi
     return for_delivered(costs, plan, profiles, network, micro_batches, per_mb).iteration_s
 
 
-def per_micro_batch(plan: Assignment, compute: dict[str, list[float]], mbs: int) -> dict[str, float]:
-    """Each planned peer's compute per micro-batch: the median of its steps' forward
+def per_micro_batch(plan: Assignment, compute: Mapping[str, Sequence[float]], mbs: int) -> dict[str, float]:
+    """Each planned peer's compute per micro-batch: the median of its (latest) steps' forward
     plus backward compute over the micro-batches dealt to it (a peer with none yet is
     left out)."""
     return {

@@ -144,6 +144,22 @@ def _stage_lines(out: str) -> dict[int, tuple[float, float]]:
     return found
 
 
+def test_a_peers_compute_is_kept_for_its_latest_steps_only() -> None:
+    """The coordinator kept every step's compute of every peer for the epoch: 32 bytes a
+    peer a step, gigabytes over a long run of a large swarm. The latest ``COMPUTE_KEEP``
+    are kept, and the summary's per-micro-batch median reads them."""
+    from coordinator.assign import Assignment
+    from coordinator.runstate import COMPUTE_KEEP, RunState
+    from coordinator.summary import per_micro_batch
+    from protocol.model.graph import Cut
+
+    st = RunState()
+    for i in range(3 * COMPUTE_KEEP):
+        st.record_compute("a", 1.0 if i < 2 * COMPUTE_KEEP else 0.04)
+    assert len(st.compute["a"]) == COMPUTE_KEEP and set(st.compute["a"]) == {0.04}
+    assert per_micro_batch(Assignment(Cut(()), [["a"]]), st.compute, 4) == {"a": 0.01}
+
+
 def test_three_peers_breakdown_adds_up_and_weights_equal_reference(tmp_path: Path) -> None:
     """Spot checks on (a replicated stage, checked often), compression off. 40 steps: the
     first step's warm-up (programs loading, the first sends) is a part of the mean that
