@@ -82,7 +82,7 @@ def test_an_optional_field_takes_its_type_or_null_and_nothing_else() -> None:
     let everything through): a string where a loss is due reached the spot check's
     arithmetic. Each field's check is also built once per type, not per frame."""
     from protocol.wire.messages import Recheck
-    from protocol.wire.schema import check_field, checker
+    from protocol.wire.schema import checker
 
     msg = Recheck("run", 3, 1, "peer", ["in"], ["key"], loss=1.5)
     for loss in (None, 2.5, 7):
@@ -91,9 +91,9 @@ def test_an_optional_field_takes_its_type_or_null_and_nothing_else() -> None:
     for bad in ("1.5", [1.5], {"x": 1.5}, True):
         with pytest.raises(MessageError, match="field 'loss' has the wrong type"):
             Message.from_header({**msg.header(), "loss": bad})
-    assert check_field("x", [1, 2], list[float]) == [1.0, 2.0]
+    assert checker(list[float])("x", [1, 2]) == [1.0, 2.0]
     with pytest.raises(MessageError, match="must be an object"):
-        check_field("x", {1: 2}, dict[str, int])
+        checker(dict[str, int])("x", {1: 2})
     assert checker(dict[str, float]) is checker(dict[str, float])
 
 

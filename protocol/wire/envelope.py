@@ -74,9 +74,9 @@ def _accepted(name: str, tp: Any) -> tuple[type, ...]:
 
 
 #: (name, the types it takes, whether a header may leave it out) of each envelope field
+_HINTS = typing.get_type_hints(Envelope)
 _FIELDS = tuple(
-    (f.name, _accepted(f.name, typing.get_type_hints(Envelope)[f.name]), f.name in ("lanes", "epoch"))
-    for f in dataclasses.fields(Envelope)
+    (f.name, _accepted(f.name, _HINTS[f.name]), f.name in ("lanes", "epoch")) for f in dataclasses.fields(Envelope)
 )
 _ABSENT = object()
 

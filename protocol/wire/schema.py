@@ -28,11 +28,6 @@ def fields_and_types(cls: type) -> tuple[tuple[dataclasses.Field[Any], Any], ...
 Checker = Callable[[str, Any], Any]
 
 
-def check_field(name: str, value: Any, tp: Any) -> Any:
-    """``value`` as a field of type ``tp`` holds it (``MessageError`` if it cannot)."""
-    return checker(tp)(name, value)
-
-
 @functools.cache
 def checker(tp: Any) -> Checker:
     """The check of one field type, its shape read once (reading it on every field of
