@@ -1,7 +1,14 @@
 """The step pipeline: one training step of the current plan epoch, and the
 validation passes. A step is two-phase: peers run their forward and backward passes
 and report ``StepDone``; only when every planned peer has does the coordinator count
-the step and send ``Commit``, and only then do peers apply the optimizer update."""
+the step and send ``Commit``, and only then do peers apply the optimizer update.
+
+One exception takes the commit's round trip off the step's path: the first stage
+finishes a step last (its final backward), and where nothing it reports can change
+the update (no global clip or loss scale, one replica, not the run's last step), its
+commit goes out with everyone's once the other stages have reported, and its
+``StepDone`` is awaited after it (``early_peers``). A peer lost in that window rolls
+the swarm back to its last checkpoint: the first stage may be anywhere in the step."""
 
 from __future__ import annotations
 
@@ -105,7 +112,7 @@ class StepPipeline:
             batch = self._batch(step)
             await self._feed(step, split_batch(batch, self.job.micro_batches))
         try:
-            losses, norms = await self.await_done(step, self.job.micro_batches, began)
+            losses, norms, rest = await self.await_done(step, self.job.micro_batches, began, self.early_peers(step))
         except BaseException:
             if self._feeding is not None:  # the step failed: what follows it is fed anew
                 self._feeding.cancel()
@@ -129,6 +136,12 @@ class StepPipeline:
         evaluate = len(self.stages.eval_micro_batches(st.specs)) if self.job.eval_due(st.step) else 0
         try:
             await self._commit(step, update, checkpoint, evaluate, checks)
+            if rest:
+                await self._rest_done(step, rest, began)
+        except PeerLost as exc:
+            if not rest:
+                raise
+            raise PeerLost(exc.lost, rollback_to=min(step, exc.rollback_to or step)) from None
         finally:  # after the commits: the loss's write and the page are off the next step's path
             self._report(counted)
         if checks:
@@ -223,13 +236,28 @@ class StepPipeline:
             lost = {p: f"unreachable: {why}" for p, why in missed.items()}
             raise PeerLost(lost, rollback_to=step if checks else None)
 
-    async def await_done(self, step: int, micro_batches: int, began: float) -> tuple[float, dict[str, float]]:
-        """The step's mean loss, and the gradient norms of every stage's replica 0 (the
-        step began at ``began``, by the clock)."""
+    def early_peers(self, step: int) -> frozenset[str]:
+        """The peers whose ``StepDone`` of ``step`` may come after its commit: the first
+        stage's one peer where the update cannot depend on it (no gradient norms asked
+        for) and its commit asks nothing of the step's evidence (not the last step, whose
+        spot checks run before its commit); none otherwise."""
+        st = self.st
+        assert st.plan is not None
+        first = st.plan.stages[0]
+        if self.recipe.needs_norm or len(first) != 1 or len(st.plan.stages) < 2 or step + 1 >= self.job.steps:
+            return frozenset()
+        return frozenset(first)
+
+    async def await_done(
+        self, step: int, micro_batches: int, began: float, early: frozenset[str] = frozenset()
+    ) -> tuple[float, dict[str, float], set[str]]:
+        """The step's mean loss, the gradient norms of every stage's replica 0 (the step
+        began at ``began``, by the clock), and the peers of ``early`` not yet heard from
+        once every other peer has reported (``_rest_done`` awaits them after the commit)."""
         st = self.st
         assert st.plan is not None
         pending, step_losses, norms = set(st.planned), {}, {}
-        while pending:
+        while pending and not pending <= early:
             inbound = await self.mailbox.next((StepDone,), pending)
             msg: StepDone = inbound.message
             if msg.step != step:
@@ -245,7 +273,15 @@ class StepPipeline:
         self.mb_losses = step_losses
         if len(step_losses) != micro_batches:
             raise SwarmError(f"step {step}: got {len(step_losses)} losses for {micro_batches} micro-batches")
-        return sum(step_losses.values()) / micro_batches, norms
+        return sum(step_losses.values()) / micro_batches, norms, pending
+
+    async def _rest_done(self, step: int, pending: set[str], began: float) -> None:
+        """The ``StepDone`` of ``step`` from the ``pending`` peers, whose commit went first."""
+        while pending:
+            inbound = await self.mailbox.next((StepDone,), pending)
+            if inbound.message.step == step:
+                pending.discard(inbound.sender)
+                self._account(inbound.sender, inbound.message, began)
 
     def _account(self, sender: str, msg: StepDone, began: float) -> None:
         """What a peer's StepDone says of its compute and traffic, on the record."""

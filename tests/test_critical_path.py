@@ -1,9 +1,10 @@
 """What the coordinator does between a step's last ``StepDone`` and the next step's first
 forward (issue 31). It sends a step's micro-batches while the step before drains: the
-data of step N+1 reaches the first stage before step N's commit, so that path holds
-only the commit, and the first stage's commit goes first; a step that fails takes its
-fed-ahead data with it. The step's loss goes on the record without a disk sync there
-(a sync took 8.6 ms); checkpoints are still written synced.
+data of step N+1 reaches the first stage before step N's commit, and the commits (the
+first stage's first) go once the other stages have reported, where the first stage's
+report cannot change the update; a step that fails takes its fed-ahead data with it.
+The step's loss goes on the record without a disk sync there (a sync took 8.6 ms);
+checkpoints are still written synced.
 
 The pipeline's tests run on the driver of ``tests/test_coordinator_inbox.py`` (fake
 host, transport and clock)."""
@@ -19,8 +20,9 @@ import pytest
 
 from coordinator.checkpoint import RunDir
 from coordinator.run import Driver
-from protocol.wire.messages import Activations, StepDone
-from tests.test_coordinator_inbox import JOB, _driver, _host, _inbound, _put
+from coordinator.runstate import PeerLost
+from protocol.wire.messages import Activations, PeerFailure, StepDone
+from tests.test_coordinator_inbox import JOB, _after, _driver, _host, _inbound, _put
 
 MBS = {str(m): 2.5 for m in range(JOB.micro_batches)}
 
@@ -43,7 +45,11 @@ def _plain_driver(tmp_path: Path) -> Driver:
     return driver
 
 
-def test_the_next_steps_data_goes_before_the_commit_and_the_first_stage_commits_first(tmp_path: Path) -> None:
+def test_the_next_steps_data_and_the_commits_go_once_the_first_stage_alone_works(tmp_path: Path) -> None:
+    """The first stage's ``StepDone`` cannot change a plain step's update: its commit
+    (first) and everyone's go once the other stages have reported, after the next
+    step's data, and its ``StepDone`` is awaited after them."""
+
     async def go() -> None:
         driver = _plain_driver(tmp_path)  # the first stage's peer, p1, sorts after the last's
         step = asyncio.ensure_future(driver.pipeline.step())
@@ -51,11 +57,15 @@ def test_the_next_steps_data_goes_before_the_commit_and_the_first_stage_commits_
         for _ in range(50):
             await asyncio.sleep(0)
         mbs = JOB.micro_batches
-        # step 0's data, then step 1's while p1 (the first stage) still works: no commit yet
-        assert _sent(driver) == [("p1", "act", 0)] * mbs + [("p1", "act", 1)] * mbs
-        await _put(driver, _inbound("p1", StepDone("r", 0, 0, 0)))
+        # step 0's data, step 1's, then the commits while p1 (the first stage) still works
+        assert _sent(driver) == [("p1", "act", 0)] * mbs + [("p1", "act", 1)] * mbs + [
+            ("p1", "commit", 0),
+            ("p0", "commit", 0),
+        ]
+        assert not step.done() and driver.st.step == 1
+        await _put(driver, _inbound("p1", StepDone("r", 0, 0, 0, compute_s=0.01)))
         await step
-        assert _sent(driver)[2 * mbs :] == [("p1", "commit", 0), ("p0", "commit", 0)]
+        assert list(driver.st.compute["p1"]) == [0.01]  # its report is still counted
         # step 1 uses what was fed: the same micro-batches, not sent again
         step = asyncio.ensure_future(driver.pipeline.step())
         for _ in range(50):
@@ -66,14 +76,59 @@ def test_the_next_steps_data_goes_before_the_commit_and_the_first_stage_commits_
     asyncio.run(go())
 
 
-def test_a_failed_step_drops_its_fed_ahead_data(tmp_path: Path) -> None:
+@pytest.mark.parametrize("case", ["replicas", "last step"])
+def test_the_first_stages_commit_waits_for_it_where_its_report_matters(tmp_path: Path, case: str) -> None:
+    """With replicas (which average their gradients before they report) or on the last
+    step (checked before its commit), the commit waits for the first stage."""
+
     async def go() -> None:
-        driver = _plain_driver(tmp_path)
+        first = ["p1", "p2"] if case == "replicas" else ["p1"]
+        driver = _driver(tmp_path, [first, ["p0"]], spot_check=0.0)
+        driver.st.specs = [None, None]  # type: ignore[list-item]
+        if case == "last step":
+            driver.st.step = JOB.steps - 1
         step = asyncio.ensure_future(driver.pipeline.step())
-        await _put(driver, _inbound("p0", StepDone("r", 0, 1, 0, MBS)))
+        await _put(driver, _inbound("p0", StepDone("r", driver.st.step, 1, 0, MBS)))
         for _ in range(50):
             await asyncio.sleep(0)
-        step.cancel()  # as a lost peer ends the step: the next one is fed anew
+        assert not [s for s in _sent(driver) if s[1] == "commit"]
+        await _put(driver, *(_inbound(p, StepDone("r", driver.st.step, 0, r)) for r, p in enumerate(first)))
+        await step
+        assert {p for p, kind, _ in _sent(driver) if kind == "commit"} == {*first, "p0"}
+
+    asyncio.run(go())
+
+
+def test_a_peer_lost_after_an_early_commit_rolls_back(tmp_path: Path) -> None:
+    """The first stage may be anywhere in the step once its commit is out: a peer lost
+    before its ``StepDone`` comes rolls the swarm back to the last checkpoint."""
+
+    async def go() -> None:
+        driver = _plain_driver(tmp_path)
+        driver.mailbox.heard_all({"p0", "p1"})
+        step = asyncio.ensure_future(driver.pipeline.step())
+        await _put(
+            driver,
+            _inbound("p0", StepDone("r", 0, 1, 0, MBS)),
+            _inbound("p0", PeerFailure("r", 0, "stream to peer p1 broke", 0, "p1")),
+        )
+        with pytest.raises(PeerLost) as lost:
+            await _after(driver, 3.0, step)  # past the blame's wait
+        assert list(lost.value.lost) == ["p1"] and lost.value.rollback_to == 0
+        assert ("p1", "commit", 0) in _sent(driver) and driver.st.step == 1
+
+    asyncio.run(go())
+
+
+def test_a_failed_step_drops_its_fed_ahead_data(tmp_path: Path) -> None:
+    async def go() -> None:
+        driver = _driver(tmp_path, [["p1"], ["p2"], ["p0"]], spot_check=0.0)
+        driver.st.specs = [None, None, None]  # type: ignore[list-item]
+        step = asyncio.ensure_future(driver.pipeline.step())
+        await _put(driver, _inbound("p0", StepDone("r", 0, 2, 0, MBS)))  # the last stage: the feed-ahead starts
+        for _ in range(50):
+            await asyncio.sleep(0)
+        step.cancel()  # as a lost peer (p2) ends the step: the next one is fed anew
         try:
             await step
         except asyncio.CancelledError:
