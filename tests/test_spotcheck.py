@@ -207,6 +207,32 @@ def test_a_forward_only_check_sees_activations_and_not_gradients() -> None:
     assert not caught.agree and "its activations" in caught.detail and caught.computed
 
 
+@pytest.mark.parametrize("s", [0, 1])
+def test_a_forward_only_replay_records_no_graph_and_computes_the_same_bits(s: int) -> None:
+    """A forward-only re-execution (most checks) runs without autograd's recording:
+    the outputs (the last stage's loss too) equal the training forward's bit for bit,
+    nothing is kept for a backward, and the step's own saved forwards stay as they were."""
+    cut = Cut((len(operators(trace(JOB.build_model()))) // 2,))
+    ex, first = _stage(cut, s), _stage(cut, 0)
+    mb = list(split_batch(next(iter(JOB.batches())), JOB.micro_batches)[0])
+    inputs = mb if s == 0 else list(first.forward(0, mb))
+    saved: list[int] = []  # tensors autograd keeps for a backward, forward by forward
+
+    def count(t: torch.Tensor) -> torch.Tensor:
+        saved[-1] += 1
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
+        saved.append(0)
+        trained = ex.forward(0, inputs)
+        saved.append(0)
+        again, grads, params = ex.replay(inputs, None, JOB.micro_batches, backward=False)
+    assert saved[0] > 0 and saved[1] == 0
+    pairs = [(trained, again)] if s == 1 else list(zip(trained, again, strict=True))
+    assert all(torch.equal(a, b) for a, b in pairs) and (grads, params) == ([], {})
+    assert list(ex._saved) == [0]  # the step's micro-batch 0 still waits for its backward
+
+
 def test_values_through_the_lossless_codec_are_what_the_wire_delivers() -> None:
     """A re-execution compares its activations as a receiver would decode them; on the
     lossless codec it skips the encoding, which must change nothing."""
