@@ -313,10 +313,9 @@ RESTORE_MODES = ("init", "keep", "state")
 
 @dataclass(frozen=True)
 class Commit(Message, sender="coordinator"):
-    """Coordinator -> peers: every peer finished ``step`` (the first stage's one peer
-    may still be finishing it, where nothing it reports can change the update:
-    ``coordinator.pipeline``); apply its optimizer update. Until then a step can be
-    redone exactly (the update is not applied)."""
+    """Coordinator -> peers: every peer finished ``step`` (but the first stage's one, where
+    its report cannot change the update: ``coordinator.pipeline``); apply its optimizer
+    update. Until then a step can be redone exactly (the update is not applied)."""
 
     KIND: ClassVar[str] = "commit"
     run_id: str
