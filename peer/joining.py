@@ -5,6 +5,7 @@ libp2p daemon."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 
 import hivemind
@@ -21,16 +22,38 @@ TransportFactory = Callable[[hivemind.DHT, Identity, Gate], Awaitable[Transport]
 
 __all__ = ["TransportFactory", "dht_transport", "join_dht"]
 
+logger = logging.getLogger(__name__)
+
 
 async def dht_transport(dht: hivemind.DHT, identity: Identity, gate: Gate) -> Transport:
     """A transport over the DHT's own libp2p daemon."""
     return Transport(await dht.replicate_p2p(), identity, gate)
 
 
+#: hivemind's check that the node a peer joins through can dial it back (``call_ping``'s
+#: ``available``); that ping back also fails when it times out on a busy machine (seen:
+#: a CI run with two swarms on two cores), so a join that fails it is tried again
+DIAL_BACK_FAILED = "can't access this node"
+JOIN_TRIES = 3
+
+
 async def join_dht(cfg: PeerConfig, validators: Sequence[RecordValidatorBase]) -> hivemind.DHT:
     """This peer's DHT node (with the run's record ``validators``), joined through the
-    initial peers (JoinError, one line, if not)."""
+    initial peers (JoinError, one line, if not), within ``cfg.join_timeout`` in all;
+    a join refused by the dial-back check is tried ``JOIN_TRIES`` times in that time."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + cfg.join_timeout
+    for attempt in range(1, JOIN_TRIES + 1):
+        try:
+            return await _join_once(cfg, validators, max(deadline - loop.time(), 0.0))
+        except JoinError as exc:
+            if DIAL_BACK_FAILED not in str(exc) or attempt == JOIN_TRIES or loop.time() >= deadline:
+                raise JoinError(f"{exc} ({attempt} tries)" if attempt > 1 else str(exc)) from None
+            logger.info("the DHT join was refused (%s); trying again", exc)
+    raise AssertionError("unreachable")
 
+
+async def _join_once(cfg: PeerConfig, validators: Sequence[RecordValidatorBase], timeout: float) -> hivemind.DHT:
     def join() -> hivemind.DHT:
         return hivemind.DHT(
             initial_peers=cfg.initial_peers,
@@ -41,7 +64,7 @@ async def join_dht(cfg: PeerConfig, validators: Sequence[RecordValidatorBase]) -
         )
 
     try:
-        return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, join), cfg.join_timeout)
+        return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, join), timeout)
     except asyncio.TimeoutError:
         why = await why_unreachable(cfg.initial_peers)
         raise JoinError(f"could not join the DHT within {cfg.join_timeout:.0f} s: {why}") from None

@@ -195,3 +195,52 @@ def test_the_end_of_the_run_stops_a_reattach_at_once() -> None:
 
     code, told = asyncio.run(main())
     assert code == 0 and told[-1] == "the run is finished"
+
+
+class _Joins:
+    """Stands in for ``hivemind.DHT``: its first ``refusals`` starts fail as hivemind's
+    dial-back check fails (``peer.joining.DIAL_BACK_FAILED``), the rest succeed."""
+
+    def __init__(self, refusals: int) -> None:
+        self.refusals, self.tries = refusals, 0
+
+    def __call__(self, **kwargs: Any) -> str:
+        self.tries += 1
+        if self.tries <= self.refusals:
+            raise Exception("Peer Qm can't access this node. Probably, libp2p has failed to bypass the firewall")
+        return "joined"
+
+
+@pytest.mark.parametrize("refusals, joined", [(1, True), (2, True), (3, False)])
+def test_a_join_refused_by_the_dial_back_check_is_tried_again(
+    monkeypatch: pytest.MonkeyPatch, refusals: int, joined: bool
+) -> None:
+    """The node joined through pings the newcomer back, and on a busy machine that ping
+    can time out: the join is tried again (``JOIN_TRIES`` in all, within the join's
+    timeout); a third refusal is the one-line error, with the tries counted."""
+    from peer import joining
+
+    fake = _Joins(refusals)
+    monkeypatch.setattr(joining.hivemind, "DHT", fake)
+    cfg = PeerConfig(["/ip4/127.0.0.1/tcp/1/p2p/Qm"], RUN, join_timeout=30.0)
+    if joined:
+        assert asyncio.run(joining.join_dht(cfg, [])) == "joined" and fake.tries == refusals + 1
+        return
+    with pytest.raises(JoinError, match=r"can't access this node.*\(3 tries\)$"):
+        asyncio.run(joining.join_dht(cfg, []))
+    assert fake.tries == joining.JOIN_TRIES == 3
+
+
+def test_a_join_that_fails_otherwise_is_not_tried_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    from peer import joining
+
+    tries: list[int] = []
+
+    def wrong_run(**kwargs: Any) -> None:
+        tries.append(1)
+        raise Exception("the record validators do not match")
+
+    monkeypatch.setattr(joining.hivemind, "DHT", wrong_run)
+    with pytest.raises(JoinError, match=r"through /ip4/127\.0\.0\.1/tcp/1/p2p/Qm: the record validators do not match$"):
+        asyncio.run(joining.join_dht(PeerConfig(["/ip4/127.0.0.1/tcp/1/p2p/Qm"], RUN), []))
+    assert len(tries) == 1
