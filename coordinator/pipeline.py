@@ -141,7 +141,8 @@ class StepPipeline:
         except PeerLost as exc:
             if not rest:
                 raise
-            raise PeerLost(exc.lost, rollback_to=min(step, exc.rollback_to or step)) from None
+            at_most = step if exc.rollback_to is None else min(step, exc.rollback_to)
+            raise PeerLost(exc.lost, rollback_to=at_most) from None
         finally:  # after the commits: the loss's write and the page are off the next step's path
             self._report(counted)
         if checks:

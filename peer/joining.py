@@ -43,14 +43,15 @@ async def join_dht(cfg: PeerConfig, validators: Sequence[RecordValidatorBase]) -
     a join refused by the dial-back check is tried ``JOIN_TRIES`` times in that time."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + cfg.join_timeout
-    for attempt in range(1, JOIN_TRIES + 1):
+    attempt = 1
+    while True:
         try:
             return await _join_once(cfg, validators, max(deadline - loop.time(), 0.0))
         except JoinError as exc:
             if DIAL_BACK_FAILED not in str(exc) or attempt == JOIN_TRIES or loop.time() >= deadline:
                 raise JoinError(f"{exc} ({attempt} tries)" if attempt > 1 else str(exc)) from None
             logger.info("the DHT join was refused (%s); trying again", exc)
-    raise AssertionError("unreachable")
+        attempt += 1
 
 
 async def _join_once(cfg: PeerConfig, validators: Sequence[RecordValidatorBase], timeout: float) -> hivemind.DHT:
