@@ -9,21 +9,24 @@ run. Prints one JSON object.
 The anchor: the swarm with spot checks off against ``torch.distributed.pipelining``
 (``Schedule1F1B``, gloo on loopback, a process of one thread per stage;
 ``benchmarks/_pipelining.py``) training the same job split at the swarm's own cut,
-in the same run: three pairs of the two, each run 200 steps and the two of a pair
-back to back (``anchor_pairs``: the machine's load drifts over minutes, and a short
-run weighs the swarm's one-time costs as a demo's 1,200 steps do not);
+in the same run: five sets of the two and the default swarm (spot checks at their
+default rate), each run 200 steps and the three of a set back to back, the unchecked
+swarm between the others (``anchor_pairs``: the machine's load drifts over minutes,
+and a short run weighs the swarm's one-time costs as a demo's 1,200 steps do not);
 ``swarm_vs_pipelining``, the cut, the step breakdown and both sides' median step ms
-are the median pair's (``swarm_vs_pipelining_runs``: each pair's ratio, null where its
+are the median set's (``swarm_vs_pipelining_runs``: each set's ratio, null where its
 anchor failed), ``pipelining_tokens_per_s`` and ``swarm_unchecked_tokens_per_s``
 the medians of each side (``pipelining_loss_gap``: the
 largest gap between the anchor's loss and the whole model's in one process at any
 of the reference's steps, so that both are seen to do the same work); what spot
-checks at their default rate cost in tokens/s (``spot_check_cost``: 1 - the
-default swarm's over the unchecked one's: two runs, whose plans may differ, so it
-swung from -0.08 to 0.20; ``spot_check_cost_in_run``: what the default swarm's
-summary says its checks cost its steps, from its steps with and without a check
-under way, ``protocol.trust.spotcheck.step_overhead``; null where the run had too
-few of either); and where the unchecked swarm's step
+checks at their default rate cost in tokens/s (``spot_check_cost``: the median of
+the sets' 1 - the checked swarm's over the unchecked one's, ``spot_check_cost_runs``
+each set's: two runs, whose plans may differ, a minute apart, so a set's swung from
+-0.23 to 0.08; until stop 63 one 60-step pair, 0.29 in stop 62's run);
+``spot_check_cost_in_run``: the median of what the checked swarms' summaries say
+their checks cost their steps, from their steps with and without a check under way,
+``protocol.trust.spotcheck.step_overhead``; null where the runs had too few of
+either); and where the unchecked swarm's step
 time goes, per stage (``step_breakdown_ms``: each part's mean ms per step, from the
 run's summary).
 
@@ -89,7 +92,7 @@ class Sizes:
     repeats: int  # timed transfers (after one that opens the stream)
     peers: int = 4
     anchor_steps: int = 200  # steps of each run of a pair set against the anchor
-    pairs: int = 3  # pairs of an unchecked swarm and the anchor, back to back
+    pairs: int = 5  # sets of an unchecked swarm, the anchor and a checked swarm, back to back
 
 
 FULL = Sizes(steps=60, message=64 << 20, repeats=9)
@@ -175,27 +178,48 @@ def loss_gap(anchor: PipeliningResult, ref: TrainResult) -> float:
 
 @dataclass(frozen=True)
 class Pair:
-    """An unchecked swarm and the anchor on its cut, run back to back."""
+    """An unchecked swarm, the anchor on its cut and the default swarm (spot checks at
+    their default rate), run back to back with the unchecked one between the others."""
 
     swarm: SwarmRun
     anchor: PipeliningResult | None
+    checked: SwarmRun
 
     @property
     def ratio(self) -> float | None:
         return self.anchor and self.swarm.tokens_per_s / self.anchor.tokens_per_s
 
+    @property
+    def check_cost(self) -> float:
+        """The tokens/s its checked swarm lost against its unchecked one."""
+        return 1 - self.checked.tokens_per_s / self.swarm.tokens_per_s
+
 
 def anchor_pairs(sizes: Sizes, short: bool) -> list[Pair]:
-    """``sizes.pairs`` pairs of ``sizes.anchor_steps`` steps each. Pairs, since this
-    machine's load drifts over minutes (the anchor alone ran at 10,853-15,200 tokens/s
-    within one hour); that many steps, since a swarm's one-time costs (its first
-    rebalance check plans for 0.7-0.9 s beside the steps, at step 25) took 8% of a
-    60-step run's machine and are spread over a demo's 1,200."""
-    pairs = []
-    for _ in range(sizes.pairs):
-        swarm = swarm_run(sizes, UNCHECKED, sizes.anchor_steps)
-        pairs.append(Pair(swarm, _anchor(swarm.cut, sizes.anchor_steps, short)))
-        logger.info("unchecked swarm %s; pipelining %s", swarm, pairs[-1].anchor)
+    """``sizes.pairs`` sets of ``sizes.anchor_steps`` steps each (the anchor, the checked
+    and the unchecked swarm; in turn the checked swarm first and the anchor first, the
+    unchecked swarm always in the middle, next to both it is set against). Sets, since
+    this machine's load drifts over minutes (the anchor alone ran at 10,853-15,200
+    tokens/s within one hour; two unchecked swarms a minute apart at 8,780 and 12,327);
+    that many steps, since a swarm's one-time costs (its first rebalance check plans
+    for 0.7-0.9 s beside the steps, at step 25; a checker's first build of another
+    stage, 20-30 ms each) took 8% of a 60-step run's machine and are spread over a
+    demo's 1,200."""
+    pairs: list[Pair] = []
+    for i in range(sizes.pairs):
+        if i % 2 == 0:
+            checked = swarm_run(sizes, [], sizes.anchor_steps)
+            swarm = swarm_run(sizes, UNCHECKED, sizes.anchor_steps)
+            anchor = _anchor(swarm.cut, sizes.anchor_steps, short)
+        else:  # the anchor first, on the cut the swarms took last (run again where this one's differs)
+            cut = pairs[-1].swarm.cut
+            anchor = _anchor(cut, sizes.anchor_steps, short)
+            swarm = swarm_run(sizes, UNCHECKED, sizes.anchor_steps)
+            checked = swarm_run(sizes, [], sizes.anchor_steps)
+            if swarm.cut != cut:
+                anchor = _anchor(swarm.cut, sizes.anchor_steps, short)
+        pairs.append(Pair(swarm, anchor, checked))
+        logger.info("unchecked swarm %s; pipelining %s; checked %s", swarm, anchor, checked)
     return pairs
 
 
@@ -204,6 +228,12 @@ def _median_pair(pairs: list[Pair]) -> Pair:
     and an even number are left (the first pair where every anchor failed)."""
     measured = sorted((p for p in pairs if p.ratio is not None), key=lambda p: p.ratio or 0.0)
     return measured[(len(measured) - 1) // 2] if measured else pairs[0]
+
+
+def _in_run(pairs: list[Pair]) -> float | None:
+    """The median of what the checked swarms' summaries say their checks cost their steps."""
+    said = [p.checked.check_overhead for p in pairs if p.checked.check_overhead is not None]
+    return round(statistics.median(said), 4) if said else None
 
 
 def staged_step_ms(sizes: Sizes) -> dict[str, float]:
@@ -419,10 +449,7 @@ def main() -> None:
     mid = _median_pair(pairs)
     ratios = [p.ratio and round(p.ratio, 3) for p in pairs]  # None: that pair's anchor failed
     anchors = [p.anchor for p in pairs if p.anchor is not None]
-    # the default swarm right after one as long without checks (``spot_check_cost``), then the other recipes
-    unchecked = swarm_run(sizes, UNCHECKED)
-    logger.info("unchecked swarm: %s", unchecked)
-    runs = {"unchecked": unchecked, **recipe_runs(sizes, together=args.short)}
+    runs = recipe_runs(sizes, together=args.short)
     swarm = runs["fp32"].tokens_per_s
     ms = {name: run.median_step_ms for name, run in runs.items()}
     staged = staged_step_ms(sizes)
@@ -433,8 +460,9 @@ def main() -> None:
         "swarm_vs_pipelining": mid.ratio and round(mid.ratio, 3),
         "swarm_vs_pipelining_runs": ratios,
         "anchor_steps": sizes.anchor_steps,
-        "spot_check_cost": round(1 - swarm / unchecked.tokens_per_s, 3),
-        "spot_check_cost_in_run": runs["fp32"].check_overhead,
+        "spot_check_cost": round(statistics.median(p.check_cost for p in pairs), 3),
+        "spot_check_cost_runs": [round(p.check_cost, 3) for p in pairs],
+        "spot_check_cost_in_run": _in_run(pairs),
         "step_ms_pipelining": mid.anchor and round(mid.anchor.median_step_ms, 1),
         "pipelining_loss_gap": float(f"{max(loss_gap(a, reference) for a in anchors):.3g}") if anchors else None,
         "step_ms_unchecked": mid.swarm.median_step_ms,

@@ -51,7 +51,8 @@ BENCHMARKS = [
                      "swarm_unchecked_tokens_per_s", "swarm_vs_pipelining", "spot_check_cost", "step_ms_pipelining",
                      "step_ms_unchecked", "cut", "step_breakdown_ms", "rad_vs_tcp_range", "pipelining_loss_gap",
                      "rad_two_processes_mb_per_s", "tcp_two_processes_mb_per_s", "rad_vs_tcp_two_processes",
-                     "spot_check_cost_in_run", "swarm_vs_pipelining_runs", "anchor_steps"}),
+                     "spot_check_cost_in_run", "swarm_vs_pipelining_runs", "anchor_steps",
+                     "spot_check_cost_runs"}),
     ("scheduler.py", {"cases", "plan_s_1000peers_1000ops", "sim_s_10000peers_100iters", "cases_needing_4_gpus",
                       "min_opfence_vs_best_blind", "max_opfence_vs_dtfm", "max_opfence_plan_vs_dtfm",
                       "max_opfence_vs_dtfm10k", "max_opfence_plan_vs_dtfm10k",
@@ -174,7 +175,7 @@ def _pipeline(out: dict[str, Any]) -> None:
     # it trains the same job as the whole model in one process: the same losses, to float32's rounding
     assert out["pipelining_loss_gap"] < 1e-4, out
     # one minus a ratio of two runs' tokens/s: on a loaded machine the checked run may be the faster one
-    assert out["spot_check_cost"] < 1, out
+    assert out["spot_check_cost"] < 1 and out["spot_check_cost_runs"] == [out["spot_check_cost"]], out
     in_run = out["spot_check_cost_in_run"]  # the checked run's own summary: None where it had too few steps to say
     assert in_run is None or -1 < in_run < 10, out
     assert len(out["cut"]) == len(out["step_breakdown_ms"]) - 1, out
