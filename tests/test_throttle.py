@@ -406,3 +406,30 @@ def test_a_piece_held_up_by_a_busy_machine_stays_on_the_loop(monkeypatch: pytest
             compute.shutdown()
 
     asyncio.run(main())
+
+
+def test_short_spot_checks_run_on_the_loop_and_an_arbitration_that_may_build_on_the_thread() -> None:
+    """A spot check's work goes where the stage's own pieces would (``SpotChecks._timed``):
+    on the loop once its kind measured short and the thread is idle, its seconds still
+    counted apart; one that may build a stage (``inline=False``) always on the thread."""
+    from peer.spotcheck import SpotChecks
+
+    def verdict() -> int:
+        return threading.get_ident()
+
+    async def main() -> None:
+        compute = Compute(torch.device("cpu"), Throttle())
+        builder = SimpleNamespace(a=None, job=SimpleNamespace(micro_batches=2), num_stages=2, other=None)
+        spot = SpotChecks(SimpleNamespace(), "coord", compute, builder)  # type: ignore[arg-type]
+        here = threading.get_ident()
+        try:
+            assert await spot._timed(verdict) != here, "not measured yet: on the thread"
+            assert await spot._timed(verdict) == here, "measured short: on the loop"
+            assert await spot._timed(verdict, inline=False) != here, "it may build a stage: on the thread"
+            assert await spot._timed(verdict) == here
+            assert spot.spent() > 0 and spot.spent() == 0, "every call counted as spot-check work, once"
+            assert set(compute._last) == {"check:verdict"}, "its kind is its own, apart from the stage's pieces"
+        finally:
+            compute.shutdown()
+
+    asyncio.run(main())
