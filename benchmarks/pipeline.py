@@ -31,8 +31,8 @@ time goes, per stage (``step_breakdown_ms``: each part's mean ms per step, from 
 run's summary).
 
 ``--short`` runs the same paths smaller, for the test suite: 2 peers instead of
-4, 8 training steps instead of 60 and one pair of 8 steps with the anchor (on the 2
-peers' cut) and 16 MiB messages instead of 64 MiB (still
+4, 8 training steps instead of 60 and one set of 8 steps (the checked swarm, the
+unchecked one and the anchor on the 2 peers' cut) and 16 MiB messages instead of 64 MiB (still
 above the lane threshold, so they travel over parallel streams); the
 ``*_64mib_*`` keys then hold the 16 MiB figures. The recipes' swarms run at once
 there (``recipe_runs``): their ratios then say only that each recipe trains.
@@ -211,13 +211,13 @@ def anchor_pairs(sizes: Sizes, short: bool) -> list[Pair]:
             checked = swarm_run(sizes, [], sizes.anchor_steps)
             swarm = swarm_run(sizes, UNCHECKED, sizes.anchor_steps)
             anchor = _anchor(swarm.cut, sizes.anchor_steps, short)
-        else:  # the anchor first, on the cut the swarms took last (run again where this one's differs)
+        else:  # the anchor first, on the cut the swarms took last (again right after, where this one's differs)
             cut = pairs[-1].swarm.cut
             anchor = _anchor(cut, sizes.anchor_steps, short)
             swarm = swarm_run(sizes, UNCHECKED, sizes.anchor_steps)
-            checked = swarm_run(sizes, [], sizes.anchor_steps)
             if swarm.cut != cut:
                 anchor = _anchor(swarm.cut, sizes.anchor_steps, short)
+            checked = swarm_run(sizes, [], sizes.anchor_steps)
         pairs.append(Pair(swarm, anchor, checked))
         logger.info("unchecked swarm %s; pipelining %s; checked %s", swarm, anchor, checked)
     return pairs

@@ -192,7 +192,7 @@ def _param_grads_differ(ours: dict[str, torch.Tensor], theirs: tuple[list[str], 
 class AuditHold:
     """A committed step's evidence, held for its spot checks while the next step
     trains: the frames received, and (if the coordinator asked) the stage as it was
-    before the step's update, copied on the compute thread."""
+    before the step's update, copied between two of the stage's operations."""
 
     step: int
     kept: dict[tuple[str, int], Inbound]
@@ -292,8 +292,9 @@ def _digest(program: list[Any]) -> str:
 class SpotChecks:
     """One epoch's answers to the coordinator's spot checks: the frames each step
     received (``keep``), a committed step's evidence held while the next trains
-    (``hold``), and the answers, computed on the compute thread with their seconds
-    counted apart from the step's (``spent``)."""
+    (``hold``), and the answers, computed between the stage's own operations (on the
+    event loop or the compute thread, as they are) with their seconds counted apart
+    from the step's (``spent``)."""
 
     def __init__(self, transport: Transport, coordinator: str, compute: Compute, builder: StageBuilder) -> None:
         self.transport = transport
@@ -319,7 +320,7 @@ class SpotChecks:
 
     async def hold(self, step: int, ex: StageExecutor, wanted: bool) -> None:
         """``step`` is committed: hold its frames, and (``wanted``: the coordinator will
-        check it) a copy of the stage before the update, queued now on the compute thread."""
+        check it) a copy of the stage before the update, made before this returns."""
         if wanted:
             snapshot = asyncio.ensure_future(self._timed(ex.snapshot))
         else:
@@ -351,8 +352,13 @@ class SpotChecks:
         if isinstance(msg, Audit):
             reply, values = evidence_for(msg, kept, state)
         elif msg.stage not in (-1, s):  # an arbiter: it rebuilds the other stage from the weights shown
-            built = msg.stage in self.arbiter.others  # else it may build the stage: on the thread
-            reply = await self._timed(self.arbiter.verdict, scale, msg, inbound.values(), self.rechecker, inline=built)
+            # measured apart per stage and with or without weights to load; one that may
+            # build the stage (not the one loaded) always on the thread
+            kind = f"verdict:{msg.stage}:{'same' if msg.same_weights else 'load'}"
+            built = msg.stage in self.arbiter.others
+            reply = await self._timed(
+                self.arbiter.verdict, scale, msg, inbound.values(), self.rechecker, kind=kind if built else None
+            )
             values = None
         elif state is None:
             reply, values = _cannot(msg, f"it kept no weights of step {msg.step}"), None
@@ -371,22 +377,22 @@ class SpotChecks:
         hold = self.held
         if hold is not None and hold.step == step:
             return hold.kept, await hold.state, hold.scale
-        if held.pending == step:  # not updated yet: a copy made before the update (both on the compute thread)
+        if held.pending == step:  # not updated yet: a copy made before the update (queued before it, or made at once)
             kept, scale = self.kept, held.ex.loss_scale
             return kept, await self._timed(held.ex.snapshot), scale
         return None
 
-    async def _timed(self, fn: Any, *args: Any, inline: bool = True) -> Any:
+    async def _timed(self, fn: Any, *args: Any, kind: str | None = "") -> Any:
         """``fn`` for a spot check, its seconds counted apart (not the step's busy time:
         the next step may be training). As the stage's own short pieces run: on the
-        event loop where the last call of its kind (``fn``'s name) took under
-        ``peer.compute.INLINE_MAX_S`` and the compute thread is idle, else (or not
-        ``inline``: a stage to build) on the thread. Always on the thread, a check held
-        it while the stage's next pieces queued behind it, and the peer's two threads
-        competed for the GIL: the demo's peers spent 10-17 ms more CPU a step with
-        checks on than off, for 5-7 ms of checks."""
-        kind = f"check:{fn.__name__}" if inline else None
-        out, seconds = await self.compute.timed(fn, *args, inline=kind)
+        event loop where the last call of its ``kind`` (by default ``fn``'s name) took
+        under ``peer.compute.INLINE_MAX_S`` and the compute thread is idle, else (or
+        ``kind`` None: a stage to build) on the thread. Always on the thread, a check
+        held it while the stage's next pieces queued behind it, and the peer's two
+        threads competed for the GIL: the demo's peers spent 10-17 ms more CPU a step
+        with checks on than off, for 5-7 ms of checks."""
+        inline = None if kind is None else f"check:{kind or fn.__name__}"
+        out, seconds = await self.compute.timed(fn, *args, inline=inline)
         self.seconds += seconds
         return out
 
@@ -399,7 +405,7 @@ class SpotChecks:
         own: Inbound | None,
     ) -> Verdict:
         """Re-execute a replica's micro-batch with the stage as it was in the audited
-        step (on the compute thread, between two of this step's operations)."""
+        step (between two of this step's operations)."""
         missing = ex.not_covered(at[0])
         if missing:  # a stage cut otherwise since: its kept weights are not this stage's
             return _cannot(msg, f"its weights of step {msg.step} lack {missing[0]}")

@@ -321,7 +321,14 @@ def run_short(script: str) -> dict[str, Any]:
 
 
 #: figures that may be a little negative: an overhead measured as a ratio of two times, within noise
-SIGNED = {".spot_check_overhead", ".spot_check_overhead_runs", ".spot_check_cost"}
+#: (a list's items by the list's path)
+SIGNED = {
+    ".spot_check_overhead",
+    ".spot_check_overhead_runs",
+    ".spot_check_cost",
+    ".spot_check_cost_runs",
+    ".spot_check_cost_in_run",
+}
 
 
 @pytest.mark.timeout(TIMEOUT_S + 60)
@@ -332,6 +339,19 @@ def test_short_mode(script: str, keys: set[str]) -> None:
         pytest.skip(out["skipped"])
     assert set(out) == keys | {"short"}, f"{script}: keys {sorted(set(out) ^ (keys | {'short'}))} differ"
     assert out["short"] is True
-    for where, x in _numbers(out):
-        assert math.isfinite(x) and (x >= 0 or where in SIGNED), f"{script}: {where} = {x}"
+    _finite_and_signed(script, out)
     CHECKS.get(script, lambda _: None)(out)
+
+
+def _finite_and_signed(script: str, out: dict[str, Any]) -> None:
+    """Every number finite, and none negative but the ``SIGNED`` ones."""
+    for where, x in _numbers(out):
+        assert math.isfinite(x) and (x >= 0 or where.split("[")[0] in SIGNED), f"{script}: {where} = {x}"
+
+
+def test_a_signed_figures_list_may_hold_negative_items_and_no_other_may() -> None:
+    """A checked swarm faster than its unchecked one gives a negative cost, in the list
+    of the sets' costs too (the short mode's one set is its median)."""
+    _finite_and_signed("pipeline.py", {"spot_check_cost": -0.02, "spot_check_cost_runs": [-0.02]})
+    with pytest.raises(AssertionError, match=r"rad_vs_tcp_range\[0\] = -0.1"):
+        _finite_and_signed("pipeline.py", {"rad_vs_tcp_range": [-0.1, 1.0]})

@@ -411,7 +411,8 @@ def test_a_piece_held_up_by_a_busy_machine_stays_on_the_loop(monkeypatch: pytest
 def test_short_spot_checks_run_on_the_loop_and_an_arbitration_that_may_build_on_the_thread() -> None:
     """A spot check's work goes where the stage's own pieces would (``SpotChecks._timed``):
     on the loop once its kind measured short and the thread is idle, its seconds still
-    counted apart; one that may build a stage (``inline=False``) always on the thread."""
+    counted apart, each kind measured apart; one that may build a stage (``kind`` None)
+    always on the thread."""
     from peer.spotcheck import SpotChecks
 
     def verdict() -> int:
@@ -425,10 +426,11 @@ def test_short_spot_checks_run_on_the_loop_and_an_arbitration_that_may_build_on_
         try:
             assert await spot._timed(verdict) != here, "not measured yet: on the thread"
             assert await spot._timed(verdict) == here, "measured short: on the loop"
-            assert await spot._timed(verdict, inline=False) != here, "it may build a stage: on the thread"
+            assert await spot._timed(verdict, kind=None) != here, "it may build a stage: on the thread"
             assert await spot._timed(verdict) == here
+            assert await spot._timed(verdict, kind="verdict:1:load") != here, "another kind: measured apart"
             assert spot.spent() > 0 and spot.spent() == 0, "every call counted as spot-check work, once"
-            assert set(compute._last) == {"check:verdict"}, "its kind is its own, apart from the stage's pieces"
+            assert set(compute._last) == {"check:verdict", "check:verdict:1:load"}, "apart from the stage's pieces"
         finally:
             compute.shutdown()
 
