@@ -22,7 +22,7 @@ of the reference's steps, so that both are seen to do the same work); what spot
 checks at their default rate cost in tokens/s (``spot_check_cost``: the median of
 the sets' 1 - the checked swarm's over the unchecked one's, ``spot_check_cost_runs``
 each set's: two runs, whose plans may differ, a minute apart, so a set's swung from
--0.23 to 0.08; until stop 63 one 60-step pair, 0.29 in stop 62's run);
+-0.23 to 0.21 in stop 63's runs; until then one 60-step pair, 0.29 in stop 62's run);
 ``spot_check_cost_in_run``: the median of what the checked swarms' summaries say
 their checks cost their steps, from their steps with and without a check under way,
 ``protocol.trust.spotcheck.step_overhead``; null where the runs had too few of
