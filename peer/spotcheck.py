@@ -257,6 +257,14 @@ class Arbiter:
         other.loss_scale = scale
         return rechecker(other, msg.stage, msg.keys).verdict(msg, evidence, None)
 
+    def builds(self, msg: Recheck, values: list[Any]) -> bool:
+        """Whether arbitrating ``msg`` (with ``values``) may build its stage: neither the
+        stage loaded last nor one kept from the same program (the program it carries)."""
+        if msg.stage in self.others:
+            return False
+        program = values[len(values) - msg.program :] if 0 < msg.program <= len(values) else []
+        return not program or (msg.stage, _digest(program)) not in self.built
+
     def stage(self, s: int, program: list[Any]) -> StageExecutor:
         """Stage ``s`` as ``program`` builds it: one built before from the same program, or
         a new one (kept, the oldest let go past ``keep_bytes`` or one per stage of the
@@ -353,11 +361,12 @@ class SpotChecks:
             reply, values = evidence_for(msg, kept, state)
         elif msg.stage not in (-1, s):  # an arbiter: it rebuilds the other stage from the weights shown
             # measured apart per stage and with or without weights to load; one that may
-            # build the stage (not the one loaded) always on the thread
+            # build the stage always on the thread
             kind = f"verdict:{msg.stage}:{'same' if msg.same_weights else 'load'}"
-            built = msg.stage in self.arbiter.others
+            shown = inbound.values()
+            builds = self.arbiter.builds(msg, shown)
             reply = await self._timed(
-                self.arbiter.verdict, scale, msg, inbound.values(), self.rechecker, kind=kind if built else None
+                self.arbiter.verdict, scale, msg, shown, self.rechecker, kind=None if builds else kind
             )
             values = None
         elif state is None:

@@ -334,6 +334,33 @@ def test_an_arbiter_uses_again_a_stage_it_built_from_the_same_program_and_keeps_
     assert built == [1, 1, 1]
 
 
+def test_an_arbitration_builds_only_a_stage_neither_loaded_nor_kept() -> None:
+    """Where it may build a stage, an arbitration runs on the compute thread
+    (``SpotChecks.answer``): not for the stage loaded last, nor for one kept from the
+    same program; for another program, or none (a stage rebuilt from the job's code)."""
+    from peer.spotcheck import Arbiter
+
+    def build(s: int, program: list[Any]) -> Any:
+        return StageExecutor(nn.Linear(4, 4), Recipe(), is_last=False)
+
+    prog = [torch.tensor([1, 7], dtype=torch.uint8)]
+    other = [torch.tensor([1, 8], dtype=torch.uint8)]
+    evidence = [torch.empty(0), torch.empty(0)]
+
+    def recheck(stage: int, program: list[torch.Tensor]) -> tuple[Recheck, list[Any]]:
+        msg = Recheck(RUN, 5, 1, "suspect", ["input"], ["coord"], 0, stage=stage, program=len(program))
+        return msg, [*evidence, *program]
+
+    arbiter = Arbiter(3, build)
+    assert arbiter.builds(*recheck(1, prog)) and arbiter.builds(*recheck(1, []))
+    arbiter.others = {1: arbiter.stage(1, prog)}
+    assert not arbiter.builds(*recheck(1, [])), "the stage loaded last"
+    arbiter.others = {2: arbiter.stage(2, other)}
+    assert not arbiter.builds(*recheck(1, prog)), "kept from the same program"
+    assert arbiter.builds(*recheck(1, other)) and arbiter.builds(*recheck(1, []))
+    assert arbiter.builds(*recheck(0, prog)), "another stage"
+
+
 class _OnAnotherDevice:
     """A stage whose weights live on another device (``meta`` stands in for a GPU): it
     notes where the inputs of a re-execution arrive, and computes, from the same
