@@ -234,11 +234,7 @@ class Arbiter:
         """Re-execute ``msg``'s micro-batch of its stage with the weights shown (or,
         ``same_weights``, those loaded for its last arbitration)."""
         n = 2 * len(msg.roles)
-        evidence, weights, program = (
-            values[:n],
-            values[n : len(values) - msg.program],
-            values[len(values) - msg.program :],
-        )
+        evidence, weights, program = values[:n], values[n : len(values) - msg.program], _program(msg, values)
         if not 0 <= msg.stage < self.num_stages or len(weights) != len(msg.weights) or msg.program < 0:
             return _cannot(msg, "a malformed arbitration", checked=True)
         if msg.same_weights and (self.loaded != (msg.stage, msg.step) or msg.stage not in self.others):
@@ -262,7 +258,7 @@ class Arbiter:
         stage loaded last nor one kept from the same program (the program it carries)."""
         if msg.stage in self.others:
             return False
-        program = values[len(values) - msg.program :] if 0 < msg.program <= len(values) else []
+        program = _program(msg, values)
         return not program or (msg.stage, _digest(program)) not in self.built
 
     def stage(self, s: int, program: list[Any]) -> StageExecutor:
@@ -280,6 +276,12 @@ class Arbiter:
         ):
             self.built.popitem(last=False)
         return ex
+
+
+def _program(msg: Recheck, values: list[Any]) -> list[Any]:
+    """The stage program an arbitration carries: its last ``msg.program`` values (none
+    where it names none, or more than it carries)."""
+    return values[len(values) - msg.program :] if 0 < msg.program <= len(values) else []
 
 
 def _held_bytes(module: torch.nn.Module) -> int:
