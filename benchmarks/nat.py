@@ -85,9 +85,9 @@ async def _node(listen_ip: str, bootstrap: str) -> None:
         tp.dials_in.update(cmd.get("dials_in", []))
         if cmd.get("relay"):
             tp.forwarder.relay_ok = lambda origin, dest, nbytes: True
+        answer: dict[str, Any] = {"ok": True}  # every command is answered once it took effect
         if cmd.get("dial"):
-            failed = await tp.dial_out(cmd["dial"])
-            print(json.dumps({"dialled": not failed}), flush=True)
+            answer = {"dialled": not await tp.dial_out(cmd["dial"])}
         if "send" in cmd:
             to, frames = cmd["send"], cmd["frames"]
             x = torch.zeros(FRAME_BYTES // 4)
@@ -95,8 +95,8 @@ async def _node(listen_ip: str, bootstrap: str) -> None:
             for i in range(frames):
                 await tp.send(to, Activations("bench", 0, i, frames - 1), [x])
             await asyncio.wait_for(acks.get(), 300)
-            seconds = time.perf_counter() - t0
-            print(json.dumps({"mb_per_s": frames * FRAME_BYTES / seconds / 1e6}), flush=True)
+            answer = {"mb_per_s": frames * FRAME_BYTES / (time.perf_counter() - t0) / 1e6}
+        print(json.dumps(answer), flush=True)
     task.cancel()
     await tp.aclose()
     dht.shutdown()
@@ -106,11 +106,12 @@ class _Node:
     """A ``_node`` process in a namespace."""
 
     def __init__(self, prefix: list[str], ip: str, bootstrap: str = "") -> None:
+        self.log = tempfile.TemporaryFile("w+")  # what it said, shown if it fails
         self.proc = subprocess.Popen(
             [*prefix, sys.executable, __file__, "--node", ip, bootstrap],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=self.log,
             text=True,
             cwd=ROOT,
             start_new_session=True,
@@ -123,13 +124,22 @@ class _Node:
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
         line = self.proc.stdout.readline() if ready else ""
         if not line:
-            raise RuntimeError(f"a benchmark node gave no answer within {timeout:.0f} s (or exited)")
+            self.log.seek(0)
+            said = self.log.read()[-3000:]
+            raise RuntimeError(f"a benchmark node gave no answer within {timeout:.0f} s (or exited):\n{said}")
         return json.loads(line)
 
-    def tell(self, **cmd: Any) -> None:
+    def tell(self, **cmd: Any) -> dict[str, Any]:
+        """Send a command and wait for its answer: a setting has taken effect before
+        the next command goes to any node (a frame forwarded to a node not yet told
+        of its forwarder would be refused)."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
+        answer = self.read()
+        if answer.get("dialled") is False:
+            raise RuntimeError(f"a benchmark node could not dial out to {cmd['dial']}")
+        return answer
 
     def close(self) -> None:
         try:  # its own session: the node and its p2p daemon go together
@@ -137,6 +147,7 @@ class _Node:
         except ProcessLookupError:
             pass
         self.proc.wait(10)
+        self.log.close()
 
 
 def _introduce(*nodes: _Node) -> None:
@@ -159,18 +170,14 @@ def _transfers(lab: Any, frames: int) -> dict[str, float]:
         nodes += [edge, h1, h2]
         _introduce(*nodes)
         out = {}
-        pub.tell(send=edge.info["id"], frames=frames)
-        out["direct_mb_per_s"] = pub.read()["mb_per_s"]
+        out["direct_mb_per_s"] = pub.tell(send=edge.info["id"], frames=frames)["mb_per_s"]
         h1.tell(dial=[pub.info["id"]])
-        h1.read()
-        pub.tell(dials_in=[h1.info["id"]], send=h1.info["id"], frames=frames)
-        out["dialout_mb_per_s"] = pub.read()["mb_per_s"]
+        out["dialout_mb_per_s"] = pub.tell(dials_in=[h1.info["id"]], send=h1.info["id"], frames=frames)["mb_per_s"]
         h2.tell(dial=[pub.info["id"]])
-        h2.read()
         pub.tell(relay=True)
         h1.tell(via={h2.info["id"]: pub.info["id"]})
-        h2.tell(via={h1.info["id"]: pub.info["id"]}, send=h1.info["id"], frames=frames)
-        out["forwarded_mb_per_s"] = h2.read()["mb_per_s"]
+        sent = h2.tell(via={h1.info["id"]: pub.info["id"]}, send=h1.info["id"], frames=frames)
+        out["forwarded_mb_per_s"] = sent["mb_per_s"]
         return out
     finally:
         for n in nodes:

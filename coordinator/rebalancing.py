@@ -212,18 +212,15 @@ class Rebalancer:
         revert = self.judge_last()
         if revert is not None:
             return revert
-        if st.step - self.record.last_rebalance < replan.cooldown_steps(every):
-            return None
-        if self._planning is not None:
-            logger.debug("rebalance check at step %d skipped: the last one is still planning", st.step)
-            return None
         began, m, speeds = self.clock.now(), self.record, self._speeds()
-        affordable = replan.check_affordable(
+        if st.step - m.last_rebalance < replan.cooldown_steps(every):
+            return self._skipped(f"within the cool-down after the rebalance at step {m.last_rebalance}")
+        if self._planning is not None:
+            return self._skipped("the last one is still planning")
+        if not replan.check_affordable(
             began - m.checked_at, m.check_cost_s, speeds, m.checked_speeds, m.checked_unsettled
-        )
-        if not affordable:
-            logger.debug("rebalance check at step %d skipped: no change, the last took %.2f s", st.step, m.check_cost_s)
-            return None
+        ):
+            return self._skipped(f"no change since the last, which planned {m.check_cost_s:.2f} s")
         self._planning = asyncio.create_task(self._timed_check(began, speeds, self._inputs()))
         return None
 
@@ -362,6 +359,11 @@ class Rebalancer:
         why, must = f"checked at step {step}: {decision.why}", priced.current_s / priced.candidate_s
         return Decided(candidate, step, epoch, why, must, gain, before)
 
+    def _skipped(self, why: str) -> None:
+        """A check due that does not plan, and why, on the page (CI saw a move come late,
+        and nothing said which rule held the checks back)."""
+        self._said(f"rebalance check at step {self.st.step} skipped: {why}")
+
     def _said(self, text: str) -> None:
         """A rebalance check's outcome: logged, and shown on the page (its own history)."""
         logger.info("%s", text)
@@ -492,8 +494,7 @@ class Rebalancer:
         m.last_rebalance = st.step
         self.host.gate.epoch = st.epoch
 
-    def tokens_per_s(self, last: int = 10) -> float:
-        """Tokens a second over the ``last`` steps."""
+    def tokens_per_s(self, last: int = 10) -> float:  # over the ``last`` steps
         seconds = sum(self.st.step_seconds[-last:])
         tokens = self.st.tokens_per_step * min(last, len(self.st.step_seconds))
         return tokens / seconds if seconds > 0 else 0.0

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
-from unittest.mock import AsyncMock, patch
+from unittest.mock import AsyncMock, Mock, patch
 
 import pytest
 import torch
@@ -678,6 +678,30 @@ def test_a_check_that_planned_on_a_speed_still_moving_lets_the_next_plan(tmp_pat
     record.levels["p1"] = [1.0, 0.3, 1.0, 0.5, 1.0]  # volatile: planned at its average, which a check cannot move
     asyncio.run(planned())
     assert not record.checked_unsettled, "a volatile peer's swings do not make every check plan"
+
+
+def test_a_due_check_that_does_not_plan_says_why_on_the_page(tmp_path: Path) -> None:
+    """CI saw a move come four periods after a peer was throttled, and the checks between
+    left no word (a skip logged at debug level): each due check that does not plan
+    says on the page which rule held it back."""
+    driver = _driver(tmp_path, [["p0"], ["p1"]], rebalance_every=10)
+    st, rebalancer = driver.st, driver.rebalancer
+    record, st.epoch_start = rebalancer.record, 0
+    record.speeds = {"p0": [20.0] * 30, "p1": [20.0] * 30}
+
+    def said_at(step: int) -> str:
+        st.step = step
+        assert rebalancer.poll() is None
+        checks = [e["text"] for e in driver.host.board.events if e["kind"] == "check"]
+        return checks[-1] if checks else ""
+
+    record.last_rebalance = 15
+    assert said_at(30) == "rebalance check at step 30 skipped: within the cool-down after the rebalance at step 15"
+    record.last_rebalance, record.checked_at, record.check_cost_s = -(10**9), _clock(driver).now(), 5.0
+    record.checked_speeds = rebalancer._speeds()
+    assert said_at(40) == "rebalance check at step 40 skipped: no change since the last, which planned 5.00 s"
+    rebalancer._planning = Mock(**{"done.return_value": False})  # a task still planning
+    assert said_at(40) == "rebalance check at step 40 skipped: the last one is still planning"
 
 
 def test_a_peer_whose_speed_keeps_changing_is_planned_at_its_average() -> None:
