@@ -4,16 +4,16 @@ recorded by PID, and everything killed at the end."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import psutil
@@ -54,7 +54,11 @@ class Proc:
         self.lines: list[str] = []
         self.times: list[float] = []  # time.monotonic() when each line was read
         self.last_time = 0.0
-        self.pids: set[int] = {self.popen.pid}
+        # pid -> its start time: a pid noted here, once its process is gone, may be
+        # another's (pid_max is 32768 here, and a CI run wraps it several times): such a
+        # pid is neither killed nor counted alive (``alive``, ``kill_all``, ``signal``)
+        self.pids: dict[int, float] = {}
+        self._add([self.popen.pid])
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -68,12 +72,17 @@ class Proc:
     def output(self) -> str:
         return "\n".join(self.lines)
 
+    def _add(self, pids: list[int]) -> None:
+        for pid in pids:
+            if pid not in self.pids:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    self.pids[pid] = psutil.Process(pid).create_time()
+
     def note_children(self) -> None:
         """Remember the process's descendants now (to check later that they died)."""
-        try:
-            self.pids |= {c.pid for c in psutil.Process(self.popen.pid).children(recursive=True)}
-        except psutil.NoSuchProcess:
-            pass
+        if (me := _same(self.pids, self.popen.pid)) is not None:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                self._add([c.pid for c in me.children(recursive=True)])
 
     def wait_line(self, pattern: str, timeout: float = 90.0, after: int = 0) -> re.Match[str]:
         """Bounded wait for an output line matching ``pattern`` (among lines from index
@@ -101,33 +110,44 @@ class Proc:
 
     def signal(self, sig: int) -> None:
         self.note_children()
-        os.kill(self.popen.pid, sig)
+        if (me := _same(self.pids, self.popen.pid)) is not None:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                me.send_signal(sig)
 
     def kill_all(self) -> None:
         self.note_children()
         for pid in self.pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            if (p := _same(self.pids, pid)) is not None:
+                with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                    p.kill()
         try:
             self.popen.wait(10)
         except subprocess.TimeoutExpired:
             pass
 
 
-def alive(pids: set[int]) -> set[int]:
+def _same(born: Mapping[int, float], pid: int) -> psutil.Process | None:
+    """The process ``pid`` if it is the one noted in ``born`` (not a later one given its pid)."""
+    try:
+        p = psutil.Process(pid)
+        return p if pid not in born or p.create_time() == born[pid] else None
+    except psutil.NoSuchProcess:
+        return None
+
+
+def alive(pids: set[int] | Mapping[int, float]) -> set[int]:
+    """Those of ``pids`` still running (with their start times: the same processes)."""
+    born = pids if isinstance(pids, Mapping) else {}
     out = set()
     for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        p = _same(born, pid)
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if p is not None and p.status() != psutil.STATUS_ZOMBIE:
                 out.add(pid)
-        except psutil.NoSuchProcess:
-            pass
     return out
 
 
-def wait_gone(pids: set[int], timeout: float = 15.0) -> set[int]:
+def wait_gone(pids: set[int] | Mapping[int, float], timeout: float = 15.0) -> set[int]:
     """Bounded wait for ``pids`` to exit; returns those still alive."""
     deadline = time.monotonic() + timeout
     while alive(pids) and time.monotonic() < deadline:
@@ -225,8 +245,8 @@ class Swarm:
         for p in self.procs:
             p.note_children()
 
-    def all_pids(self) -> set[int]:
-        return {pid for p in self.procs for pid in p.pids}
+    def all_pids(self) -> dict[int, float]:
+        return {pid: born for p in self.procs for pid, born in p.pids.items()}
 
     def reap(self) -> set[int]:
         """After the run: wait for every process still running to exit (60 s each),
