@@ -132,6 +132,7 @@ class Launcher:
             theirs.close()
         self._lock = threading.Lock()  # one request, one pid reply at a time
         self._pid_reply: list[dict[str, Any]] = []
+        self._abandoned = 0  # requests given up on (no pid within fork_wait_s): their late forks are killed
         self._replied = threading.Condition()
         self._children: dict[int, Child] = {}
         self._alive = True
@@ -222,6 +223,7 @@ class Launcher:
                 return None
             with self._replied:
                 if not self._replied.wait_for(lambda: self._pid_reply or not self._alive, self._fork_wait_s):
+                    self._abandoned += 1  # its command starts fresh: a fork that comes later is a twin
                     self._give_up()
                 reply = self._pid_reply.pop(0) if self._pid_reply else {}
         child = reply.get("child")
@@ -283,12 +285,23 @@ class Launcher:
                 if child is not None:
                     child._exited(int(reply["code"]))
             else:
-                if isinstance(reply.get("pid"), int):  # registered before the next reply (its exit) is read
-                    reply["child"] = self._children[reply["pid"]] = Child(reply["pid"], [], None)
-                with self._replied:
-                    self._pid_reply.append(reply)
-                    self._replied.notify_all()
+                self._replied_with(reply)
         self._lost()
+
+    def _replied_with(self, reply: dict[str, Any]) -> None:
+        """A pid (or a refusal) for the oldest request. One given up on meanwhile started
+        fresh: its fork, come late, would run beside it (CI saw a twin coordinator
+        hold the run directory the one it watched needed), and is killed."""
+        with self._replied:
+            late, self._abandoned = self._abandoned > 0, max(0, self._abandoned - 1)
+            if late:
+                if isinstance(reply.get("pid"), int):
+                    _kill_tree(reply["pid"])
+                return
+            if isinstance(reply.get("pid"), int):  # registered before the next reply (its exit) is read
+                reply["child"] = self._children[reply["pid"]] = Child(reply["pid"], [], None)
+            self._pid_reply.append(reply)
+            self._replied.notify_all()
 
     def _lost(self) -> None:
         """The zygote is gone: later commands start fresh; the ones it forked are
