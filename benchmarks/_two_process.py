@@ -22,9 +22,9 @@ def _receiver(conn: multiprocessing.connection.Connection, size: int) -> None:
 
 
 async def _receive(conn: multiprocessing.connection.Connection, size: int) -> None:
-    import hivemind
     import torch
 
+    from protocol.net.dhtstart import start_dht
     from protocol.net.transport import Transport
     from protocol.trust.identity import Identity, public_key
     from protocol.wire.gate import Gate
@@ -45,7 +45,7 @@ async def _receive(conn: multiprocessing.connection.Connection, size: int) -> No
         finally:
             writer.close()
 
-    dht, key = hivemind.DHT(start=True), Identity.generate()
+    dht, key = start_dht(), Identity.generate()
     tp = Transport(await dht.replicate_p2p(), key, Gate("bench", 4 << 30))
     server = await asyncio.start_server(tcp, "127.0.0.1", 0)
     try:
@@ -82,9 +82,9 @@ def _until_closed(conn: multiprocessing.connection.Connection) -> None:
 
 async def rounds(size: int, count: int) -> tuple[list[float], list[float]]:
     """MB/s of each timed round's RAD and TCP transfers (after one that opens both)."""
-    import hivemind
     import torch
 
+    from protocol.net.dhtstart import start_dht
     from protocol.net.transport import Transport
     from protocol.trust.identity import Identity, public_key
     from protocol.wire.gate import Gate
@@ -100,7 +100,7 @@ async def rounds(size: int, count: int) -> tuple[list[float], list[float]]:
     tp: Transport | None = None
     try:
         peer, maddrs, peer_key, port = await _reply(ours, 120)
-        dht, key = hivemind.DHT(initial_peers=maddrs, start=True), Identity.generate()
+        dht, key = start_dht(initial_peers=maddrs), Identity.generate()
         tp = Transport(await dht.replicate_p2p(), key, Gate("bench", 4 << 30))
         tp.gate.admit(peer, public_key(peer_key))
         tp.learn(peer, maddrs)

@@ -43,17 +43,15 @@ LINK_MBIT = 400
 # ---------------------------------------------------------------- a node inside a namespace
 async def _node(listen_ip: str, bootstrap: str) -> None:
     """One transport in this namespace, driven by JSON lines on stdin (``_Node``)."""
-    import hivemind
     import torch
 
+    from protocol.net.dhtstart import start_dht
     from protocol.net.transport import Transport
     from protocol.trust.identity import Identity, public_key
     from protocol.wire.gate import Gate
     from protocol.wire.messages import Activations
 
-    dht = hivemind.DHT(
-        host_maddrs=[f"/ip4/{listen_ip}/tcp/0"], initial_peers=[bootstrap] if bootstrap else [], start=True
-    )
+    dht = start_dht(host_maddrs=[f"/ip4/{listen_ip}/tcp/0"], initial_peers=[bootstrap] if bootstrap else [])
     ident = Identity.generate()
     tp = Transport(await dht.replicate_p2p(), ident, Gate("bench", 1 << 30))
     await tp.start()

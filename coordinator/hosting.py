@@ -15,6 +15,7 @@ from hivemind.p2p import P2P
 from coordinator.checkpoint import DB_NAME, CheckpointError, RunDir, default_run_dir
 from coordinator.config import CoordinatorConfig
 from coordinator.outcome import SwarmError
+from protocol.net import dhtstart
 from protocol.net.ports import PortTaken, check_listen_ports
 from protocol.trust.identity import Identity
 from protocol.trust.run_records import RunRecords
@@ -81,17 +82,19 @@ async def start_dht(cfg: CoordinatorConfig, run_dir: RunDir, identity: Identity,
     if not identity_path.exists():
         P2P.generate_identity(str(identity_path))
     validators = [RunRecords(cfg.run_id, identity.public_hex, private=private)]
-    return await asyncio.get_running_loop().run_in_executor(
-        None,
-        lambda: hivemind.DHT(
-            initial_peers=initial_peers,
-            host_maddrs=host_maddrs,
-            announce_maddrs=cfg.announce_maddrs or None,
-            identity_path=str(identity_path),
-            record_validators=validators,
-            start=True,
-        ),
-    )
+    try:
+        return await asyncio.get_running_loop().run_in_executor(
+            None,
+            lambda: dhtstart.start_dht(
+                initial_peers=initial_peers,
+                host_maddrs=host_maddrs,
+                announce_maddrs=cfg.announce_maddrs or None,
+                identity_path=str(identity_path),
+                record_validators=validators,
+            ),
+        )
+    except dhtstart.DhtDied as exc:
+        raise SwarmError(f"could not start the coordinator's DHT node: {exc}") from None
 
 
 def _on_port(maddr: str, port: int | None) -> str:

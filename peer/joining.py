@@ -12,6 +12,7 @@ import hivemind
 from hivemind.dht.validation import RecordValidatorBase
 
 from peer.config import JoinError, PeerConfig
+from protocol.net.dhtstart import start_dht
 from protocol.net.reach import why_unreachable
 from protocol.net.transport import Transport
 from protocol.trust.identity import Identity
@@ -56,12 +57,11 @@ async def join_dht(cfg: PeerConfig, validators: Sequence[RecordValidatorBase]) -
 
 async def _join_once(cfg: PeerConfig, validators: Sequence[RecordValidatorBase], timeout: float) -> hivemind.DHT:
     def join() -> hivemind.DHT:
-        return hivemind.DHT(
+        return start_dht(
             initial_peers=cfg.initial_peers,
             host_maddrs=cfg.host_maddrs,
             announce_maddrs=cfg.announce_maddrs or None,
             record_validators=validators,
-            start=True,
         )
 
     try:

@@ -33,6 +33,7 @@ from hivemind.utils import get_dht_time
 
 from peer.config import JoinError, PeerConfig
 from peer.node import PeerNode
+from protocol.net.dhtstart import start_dht
 from protocol.net.tasks import wait_until
 from protocol.net.transport import PeerUnreachable, Transport
 from protocol.trust.admission import issue_certificate, parse_token
@@ -82,7 +83,7 @@ def forged_certificates(me: Identity, run: str, peer_id: str, coordinator_key: s
 async def forger(token: str, key_file: str, members: int, go: Path | None) -> None:
     t = parse_token(token)
     me = Identity.load_or_create(key_file)
-    dht = hivemind.DHT(initial_peers=t.maddrs, start=True)
+    dht = start_dht(initial_peers=t.maddrs)
     tp = Transport(await dht.replicate_p2p(), me, Gate(t.run))
     await tp.start()
     try:

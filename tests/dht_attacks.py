@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import hivemind
 import psutil
 from hivemind.dht.routing import DHTID
 from hivemind.utils import get_dht_time
 
+from protocol.net.dhtstart import start_dht
 from protocol.trust.run_records import RULES, record_subkey, rule_of, shard_name
 from protocol.wire.messages import dht_key
 
@@ -68,7 +68,7 @@ class Outsider:
     def __init__(self, join_args: list[str], run: str) -> None:
         initial = join_args[join_args.index("--initial-peers") + 1]
         self.run = run
-        self.dht = hivemind.DHT(initial_peers=[initial], start=True)
+        self.dht = start_dht(initial_peers=[initial])
 
     def shadow(self) -> dict[str, bool]:
         """One regular 62-byte value under each of the run's keys; by name, whether the

@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 import hivemind
 import torch
 
+from protocol.net.dhtstart import start_dht
 from protocol.net.transport import Transport
 from protocol.trust.identity import Identity
 from protocol.wire.encoding import encode_values
@@ -34,9 +35,9 @@ async def transports(
     dhts: list[hivemind.DHT] = []
     out: list[Transport] = []
     try:
-        dhts.append(hivemind.DHT(start=True))
+        dhts.append(start_dht())
         boot = [str(m) for m in dhts[0].get_visible_maddrs()]
-        dhts += [hivemind.DHT(initial_peers=boot, start=True) for _ in range(n - 1)]
+        dhts += [start_dht(initial_peers=boot) for _ in range(n - 1)]
         keys = [Identity.generate() for _ in range(n)]
         for d, k in zip(dhts, keys, strict=True):
             out.append(Transport(await d.replicate_p2p(), k, Gate(run_id, max_payload), direct))

@@ -14,6 +14,7 @@ import hivemind
 import pytest
 from hivemind.utils import get_dht_time
 
+from protocol.net.dhtstart import start_dht
 from protocol.trust.identity import Identity, sign_record
 from protocol.wire.messages import CoordinatorRecord, dht_key
 from tests.conftest import ROOT
@@ -24,7 +25,7 @@ def _claim_the_run(swarm: Swarm, run: str) -> hivemind.DHT:
     """An outsider's DHT node that publishes its own, validly signed, coordinator record
     for the run (pointing at itself)."""
     initial = swarm.join_args[swarm.join_args.index("--initial-peers") + 1]
-    dht = hivemind.DHT(initial_peers=[initial], start=True)
+    dht = start_dht(initial_peers=[initial])
     outsider = Identity.generate()
     expires = get_dht_time() + 600
     maddrs = [str(m) for m in dht.get_visible_maddrs()]
@@ -171,7 +172,7 @@ def foreign_version(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[b
     from protocol.wire.messages import PROTOCOL_VERSION
 
     tmp = tmp_path_factory.mktemp("foreign")
-    dht = hivemind.DHT(start=True)
+    dht = start_dht()
     peers: dict[bool, Proc] = {}
     try:
         other, expires = Identity.generate(), get_dht_time() + 600
