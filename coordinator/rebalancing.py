@@ -57,15 +57,15 @@ class RebalanceRecord:
     check_cost_s: float = 0.0  # how long it planned (``replan.check_affordable``)
     checked_speeds: dict[str, float] = dataclasses.field(default_factory=dict)  # the speeds it planned on
     checked_unsettled: bool = False  # a peer's speed was still moving then (``replan.speed_moved``)
+    moved_speeds: dict[str, float] = dataclasses.field(default_factory=dict)  # those the last move planned on
 
 
 @dataclasses.dataclass(frozen=True)
 class Decided:
-    """A check's decision to move, kept until it is collected at a later step (and
-    dropped there if the swarm changed since): the plan, the step and plan epoch it was
-    checked at, why it moves, the speed-up it must deliver (fixed costs included), the
-    speed-up it was decided on (both plans priced bare) and the tokens/s before it
-    (the steps up to the check's, not those it planned beside)."""
+    """A check's decision to move, collected at a later step (dropped if the swarm changed
+    since): the plan, the step and plan epoch it was checked at, why it moves, the
+    speed-up it must deliver (fixed costs included), the speed-up it was decided on (both
+    plans priced bare) and the tokens/s before it (up to the check's step)."""
 
     candidate: Assignment
     step: int
@@ -233,8 +233,7 @@ class Rebalancer:
         return self._collect()
 
     def stop(self) -> None:
-        """The run ended or failed, or peers were lost: a check still planning is dropped
-        (its thread runs to its end; what it finds is not used)."""
+        """The run ended or failed, or peers were lost: a check still planning is dropped."""
         task, self._planning = self._planning, None
         if task is None:
             return
@@ -272,6 +271,7 @@ class Rebalancer:
             return None
         m = self.record
         m.why, m.gain, m.moved_gain, m.before_tokens_per_s = found.why, found.gain, found.moved_gain, found.tokens_per_s
+        m.moved_speeds = dict(m.checked_speeds)  # set by the check that decided it
         return found.candidate
 
     def _stale(self, candidate: Assignment, step: int, epoch: int) -> bool:
@@ -351,13 +351,16 @@ class Rebalancer:
             self._said(f"{said}: the plan on measured speeds was tried and undone")
             return None
         damped = replan.damping([r["step"] for r in st.rebalances], st.step, self.every)
-        decision = replan.rebalance(*bare, remaining, move, max(self.record.doubt, damped))
+        decision = replan.rebalance(*bare, remaining, move, self._bar(damped))
         self._said(f"{said}: {decision.why}")
         if not decision.go:
             return None
         # what the move must deliver is the whole step's speed-up, fixed costs included
         why, must = f"checked at step {step}: {decision.why}", priced.current_s / priced.candidate_s
         return Decided(candidate, step, epoch, why, must, gain, before)
+
+    def _bar(self, damped: float) -> float:
+        return replan.bar(self.record.doubt, damped, self._speeds(), self.record.moved_speeds)
 
     def _skipped(self, why: str) -> None:
         """A check due that does not plan, and why, on the page (CI saw a move come late,
@@ -420,11 +423,10 @@ class Rebalancer:
     def _price(
         self, ads: list[Advert], links: dict[tuple[str, str], float], nat: set[str], means: dict[int, dict[str, float]]
     ) -> Priced:
-        """On the worker thread: the measured speeds, OP-Fence's plan on them, and both
-        plans priced; from copies of what the event loop changes (``links``, ``nat``, the
-        breakdown's ``means``; adverts are frozen; the plan and the epoch change only
-        between steps). The current plan's price (the summary's prediction) takes the
-        swarm's own fixed costs from its breakdown (``breakdown.run_overheads``)."""
+        """On the worker thread, from copies of what the loop changes (``links``, ``nat``,
+        the breakdown's ``means``): the measured speeds, OP-Fence's plan on them, both
+        plans priced; the current one (the summary's prediction) with the swarm's own
+        fixed costs from its breakdown (``breakdown.run_overheads``)."""
         st = self.st
         assert st.plan is not None
         network = self._network(ads, links, nat)
@@ -450,9 +452,8 @@ class Rebalancer:
     def _predicted_plan(
         self, ads: list[Advert], other: Plan | None = None, overheads: Overheads = LIVE, network: Network | None = None
     ) -> Plan:
-        """The current plan (or ``other``) predicted on ``ads``'s speeds, each machine
-        shared as the plan keeps it busy (``assign.on_own_share``), with the peers'
-        fixed costs ``overheads``."""
+        """The current plan (or ``other``) predicted on ``ads``'s speeds, each machine shared
+        as the plan keeps it busy (``assign.on_own_share``), with fixed costs ``overheads``."""
         plan = self._current() if other is None else other.bare()
         network = network or self._network(ads)
         return on_own_share(self._dag_costs(), plan, ads, network, self.job.micro_batches, overheads)[0]
@@ -463,8 +464,7 @@ class Rebalancer:
         return self._costs
 
     def _move_seconds(self) -> float:
-        """What moving costs: a checkpoint (measured, or guessed before the first) and
-        setting the new stages up (the last dispatch, measured)."""
+        """What moving costs: a checkpoint (measured, or guessed) and the last dispatch."""
         cost = self.checkpoints.cost_s
         return (cost if cost is not None else replan.CHECKPOINT_COST_GUESS_S) + self.st.dispatch_s
 

@@ -33,7 +33,7 @@ from coordinator.checkpoint import RunDir
 from coordinator.config import CoordinatorConfig
 from coordinator.overheads import NONE
 from coordinator.pipeline import reported_seconds
-from coordinator.rebalancing import signature
+from coordinator.rebalancing import Decided, signature
 from coordinator.run import Driver
 from coordinator.runstate import BANNED, EXCLUDED, PeerLost, RunState
 from coordinator.spotchecks import AUDIT_BOX_PER_PEER
@@ -776,6 +776,33 @@ def test_moves_that_keep_coming_are_damped() -> None:
     bar = replan.REPLAN_GAIN + replan.FLAP_DOUBT
     assert not replan.rebalance(0.10, 0.06, 10_000, 0.1, doubt=replan.FLAP_DOUBT).go, f"40% faster is under {bar:.0%}"
     assert replan.rebalance(0.184, 0.052, 10_000, 0.1, doubt=replan.FLAP_DOUBT).go, "a real slow-down (3.5x) clears it"
+
+
+def test_a_peer_that_fell_far_since_the_last_move_lifts_doubt_and_damping(tmp_path: Path) -> None:
+    """CI: two moves (steps 20 and 60), a peer throttled to a twentieth at 62, and every
+    check to the run's end finding the best plan 1.28x faster and not the 50% the damping
+    (and the doubt of the move at 60, judged over the throttled steps) asked. A planned
+    peer whose speed fell over ``FELL_FOR_GOOD`` times below the one the last move was
+    planned on is a new situation: the bar is ``REPLAN_GAIN`` alone. The flap test's
+    random speeds (1, 0.6 or 0.35 of a peer's own) do not lift it."""
+    moved = {"p0": 20.0, "p1": 20.0}
+    assert replan.bar(0.33, replan.FLAP_DOUBT, {"p0": 20.0, "p1": 1.0}, moved) == 0.0, "a twentieth"
+    assert replan.bar(0.33, replan.FLAP_DOUBT, {"p0": 20.0, "p1": 7.0}, moved) == 0.33, "2.9x: the flap test's"
+    assert replan.bar(0.1, replan.FLAP_DOUBT, {"p0": 20.0, "p2": 1.0}, moved) == replan.FLAP_DOUBT, "a new peer"
+    assert replan.bar(0.1, 0.0, {"p0": 20.0}, {}) == 0.1, "no move yet"
+    assert replan.rebalance(0.1223, 0.0953, 10_000, 0.5, doubt=replan.bar(0.33, 0.3, {"p1": 1.0}, moved)).go
+    driver = _driver(tmp_path, [["p0"], ["p1"]], rebalance_every=10)
+    rebalancer, record = driver.rebalancer, driver.rebalancer.record
+    record.checked_speeds, record.speeds = {"p0": 20.0, "p1": 20.0}, {"p0": [20.0] * 30, "p1": [1.0] * 30}
+    loop = asyncio.new_event_loop()
+    try:  # a check that decided to move, done
+        rebalancer._planning = loop.create_future()
+        rebalancer._planning.set_result(Decided(Assignment(Cut((40,)), [["p1"], ["p0"]]), 0, 0, "t", 2.0, 2.0, 100.0))
+        driver.st.step = 1
+        assert rebalancer.poll() is not None and record.moved_speeds == {"p0": 20.0, "p1": 20.0}
+    finally:
+        loop.close()
+    assert rebalancer._bar(replan.FLAP_DOUBT) == 0.0, "p1 measures a twentieth of what the move planned on"
 
 
 def test_the_end_of_the_run_reaches_peers_the_dht_did_not_return(tmp_path: Path) -> None:
