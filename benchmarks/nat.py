@@ -104,7 +104,7 @@ class _Node:
     """A ``_node`` process in a namespace."""
 
     def __init__(self, prefix: list[str], ip: str, bootstrap: str = "") -> None:
-        self.log = tempfile.TemporaryFile("w+")  # what it said, shown if it fails
+        self.log = tempfile.TemporaryFile()  # what it said, shown if it fails
         self.proc = subprocess.Popen(
             [*prefix, sys.executable, __file__, "--node", ip, bootstrap],
             stdin=subprocess.PIPE,
@@ -116,14 +116,14 @@ class _Node:
         )
         self.info = self.read()
 
-    def read(self, timeout: float = 300.0) -> dict[str, Any]:
+    def read(self, timeout: float = 330.0) -> dict[str, Any]:  # beyond a node's own 300 s wait: its error shows
         """The node's next answer (a hung node is an error, not a hung benchmark)."""
         assert self.proc.stdout is not None
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
         line = self.proc.stdout.readline() if ready else ""
         if not line:
-            self.log.seek(0)
-            said = self.log.read()[-3000:]
+            fd = self.log.fileno()  # read where it is, not from the offset the node shares and writes at
+            said = os.pread(fd, 3000, max(0, os.fstat(fd).st_size - 3000)).decode(errors="replace")
             raise RuntimeError(f"a benchmark node gave no answer within {timeout:.0f} s (or exited):\n{said}")
         return json.loads(line)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +26,7 @@ from coordinator.netmodel import Network
 from coordinator.opdag import OpDag
 from coordinator.overheads import LIVE, NONE, Overheads
 from coordinator.planning import Planner
+from coordinator.rebalance_state import Decided, Priced, RebalanceRecord
 from coordinator.runstate import RunState
 from protocol.model.job import JobSpec
 from protocol.net.clock import Clock
@@ -34,64 +34,6 @@ from protocol.wire.codecs import Codec
 from protocol.wire.messages import Advert, StepDone
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class RebalanceRecord:
-    """What the rebalancer measured and decided so far."""
-
-    speeds: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # peer -> measured FLOP/s
-    levels: dict[str, list[float | None]] = dataclasses.field(default_factory=dict)  # peer -> speed at each check
-    levels_epoch: int = -1  # the plan epoch of the last check that recorded levels
-    last_rebalance: int = -(10**9)  # the step of the last rebalance
-    before_tokens_per_s: float | None = None  # the decided rebalance's tokens/s before it (its check's)
-    why: str = ""  # why the decided rebalance moves
-    gain: float = 1.0  # the speed-up the decided rebalance predicts (current / candidate step time)
-    doubt: float = 0.0  # what the next rebalance must gain on top of REPLAN_GAIN (replan.next_doubt)
-    before: Assignment | None = None  # the plan the last rebalance left (a revert goes back to it)
-    moved_gain: float = 1.0  # the speed-up the last move was decided on (both plans priced bare)
-    # plans a revert undid, each with the speed-up it was undone with: proposed again only
-    # when predicted to gain far more (``replan.still_banned``)
-    reverted: dict[str, float] = dataclasses.field(default_factory=dict)
-    checked_at: float = -math.inf  # when the last check that planned began (clock seconds)
-    check_cost_s: float = 0.0  # how long it planned (``replan.check_affordable``)
-    checked_speeds: dict[str, float] = dataclasses.field(default_factory=dict)  # the speeds it planned on
-    checked_unsettled: bool = False  # a peer's speed was still moving then (``replan.speed_moved``)
-    moved_speeds: dict[str, float] = dataclasses.field(default_factory=dict)  # those the last move planned on
-
-
-@dataclasses.dataclass(frozen=True)
-class Decided:
-    """A check's decision to move, collected at a later step (dropped if the swarm changed
-    since): the plan, the step and plan epoch it was checked at, why it moves, the
-    speed-up it must deliver (fixed costs included), the speed-up it was decided on (both
-    plans priced bare) and the tokens/s before it (up to the check's step)."""
-
-    candidate: Assignment
-    step: int
-    epoch: int
-    why: str
-    gain: float
-    moved_gain: float
-    tokens_per_s: float
-
-
-@dataclasses.dataclass(frozen=True)
-class Priced:
-    """What a check's worker thread found: OP-Fence's plan on the measured speeds, the
-    current plan priced on them with the fixed costs and the codecs it runs (``current``)
-    and, where the candidate is another plan, both priced without the fixed costs
-    (``bare``: current, candidate) and the candidate with them (``candidate_s``)."""
-
-    candidate: Assignment
-    bare: tuple[float, float] | None = None
-    current: Plan | None = None  # the current plan priced with the fixed costs
-    candidate_s: float = 0.0  # the candidate's step seconds with the same fixed costs
-
-    @property
-    def current_s(self) -> float:
-        """The current plan's predicted step seconds (0 where it was not priced)."""
-        return self.current.iteration_s if self.current is not None else 0.0
 
 
 class Rebalancer:
@@ -122,6 +64,7 @@ class Rebalancer:
         self.record = RebalanceRecord()
         self._costs: DagCosts | None = None
         self._planning: asyncio.Task[Decided | None] | None = None  # a check planning
+        self._last_skip = ""  # why the last due check did not plan (said once while it holds)
 
     def measure(self, sender: str, msg: StepDone) -> None:
         """A peer's effective speed from its report of one step's compute."""
@@ -220,8 +163,8 @@ class Rebalancer:
         if not replan.check_affordable(
             began - m.checked_at, m.check_cost_s, speeds, m.checked_speeds, m.checked_unsettled
         ):
-            return self._skipped(f"no change since the last, which planned {m.check_cost_s:.2f} s")
-        self._planning = asyncio.create_task(self._timed_check(began, speeds, self._inputs()))
+            return self._skipped(f"the last that planned took {m.check_cost_s:.2f} s, over its share of the time since")
+        self._planning, self._last_skip = asyncio.create_task(self._timed_check(began, speeds, self._inputs())), ""
         return None
 
     async def check(self) -> Assignment | None:
@@ -233,7 +176,8 @@ class Rebalancer:
         return self._collect()
 
     def stop(self) -> None:
-        """The run ended or failed, or peers were lost: a check still planning is dropped."""
+        """The run ended or failed, or peers were lost: a check still planning is dropped
+        (its thread runs to its end; what it finds is not used)."""
         task, self._planning = self._planning, None
         if task is None:
             return
@@ -271,7 +215,6 @@ class Rebalancer:
             return None
         m = self.record
         m.why, m.gain, m.moved_gain, m.before_tokens_per_s = found.why, found.gain, found.moved_gain, found.tokens_per_s
-        m.moved_speeds = dict(m.checked_speeds)  # set by the check that decided it
         return found.candidate
 
     def _stale(self, candidate: Assignment, step: int, epoch: int) -> bool:
@@ -360,12 +303,18 @@ class Rebalancer:
         return Decided(candidate, step, epoch, why, must, gain, before)
 
     def _bar(self, damped: float) -> float:
-        return replan.bar(self.record.doubt, damped, self._speeds(), self.record.moved_speeds)
+        """``replan.bar`` on the planned peers' measured speeds."""
+        m, planned = self.record, set(self.st.planned)
+        speeds = {p: replan.robust_speed(m.speeds[p]) for p in planned if p in m.speeds}
+        return replan.bar(m.doubt, damped, speeds, m.moved_speeds)
 
     def _skipped(self, why: str) -> None:
         """A check due that does not plan, and why, on the page (CI saw a move come late,
-        and nothing said which rule held the checks back)."""
-        self._said(f"rebalance check at step {self.st.step} skipped: {why}")
+        and nothing said which rule held the checks back); said once while the reason
+        holds, so that skips do not push the outcomes of checks that planned off the page."""
+        if why != self._last_skip:
+            self._last_skip = why
+            self._said(f"rebalance check at step {self.st.step} skipped: {why}")
 
     def _said(self, text: str) -> None:
         """A rebalance check's outcome: logged, and shown on the page (its own history)."""
@@ -464,7 +413,8 @@ class Rebalancer:
         return self._costs
 
     def _move_seconds(self) -> float:
-        """What moving costs: a checkpoint (measured, or guessed) and the last dispatch."""
+        """What moving costs: a checkpoint (measured, or guessed before the first) and
+        setting the new stages up (the last dispatch, measured)."""
         cost = self.checkpoints.cost_s
         return (cost if cost is not None else replan.CHECKPOINT_COST_GUESS_S) + self.st.dispatch_s
 
@@ -489,12 +439,15 @@ class Rebalancer:
             {"step": st.step, "why": m.why, "moved": moved, "tokens_per_s_before": before, "revert": revert}
         )
         m.before = None if revert else st.plan
+        # those its check planned on (a revert's: the last check's), the measured ones only
+        m.moved_speeds = {p: v for p, v in m.checked_speeds.items() if p in m.speeds}
         st.next_epoch(candidate)
         st.restore, st.reason = "state", f"rebalanced: {m.why}"
         m.last_rebalance = st.step
         self.host.gate.epoch = st.epoch
 
-    def tokens_per_s(self, last: int = 10) -> float:  # over the ``last`` steps
+    def tokens_per_s(self, last: int = 10) -> float:
+        """Tokens a second over the ``last`` steps."""
         seconds = sum(self.st.step_seconds[-last:])
         tokens = self.st.tokens_per_step * min(last, len(self.st.step_seconds))
         return tokens / seconds if seconds > 0 else 0.0

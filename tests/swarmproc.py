@@ -54,10 +54,10 @@ class Proc:
         self.lines: list[str] = []
         self.times: list[float] = []  # time.monotonic() when each line was read
         self.last_time = 0.0
-        # pid -> its start time: a pid noted here, once its process is gone, may be
-        # another's (pid_max is 32768 here, and a CI run wraps it several times): such a
-        # pid is neither killed nor counted alive (``alive``, ``kill_all``, ``signal``)
-        self.pids: dict[int, float] = {}
+        # pid -> the process noted: a pid, once its process is gone, may be another's
+        # (pid_max is 32768 here, and a CI run wraps it several times); psutil tells the
+        # two apart, and another's is neither killed, signalled nor counted alive
+        self.pids: dict[int, psutil.Process] = {}
         self._add([self.popen.pid])
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -76,7 +76,7 @@ class Proc:
         for pid in pids:
             if pid not in self.pids:
                 with contextlib.suppress(psutil.NoSuchProcess):
-                    self.pids[pid] = psutil.Process(pid).create_time()
+                    self.pids[pid] = psutil.Process(pid)
 
     def note_children(self) -> None:
         """Remember the process's descendants now (to check later that they died)."""
@@ -126,28 +126,26 @@ class Proc:
             pass
 
 
-def _same(born: Mapping[int, float], pid: int) -> psutil.Process | None:
-    """The process ``pid`` if it is the one noted in ``born`` (not a later one given its pid)."""
-    try:
-        p = psutil.Process(pid)
-        return p if pid not in born or p.create_time() == born[pid] else None
-    except psutil.NoSuchProcess:
-        return None
+def _same(noted: Mapping[int, psutil.Process], pid: int) -> psutil.Process | None:
+    """The process noted as ``pid``, while it runs (None if it never was noted: a
+    command reaped before it could be is gone, and its pid may be another's now)."""
+    p = noted.get(pid)
+    return p if p is not None and p.is_running() else None
 
 
-def alive(pids: set[int] | Mapping[int, float]) -> set[int]:
-    """Those of ``pids`` still running (with their start times: the same processes)."""
-    born = pids if isinstance(pids, Mapping) else {}
+def alive(pids: set[int] | Mapping[int, psutil.Process]) -> set[int]:
+    """Those of ``pids`` still running (noted processes: the same processes)."""
+    noted = pids if isinstance(pids, Mapping) else {}
     out = set()
     for pid in pids:
-        p = _same(born, pid)
         with contextlib.suppress(psutil.NoSuchProcess):
+            p = _same(noted, pid) if noted else psutil.Process(pid)
             if p is not None and p.status() != psutil.STATUS_ZOMBIE:
                 out.add(pid)
     return out
 
 
-def wait_gone(pids: set[int] | Mapping[int, float], timeout: float = 15.0) -> set[int]:
+def wait_gone(pids: set[int] | Mapping[int, psutil.Process], timeout: float = 15.0) -> set[int]:
     """Bounded wait for ``pids`` to exit; returns those still alive."""
     deadline = time.monotonic() + timeout
     while alive(pids) and time.monotonic() < deadline:
@@ -245,8 +243,8 @@ class Swarm:
         for p in self.procs:
             p.note_children()
 
-    def all_pids(self) -> dict[int, float]:
-        return {pid: born for p in self.procs for pid, born in p.pids.items()}
+    def all_pids(self) -> dict[int, psutil.Process]:
+        return {pid: noted for p in self.procs for pid, noted in p.pids.items()}
 
     def reap(self) -> set[int]:
         """After the run: wait for every process still running to exit (60 s each),

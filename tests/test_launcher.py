@@ -285,8 +285,8 @@ def test_a_fork_that_comes_after_its_command_started_fresh_is_killed(monkeypatch
     """A zygote this process was forked from is not killed when it answers late (others
     use it): the command starts fresh, and the fork it makes afterwards would run beside
     it, a twin nobody watches (CI saw a coordinator print nothing for 90 s, likely behind
-    such a twin holding its run directory). The late fork is killed; the next request
-    is answered as usual. A fake zygote answers over a socket pair."""
+    such a twin holding its run directory). The late fork is killed, and later requests
+    start fresh too. A fake zygote answers over a socket pair."""
     import fusionllm.launcher as launcher_module
 
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -294,14 +294,14 @@ def test_a_fork_that_comes_after_its_command_started_fresh_is_killed(monkeypatch
     slow = Launcher(dict(os.environ), fork_wait_s=0.5)
     twin = subprocess.Popen(["sleep", "600"], start_new_session=True)  # what the late fork made
     try:
-        fresh = slow.spawn(["--version"])
+        fresh = slow.spawn(["--help"])
         assert isinstance(fresh, subprocess.Popen) and fresh.wait(60) == 0, "started fresh once given up"
         _, fds, _, _ = socket.recv_fds(theirs, 65536, 4)
         for fd in fds:
             os.close(fd)
         theirs.send(json.dumps({"pid": twin.pid}).encode())
         assert twin.wait(10) == -signal.SIGKILL, "the late fork is killed"
-        assert not slow._pid_reply, "and answers no later request"
+        assert not slow._pid_reply, "its reply is no later request's"
     finally:
         twin.kill()
         theirs.close()

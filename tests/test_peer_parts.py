@@ -198,7 +198,7 @@ def test_the_end_of_the_run_stops_a_reattach_at_once() -> None:
 
 
 class _Joins:
-    """Stands in for ``hivemind.DHT``: its first ``refusals`` starts fail as hivemind's
+    """Stands in for ``start_dht``: its first ``refusals`` starts fail as hivemind's
     dial-back check fails (``peer.joining.DIAL_BACK_FAILED``), the rest succeed."""
 
     def __init__(self, refusals: int) -> None:
@@ -221,7 +221,7 @@ def test_a_join_refused_by_the_dial_back_check_is_tried_again(
     from peer import joining
 
     fake = _Joins(refusals)
-    monkeypatch.setattr(joining.hivemind, "DHT", fake)
+    monkeypatch.setattr(joining, "start_dht", fake)
     cfg = PeerConfig(["/ip4/127.0.0.1/tcp/1/p2p/Qm"], RUN, join_timeout=30.0)
     if joined:
         assert asyncio.run(joining.join_dht(cfg, [])) == "joined" and fake.tries == refusals + 1
@@ -240,7 +240,7 @@ def test_a_join_that_fails_otherwise_is_not_tried_again(monkeypatch: pytest.Monk
         tries.append(1)
         raise Exception("the record validators do not match")
 
-    monkeypatch.setattr(joining.hivemind, "DHT", wrong_run)
+    monkeypatch.setattr(joining, "start_dht", wrong_run)
     with pytest.raises(JoinError, match=r"through /ip4/127\.0\.0\.1/tcp/1/p2p/Qm: the record validators do not match$"):
         asyncio.run(joining.join_dht(PeerConfig(["/ip4/127.0.0.1/tcp/1/p2p/Qm"], RUN), []))
     assert len(tries) == 1

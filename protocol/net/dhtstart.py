@@ -6,12 +6,15 @@ never sends one."""
 
 from __future__ import annotations
 
+from concurrent.futures import TimeoutError as NotYet  # the builtin one only from Python 3.11
 from typing import Any
 
 import hivemind
 
 #: how often the start looks whether the DHT's process still lives while it waits
 READY_POLL_S = 0.5
+#: how long a dead process's own error may take to arrive (it sends it, then exits)
+LAST_WORD_S = 1.0
 
 
 class DhtDied(RuntimeError):
@@ -20,13 +23,19 @@ class DhtDied(RuntimeError):
 
 def start_dht(**kwargs: Any) -> hivemind.DHT:
     """``hivemind.DHT(**kwargs, start=True)``; raises :class:`DhtDied` (one line) where
-    its process exits before it is ready. Blocks: run it on a worker thread from a loop."""
+    its process exits before it is ready (or the error it sent before it exited).
+    Blocks: run it on a worker thread from an event loop."""
     dht = hivemind.DHT(**kwargs, start=False)
     dht.start()
     while True:
         try:
             dht.wait_until_ready(READY_POLL_S)
             return dht
-        except TimeoutError:
+        except NotYet:
             if not dht.is_alive():
-                raise DhtDied(f"the DHT's process exited (code {dht.exitcode}) before it was ready") from None
+                break
+    try:
+        dht.wait_until_ready(LAST_WORD_S)
+    except NotYet:
+        raise DhtDied(f"the DHT's process exited (code {dht.exitcode}) before it was ready") from None
+    return dht
