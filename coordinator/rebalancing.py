@@ -155,11 +155,12 @@ class Rebalancer:
         revert = self.judge_last()
         if revert is not None:
             return revert
-        began, m, speeds = self.clock.now(), self.record, self._speeds()
+        m = self.record
         if st.step - m.last_rebalance < replan.cooldown_steps(every):
             return self._skipped(f"within the cool-down after the rebalance at step {m.last_rebalance}")
         if self._planning is not None:
             return self._skipped("the last one is still planning")
+        began, speeds = self.clock.now(), self._speeds()
         if not replan.check_affordable(
             began - m.checked_at, m.check_cost_s, speeds, m.checked_speeds, m.checked_unsettled
         ):
@@ -305,8 +306,8 @@ class Rebalancer:
     def _bar(self, damped: float) -> float:
         """``replan.bar`` on the planned peers' measured speeds."""
         m, planned = self.record, set(self.st.planned)
-        speeds = {p: replan.robust_speed(m.speeds[p]) for p in planned if p in m.speeds}
-        return replan.bar(m.doubt, damped, speeds, m.moved_speeds)
+        measured = {p: v for p, v in self._speeds().items() if p in planned and p in m.speeds}
+        return replan.bar(m.doubt, damped, measured, m.moved_speeds)
 
     def _skipped(self, why: str) -> None:
         """A check due that does not plan, and why, on the page (CI saw a move come late,

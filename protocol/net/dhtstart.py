@@ -28,14 +28,10 @@ def start_dht(**kwargs: Any) -> hivemind.DHT:
     dht = hivemind.DHT(**kwargs, start=False)
     dht.start()
     while True:
+        alive = dht.is_alive()  # dead: one last wait, for the error it may have sent
         try:
-            dht.wait_until_ready(READY_POLL_S)
+            dht.wait_until_ready(READY_POLL_S if alive else LAST_WORD_S)
             return dht
         except NotYet:
-            if not dht.is_alive():
-                break
-    try:
-        dht.wait_until_ready(LAST_WORD_S)
-    except NotYet:
-        raise DhtDied(f"the DHT's process exited (code {dht.exitcode}) before it was ready") from None
-    return dht
+            if not alive:
+                raise DhtDied(f"the DHT's process exited (code {dht.exitcode}) before it was ready") from None
