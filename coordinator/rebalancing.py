@@ -156,7 +156,7 @@ class Rebalancer:
         if revert is not None:
             return revert
         m = self.record
-        if st.step - m.last_rebalance < replan.cooldown_steps(every):
+        if st.step - m.last_rebalance < replan.cooldown_steps(every) and not self._fell():
             return self._skipped(f"within the cool-down after the rebalance at step {m.last_rebalance}")
         if self._planning is not None:
             return self._skipped("the last one is still planning")
@@ -305,9 +305,19 @@ class Rebalancer:
 
     def _bar(self, damped: float) -> float:
         """``replan.bar`` on the planned peers' measured speeds."""
+        return replan.bar(self.record.doubt, damped, self._planned_speeds(), self.record.moved_speeds)
+
+    def _fell(self) -> bool:
+        """Whether a planned peer fell far since the last move (``replan.fell_for_good``):
+        the cool-down after a move does not hold the next check back then. CI saw a move
+        on noise at step 20, its undo at 60, a peer throttled to a twentieth at 53, and
+        the cool-down after the undo hold the checks at 80 and 100."""
+        return replan.fell_for_good(self._planned_speeds(), self.record.moved_speeds)
+
+    def _planned_speeds(self) -> dict[str, float]:
+        """The planned peers' measured speeds (``_speeds``)."""
         m, planned = self.record, set(self.st.planned)
-        measured = {p: v for p, v in self._speeds().items() if p in planned and p in m.speeds}
-        return replan.bar(m.doubt, damped, measured, m.moved_speeds)
+        return {p: v for p, v in self._speeds().items() if p in planned and p in m.speeds}
 
     def _skipped(self, why: str) -> None:
         """A check due that does not plan, and why, on the page (CI saw a move come late,

@@ -86,7 +86,8 @@ def stall_seconds(step_seconds: list[float], floor: float, factor: float = 10.0)
 
 #: a rebalance must pay back its move this many times over the remaining steps
 REBALANCE_PAYBACK = 2.0
-#: after a rebalance, the next one is considered only this many checks later (no flapping)
+#: after a rebalance, the next one is considered only this many checks later (no flapping),
+#: unless a planned peer fell far since (``fell_for_good``)
 REBALANCE_COOLDOWN_CHECKS = 2
 #: measurements of a peer's speed kept (the estimate is their median)
 SPEED_SAMPLES = 9
@@ -199,13 +200,17 @@ def damping(move_steps: list[int], step: int, every: int) -> float:
 FELL_FOR_GOOD = 8.0
 
 
+def fell_for_good(speeds: dict[str, float], moved: dict[str, float]) -> bool:
+    """Whether a planned peer's measured speed (``speeds``) fell over ``FELL_FOR_GOOD``
+    times below the one the last move was planned on (``moved``)."""
+    return any(p in moved and moved[p] > FELL_FOR_GOOD * v for p, v in speeds.items())
+
+
 def bar(doubt: float, damped: float, speeds: dict[str, float], moved: dict[str, float]) -> float:
     """What a move must be predicted to gain on top of ``REPLAN_GAIN``: the doubt earlier
     moves left or the damping of recent ones (``damping``), whichever is larger; none
-    where a planned peer's measured speed (``speeds``) fell over ``FELL_FOR_GOOD`` times
-    below the one the last move was planned on (``moved``)."""
-    fell = any(p in moved and moved[p] > FELL_FOR_GOOD * v for p, v in speeds.items())
-    return 0.0 if fell else max(doubt, damped)
+    where a planned peer fell far since the last move (``fell_for_good``)."""
+    return 0.0 if fell_for_good(speeds, moved) else max(doubt, damped)
 
 
 #: an undone plan is proposed again only when predicted this many times the speed-up it

@@ -803,6 +803,29 @@ def test_a_peer_that_fell_far_since_the_last_move_lifts_doubt_and_damping(tmp_pa
     assert rebalancer._bar(replan.FLAP_DOUBT) == 0.0, "p1 measures a twentieth of what the move planned on"
 
 
+def test_a_peer_that_fell_far_since_the_last_move_lifts_the_cool_down(tmp_path: Path) -> None:
+    """CI: a move on noise at step 20, its undo at 60, a peer throttled to a twentieth at
+    53, and the cool-down after the undo holding the checks at 80 and 100 (the move came
+    at 121, the bound 113). A check due within the cool-down plans where a planned peer
+    fell ``FELL_FOR_GOOD`` times since the last move; otherwise it is skipped as before."""
+    driver = _driver(tmp_path, [["p0"], ["p1"]], rebalance_every=10)
+    st, rebalancer, record = driver.st, driver.rebalancer, driver.rebalancer.record
+    st.epoch_start, st.step, record.last_rebalance = 0, 20, 10
+    record.moved_speeds = {"p0": 20.0, "p1": 20.0}
+    record.speeds = {"p0": [20.0] * 30, "p1": [4.0] * 30}  # 5x: within what other operators may do
+    assert rebalancer.poll() is None and rebalancer._planning is None
+    assert driver.host.board.events[-1]["text"].endswith("within the cool-down after the rebalance at step 10")
+    record.speeds["p1"] = [1.0] * 30
+
+    async def due() -> bool:
+        assert rebalancer.poll() is None
+        planning = rebalancer._planning is not None
+        rebalancer.stop()
+        return planning
+
+    assert asyncio.run(due()), "p1 measures a twentieth of what the move planned on: the check plans"
+
+
 def test_the_end_of_the_run_reaches_peers_the_dht_did_not_return(tmp_path: Path) -> None:
     """Every admitted peer is told the run is finished, also a standby peer whose advert
     the last DHT read missed (CI once saw such a peer wait two minutes for a gone
