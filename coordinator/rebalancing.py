@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -165,7 +166,9 @@ class Rebalancer:
             began - m.checked_at, m.check_cost_s, speeds, m.checked_speeds, m.checked_unsettled
         ):
             return self._skipped(f"the last that planned took {m.check_cost_s:.2f} s, over its share of the time since")
-        self._planning, self._last_skip = asyncio.create_task(self._timed_check(began, speeds, self._inputs())), ""
+        measured = statistics.median(st.step_seconds[-every:]) if st.step_seconds else 0.0
+        self._planning = asyncio.create_task(self._timed_check(began, speeds, measured, self._inputs()))
+        self._last_skip = ""
         return None
 
     async def check(self) -> Assignment | None:
@@ -187,14 +190,19 @@ class Rebalancer:
         task.cancel()
 
     async def _timed_check(
-        self, began: float, speeds: dict[str, float], inputs: tuple[int, int, float, tuple[Any, ...]]
+        self, began: float, speeds: dict[str, float], measured_s: float, inputs: tuple[int, int, float, tuple[Any, ...]]
     ) -> Decided | None:
+        """A check planned (``_plan_check``), and what the next check's budget reads of it:
+        when it began, what it cost, the speeds it planned on, and whether a speed was
+        still moving or its price of the current plan was off the median step measured
+        before it (``measured_s``; ``replan.mispriced``)."""
         m, st = self.record, self.st
         # read before it plans, over this plan's steps only (a move changes what a speed measures)
         unsettled = self._moved_over(min(2 * replan.SPEED_SAMPLES, st.step - st.epoch_start), steady=True) is not None
         found = await self._plan_check(*inputs)  # a check dropped (``stop``) is not counted
         m.checked_at, m.check_cost_s, m.checked_speeds = began, self.clock.now() - began, speeds
-        m.checked_unsettled = unsettled
+        priced = st.repriced[1].iteration_s if st.repriced is not None and st.repriced[0] == inputs[0] else 0.0
+        m.checked_unsettled = unsettled or replan.mispriced(priced, measured_s)
         st.checks_planned, st.check_planning_s = st.checks_planned + 1, st.check_planning_s + m.check_cost_s
         return found
 

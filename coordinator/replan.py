@@ -133,6 +133,23 @@ def check_affordable(
     return last_cost_s <= (CHANGED_BUDGET if changed else CHECK_BUDGET) * since_last_s
 
 
+#: a check that priced the current plan this many times off the steps measured before it
+#: leaves the next check free to plan, as one on a speed still moving does
+#: (``check_affordable``'s ``last_unsettled``)
+MISPRICED = 1.5
+
+
+def mispriced(predicted_s: float, measured_s: float) -> bool:
+    """Whether a check's price of the current plan (``predicted_s``, fixed costs included)
+    was over ``MISPRICED`` times off the median step measured before it: CI saw a check
+    20 steps after a peer was throttled to a twentieth price the current plan at 34.9 ms
+    against 80 measured, decline, and the next check skipped as too costly while the
+    speeds it planned on crept on (the move came 2 steps past its bound)."""
+    if predicted_s <= 0 or measured_s <= 0:
+        return False
+    return max(predicted_s, measured_s) > MISPRICED * min(predicted_s, measured_s)
+
+
 #: the fewest measurements whose median ``speed_moved`` compares (fewer: too noisy to say)
 MOVED_SAMPLES = 3
 

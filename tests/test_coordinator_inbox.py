@@ -31,6 +31,7 @@ from coordinator.assign import Assignment, network_from_adverts
 from coordinator.auditing import sample_checks
 from coordinator.checkpoint import RunDir
 from coordinator.config import CoordinatorConfig
+from coordinator.estimator import Plan
 from coordinator.overheads import NONE
 from coordinator.pipeline import reported_seconds
 from coordinator.rebalancing import signature
@@ -663,7 +664,7 @@ def test_a_check_that_planned_on_a_speed_still_moving_lets_the_next_plan(tmp_pat
 
     async def planned() -> None:
         with patch.object(rebalancer, "_plan_check", AsyncMock(return_value=None)):
-            await rebalancer._timed_check(0.0, {"p0": 20.0, "p1": 6.7}, (60, 0, 0.0, ()))
+            await rebalancer._timed_check(0.0, {"p0": 20.0, "p1": 6.7}, 0.0, (60, 0, 0.0, ()))
 
     record.speeds = {"p0": [20.0] * 30, "p1": [20.0] * 9 + [1.7] * 7 + [20.0] * 2}
     asyncio.run(planned())
@@ -678,6 +679,34 @@ def test_a_check_that_planned_on_a_speed_still_moving_lets_the_next_plan(tmp_pat
     record.levels["p1"] = [1.0, 0.3, 1.0, 0.5, 1.0]  # volatile: planned at its average, which a check cannot move
     asyncio.run(planned())
     assert not record.checked_unsettled, "a volatile peer's swings do not make every check plan"
+
+
+def test_a_check_that_priced_the_current_plan_far_off_the_steps_lets_the_next_plan(tmp_path: Path) -> None:
+    """CI: a check 20 steps after a peer was throttled to a twentieth priced the current
+    plan at 34.9 ms against 80 measured and declined; the next was skipped as too
+    costly while the speeds crept on, and the move came 2 steps past its bound. A check
+    whose price of the current plan is over ``MISPRICED`` times off the median step
+    measured before it marks itself unsettled; one within it does not."""
+    assert replan.mispriced(0.0349, 0.080) and replan.mispriced(0.2, 0.1), "off both ways"
+    assert not replan.mispriced(0.0857, 0.0916), "the demo's: 6% off"
+    assert not replan.mispriced(0.0, 0.08) and not replan.mispriced(0.05, 0.0), "nothing priced or measured"
+    driver = _driver(tmp_path, [["p0"], ["p1"]], rebalance_every=20)
+    st, rebalancer = driver.st, driver.rebalancer
+    record, st.step, st.epoch_start = rebalancer.record, 60, 0
+    record.speeds = {"p0": [20.0] * 30, "p1": [1.0] * 30}  # settled: only the price can unsettle it
+    current = Plan((1,), [["p0"], ["p1"]], [Codec()], iteration_s=0.0349)
+
+    async def planned(measured_s: float, step: int = 60) -> bool:
+        async def priced(*_: Any) -> None:
+            st.repriced = (step, current)  # as ``_plan_check`` keeps it
+
+        with patch.object(rebalancer, "_plan_check", priced):
+            await rebalancer._timed_check(0.0, {"p0": 20.0, "p1": 1.0}, measured_s, (60, 0, 0.0, ()))
+        return record.checked_unsettled
+
+    assert asyncio.run(planned(0.080)), "34.9 ms priced, 80 measured"
+    assert not asyncio.run(planned(0.036)), "priced right"
+    assert not asyncio.run(planned(0.080, step=40)), "an earlier check's price is not this one's"
 
 
 def test_a_due_check_that_does_not_plan_says_why_on_the_page(tmp_path: Path) -> None:
