@@ -20,9 +20,11 @@ the medians of each side (``pipelining_loss_gap``: the
 largest gap between the anchor's loss and the whole model's in one process at any
 of the reference's steps, so that both are seen to do the same work); what spot
 checks at their default rate cost in tokens/s (``spot_check_cost``: the median of
-the sets' 1 - the checked swarm's over the unchecked one's, ``spot_check_cost_runs``
-each set's: two runs, whose plans may differ, a minute apart, so a set's swung from
--0.23 to 0.21 in stop 63's runs; until then one 60-step pair, 0.29 in stop 62's run);
+the sets' 1 - the checked swarm's over the unchecked one's, over the sets whose two
+swarms ran the same cut, ``spot_check_cost_sets`` of them (all, where none did:
+``check_cost``), ``spot_check_cost_runs`` each set's: two runs a minute apart, so a
+set's swung from -0.23 to 0.21 in stop 63's runs; until then one 60-step pair, 0.29
+in stop 62's run);
 ``spot_check_cost_in_run``: the median of what the checked swarms' summaries say
 their checks cost their steps, from their steps with and without a check under way,
 ``protocol.trust.spotcheck.step_overhead``; null where the runs had too few of
@@ -221,6 +223,16 @@ def anchor_pairs(sizes: Sizes, short: bool) -> list[Pair]:
         pairs.append(Pair(swarm, anchor, checked))
         logger.info("unchecked swarm %s; pipelining %s; checked %s", swarm, anchor, checked)
     return pairs
+
+
+def check_cost(pairs: list[Pair]) -> tuple[float, int]:
+    """What spot checks cost: the median of the sets whose two swarms ran the same cut
+    (a set on two plans measures the plans: stop 65 saw one set's swarms start on cuts
+    [34, 83, 88] and [34, 61, 88], from start-up readings), else of all; and how many
+    sets it counts."""
+    same = [p.check_cost for p in pairs if p.checked.cut == p.swarm.cut]
+    counted = same or [p.check_cost for p in pairs]
+    return statistics.median(counted), len(counted)
 
 
 def _median_pair(pairs: list[Pair]) -> Pair:
@@ -446,7 +458,7 @@ def main() -> None:
     ref = reference.tokens / reference.seconds
     logger.info("reference %.1f tokens/s", ref)
     pairs = anchor_pairs(sizes, args.short)
-    mid = _median_pair(pairs)
+    mid, (cost, counted) = _median_pair(pairs), check_cost(pairs)
     ratios = [p.ratio and round(p.ratio, 3) for p in pairs]  # None: that pair's anchor failed
     anchors = [p.anchor for p in pairs if p.anchor is not None]
     runs = recipe_runs(sizes, together=args.short)
@@ -460,8 +472,9 @@ def main() -> None:
         "swarm_vs_pipelining": mid.ratio and round(mid.ratio, 3),
         "swarm_vs_pipelining_runs": ratios,
         "anchor_steps": sizes.anchor_steps,
-        "spot_check_cost": round(statistics.median(p.check_cost for p in pairs), 3),
+        "spot_check_cost": round(cost, 3),
         "spot_check_cost_runs": [round(p.check_cost, 3) for p in pairs],
+        "spot_check_cost_sets": counted,
         "spot_check_cost_in_run": _in_run(pairs),
         "step_ms_pipelining": mid.anchor and round(mid.anchor.median_step_ms, 1),
         "pipelining_loss_gap": float(f"{max(loss_gap(a, reference) for a in anchors):.3g}") if anchors else None,

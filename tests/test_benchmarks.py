@@ -52,7 +52,7 @@ BENCHMARKS = [
                      "step_ms_unchecked", "cut", "step_breakdown_ms", "rad_vs_tcp_range", "pipelining_loss_gap",
                      "rad_two_processes_mb_per_s", "tcp_two_processes_mb_per_s", "rad_vs_tcp_two_processes",
                      "spot_check_cost_in_run", "swarm_vs_pipelining_runs", "anchor_steps",
-                     "spot_check_cost_runs"}),
+                     "spot_check_cost_runs", "spot_check_cost_sets"}),
     ("scheduler.py", {"cases", "plan_s_1000peers_1000ops", "sim_s_10000peers_100iters", "cases_needing_4_gpus",
                       "min_opfence_vs_best_blind", "max_opfence_vs_dtfm", "max_opfence_plan_vs_dtfm",
                       "max_opfence_vs_dtfm10k", "max_opfence_plan_vs_dtfm10k",
@@ -176,6 +176,7 @@ def _pipeline(out: dict[str, Any]) -> None:
     assert out["pipelining_loss_gap"] < 1e-4, out
     # one minus a ratio of two runs' tokens/s: on a loaded machine the checked run may be the faster one
     assert out["spot_check_cost"] < 1 and out["spot_check_cost_runs"] == [out["spot_check_cost"]], out
+    assert out["spot_check_cost_sets"] == 1, out
     in_run = out["spot_check_cost_in_run"]  # the checked run's own summary: None where it had too few steps to say
     assert in_run is None or -1 < in_run < 10, out
     assert len(out["cut"]) == len(out["step_breakdown_ms"]) - 1, out
@@ -355,3 +356,20 @@ def test_a_signed_figures_list_may_hold_negative_items_and_no_other_may() -> Non
     _finite_and_signed("pipeline.py", {"spot_check_cost": -0.02, "spot_check_cost_runs": [-0.02]})
     with pytest.raises(AssertionError, match=r"rad_vs_tcp_range\[0\] = -0.1"):
         _finite_and_signed("pipeline.py", {"rad_vs_tcp_range": [-0.1, 1.0]})
+
+
+def test_the_spot_check_cost_counts_the_sets_whose_swarms_ran_one_cut() -> None:
+    """A set whose checked and unchecked swarms started on different cuts measures the
+    plans, not the checks: the cost is the median of the sets on one cut (all sets
+    where none was)."""
+    from benchmarks.pipeline import Pair, SwarmRun, check_cost
+
+    def run(tokens: float, cut: list[int]) -> SwarmRun:
+        return SwarmRun(tokens, 90.0, cut, {}, None)
+
+    one, other = [34, 61, 88], [34, 83, 88]
+    same = [Pair(run(100.0, one), None, run(97.0, one)), Pair(run(100.0, one), None, run(95.0, one))]
+    mixed = Pair(run(100.0, one), None, run(80.0, other))
+    cost, counted = check_cost([*same, mixed])
+    assert counted == 2 and cost == pytest.approx(0.04), "the two sets on one cut: 3% and 5%"
+    assert check_cost([mixed]) == (pytest.approx(0.2), 1), "no set on one cut: all of them"
