@@ -92,7 +92,7 @@ from protocol.net.transport import _LANE_HEAD, LANE_PROTOCOL, MAX_WAITING_PARTS,
 from protocol.trust.spot_rate import DEFAULT_SPOT_CHECK  # noqa: E402
 from protocol.trust.spotcheck import BACKWARD_SHARE, MIN_CLEAN_STEPS, survival  # noqa: E402
 from protocol.wire.encoding import write_frame  # noqa: E402
-from tests.conftest import demo_output  # noqa: E402
+from tests.conftest import demo_output, summary_tokens_per_s  # noqa: E402
 from tests.swarmproc import SMALL, Swarm, join_together  # noqa: E402
 
 CHEAT_FRACTION = 0.1
@@ -164,12 +164,12 @@ def _demo(flags: list[str], steps: int) -> tuple[float, float, float, float | No
     run's steps without any) of a demo swarm with ``flags``."""
     out = demo_output("--steps", str(steps), *SMALL, *flags)
     median = re.search(r"measured ([\d.]+) ms \(median\)", out)  # the estimator's line: the measured step
-    rate = re.search(r"([\d,]+) tokens/s", out)
+    rate = summary_tokens_per_s(out)
     share = re.search(r"([\d.]+)% of the peers' training compute", out)
     cost = re.search(r"steps ([+-][\d.]+)% on average against those with no check", out)
     assert median and rate and share, out
     in_run = float(cost.group(1)) / 100 if cost else None
-    return float(median.group(1)), float(rate.group(1).replace(",", "")), float(share.group(1)) / 100, in_run
+    return float(median.group(1)), rate, float(share.group(1)) / 100, in_run
 
 
 def spot_check_overhead(short: bool) -> dict[str, float]:

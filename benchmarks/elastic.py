@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from fusionllm.local import compare_checkpoints  # noqa: E402
-from tests.conftest import run_cli  # noqa: E402
+from tests.conftest import run_cli, summary_tokens_per_s  # noqa: E402
 from tests.swarmproc import SMALL, Swarm, join_together, wait_for  # noqa: E402
 
 #: the model: the demo's GPT, or a smaller one in the short mode
@@ -99,12 +99,12 @@ def _tokens_per_s(tmp: Path, steps: int, every: int | None) -> tuple[float, int]
         wait_for(swarm.url, lambda s: s["training"]["step"] >= 1, 300)
         code = swarm.coord.wait(600)
         assert code == 0, swarm.coord.output[-3000:]
-        m = re.search(r"over (\d+) steps in \d+ s, ([\d,]+) tokens/s", swarm.coord.output)
+        rate = summary_tokens_per_s(swarm.coord.output)
         n = re.search(r"(\d+) checkpoints", swarm.coord.output)
-        assert m and n, swarm.coord.output[-2000:]
+        assert rate and n, swarm.coord.output[-2000:]
     finally:
         swarm.close()
-    return float(m.group(2).replace(",", "")), int(n.group(1)) - 1
+    return rate, int(n.group(1)) - 1
 
 
 def main() -> None:

@@ -31,8 +31,11 @@ class RebalanceRecord:
     checked_at: float = -math.inf  # when the last check that planned began (clock seconds)
     check_cost_s: float = 0.0  # how long it planned (``replan.check_affordable``)
     checked_speeds: dict[str, float] = dataclasses.field(default_factory=dict)  # the speeds it planned on
-    checked_unsettled: bool = False  # a peer's speed was still moving then (``replan.speed_moved``)
+    checked_unsettled: bool = False  # a speed still moving then, or its price newly off (``replan.mispriced``)
+    checked_plan: str = ""  # the plan its speeds were measured on (``assign.signature``)
+    price_error: float | None = None  # its ``replan.price_error``
     moved_speeds: dict[str, float] = dataclasses.field(default_factory=dict)  # those the last move planned on
+    moved_plan: str = ""  # the plan they were measured on
 
 
 @dataclasses.dataclass(frozen=True)

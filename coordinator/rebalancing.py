@@ -139,7 +139,8 @@ class Rebalancer:
         """At each committed step: the plan to move to, if any. That is a revert
         (``judge_last``) or what a check that finished planning decided; every
         ``rebalance_every`` steps (a full period into the epoch, and not within the
-        cool-down after the last rebalance) a check starts planning beside the steps.
+        cool-down after the last rebalance unless a peer fell far since, ``_fell``) a
+        check starts planning beside the steps.
         The swarm does not wait for it: a check that planned took 1.1-2.0 s on the demo,
         and every peer waited that long for the step's commit."""
         st, every = self.st, self.every
@@ -166,8 +167,7 @@ class Rebalancer:
             began - m.checked_at, m.check_cost_s, speeds, m.checked_speeds, m.checked_unsettled
         ):
             return self._skipped(f"the last that planned took {m.check_cost_s:.2f} s, over its share of the time since")
-        measured = statistics.median(st.step_seconds[-every:]) if st.step_seconds else 0.0
-        self._planning = asyncio.create_task(self._timed_check(began, speeds, measured, self._inputs()))
+        self._planning = asyncio.create_task(self._timed_check(began, speeds, self._measured_s(), self._inputs()))
         self._last_skip = ""
         return None
 
@@ -197,12 +197,16 @@ class Rebalancer:
         still moving or its price of the current plan was off the median step measured
         before it (``measured_s``; ``replan.mispriced``)."""
         m, st = self.record, self.st
+        assert st.plan is not None
+        plan_key = signature(st.plan)  # the plan ``speeds`` were measured on
         # read before it plans, over this plan's steps only (a move changes what a speed measures)
         unsettled = self._moved_over(min(2 * replan.SPEED_SAMPLES, st.step - st.epoch_start), steady=True) is not None
         found = await self._plan_check(*inputs)  # a check dropped (``stop``) is not counted
         m.checked_at, m.check_cost_s, m.checked_speeds = began, self.clock.now() - began, speeds
         priced = st.repriced[1].iteration_s if st.repriced is not None and st.repriced[0] == inputs[0] else 0.0
-        m.checked_unsettled = unsettled or replan.mispriced(priced, measured_s)
+        error, m.checked_plan = replan.price_error(priced, measured_s), plan_key
+        m.checked_unsettled = unsettled or replan.mispriced(error, m.price_error)
+        m.price_error = error if error is not None else m.price_error
         st.checks_planned, st.check_planning_s = st.checks_planned + 1, st.check_planning_s + m.check_cost_s
         return found
 
@@ -316,16 +320,32 @@ class Rebalancer:
         return replan.bar(self.record.doubt, damped, self._planned_speeds(), self.record.moved_speeds)
 
     def _fell(self) -> bool:
-        """Whether a planned peer fell far since the last move (``replan.fell_for_good``):
-        the cool-down after a move does not hold the next check back then. CI saw a move
-        on noise at step 20, its undo at 60, a peer throttled to a twentieth at 53, and
-        the cool-down after the undo hold the checks at 80 and 100."""
-        return replan.fell_for_good(self._planned_speeds(), self.record.moved_speeds)
+        """Whether a planned peer that is not volatile fell far since the last move
+        (``replan.fell_for_good``), measured on the plan the move's speeds were (a speed
+        is relative to the operators a peer runs): the cool-down after a move does not
+        hold the next check back then (which still needs its budget, ``check_affordable``).
+        CI saw a move on noise at step 20, its undo at 60 (back to the plan the move's
+        speeds were measured on), a peer throttled to a twentieth at 53, and the cool-down
+        after the undo hold the checks at 80 and 100."""
+        assert self.st.plan is not None
+        m = self.record
+        same = m.moved_plan == signature(self.st.plan)
+        return same and replan.fell_for_good(self._planned_speeds(steady=True), m.moved_speeds)
 
-    def _planned_speeds(self) -> dict[str, float]:
-        """The planned peers' measured speeds (``_speeds``)."""
+    def _planned_speeds(self, steady: bool = False) -> dict[str, float]:
+        """The planned peers' measured speeds (``_speeds``); ``steady``: of those not volatile."""
         m, planned = self.record, set(self.st.planned)
-        return {p: v for p, v in self._speeds().items() if p in planned and p in m.speeds}
+        return {
+            p: v
+            for p, v in self._speeds().items()
+            if p in planned and p in m.speeds and not (steady and replan.volatile(m.levels.get(p, [])))
+        }
+
+    def _measured_s(self) -> float:
+        """The median step of this plan's last period, its first (set-up) step left out."""
+        st = self.st
+        span = max(1, min(self.every, st.step - st.epoch_start - 1))
+        return statistics.median(st.step_seconds[-span:]) if st.step_seconds else 0.0
 
     def _skipped(self, why: str) -> None:
         """A check due that does not plan, and why, on the page (CI saw a move come late,
@@ -460,6 +480,7 @@ class Rebalancer:
         m.before = None if revert else st.plan
         # those its check planned on (a revert's: the last check's), the measured ones only
         m.moved_speeds = {p: v for p, v in m.checked_speeds.items() if p in m.speeds}
+        m.moved_plan = m.checked_plan
         st.next_epoch(candidate)
         st.restore, st.reason = "state", f"rebalanced: {m.why}"
         m.last_rebalance = st.step

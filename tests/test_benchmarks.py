@@ -176,7 +176,6 @@ def _pipeline(out: dict[str, Any]) -> None:
     assert out["pipelining_loss_gap"] < 1e-4, out
     # one minus a ratio of two runs' tokens/s: on a loaded machine the checked run may be the faster one
     assert out["spot_check_cost"] < 1 and out["spot_check_cost_runs"] == [out["spot_check_cost"]], out
-    assert out["spot_check_cost_sets"] == 1, out
     in_run = out["spot_check_cost_in_run"]  # the checked run's own summary: None where it had too few steps to say
     assert in_run is None or -1 < in_run < 10, out
     assert len(out["cut"]) == len(out["step_breakdown_ms"]) - 1, out
@@ -358,18 +357,38 @@ def test_a_signed_figures_list_may_hold_negative_items_and_no_other_may() -> Non
         _finite_and_signed("pipeline.py", {"rad_vs_tcp_range": [-0.1, 1.0]})
 
 
-def test_the_spot_check_cost_counts_the_sets_whose_swarms_ran_one_cut() -> None:
+def test_the_spot_check_cost_counts_the_sets_whose_swarms_started_on_one_cut() -> None:
     """A set whose checked and unchecked swarms started on different cuts measures the
-    plans, not the checks: the cost is the median of the sets on one cut (all sets
-    where none was)."""
+    plans, not the checks: the cost is the median of the sets that started on one cut
+    (the start: a run's checks may move it to another plan, and that cost is theirs),
+    where at least half did; else of all."""
     from benchmarks.pipeline import Pair, SwarmRun, check_cost
 
-    def run(tokens: float, cut: list[int]) -> SwarmRun:
-        return SwarmRun(tokens, 90.0, cut, {}, None)
-
     one, other = [34, 61, 88], [34, 83, 88]
-    same = [Pair(run(100.0, one), None, run(97.0, one)), Pair(run(100.0, one), None, run(95.0, one))]
+
+    def run(tokens: float, cut: list[int], start: list[int] | None = None) -> SwarmRun:
+        return SwarmRun(tokens, 90.0, cut, {}, None, start)
+
+    same = [Pair(run(100.0, one), None, run(97.0, one)), Pair(run(100.0, one), None, run(95.0, other, one))]
     mixed = Pair(run(100.0, one), None, run(80.0, other))
     cost, counted = check_cost([*same, mixed])
-    assert counted == 2 and cost == pytest.approx(0.04), "the two sets on one cut: 3% and 5%"
-    assert check_cost([mixed]) == (pytest.approx(0.2), 1), "no set on one cut: all of them"
+    assert counted == 2 and cost == pytest.approx(0.04), "the two that started on one cut: 3% and 5%"
+    assert check_cost([mixed, mixed, same[0]]) == (pytest.approx(0.2), 3), "under half on one cut: all of them"
+
+
+def test_a_demos_tokens_per_s_is_its_summarys_not_a_rebalances() -> None:
+    """A rebalance's lines come before the summary and name tokens/s too: the benchmarks
+    read the summary's (``pipeline.py`` read the first figure it found)."""
+    from benchmarks.pipeline import parse_run
+
+    out = (
+        "12:00:01 epoch 1: rebalanced at step 22: checked at step 20: 38.6 -> 29.6 ms per step saves 5.2 s over "
+        "579 steps for a 0.6 s move; cut [34, 61, 88] -> [29, 61, 88]; 26,526 tokens/s before\n"
+        "12:00:04 rebalance at step 22: 26,526 -> 17,170 tokens/s (predicted x1.21)\n"
+        "loss 3.9987 -> 2.7283 (mean of the first and last 10 steps) over 200 steps in 21 s, 9,749 tokens/s\n"
+        "cut [29, 61, 88]\n"
+        "estimator: predicted 63.0 ms per step, measured 91.6 ms (median); per micro-batch\n"
+    )
+    run = parse_run(out)
+    assert run.tokens_per_s == 9749.0 and run.median_step_ms == 91.6
+    assert run.cut == [29, 61, 88] and run.first_cut == [34, 61, 88], "it ended on one cut and started on another"
