@@ -92,8 +92,8 @@ from protocol.net.transport import _LANE_HEAD, LANE_PROTOCOL, MAX_WAITING_PARTS,
 from protocol.trust.spot_rate import DEFAULT_SPOT_CHECK  # noqa: E402
 from protocol.trust.spotcheck import BACKWARD_SHARE, MIN_CLEAN_STEPS, survival  # noqa: E402
 from protocol.wire.encoding import write_frame  # noqa: E402
-from tests.conftest import demo_output, summary_tokens_per_s  # noqa: E402
-from tests.swarmproc import SMALL, Swarm, join_together  # noqa: E402
+from tests.conftest import demo_output  # noqa: E402
+from tests.swarmproc import SMALL, Swarm, join_together, summary_tokens_per_s  # noqa: E402
 
 CHEAT_FRACTION = 0.1
 

@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from fusionllm.local import compare_checkpoints  # noqa: E402
-from tests.conftest import run_cli, summary_tokens_per_s  # noqa: E402
-from tests.swarmproc import SMALL, Swarm, join_together, wait_for  # noqa: E402
+from tests.conftest import run_cli  # noqa: E402
+from tests.swarmproc import SMALL, Swarm, join_together, summary_tokens_per_s, wait_for  # noqa: E402
 
 #: the model: the demo's GPT, or a smaller one in the short mode
 MODEL: list[str] = []

@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import select
 import signal
 import subprocess
@@ -185,7 +184,7 @@ def _transfers(lab: Any, frames: int) -> dict[str, float]:
 def _swarm_tokens(lab: Any, natted: bool, steps: int, tmp: Path) -> float:
     """Tokens/s of a two-stage swarm: peers behind the two NATs, or on the routers."""
     from netlab import PUBLIC_IP
-    from swarmproc import SMALL, Proc
+    from swarmproc import SMALL, Proc, summary_tokens_per_s
 
     where = [(lab.hosts[r], lab.host_ip(r + 1)) if natted else (lab.routers[r], lab.router_ip(r + 1)) for r in (0, 1)]
     procs: list[Proc] = []
@@ -202,10 +201,10 @@ def _swarm_tokens(lab: Any, natted: bool, steps: int, tmp: Path) -> float:
             procs.append(Proc("join", *join, "--threads", "1", *peer_args, netns=ns))
         if coord.wait(600) != 0:
             raise RuntimeError(f"the swarm failed:\n{coord.output[-2000:]}")
-        found = re.search(r"over \d+ steps in [\d.]+ s, ([\d,]+) tokens/s", coord.output)
+        found = summary_tokens_per_s(coord.output)
         if found is None:
             raise RuntimeError(f"no tokens/s in the swarm's output:\n{coord.output[-2000:]}")
-        return float(found.group(1).replace(",", ""))
+        return found
     finally:
         for p in procs:
             p.kill_all()

@@ -81,7 +81,8 @@ from fusionllm.local import TrainResult, train_reference, train_staged  # noqa: 
 from protocol.model.job import JobSpec  # noqa: E402
 from protocol.net.transport import Transport  # noqa: E402
 from protocol.wire.messages import Activations  # noqa: E402
-from tests.conftest import demo_output, summary_tokens_per_s  # noqa: E402
+from tests.conftest import demo_output  # noqa: E402
+from tests.swarmproc import summary_tokens_per_s  # noqa: E402
 
 logger = logging.getLogger("benchmarks.pipeline")
 T = TypeVar("T")

@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import re
 import subprocess
 from pathlib import Path
 
@@ -61,16 +60,6 @@ def run_cli(*args: str, timeout: float = 240, cwd: Path | None = None) -> subpro
 @pytest.fixture
 def cli():
     return run_cli
-
-
-#: a run's tokens/s as its summary says it (a rebalance's lines before it name tokens/s too)
-SUMMARY_RATE = re.compile(r"over \d+ steps in [\d.]+ s, ([\d,]+) tokens/s")
-
-
-def summary_tokens_per_s(out: str) -> float | None:
-    """The tokens/s of the summary in a swarm's output ``out``; None where it has none."""
-    found = SUMMARY_RATE.search(out)
-    return float(found.group(1).replace(",", "")) if found else None
 
 
 def demo_output(*args: str, timeout: float = 600) -> str:

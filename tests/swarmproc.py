@@ -22,6 +22,14 @@ from fusionllm.launcher import Started
 from tests.conftest import BASE_ENV, ROOT, launcher
 
 SMALL = ["--model-args", "n_layer=2,n_embd=64,n_head=4"]
+#: a run's tokens/s as its summary says it (a rebalance's lines before it name tokens/s too)
+SUMMARY_RATE = re.compile(r"over \d+ steps in [\d.]+ s, ([\d,]+) tokens/s")
+
+
+def summary_tokens_per_s(out: str) -> float | None:
+    """The tokens/s of the summary in a swarm's output ``out``; None where it has none."""
+    found = SUMMARY_RATE.search(out)
+    return float(found.group(1).replace(",", "")) if found else None
 
 
 class Proc:
