@@ -346,10 +346,20 @@ def planning_speed(samples: list[float], levels: list[float | None]) -> float:
     (a slow-down that lasts is acted on within two checks), else, once it changed level
     ``VOLATILE_CHANGES`` times in the last ``LEVEL_CHECKS`` checks (``volatile``), its long-run
     throughput (the harmonic mean of the kept measurements: work over time). A GPU shared
-    with its owner's games is planned at what it delivers on average, not chased."""
-    if volatile(levels):
+    with its owner's games is planned at what it delivers on average, not chased; but
+    not one whose recent median fell ``FELL_FOR_GOOD`` times below a level seen at those
+    checks (``fell_far``): CI saw a peer made volatile by a loaded machine's noise, then
+    throttled to a twentieth, planned at an average that took 60 steps to catch up."""
+    recent = robust_speed(samples)
+    if volatile(levels) and not fell_far(levels, recent):
         return len(samples) / sum(1 / max(x, 1e-9) for x in samples)
-    return robust_speed(samples)
+    return recent
+
+
+def fell_far(levels: list[float | None], recent: float) -> bool:
+    """Whether a speed seen at one of the last ``LEVEL_CHECKS`` checks (``levels``) is
+    over ``FELL_FOR_GOOD`` times ``recent``."""
+    return any(x is not None and x > FELL_FOR_GOOD * recent for x in levels[-LEVEL_CHECKS:])
 
 
 def rebalance(

@@ -771,6 +771,27 @@ def test_a_peer_whose_speed_keeps_changing_is_planned_at_its_average() -> None:
     assert replan.planning_speed(mixed, long_ago) == replan.robust_speed(mixed), "old changes are forgotten"
 
 
+def test_a_volatile_peer_that_fell_far_is_planned_at_its_recent_speed() -> None:
+    """CI: a peer throttled to a twentieth at about step 62, planned at its average (the
+    harmonic mean of its measurements, most of them from before: a loaded machine's
+    noise had made it volatile), was priced into the current plan at 53.1 ms against
+    40.6 before; that check declined, its speed seemed not to change after it, the
+    next two were skipped for the budget, and the move came at step 140 (bound 120). A
+    fall of ``FELL_FOR_GOOD`` below a level seen at the last checks is planned at the
+    recent median; the swings of a shared GPU (the flap test's: 0.35 to 1) still at
+    the average."""
+    noisy = [1.0, 0.7, 1.0, 0.7, 1.0]  # level changes of a loaded machine: volatile
+    assert replan.volatile(noisy)
+    throttled = [1.0] * 60 + [0.05] * 18
+    assert replan.planning_speed(throttled, [*noisy, 0.05]) == 0.05, "a twentieth: acted on at once"
+    assert replan.planning_speed(throttled, [*noisy, None, 0.05]) == 0.05, "also right after a move"
+    swings = [1.0] * 60 + [0.35] * 18
+    average = len(swings) / sum(1 / x for x in swings)
+    assert replan.planning_speed(swings, [*noisy, 0.35]) == pytest.approx(average), "a swing: the average"
+    forgotten = [*noisy, *[0.05] * replan.LEVEL_CHECKS]
+    assert not replan.fell_far(forgotten, 0.05), "a fall out of the last checks is no fall"
+
+
 def test_a_volatile_peer_stays_volatile_until_it_holds_a_level() -> None:
     """Hysteresis: two changes within ``LEVEL_CHECKS`` checks make a peer volatile, and
     it stays so while changes keep coming, however far apart, until it holds one level
