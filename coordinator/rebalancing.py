@@ -239,14 +239,14 @@ class Rebalancer:
         return any(p in gone or p not in self.host.adverts for g in candidate.stages for p in g)
 
     def _moved_over(self, span: int, steady: bool = False) -> str | None:
-        """The first planned peer (``steady``: not volatile, whose plan speed is its
-        average) whose speed changed level over its last ``span`` measurements
-        (``replan.speed_moved``), in words; None if none did. CI saw a move judged over
+        """The first planned peer (``steady``: planned at its recent speed, not at its
+        average: ``replan.planned_at_recent``) whose speed changed level over its last
+        ``span`` measurements (``replan.speed_moved``), in words; None if none did. CI saw a move judged over
         steps in which a peer was throttled to a twentieth: it was undone, and the undo
         and the move made the next one wait for a 50% gain."""
         m = self.record
         for p in sorted(self.st.planned):
-            if steady and replan.volatile(m.levels.get(p, [])):
+            if steady and p in m.speeds and not replan.planned_at_recent(m.speeds[p], m.levels.get(p, [])):
                 continue
             moved = replan.speed_moved(m.speeds.get(p, []), span)
             if moved > replan.CHANGED_SPEED:
@@ -320,7 +320,7 @@ class Rebalancer:
         return replan.bar(self.record.doubt, damped, self._planned_speeds(), self.record.moved_speeds)
 
     def _fell(self) -> bool:
-        """Whether a planned peer that is not volatile fell far since the last move
+        """Whether a planned peer planned at its recent speed fell far since the last move
         (``replan.fell_for_good``), measured on the plan the move's speeds were (a speed
         is relative to the operators a peer runs): the cool-down after a move does not
         hold the next check back then (which still needs its budget, ``check_affordable``).
@@ -333,12 +333,15 @@ class Rebalancer:
         return same and replan.fell_for_good(self._planned_speeds(steady=True), m.moved_speeds)
 
     def _planned_speeds(self, steady: bool = False) -> dict[str, float]:
-        """The planned peers' measured speeds (``_speeds``); ``steady``: of those not volatile."""
+        """The planned peers' measured speeds (``_speeds``); ``steady``: of those planned at
+        their recent speed (``replan.planned_at_recent``)."""
         m, planned = self.record, set(self.st.planned)
         return {
             p: v
             for p, v in self._speeds().items()
-            if p in planned and p in m.speeds and not (steady and replan.volatile(m.levels.get(p, [])))
+            if p in planned
+            and p in m.speeds
+            and (not steady or replan.planned_at_recent(m.speeds[p], m.levels.get(p, [])))
         }
 
     def _measured_s(self) -> float:

@@ -347,19 +347,32 @@ def planning_speed(samples: list[float], levels: list[float | None]) -> float:
     ``VOLATILE_CHANGES`` times in the last ``LEVEL_CHECKS`` checks (``volatile``), its long-run
     throughput (the harmonic mean of the kept measurements: work over time). A GPU shared
     with its owner's games is planned at what it delivers on average, not chased; but
-    not one whose recent median fell ``FELL_FOR_GOOD`` times below a level seen at those
-    checks (``fell_far``): CI saw a peer made volatile by a loaded machine's noise, then
-    throttled to a twentieth, planned at an average that took 60 steps to catch up."""
-    recent = robust_speed(samples)
-    if volatile(levels) and not fell_far(levels, recent):
-        return len(samples) / sum(1 / max(x, 1e-9) for x in samples)
-    return recent
+    not one that fell to a new low far under its last levels (``fell_far``)."""
+    if planned_at_recent(samples, levels):
+        return robust_speed(samples)
+    return len(samples) / sum(1 / max(x, 1e-9) for x in samples)
+
+
+def planned_at_recent(samples: list[float], levels: list[float | None]) -> bool:
+    """Whether ``planning_speed`` is the recent median: a peer that is not volatile, or
+    one that fell far (``fell_far``)."""
+    return not volatile(levels) or fell_far(levels, robust_speed(samples))
 
 
 def fell_far(levels: list[float | None], recent: float) -> bool:
-    """Whether a speed seen at one of the last ``LEVEL_CHECKS`` checks (``levels``) is
-    over ``FELL_FOR_GOOD`` times ``recent``."""
-    return any(x is not None and x > FELL_FOR_GOOD * recent for x in levels[-LEVEL_CHECKS:])
+    """Whether ``recent`` is a new low over ``FELL_FOR_GOOD`` times under a level seen at
+    the last ``LEVEL_CHECKS`` checks (``levels``), none of the last ``LEVEL_HISTORY``
+    before its own run of checks at it within ``LEVEL_CHANGE`` of it. CI saw a peer that a
+    loaded machine's noise had made volatile throttled to a twentieth, planned at an
+    average still mostly of its speed before, and the move come 20 steps past its
+    bound. A low seen before (a GPU whose owner games now and then) is planned at the
+    average. The levels span moves: each is a robust median of one peer's measured
+    FLOP/s, which other operators change by far less than ``FELL_FOR_GOOD``."""
+    seen = [x for x in levels[-LEVEL_HISTORY:] if x is not None]
+    near = [max(x, recent) <= LEVEL_CHANGE * min(x, recent) for x in seen]
+    while near and near[-1]:  # the checks at this level so far
+        near.pop()
+    return not any(near) and any(x > FELL_FOR_GOOD * recent for x in seen[-LEVEL_CHECKS:])
 
 
 def rebalance(

@@ -788,8 +788,13 @@ def test_a_volatile_peer_that_fell_far_is_planned_at_its_recent_speed() -> None:
     swings = [1.0] * 60 + [0.35] * 18
     average = len(swings) / sum(1 / x for x in swings)
     assert replan.planning_speed(swings, [*noisy, 0.35]) == pytest.approx(average), "a swing: the average"
+    assert replan.planning_speed(throttled, [*noisy, 0.05, 0.05, 0.05]) == 0.05, "while it holds there"
     forgotten = [*noisy, *[0.05] * replan.LEVEL_CHECKS]
     assert not replan.fell_far(forgotten, 0.05), "a fall out of the last checks is no fall"
+    games = [1.0, 1.0, 0.1, 0.1, 1.0, 1.0, 0.1]  # a GPU whose owner games now and then
+    assert replan.volatile(games) and not replan.fell_far(games, 0.1), "a low seen before: no new low"
+    assert replan.planning_speed([1.0] * 40 + [0.1] * 9, games) == pytest.approx(49 / 130), "the average"
+    assert not replan.planned_at_recent([1.0] * 40 + [0.1] * 9, games)
 
 
 def test_a_volatile_peer_stays_volatile_until_it_holds_a_level() -> None:
