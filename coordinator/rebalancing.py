@@ -241,9 +241,9 @@ class Rebalancer:
     def _moved_over(self, span: int, steady: bool = False) -> str | None:
         """The first planned peer (``steady``: planned at its recent speed, not at its
         average: ``replan.planned_at_recent``) whose speed changed level over its last
-        ``span`` measurements (``replan.speed_moved``), in words; None if none did. CI saw a move judged over
-        steps in which a peer was throttled to a twentieth: it was undone, and the undo
-        and the move made the next one wait for a 50% gain."""
+        ``span`` measurements (``replan.speed_moved``), in words; None if none did. CI
+        saw a move judged over steps in which a peer was throttled to a twentieth: it
+        was undone, and the undo and the move made the next one wait for a 50% gain."""
         m = self.record
         for p in sorted(self.st.planned):
             if steady and p in m.speeds and not replan.planned_at_recent(m.speeds[p], m.levels.get(p, [])):

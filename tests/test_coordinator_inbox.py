@@ -777,9 +777,9 @@ def test_a_volatile_peer_that_fell_far_is_planned_at_its_recent_speed() -> None:
     noise had made it volatile), was priced into the current plan at 53.1 ms against
     40.6 before; that check declined, its speed seemed not to change after it, the
     next two were skipped for the budget, and the move came at step 140 (bound 120). A
-    fall of ``FELL_FOR_GOOD`` below a level seen at the last checks is planned at the
-    recent median; the swings of a shared GPU (the flap test's: 0.35 to 1) still at
-    the average."""
+    new low over ``FELL_FOR_GOOD`` times under a level seen at the last checks is
+    planned at the recent median; the swings of a shared GPU (the flap test's: 0.35 to
+    1) and a low seen before (a GPU whose owner games now and then) at the average."""
     noisy = [1.0, 0.7, 1.0, 0.7, 1.0]  # level changes of a loaded machine: volatile
     assert replan.volatile(noisy)
     throttled = [1.0] * 60 + [0.05] * 18
