@@ -114,6 +114,11 @@ CHANGED_BUDGET = 0.1
 CHANGED_SPEED = 2.0
 
 
+def apart(a: float, b: float, factor: float) -> bool:
+    """Whether ``a`` and ``b`` (not negative) are over ``factor`` times apart."""
+    return max(a, b) > factor * min(a, b)
+
+
 def check_affordable(
     since_last_s: float,
     last_cost_s: float,
@@ -129,7 +134,7 @@ def check_affordable(
     ``speed_moved``, ``mispriced``): CI saw a check plan on a throttled peer's speed
     half-way down, its later ones skipped while the speed crept on from there, and the
     move come 100 steps late. A run whose steps take seconds checks every period."""
-    moved = any(max(v, last[p]) > CHANGED_SPEED * min(v, last[p]) for p, v in speeds.items() if p in last)
+    moved = any(apart(v, last[p], CHANGED_SPEED) for p, v in speeds.items() if p in last)
     changed = speeds.keys() != last.keys() or moved or last_unsettled
     return last_cost_s <= (CHANGED_BUDGET if changed else CHECK_BUDGET) * since_last_s
 
@@ -154,9 +159,9 @@ def mispriced(error: float | None, last: float | None) -> bool:
     next check skipped as too costly while the speeds it planned on crept on (the move
     came 2 steps past its bound). An estimator off by a steady factor (3.6x on the H200)
     does not make every check plan at ``CHANGED_BUDGET``."""
-    if error is None or max(error, 1 / error) <= MISPRICED:
+    if error is None or not apart(error, 1.0, MISPRICED):
         return False
-    return last is None or max(error / last, last / error) > MISPRICED
+    return last is None or apart(error, last, MISPRICED)
 
 
 #: the fewest measurements whose median ``speed_moved`` compares (fewer: too noisy to say)
@@ -299,7 +304,7 @@ def level_changes(levels: list[float | None]) -> int:
     start of a new plan epoch: a peer's measured speed is relative to the operators it
     runs, so a jump across a move is the move's, not the peer's, and is not counted."""
     pairs = zip(levels, levels[1:])
-    return sum(1 for a, b in pairs if a is not None and b is not None and max(a, b) > LEVEL_CHANGE * min(a, b))
+    return sum(1 for a, b in pairs if a is not None and b is not None and apart(a, b, LEVEL_CHANGE))
 
 
 #: levels kept per peer: enough to see a volatile peer hold one level for ``LEVEL_CHECKS`` checks
@@ -369,7 +374,7 @@ def fell_far(levels: list[float | None], recent: float) -> bool:
     average. The levels span moves: each is a robust median of one peer's measured
     FLOP/s, which other operators change by far less than ``FELL_FOR_GOOD``."""
     seen = [x for x in levels[-LEVEL_HISTORY:] if x is not None]
-    near = [max(x, recent) <= LEVEL_CHANGE * min(x, recent) for x in seen]
+    near = [not apart(x, recent, LEVEL_CHANGE) for x in seen]
     while near and near[-1]:  # the checks at this level so far
         near.pop()
     return not any(near) and any(x > FELL_FOR_GOOD * recent for x in seen[-LEVEL_CHECKS:])
