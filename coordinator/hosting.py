@@ -93,7 +93,7 @@ async def start_dht(cfg: CoordinatorConfig, run_dir: RunDir, identity: Identity,
                 record_validators=validators,
             ),
         )
-    except dhtstart.DhtDied as exc:
+    except (dhtstart.DhtDied, dhtstart.DhtNotReady) as exc:
         raise SwarmError(f"could not start the coordinator's DHT node: {exc}") from None
 
 

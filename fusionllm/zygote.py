@@ -6,6 +6,7 @@ child's ``ZYGOTE_ENV``); a child becomes the command it was asked for."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import select
 import signal
@@ -125,7 +126,23 @@ def _become(request: dict[str, Any], fds: list[int], conn: socket.socket) -> Non
     random.seed()  # the fork copied the zygote's generator: each process draws its own
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
+    _own_cross_process_locks()
     sys.argv = [request["module"], *request["args"]]
+
+
+def _own_cross_process_locks() -> None:
+    """hivemind makes its MPFuture locks at import: semaphores that every process forked
+    from the zygote would share. One command killed while it held one (each DHT call
+    takes one; tests and users kill -9) left every later DHT start forked from the same
+    zygote waiting for good: CI saw a coordinator print nothing for 180 s and a demo
+    time out, on one worker. Each command gets locks of its own (shared, as hivemind
+    means them to be, with its own DHT process)."""
+    mpfuture = sys.modules.get("hivemind.utils.mpfuture")
+    if mpfuture is not None:
+        mpfuture.MPFuture.reset_backend()  # its two locks and SharedBytes' one
+    aio = sys.modules.get("hivemind.utils.asyncio")
+    if aio is not None:
+        aio._AsyncContextWrapper.EXECUTOR_LOCK = multiprocessing.Lock()
 
 
 def _main() -> None:

@@ -12,7 +12,7 @@ import hivemind
 from hivemind.dht.validation import RecordValidatorBase
 
 from peer.config import JoinError, PeerConfig
-from protocol.net.dhtstart import start_dht
+from protocol.net.dhtstart import DhtNotReady, start_dht
 from protocol.net.reach import why_unreachable
 from protocol.net.transport import Transport
 from protocol.trust.identity import Identity
@@ -58,6 +58,7 @@ async def join_dht(cfg: PeerConfig, validators: Sequence[RecordValidatorBase]) -
 async def _join_once(cfg: PeerConfig, validators: Sequence[RecordValidatorBase], timeout: float) -> hivemind.DHT:
     def join() -> hivemind.DHT:
         return start_dht(
+            timeout=timeout,  # past it, the node and its p2p daemon are ended: none joins late
             initial_peers=cfg.initial_peers,
             host_maddrs=cfg.host_maddrs,
             announce_maddrs=cfg.announce_maddrs or None,
@@ -65,8 +66,8 @@ async def _join_once(cfg: PeerConfig, validators: Sequence[RecordValidatorBase],
         )
 
     try:
-        return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, join), timeout)
-    except asyncio.TimeoutError:
+        return await asyncio.get_running_loop().run_in_executor(None, join)
+    except DhtNotReady:
         why = await why_unreachable(cfg.initial_peers)
         raise JoinError(f"could not join the DHT within {cfg.join_timeout:.0f} s: {why}") from None
     except Exception as exc:

@@ -106,6 +106,18 @@ def test_other_thread_settings_start_a_fresh_interpreter() -> None:
     assert proc.wait(30) == 0
 
 
+def test_a_command_killed_holding_hiveminds_locks_does_not_stop_the_next_one() -> None:
+    """hivemind's MPFuture locks are semaphores made at import, so in the zygote: a
+    command killed while it held one left every later DHT start forked from the same
+    zygote waiting for good (CI: a coordinator printed nothing for 180 s)."""
+    holder, held = _probe(launcher(), "hold", env=_env())
+    assert held == {"held": holder.pid}
+    holder.kill()
+    holder.wait(30)
+    _, free = _probe(launcher(), "locks", env=_env())
+    assert free == {"init": True, "update": True, "bytes": True, "executor": True}
+
+
 def test_a_dead_zygote_leaves_its_commands_waitable_and_later_ones_start_fresh(zygote: Launcher) -> None:
     sleeper, _ = _probe(zygote, "0", "600")
     assert isinstance(sleeper, Child)
