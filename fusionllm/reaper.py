@@ -25,6 +25,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import IO
 
 import psutil
 
@@ -85,10 +86,27 @@ def _expire(code: int, grace_s: float) -> None:
         fd, path = tempfile.mkstemp(prefix=f"fusionllm-shutdown-{os.getpid()}-", suffix=".txt")
         with os.fdopen(fd, "w") as out:
             faulthandler.dump_traceback(out, all_threads=True)
+            _pending_tasks(out)
         line = f"fusionllm: shutting down took over {grace_s:.0f} s; stopped (stacks in {path})\n"
         os.write(2, line.encode())
     finally:
         os._exit(code)
+
+
+def _pending_tasks(out: IO[str]) -> None:
+    """Each asyncio task not yet done, with where it waits: a shutdown that hangs is
+    most often a task that does not end when cancelled, which the threads' stacks show
+    only as the event loop running. (Read from this thread while the loop runs: a task
+    that changes meanwhile is skipped.)"""
+    import asyncio
+
+    for task in list(asyncio.tasks._all_tasks):  # every loop's, uvloop's included
+        try:
+            if not task.done():
+                out.write(f"\n{task!r}\n")
+                task.print_stack(limit=12, file=out)
+        except Exception:  # noqa: BLE001 (a task that changed while it was read)
+            continue
 
 
 def start_reaper() -> None:

@@ -307,7 +307,8 @@ def hanging() -> Iterator[dict[str, subprocess.Popen[str]]]:
 def test_a_command_whose_shutdown_hangs_ends_anyway(hanging: dict[str, subprocess.Popen[str]], how: str) -> None:
     """A task that swallows its cancellation keeps asyncio's shutdown waiting forever;
     the command still ends ``EXIT_GRACE_S`` after its outcome (or after Ctrl-C), with
-    its exit code, one line, and every thread's stack in a file."""
+    its exit code, one line, and every thread's stack in a file, with each task not
+    done and where it waits."""
     proc = hanging[how]
     try:
         _readline_until(proc, "ready", timeout=30)
@@ -322,7 +323,8 @@ def test_a_command_whose_shutdown_hangs_ends_anyway(hanging: dict[str, subproces
     assert len(lines) == 1 and "shutting down took over 1 s" in lines[0], err
     stacks = Path(lines[0].split("stacks in ")[1].rstrip(")"))
     try:
-        assert "Thread" in stacks.read_text()
+        text = stacks.read_text()
+        assert "Thread" in text and "in stubborn" in text, text  # the task that held the shutdown, and where
     finally:
         stacks.unlink()
 
