@@ -24,8 +24,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import psutil
 
@@ -103,10 +104,20 @@ def _pending_tasks(out: IO[str]) -> None:
     for task in list(asyncio.tasks._all_tasks):  # every loop's, uvloop's included
         try:
             if not task.done():
-                out.write(f"\n{task!r}\n")
-                task.print_stack(limit=12, file=out)
+                out.write(f"\n{task!r}, awaiting:\n{''.join(_awaits(task.get_coro()))}")
         except Exception:  # noqa: BLE001 (a task that changed while it was read)
             continue
+
+
+def _awaits(coro: Any) -> Iterator[str]:
+    """Where a suspended coroutine waits, down its chain of awaits (a task's own stack
+    shows only its outermost coroutine)."""
+    for _ in range(64):
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:
+            return
+        yield f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}\n"
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None) or getattr(coro, "gi_yieldfrom", None)
 
 
 def start_reaper() -> None:
