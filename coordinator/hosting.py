@@ -3,7 +3,6 @@ addresses it listens on and bootstraps from, and its DHT node."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import time
@@ -83,15 +82,16 @@ async def start_dht(cfg: CoordinatorConfig, run_dir: RunDir, identity: Identity,
         P2P.generate_identity(str(identity_path))
     validators = [RunRecords(cfg.run_id, identity.public_hex, private=private)]
     try:
-        return await asyncio.get_running_loop().run_in_executor(
-            None,
+        return await dhtstart.started(
             lambda: dhtstart.start_dht(
+                timeout=dhtstart.READY_S,
                 initial_peers=initial_peers,
                 host_maddrs=host_maddrs,
                 announce_maddrs=cfg.announce_maddrs or None,
                 identity_path=str(identity_path),
                 record_validators=validators,
             ),
+            dhtstart.READY_S,
         )
     except (dhtstart.DhtDied, dhtstart.DhtNotReady) as exc:
         raise SwarmError(f"could not start the coordinator's DHT node: {exc}") from None

@@ -87,7 +87,8 @@ def _expire(code: int, grace_s: float) -> None:
         fd, path = tempfile.mkstemp(prefix=f"fusionllm-shutdown-{os.getpid()}-", suffix=".txt")
         with os.fdopen(fd, "w") as out:
             faulthandler.dump_traceback(out, all_threads=True)
-            _pending_tasks(out)
+            with contextlib.suppress(Exception):  # the line below is said whatever this does
+                _pending_tasks(out)
         line = f"fusionllm: shutting down took over {grace_s:.0f} s; stopped (stacks in {path})\n"
         os.write(2, line.encode())
     finally:
@@ -101,7 +102,13 @@ def _pending_tasks(out: IO[str]) -> None:
     that changes meanwhile is skipped.)"""
     import asyncio
 
-    for task in list(asyncio.tasks._all_tasks):  # every loop's, uvloop's included
+    every = getattr(asyncio.tasks, "_all_tasks", None) or getattr(asyncio.tasks, "_scheduled_tasks", ())
+    tasks: list[Any] = []
+    for _ in range(10):  # (the loop may add a task while the set is read)
+        with contextlib.suppress(RuntimeError):
+            tasks = list(every)  # every loop's, uvloop's included
+            break
+    for task in tasks:
         try:
             if not task.done():
                 out.write(f"\n{task!r}, awaiting:\n{''.join(_awaits(task.get_coro()))}")

@@ -50,7 +50,8 @@ def _interrupted(signum: int, frame: Any) -> None:
 
 
 def _raise_interrupt() -> None:
-    raise KeyboardInterrupt
+    if _command_loop:  # (not once the command has its outcome: a signal then is ``_shutting_down``'s)
+        raise KeyboardInterrupt
 
 
 _command_loop: list[asyncio.AbstractEventLoop] = []  # the loop running the command's coroutine
@@ -96,12 +97,12 @@ async def _bounded(coro: Coroutine[Any, Any, int]) -> int:
         code = EXIT_INTERRUPTED
         raise
     finally:
-        _command_loop.clear()
         exit_within(code)
         _ended[0] = code
         if os.getpid() == _command_pid:  # run_async's own process, on its main thread
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, _shutting_down)
+        _command_loop.clear()
 
 
 def _one_line(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:

@@ -12,7 +12,7 @@ import hivemind
 from hivemind.dht.validation import RecordValidatorBase
 
 from peer.config import JoinError, PeerConfig
-from protocol.net.dhtstart import DhtNotReady, start_dht
+from protocol.net.dhtstart import DhtNotReady, start_dht, started
 from protocol.net.reach import why_unreachable
 from protocol.net.transport import Transport
 from protocol.trust.identity import Identity
@@ -66,7 +66,7 @@ async def _join_once(cfg: PeerConfig, validators: Sequence[RecordValidatorBase],
         )
 
     try:
-        return await asyncio.get_running_loop().run_in_executor(None, join)
+        return await started(join, timeout)
     except DhtNotReady:
         why = await why_unreachable(cfg.initial_peers)
         raise JoinError(f"could not join the DHT within {cfg.join_timeout:.0f} s: {why}") from None

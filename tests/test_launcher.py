@@ -111,10 +111,11 @@ def test_a_command_killed_holding_hiveminds_locks_does_not_stop_the_next_one() -
     command killed while it held one left every later DHT start forked from the same
     zygote waiting for good (CI: a coordinator printed nothing for 180 s)."""
     holder, held = _probe(launcher(), "hold", env=_env())
-    assert held == {"held": holder.pid}
+    assert isinstance(holder, Child) and held == {"held": holder.pid}  # forked, not a fresh interpreter
     holder.kill()
     holder.wait(30)
-    _, free = _probe(launcher(), "locks", env=_env())
+    probe, free = _probe(launcher(), "locks", env=_env())
+    assert isinstance(probe, Child)
     assert free == {"init": True, "update": True, "bytes": True, "executor": True}
 
 

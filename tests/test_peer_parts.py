@@ -231,6 +231,22 @@ def test_a_join_refused_by_the_dial_back_check_is_tried_again(
     assert fake.tries == joining.JOIN_TRIES == 3
 
 
+def test_a_join_not_ready_within_its_timeout_says_so_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from peer import joining
+    from protocol.net.dhtstart import DhtNotReady
+
+    tries: list[float] = []
+
+    def not_ready(timeout: float, **kwargs: Any) -> None:
+        tries.append(timeout)
+        raise DhtNotReady(f"the DHT's process was not ready within {timeout:.0f} s")
+
+    monkeypatch.setattr(joining, "start_dht", not_ready)
+    with pytest.raises(JoinError, match=r"^could not join the DHT within 30 s: "):
+        asyncio.run(joining.join_dht(PeerConfig(["/ip4/127.0.0.1/tcp/1/p2p/Qm"], RUN, join_timeout=30.0), []))
+    assert len(tries) == 1 and 29 < tries[0] <= 30  # the join's own timeout is the DHT's deadline
+
+
 def test_a_join_that_fails_otherwise_is_not_tried_again(monkeypatch: pytest.MonkeyPatch) -> None:
     from peer import joining
 

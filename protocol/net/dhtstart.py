@@ -1,13 +1,18 @@
 """A hivemind DHT node started so that its process dying, or not becoming ready in
 time, is an error, not a wait without end: ``hivemind.DHT(start=True)`` waits for the
 ready signal of the process it forks with no timeout. A process killed first never
-sends one; one stuck (CI saw commands print nothing for minutes, its cause a lock of
-hivemind's that a killed process held: ``fusionllm.zygote._own_cross_process_locks``)
-would not either."""
+sends one; one stuck would not either. (CI saw commands print nothing for minutes: a
+lock of hivemind's that a killed process held, which the constructor takes in the
+caller's process too, ``fusionllm.zygote._own_cross_process_locks``; ``started``
+bounds the whole start.)"""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 import time
+from collections.abc import Callable
 from concurrent.futures import TimeoutError as NotYet  # the builtin one only from Python 3.11
 from typing import Any
 
@@ -20,6 +25,8 @@ READY_POLL_S = 0.5
 LAST_WORD_S = 1.0
 #: the longest a DHT node without a deadline of its own (the coordinator's) may take to be ready
 READY_S = 120.0
+#: how much longer than its deadline a start may take (ending a process that was not ready) before ``started`` gives up
+BACKSTOP_S = 10.0
 
 
 class DhtDied(RuntimeError):
@@ -52,10 +59,12 @@ def start_dht(timeout: float = READY_S, **kwargs: Any) -> hivemind.DHT:
 
 
 def _end(dht: hivemind.DHT) -> None:
-    """Kill a DHT node's process and what it started (its p2p daemon)."""
+    """Kill a DHT node's process and what it started (its p2p daemon), stopped first so
+    that it starts nothing after its children were listed."""
     try:
+        os.kill(dht.pid, signal.SIGSTOP)
         below = psutil.Process(dht.pid).children(recursive=True)
-    except psutil.Error:
+    except (OSError, psutil.Error):
         below = []
     for proc in below:
         try:
@@ -64,3 +73,13 @@ def _end(dht: hivemind.DHT) -> None:
             pass
     dht.kill()
     dht.join(LAST_WORD_S)
+
+
+async def started(start: Callable[[], hivemind.DHT], timeout: float) -> hivemind.DHT:
+    """``start`` (a :func:`start_dht` with ``timeout``) on a worker thread, awaited at
+    most ``BACKSTOP_S`` past ``timeout``: DhtNotReady also where the start itself stays
+    (the constructor waiting on a lock in this process)."""
+    try:
+        return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, start), timeout + BACKSTOP_S)
+    except asyncio.TimeoutError:
+        raise DhtNotReady(f"starting the DHT node took over {timeout + BACKSTOP_S:.0f} s") from None
