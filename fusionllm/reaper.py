@@ -226,16 +226,41 @@ def _same(pid: int, born: float) -> psutil.Process | None:
     return None
 
 
+#: descendants that end by themselves once the processes they serve are gone, and clean
+#: up as they do: torch's shared-memory manager (hivemind's MPFuture state uses it)
+#: unlinks its segments in /dev/shm and its folder in /tmp; signalled, it leaked both
+SELF_ENDING = frozenset({"torch_shm_manager"})
+
+
 def _reap(seen: dict[int, float], grace_s: float) -> None:
-    """SIGTERM every recorded process still running, then SIGKILL those left after ``grace_s``."""
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, grace_s)):
+    """SIGTERM every recorded process still running, then SIGKILL those left after
+    ``grace_s``; a ``SELF_ENDING`` one is first given ``grace_s`` to end by itself."""
+    served = {pid: born for pid, born in seen.items() if _named(pid, born) in SELF_ENDING}
+    _end({pid: born for pid, born in seen.items() if pid not in served}, grace_s)
+    _end(served, grace_s, (None, signal.SIGTERM, signal.SIGKILL))
+
+
+def _named(pid: int, born: float) -> str | None:
+    p = _same(pid, born)
+    try:
+        return p.name() if p is not None else None
+    except psutil.Error:
+        return None
+
+
+def _end(
+    seen: dict[int, float], grace_s: float, signals: tuple[int | None, ...] = (signal.SIGTERM, signal.SIGKILL)
+) -> None:
+    """Each signal (None: none, only the wait) to every process of ``seen`` still
+    running, then up to ``grace_s`` for them to end."""
+    for sig in signals:
         alive = [p for pid, born in seen.items() if (p := _same(pid, born)) is not None]
-        for p in alive:
+        for p in alive if sig is not None else []:
             try:
                 p.send_signal(sig)  # psutil checks the pid was not reused
             except psutil.Error:
                 pass
-        deadline = time.monotonic() + wait_s
+        deadline = time.monotonic() + grace_s
         while alive and time.monotonic() < deadline:
             time.sleep(0.05)
             alive = [p for p in alive if _same(p.pid, seen[p.pid]) is not None]

@@ -255,6 +255,47 @@ def test_reaper_ends_the_children_of_a_killed_parent() -> None:
             _kill9(parent)
 
 
+SHARED_STATE = """
+import os, time
+from fusionllm.reaper import start_reaper
+from hivemind.utils.mpfuture import MPFuture
+future = MPFuture()  # hivemind's shared state: a torch_shm_manager, a segment in /dev/shm
+start_reaper()
+if os.fork() == 0:  # as a DHT child: a second process the manager serves
+    time.sleep(1000)
+    os._exit(0)
+print("ready", flush=True)
+time.sleep(1000)
+"""
+
+
+def test_a_killed_commands_shared_memory_is_unlinked() -> None:
+    """The watchdog signalled torch's shared-memory manager with the rest: killed, it
+    left its segments in /dev/shm and its folder in /tmp (16,000 of each here). Left to
+    end by itself once the processes it serves are gone, it unlinks them."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    began = time.time()
+    parent = subprocess.Popen(
+        [sys.executable, "-c", SHARED_STATE], stdout=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
+    kids: list[psutil.Process] = []
+    try:
+        _readline_until(parent, "ready", timeout=60)
+        kids, names = _settled_names(parent.pid, count=3)
+        assert any("torch_shm_manager" in n for n in names), names
+        # its own: named by its pid, made since it started (another process of that pid may have left some)
+        segments = [s for s in Path("/dev/shm").glob(f"torch_{parent.pid}_*") if s.stat().st_mtime >= began - 1]
+        assert segments
+        time.sleep(3 * POLL_S)  # one snapshot of the watchdog at least
+        _kill9(parent)
+        assert not _all_gone(kids, timeout=10.0)
+        assert not [s for s in segments if s.exists()]
+    finally:
+        _kill_all(kids)
+        if parent.poll() is None:
+            _kill9(parent)
+
+
 HANGING_SHUTDOWN = """
 import asyncio, os, signal, sys, time
 import fusionllm.reaper
