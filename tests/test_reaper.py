@@ -227,6 +227,14 @@ def test_check_listen_ports_lets_free_and_time_wait_ports_pass() -> None:
     check_listen_ports([f"/ip4/127.0.0.1/tcp/{port}", "/ip4/127.0.0.1/tcp/0", "/ip4/127.0.0.1/udp/9/quic"])
 
 
+def _script(script: str) -> subprocess.Popen[str]:
+    """``python -c script`` in a session of its own, its stdout a pipe."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
+
+
 def test_reaper_ends_the_children_of_a_killed_parent() -> None:
     script = (
         "import subprocess, sys, time\n"
@@ -236,10 +244,7 @@ def test_reaper_ends_the_children_of_a_killed_parent() -> None:
         "print('ready', flush=True)\n"
         "time.sleep(1000)\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    parent = subprocess.Popen(
-        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env, start_new_session=True
-    )
+    parent = _script(script)
     kids: list[psutil.Process] = []
     try:
         _readline_until(parent, "ready", timeout=30)
@@ -273,11 +278,8 @@ def test_a_killed_commands_shared_memory_is_unlinked() -> None:
     """The watchdog signalled torch's shared-memory manager with the rest: killed, it
     left its segments in /dev/shm and its folder in /tmp (16,000 of each here). Left to
     end by itself once the processes it serves are gone, it unlinks them."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     began = time.time()
-    parent = subprocess.Popen(
-        [sys.executable, "-c", SHARED_STATE], stdout=subprocess.PIPE, text=True, env=env, start_new_session=True
-    )
+    parent = _script(SHARED_STATE)
     kids: list[psutil.Process] = []
     try:
         _readline_until(parent, "ready", timeout=60)
