@@ -230,14 +230,18 @@ def _same(pid: int, born: float) -> psutil.Process | None:
 #: up as they do: torch's shared-memory manager (hivemind's MPFuture state uses it)
 #: unlinks its segments in /dev/shm and its folder in /tmp; signalled, it leaked both
 SELF_ENDING = frozenset({"torch_shm_manager"})
+#: how long a ``SELF_ENDING`` process is left to end: torch's manager exits 2 s (its own
+#: timer) after its last client is gone, which a wait of just ``GRACE_S`` tied with
+SELF_END_S = 5.0
 
 
 def _reap(seen: dict[int, float], grace_s: float) -> None:
     """SIGTERM every recorded process still running, then SIGKILL those left after
-    ``grace_s``; a ``SELF_ENDING`` one is first given ``grace_s`` to end by itself."""
+    ``grace_s``; a ``SELF_ENDING`` one is first given ``SELF_END_S`` to end by itself."""
     served = {pid: born for pid, born in seen.items() if _named(pid, born) in SELF_ENDING}
     _end({pid: born for pid, born in seen.items() if pid not in served}, grace_s)
-    _end(served, grace_s, (None, signal.SIGTERM, signal.SIGKILL))
+    _end(served, SELF_END_S, (None,))
+    _end(served, grace_s)
 
 
 def _named(pid: int, born: float) -> str | None:
