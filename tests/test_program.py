@@ -21,7 +21,7 @@ from protocol.model.job import JobSpec
 from protocol.model.program import DEFAULT_NAMESPACES, Program, ProgramError
 from protocol.model.program_check import build_checked, dry_run
 from protocol.model.program_export import export_stage, export_stages
-from protocol.model.program_load import check_operators, load_stage
+from protocol.model.program_load import check_operators, load_stage, resolve_op
 from protocol.model.recipe import Recipe
 
 GPT = JobSpec(model_args="n_layer=2,n_embd=64,n_head=4")
@@ -378,3 +378,92 @@ def test_uninitialised_memory_never_reaches_a_program() -> None:
         garbage = torch.full((1 << 16,), 7.0)
         del garbage
         assert torch.count_nonzero(module(torch.zeros(1))) == 0
+
+
+def _floats(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _bound_cases() -> dict[str, tuple[Any, ...]]:
+    """Each bound operator's arguments, as a traced program gives them (positional, then keywords)."""
+    x, y, m = _floats(2, 3, 4), _floats(2, 3, 4, seed=1), _floats(4, 5, seed=2)
+    q, k, v = (_floats(1, 2, 6, 8, seed=s) for s in (3, 4, 5))
+    w = _floats(10, 4, seed=6)
+    return {
+        "aten.view.default": ((x, [6, 4]), {}),
+        "aten.expand.default": ((_floats(1, 3), [4, 3]), {}),
+        "aten.t.default": ((m,), {}),
+        "aten.transpose.int": ((x, 0, 2), {}),
+        "aten.permute.default": ((x, [2, 0, 1]), {}),
+        "aten.unsqueeze.default": ((x, 1), {}),
+        "aten.clone.default": ((x.transpose(0, 1),), {"memory_format": torch.contiguous_format}),
+        "aten.detach.default": ((x,), {}),
+        "aten.cat.default": (([x, y], 1), {}),
+        "aten.add.Tensor": ((x, y), {"alpha": 2}),
+        "aten.sub.Tensor": ((x, 1.5), {}),
+        "aten.mul.Tensor": ((x, y), {}),
+        "aten.div.Tensor": ((x, y), {}),
+        "aten.neg.default": ((x,), {}),
+        "aten.rsqrt.default": ((x.abs() + 1,), {}),
+        "aten.pow.Tensor_Scalar": ((x, 2), {}),
+        "aten.mean.dim": ((x, [-1], True), {}),
+        "aten.sum.dim_IntList": ((x, [1]), {}),
+        "aten.mm.default": ((m.t(), m), {}),
+        "aten.bmm.default": ((x, y.transpose(1, 2)), {}),
+        "aten.addmm.default": ((_floats(5, seed=7), _floats(3, 4, seed=8), m), {"beta": 0.5}),
+        "aten.embedding.default": ((w, torch.tensor([[1, 9], [0, 3]])), {}),
+        "aten.native_layer_norm.default": ((x, [4], _floats(4, seed=9), _floats(4, seed=10), 1e-5), {}),
+        "aten._softmax.default": ((x, -1, False), {}),
+        "aten._log_softmax.default": ((x, -1, False), {}),
+        "aten.gelu.default": ((x,), {"approximate": "tanh"}),
+        "aten.silu.default": ((x,), {}),
+        "aten.scaled_dot_product_attention.default": ((q, k, v), {"is_causal": True}),
+    }
+
+
+def _leaves(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [t for v in value for t in _leaves(v)] if isinstance(value, (tuple, list)) else []
+
+
+def _mapped(value: Any, fn: Any) -> Any:
+    """``value`` with ``fn`` applied to each tensor in it (lists and tuples kept)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    return type(value)(_mapped(v, fn) for v in value) if isinstance(value, (tuple, list)) else value
+
+
+def _run_op(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[torch.Tensor], list[Any]]:
+    """``fn``'s results and the gradients of its floating inputs under a fixed upstream gradient."""
+    inputs: list[torch.Tensor] = []
+
+    def fresh(t: torch.Tensor) -> torch.Tensor:
+        inputs.append(t.clone().requires_grad_(t.is_floating_point()))
+        return inputs[-1]
+
+    outs = [o for o in _leaves(fn(*_mapped(args, fresh), **kwargs)) if o.is_floating_point()]
+    grads = [torch.randn(o.shape, generator=torch.Generator().manual_seed(11)) for o in outs]
+    pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    return [o.detach() for o in outs], [t.grad for t in inputs if t.is_floating_point()]
+
+
+def test_every_bound_operator_computes_what_its_overload_computes() -> None:
+    """A program's node calls some operators through torch's Python binding rather than
+    the ``OpOverload`` (``program_load._BOUND``): same results and gradients, bit for
+    bit, and on the meta device a peer's dry run uses."""
+    from protocol.model.program_load import _BOUND
+
+    cases = _bound_cases()
+    assert set(cases) == set(_BOUND)  # a new entry needs its case here
+    for op, (args, kwargs) in cases.items():
+        overload = resolve_op(op)
+        ours, theirs = _run_op(_BOUND[op], args, kwargs), _run_op(overload, args, kwargs)
+        assert len(ours[0]) == len(theirs[0]) and len(ours[1]) == len(theirs[1]), op
+        for a, b in zip(ours[0] + ours[1], theirs[0] + theirs[1], strict=True):
+            assert (a is None) == (b is None) and (a is None or _equal(a, b)), op
+        meta = _mapped(args, lambda t: t.to("meta"))
+        shapes = [o.shape for o in _leaves(_BOUND[op](*meta, **kwargs))]
+        assert shapes == [o.shape for o in _leaves(overload(*meta, **kwargs))], op
