@@ -414,11 +414,16 @@ def _poll_orphan(child: Child) -> None:
 
 
 def _kill_tree(pid: int) -> None:
-    """SIGKILL a command and every process below it (some run sessions of their own)."""
+    """SIGKILL a command and every process below it (some run sessions of their own),
+    but torch's shared-memory manager: it ends by itself once they are gone, unlinking
+    its segments in /dev/shm (killed, it left them); the command's watchdog ends one that
+    does not (``reaper.SELF_END_S``)."""
     import psutil
 
+    from fusionllm.reaper import SELF_ENDING
+
     try:
-        below = psutil.Process(pid).children(recursive=True)
+        below = [p for p in psutil.Process(pid).children(recursive=True) if _name(p) not in SELF_ENDING]
     except psutil.Error:
         below = []
     for kill in (os.killpg, os.kill):  # its session, or itself alone if it has none yet
@@ -432,6 +437,16 @@ def _kill_tree(pid: int) -> None:
             proc.kill()
         except psutil.Error:
             pass
+
+
+def _name(proc: Any) -> str | None:
+    """A psutil process's name, None where it is gone."""
+    import psutil
+
+    try:
+        return str(proc.name())
+    except psutil.Error:
+        return None
 
 
 def _pythonpath(env: dict[str, str]) -> str:

@@ -244,6 +244,15 @@ def _reap(seen: dict[int, float], grace_s: float) -> None:
     _end(served, grace_s)
 
 
+def self_ending(pid: int) -> bool:
+    """Whether ``pid`` runs a ``SELF_ENDING`` program: one that, killed, leaves its
+    segments in /dev/shm, and that ends by itself once the processes it serves are gone."""
+    try:
+        return psutil.Process(pid).name() in SELF_ENDING
+    except psutil.Error:
+        return False
+
+
 def _named(pid: int, born: float) -> str | None:
     p = _same(pid, born)
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -227,11 +228,15 @@ def test_check_listen_ports_lets_free_and_time_wait_ports_pass() -> None:
     check_listen_ports([f"/ip4/127.0.0.1/tcp/{port}", "/ip4/127.0.0.1/tcp/0", "/ip4/127.0.0.1/udp/9/quic"])
 
 
-def _script(script: str) -> subprocess.Popen[str]:
-    """``python -c script`` in a session of its own, its stdout a pipe."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def _script(script: str, cwd: Path | None = None, **env: str) -> subprocess.Popen[str]:
+    """``python -c script`` in a session of its own (with ``env`` added), its stdout a pipe."""
     return subprocess.Popen(
-        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env, start_new_session=True
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+        start_new_session=True,
+        cwd=cwd,
     )
 
 
@@ -274,28 +279,55 @@ time.sleep(1000)
 """
 
 
-def test_a_killed_commands_shared_memory_is_unlinked() -> None:
-    """The watchdog signalled torch's shared-memory manager with the rest: killed, it
-    left its segments in /dev/shm and its folder in /tmp (16,000 of each here). Left to
-    end by itself once the processes it serves are gone, it unlinks them."""
+@contextlib.contextmanager
+def _shared_state(script: str, count: int, cwd: Path | None = None, **env: str) -> Iterator[subprocess.Popen[str]]:
+    """``script`` (a ``SHARED_STATE``) started and ready, its ``count`` descendants
+    listed, torch's manager among them; after the block, all of them are gone within
+    10 s and so are the segments it made (whatever is left is then killed)."""
     began = time.time()
-    parent = _script(SHARED_STATE)
+    parent = _script(script, cwd, **env)
     kids: list[psutil.Process] = []
     try:
         _readline_until(parent, "ready", timeout=60)
-        kids, names = _settled_names(parent.pid, count=3)
+        kids, names = _settled_names(parent.pid, count=count)
         assert any("torch_shm_manager" in n for n in names), names
         # its own: named by its pid, made since it started (another process of that pid may have left some)
         segments = [s for s in Path("/dev/shm").glob(f"torch_{parent.pid}_*") if s.stat().st_mtime >= began - 1]
         assert segments
-        time.sleep(3 * POLL_S)  # one snapshot of the watchdog at least
-        _kill9(parent)
+        yield parent
         assert not _all_gone(kids, timeout=10.0)
         assert not [s for s in segments if s.exists()]
     finally:
         _kill_all(kids)
         if parent.poll() is None:
             _kill9(parent)
+
+
+def test_a_killed_commands_shared_memory_is_unlinked() -> None:
+    """The watchdog signalled torch's shared-memory manager with the rest: killed, it
+    left its segments in /dev/shm and its folder in /tmp (16,000 of each here). Left to
+    end by itself once the processes it serves are gone, it unlinks them."""
+    with _shared_state(SHARED_STATE, count=3) as parent:
+        time.sleep(3 * POLL_S)  # one snapshot of the watchdog at least
+        _kill9(parent)
+
+
+UNWATCHED = SHARED_STATE.replace("start_reaper()\n", "")
+
+
+@pytest.mark.parametrize("how", ["a timed-out command", "a testbed run's strays"])
+def test_killing_a_tree_spares_torch_shared_memory_manager(how: str, tmp_path: Path) -> None:
+    """The launcher's kill of a timed-out command and the testbed's end of a run's
+    strays SIGKILLed torch's shared-memory manager too, which left its segments."""
+    from fusionllm.launcher import _kill_tree
+    from fusionllm.testbed.swarm import WORK_VAR, end_strays
+
+    with _shared_state(UNWATCHED, 2, tmp_path, **{WORK_VAR: str(tmp_path)}) as parent:
+        if how == "a timed-out command":
+            _kill_tree(parent.pid)
+        else:
+            _kill9(parent)  # its fork (a DHT child) is left: a stray
+            end_strays(tmp_path, 2.0)
 
 
 HANGING_SHUTDOWN = """

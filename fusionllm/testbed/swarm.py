@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fusionllm.launcher import ZYGOTE_MODULE, Launcher, Started
+from fusionllm.reaper import SELF_END_S, self_ending
 from fusionllm.testbed.lab import Lab
 from protocol.net.delay import ENV_VAR as DELAY_VAR
 
@@ -197,15 +198,24 @@ class Swarm:
             p.kill(signal.SIGKILL)
             p.popen.wait()
         self.procs.clear()
-        # what left the groups: found by the run's mark, or by the folder it works in
-        deadline = time.monotonic() + grace
-        while (left := strays(self.spec.work)) and time.monotonic() < deadline:
-            for pid in left:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.1)
+        end_strays(self.spec.work, grace)  # what left the groups
+
+
+def end_strays(work: Path, grace: float) -> None:
+    """SIGKILL what a run in ``work`` left running (``strays``), for up to ``grace`` s.
+    torch's shared-memory manager is left ``SELF_END_S`` to end by itself first (it
+    unlinks its segments in /dev/shm as it does; killed, it left them), then killed."""
+    began = time.monotonic()
+    while (left := strays(work)) and time.monotonic() - began < max(grace, SELF_END_S + 1.0):
+        sparing = time.monotonic() - began < SELF_END_S
+        for pid in left:
+            if sparing and self_ending(pid):
+                continue
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.1)
 
 
 def strays(work: Path) -> list[int]:
