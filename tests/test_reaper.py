@@ -334,7 +334,7 @@ HANGING_SHUTDOWN = """
 import asyncio, os, signal, sys, time
 import fusionllm.reaper
 fusionllm.reaper.EXIT_GRACE_S = 1.0
-from fusionllm.swarm_cmds import run_async
+from fusionllm.running import run_async
 
 async def stubborn() -> None:  # swallows every cancellation: the loop's shutdown waits for it forever
     while True:
@@ -406,7 +406,7 @@ def test_a_command_whose_shutdown_hangs_ends_anyway(hanging: dict[str, subproces
 
 SIGNALLED_AT_EXIT = """
 import atexit, os, signal, sys, time
-from fusionllm.swarm_cmds import run_async
+from fusionllm.running import run_async
 
 def stopped_while_exiting() -> None:  # what a demo's SIGTERM does to a peer whose run just ended
     os.kill(os.getpid(), signal.SIGTERM)
@@ -435,7 +435,7 @@ INTERRUPTED_IN_A_PROTOCOL = """
 import asyncio, os, signal, sys
 import fusionllm.reaper
 fusionllm.reaper.EXIT_GRACE_S = 30.0
-from fusionllm.swarm_cmds import run_async
+from fusionllm.running import run_async
 
 class Interrupting(asyncio.BufferedProtocol):  # Ctrl-C while the event loop runs its callback
     def get_buffer(self, sizehint: int) -> memoryview:
@@ -475,7 +475,7 @@ def test_a_signal_during_a_protocols_callback_interrupts_the_command() -> None:
 
 UNOBSERVED = """
 import asyncio, gc, sys
-from fusionllm.swarm_cmds import run_async
+from fusionllm.running import run_async
 
 async def fails() -> None:
     raise FileNotFoundError(2, "No such file or directory")
@@ -558,7 +558,7 @@ def test_last_pid_moves_when_a_process_is_created() -> None:
 
 SIGNALLED_IN_SHUTDOWN = """
 import asyncio, os, signal, sys, threading, time
-from fusionllm.swarm_cmds import run_async
+from fusionllm.running import run_async
 
 async def command() -> int:
     signals, busy_s = int(sys.argv[1]), float(sys.argv[2])
