@@ -415,15 +415,13 @@ def _poll_orphan(child: Child) -> None:
 
 def _kill_tree(pid: int) -> None:
     """SIGKILL a command and every process below it (some run sessions of their own),
-    but torch's shared-memory manager: it ends by itself once they are gone, unlinking
-    its segments in /dev/shm (killed, it left them); the command's watchdog ends one that
-    does not (``reaper.SELF_END_S``)."""
+    but torch's shared-memory manager and the command's watchdog: the manager ends by
+    itself once the rest are gone, unlinking its segments in /dev/shm (killed, it left
+    them), and the watchdog, its command gone, ends one that does not (``reaper.SELF_END_S``)."""
     import psutil
 
-    from fusionllm.reaper import SELF_ENDING
-
     try:
-        below = [p for p in psutil.Process(pid).children(recursive=True) if _name(p) not in SELF_ENDING]
+        below = [p for p in psutil.Process(pid).children(recursive=True) if not _spared(p)]
     except psutil.Error:
         below = []
     for kill in (os.killpg, os.kill):  # its session, or itself alone if it has none yet
@@ -439,14 +437,17 @@ def _kill_tree(pid: int) -> None:
             pass
 
 
-def _name(proc: Any) -> str | None:
-    """A psutil process's name, None where it is gone."""
+def _spared(proc: Any) -> bool:
+    """Whether ``_kill_tree`` leaves the psutil process ``proc`` to end by itself: torch's
+    shared-memory manager, or a command's watchdog (``fusionllm.reaper``)."""
     import psutil
 
+    from fusionllm.reaper import REAPER_MODULE, SELF_ENDING
+
     try:
-        return str(proc.name())
+        return proc.name() in SELF_ENDING or REAPER_MODULE in proc.cmdline()
     except psutil.Error:
-        return None
+        return False
 
 
 def _pythonpath(env: dict[str, str]) -> str:

@@ -138,7 +138,7 @@ def start_reaper() -> None:
     # its own session: Ctrl-C, a terminal's hangup or a signal to our process group does not
     # stop it before its job; no inherited fds: a pipe to our caller sees EOF when we die
     _started[me] = subprocess.Popen(
-        [sys.executable, "-m", "fusionllm.reaper", str(me)],
+        [sys.executable, "-m", REAPER_MODULE, str(me)],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -226,6 +226,8 @@ def _same(pid: int, born: float) -> psutil.Process | None:
     return None
 
 
+#: the watchdog's module: its command line names it (``python -m``)
+REAPER_MODULE = "fusionllm.reaper"
 #: descendants that end by themselves once the processes they serve are gone, and clean
 #: up as they do: torch's shared-memory manager (hivemind's MPFuture state uses it)
 #: unlinks its segments in /dev/shm and its folder in /tmp; signalled, it leaked both

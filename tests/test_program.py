@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
+from torch import fx, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from coordinator.links import boundary_specs
 from peer.executor import StageExecutor
@@ -21,7 +22,7 @@ from protocol.model.job import JobSpec
 from protocol.model.program import DEFAULT_NAMESPACES, Program, ProgramError
 from protocol.model.program_check import build_checked, dry_run
 from protocol.model.program_export import export_stage, export_stages
-from protocol.model.program_load import check_operators, load_stage, resolve_op
+from protocol.model.program_load import _BOUND, _callable, check_operators, load_stage, resolve_op
 from protocol.model.recipe import Recipe
 
 GPT = JobSpec(model_args="n_layer=2,n_embd=64,n_head=4")
@@ -434,36 +435,82 @@ def _mapped(value: Any, fn: Any) -> Any:
     return type(value)(_mapped(v, fn) for v in value) if isinstance(value, (tuple, list)) else value
 
 
-def _run_op(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[torch.Tensor], list[Any]]:
-    """``fn``'s results and the gradients of its floating inputs under a fixed upstream gradient."""
+class _Dispatched(TorchDispatchMode):
+    """Records the ATen overloads that run below autograd."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _run_op(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], list[str]]:
+    """``fn``'s results and the gradients of its floating inputs under a fixed upstream
+    gradient, and the ATen overloads that ran for them."""
     inputs: list[torch.Tensor] = []
 
     def fresh(t: torch.Tensor) -> torch.Tensor:
         inputs.append(t.clone().requires_grad_(t.is_floating_point()))
         return inputs[-1]
 
-    outs = [o for o in _leaves(fn(*_mapped(args, fresh), **kwargs)) if o.is_floating_point()]
-    grads = [torch.randn(o.shape, generator=torch.Generator().manual_seed(11)) for o in outs]
-    pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad]
-    if pairs:
-        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-    return [o.detach() for o in outs], [t.grad for t in inputs if t.is_floating_point()]
+    args = _mapped(args, fresh)
+    with _Dispatched() as seen:
+        outs = [o for o in _leaves(fn(*args, **kwargs)) if o.is_floating_point()]
+        grads = [torch.randn(o.shape, generator=torch.Generator().manual_seed(11)) for o in outs]
+        pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    values = [o.detach() for o in outs] + [t.grad for t in inputs if t.is_floating_point()]
+    return values, seen.ops
 
 
 def test_every_bound_operator_computes_what_its_overload_computes() -> None:
     """A program's node calls some operators through torch's Python binding rather than
-    the ``OpOverload`` (``program_load._BOUND``): same results and gradients, bit for
-    bit, and on the meta device a peer's dry run uses."""
-    from protocol.model.program_load import _BOUND
-
+    the ``OpOverload`` (``program_load._BOUND``): the same ATen overloads run, forward
+    and backward, with the same results and gradients, bit for bit; on the meta device
+    (a peer's dry run) too."""
     cases = _bound_cases()
     assert set(cases) == set(_BOUND)  # a new entry needs its case here
     for op, (args, kwargs) in cases.items():
         overload = resolve_op(op)
-        ours, theirs = _run_op(_BOUND[op], args, kwargs), _run_op(overload, args, kwargs)
-        assert len(ours[0]) == len(theirs[0]) and len(ours[1]) == len(theirs[1]), op
-        for a, b in zip(ours[0] + ours[1], theirs[0] + theirs[1], strict=True):
+        (ours, ran), (theirs, expected) = _run_op(_BOUND[op], args, kwargs), _run_op(overload, args, kwargs)
+        assert ran == expected and ran, op
+        assert len(ours) == len(theirs), op
+        for a, b in zip(ours, theirs, strict=True):
             assert (a is None) == (b is None) and (a is None or _equal(a, b)), op
         meta = _mapped(args, lambda t: t.to("meta"))
-        shapes = [o.shape for o in _leaves(_BOUND[op](*meta, **kwargs))]
-        assert shapes == [o.shape for o in _leaves(overload(*meta, **kwargs))], op
+        got, want = _leaves(_BOUND[op](*meta, **kwargs)), _leaves(overload(*meta, **kwargs))
+        assert [(o.shape, o.dtype, o.stride()) for o in got] == [(o.shape, o.dtype, o.stride()) for o in want], op
+
+
+def test_a_node_whose_arguments_could_pick_another_overload_calls_its_own() -> None:
+    """A hostile program may give a bound operator arguments for which the binding would
+    pick another overload than the one the node names: such a node calls the named one."""
+    g = fx.Graph()
+    x, y = g.placeholder("x"), g.placeholder("y")
+    other = {
+        "aten.pow.Tensor_Scalar": [((x, y), {}), ((2, x), {})],  # pow.Tensor_Tensor, pow.Scalar
+        "aten.view.default": [((x, torch.float16), {}), ((x, 6, 4), {})],  # view.dtype, sizes as varargs
+        "aten.add.Tensor": [((x, 2, y), {}), ((2, x), {}), ((x, y), {"self": x})],  # alpha first; a number first
+        "aten.sum.dim_IntList": [((x,), {}), ((x, None), {}), ((x, [1]), {"dtype": y})],  # sum.default; None
+        "aten.mean.dim": [((x, ["a"]), {})],
+        "aten.transpose.int": [((x, "a", "b"), {})],  # transpose.Dimname
+        "aten.cat.default": [(([x, y], "a"), {}), ((x,), {})],  # cat.names; one tensor for the list
+        "aten.mm.default": [((x, y, y), {}), ((x,), {"mat2": y})],
+    }
+    for op, forms in other.items():
+        target = resolve_op(op)
+        for args, kwargs in forms:
+            assert _callable(op, target, args, kwargs) is target, (op, args, kwargs)
+    normal = {
+        "aten.pow.Tensor_Scalar": ((x, 2), {}),
+        "aten.view.default": ((x, [6, 4]), {}),
+        "aten.add.Tensor": ((x, y), {"alpha": 2}),
+        "aten.sum.dim_IntList": ((x, [1], True), {}),
+        "aten.scaled_dot_product_attention.default": ((x, y, y), {"is_causal": True}),
+    }
+    for op, (args, kwargs) in normal.items():
+        assert _callable(op, resolve_op(op), args, kwargs) is _BOUND[op], op

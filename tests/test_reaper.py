@@ -322,8 +322,11 @@ def test_killing_a_tree_spares_torch_shared_memory_manager(how: str, tmp_path: P
     from fusionllm.launcher import _kill_tree
     from fusionllm.testbed.swarm import WORK_VAR, end_strays
 
-    with _shared_state(UNWATCHED, 2, tmp_path, **{WORK_VAR: str(tmp_path)}) as parent:
-        if how == "a timed-out command":
+    timed_out = how == "a timed-out command"  # its watchdog is spared too: it ends a manager that lingers
+    script, count = (SHARED_STATE, 3) if timed_out else (UNWATCHED, 2)
+    with _shared_state(script, count, tmp_path, **{WORK_VAR: str(tmp_path)}) as parent:
+        if timed_out:
+            time.sleep(3 * POLL_S)  # one snapshot of the watchdog at least
             _kill_tree(parent.pid)
         else:
             _kill9(parent)  # its fork (a DHT child) is left: a stray

@@ -120,7 +120,7 @@ def load_stage(
             target = targets[node["op"]]
             _check_kwargs(node["op"], target, kwargs)
             kwargs = _on_device(target, args, kwargs, device)
-            env[node["name"]] = g.call_function(_callable(node["op"], target), args, kwargs)
+            env[node["name"]] = g.call_function(_callable(node["op"], target, args, kwargs), args, kwargs)
         g.output(_dec(graph["output"], env, device))
         root = nn.Module()
         for name, (t, persistent) in tensors.items():
@@ -276,18 +276,73 @@ def _dec(x: Any, env: dict[str, fx.Node], device: torch.device, depth: int = 0) 
     raise ProgramError(f"a node argument of the stage program is malformed ({str(kind)[:40]})")
 
 
-def _callable(op: str, target: Any) -> Any:
-    """What a program's node of operator ``op`` (resolved to ``target``) calls."""
-    return _ZEROED.get(op) or _BOUND.get(op) or target
+def _callable(op: str, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """What a program's node of operator ``op`` (resolved to ``target``) calls with ``args``
+    and ``kwargs``: torch's binding (``_BOUND``) only where it must pick ``target``."""
+    bound = _BOUND.get(op)
+    if bound is not None and _binds_as_recorded(target, args, kwargs):
+        return bound
+    return _ZEROED.get(op, target)
+
+
+def _binds_as_recorded(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a Python binding given ``args`` and ``kwargs`` picks ``target``'s overload:
+    each argument of the schema's positional ones given by position (no more, none
+    required left out) and of the kind its type names, the keywords only ones with a
+    default after those and no tensor among them. Otherwise (a hostile program's ``pow`` with a tensor
+    exponent, ``view`` with a dtype, a string dimension) the binding could run another."""
+    schema = target._schema.arguments
+    params = [a for a in schema if not a.kwarg_only]
+    required = sum(not a.has_default_value() for a in params)
+    if not required <= len(args) <= len(params):
+        return False
+    optional = {a.name for a in schema[len(args) :] if a.has_default_value()}
+    if not set(kwargs) <= optional or any(map(_is_node, kwargs.values())):
+        return False
+    if str(params[0].type) == "Tensor" and not (args and _is_node(args[0])):
+        return False  # the tensor an operator works on: a number there is another signature
+    return all(_fits(str(p.type), v) for p, v in zip(params, args, strict=False))
+
+
+def _is_node(v: Any) -> bool:
+    return isinstance(v, fx.Node)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+_KINDS = {
+    "Tensor": lambda v: _is_node(v) or _is_number(v),
+    "Optional[Tensor]": lambda v: v is None or _is_node(v),
+    "List[Tensor]": lambda v: isinstance(v, (list, tuple)) and all(map(_is_node, v)),
+    "List[int]": lambda v: isinstance(v, (list, tuple)) and all(map(_is_int, v)),
+    "int": _is_int,
+    "bool": lambda v: isinstance(v, bool),
+    "float": _is_number,
+    "number": _is_number,
+}
+_KINDS["Optional[List[int]]"] = _KINDS["List[int]"]  # a given list only: None may pick another overload
+
+
+def _fits(type_name: str, value: Any) -> bool:
+    """Whether ``value`` is of the kind the schema's ``type_name`` says (unknown: no)."""
+    kind = _KINDS.get(type_name)
+    return kind is not None and bool(kind(value))
 
 
 _VF = torch._C._VariableFunctions
 #: operators called through torch's own Python binding of the same ATen overload rather
 #: than through the ``OpOverload``, which boxes every argument and result: the same
 #: kernel, autograd node and bits, and the demo's four stages ran 2.1-3.2% faster forward
-#: and backward (200 alternated runs each). Only overloads that the binding picks for
-#: every argument a program can give it; each one is checked against its ``OpOverload``,
-#: result and gradients, in tests/test_program.py.
+#: and backward (200 alternated runs each). A node calls one only where its arguments
+#: make the binding pick the same overload (``_binds_as_recorded``); each is checked
+#: against its ``OpOverload`` (the operators dispatched, results and gradients) in
+#: tests/test_program.py.
 _BOUND: dict[str, Any] = {
     "aten.view.default": torch.Tensor.view,
     "aten.expand.default": torch.Tensor.expand,
