@@ -323,6 +323,14 @@ HOSTILE = {  # what a review found a hostile coordinator could do with the first
         _with_node(_node("x", "aten._to_sparse.default", {"ref": "i:1"})),
         "which no program may call",
     ),
+    "a sparse gradient (embedding's)": (
+        _with_node(
+            _node(
+                "x", "aten.embedding.default", {"ref": "s:blocks.0.attn.c_proj.weight"}, {"ref": "i:0"}, -1, False, True
+            )
+        ),
+        "for a sparse result",
+    ),
     "process-wide state": (_with_node(_node("x", "aten.set_grad_enabled.default", False)), "returns no tensor"),
     "a terabyte allocation": (
         _with_node(_node("x", "aten.empty.memory_format", {"list": [1 << 38]})),

@@ -119,6 +119,7 @@ def load_stage(
                 raise ProgramError("a node of the stage program is malformed")
             target = targets[node["op"]]
             _check_kwargs(node["op"], target, kwargs)
+            _check_dense(node["op"], target, args, kwargs)
             kwargs = _on_device(target, args, kwargs, device)
             env[node["name"]] = g.call_function(_callable(node["op"], target, args, kwargs), args, kwargs)
         g.output(_dec(graph["output"], env, device))
@@ -146,6 +147,20 @@ def _check_kwargs(op: str, target: Any, kwargs: dict[str, Any]) -> None:
         known = {a.name for a in target._schema.arguments}
     if not set(kwargs) <= known:
         raise ProgramError(f"the stage program passes {op} keyword arguments it does not take")
+
+
+def _check_dense(op: str, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """No operator may be asked for a sparse result (``embedding``'s ``sparse``: a sparse
+    gradient, which the dry run, forward only, never sees, and no part of a stage takes)."""
+    if target is operator.getitem:
+        return
+    names = [a.name for a in target._schema.arguments]
+    if "sparse" not in names:
+        return
+    at = names.index("sparse")
+    asked = kwargs.get("sparse", args[at] if len(args) > at else False)
+    if asked is not False and asked is not None:
+        raise ProgramError(f"the stage program asks {op[:80]} for a sparse result, which no program may")
 
 
 def _on_device(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device) -> dict[str, Any]:
