@@ -333,6 +333,28 @@ def test_killing_a_tree_spares_torch_shared_memory_manager(how: str, tmp_path: P
             end_strays(tmp_path, 2.0)
 
 
+def test_a_testbed_runs_lingering_shared_memory_manager_is_killed_in_the_end(tmp_path: Path) -> None:
+    """The manager spared by ``end_strays`` is killed once ``SELF_END_S`` has passed
+    without it ending (a stand-in by that name that never does)."""
+    from fusionllm.reaper import SELF_END_S
+    from fusionllm.testbed.swarm import WORK_VAR, end_strays
+
+    stand_in = tmp_path / "torch_shm_manager"
+    stand_in.write_bytes(Path("/bin/sleep").read_bytes())
+    stand_in.chmod(0o755)
+    env = {**os.environ, WORK_VAR: str(tmp_path)}
+    proc = subprocess.Popen([str(stand_in), "1000"], env=env, cwd=tmp_path, start_new_session=True)
+    try:
+        began = time.monotonic()
+        end_strays(tmp_path, 1.0)
+        assert proc.wait(5) == -signal.SIGKILL
+        assert SELF_END_S <= time.monotonic() - began < SELF_END_S + 3
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 HANGING_SHUTDOWN = """
 import asyncio, os, signal, sys, time
 import fusionllm.reaper
