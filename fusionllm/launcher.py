@@ -442,10 +442,10 @@ def _spared(proc: Any) -> bool:
     shared-memory manager, or a command's watchdog (``fusionllm.reaper``)."""
     import psutil
 
-    from fusionllm.reaper import REAPER_MODULE, SELF_ENDING
+    from fusionllm.reaper import REAPER_MODULE, self_ending
 
     try:
-        return proc.name() in SELF_ENDING or REAPER_MODULE in proc.cmdline()
+        return self_ending(proc.pid) or REAPER_MODULE in proc.cmdline()
     except psutil.Error:
         return False
 
