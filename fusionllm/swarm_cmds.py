@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -21,7 +22,7 @@ from tqdm import tqdm
 from fusionllm.addresses import check_maddrs, listen_options, reach_lines, status_lines
 from fusionllm.launcher import Launcher, Started
 from fusionllm.running import run_async
-from fusionllm.usage import UsageError, job_from_args
+from fusionllm.usage import EXIT_INTERRUPTED, UsageError, job_from_args
 from protocol.model.job import foreign_code
 from protocol.net.hostaddrs import COORDINATOR_PORT, LOOPBACK_MADDRS, PEER_PORT
 from protocol.trust.admission import CERT_TTL_S
@@ -447,20 +448,33 @@ def cmd_demo(args: argparse.Namespace) -> int:
         for i, cmd in enumerate(cmds):
             with open(log_dir / f"peer{i}.log", "wb") as log:
                 procs.append(launcher.spawn(cmd, env=peer_env, stdout=log.fileno()))
-        print(f"started {args.peers} peer processes (logs in {log_dir})", flush=True)
+        print(f"started {args.peers} peer processes (logs in {log_dir}, kept only if the run fails)", flush=True)
 
     print(f"fusionllm demo: a coordinator and {args.peers} peers on loopback, talking libp2p", flush=True)
     failed: list[int] = []  # peers that exited with an error before the demo stopped them: their logs say why
+    code = EXIT_INTERRUPTED  # what it is where Ctrl-C ends the run (``run_async`` raises)
     try:
         code = run_async(_coordinate(args, spawn))
     finally:
         failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
         _kill_groups(procs)
         launcher.close()
+        _tidy(log_dir, code == 0)
     for i in failed if code != 0 else []:
         tail = (log_dir / f"peer{i}.log").read_text(errors="replace").strip().splitlines()[-3:]
         if tail:
             print(f"peer {i} log ({log_dir / f'peer{i}.log'}): " + " | ".join(tail), file=sys.stderr)
-    if code == 0 and own_run_dir:  # its checkpoints (5 MB a demo) are of no more use: the model is saved
-        shutil.rmtree(args.run_dir, ignore_errors=True)
     return code
+
+
+def _tidy(log_dir: Path, clean: bool) -> None:
+    """After a demo: its peers' keys are of no more use (each demo starts new peers),
+    and after a clean run (``clean``) nor are its logs or the run directory inside it
+    (the demo's own, 5 MB of checkpoints; the model is saved; one given with ``--run-dir``
+    is elsewhere and kept). A failed or interrupted run keeps its logs."""
+    if clean:
+        shutil.rmtree(log_dir, ignore_errors=True)
+        return
+    for key in log_dir.glob("peer*.key"):
+        with contextlib.suppress(OSError):
+            key.unlink()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -152,8 +153,16 @@ def test_demo_lowers_loss_and_leaves_nothing_behind(tmp_path: Path) -> None:
     assert "saved fusionllm-demo.safetensors" in r.stdout and (tmp_path / "fusionllm-demo.safetensors").is_file()
     run_dir = re.search(r"^run directory: (\S+) ", r.stdout, re.MULTILINE)
     assert run_dir and not Path(run_dir.group(1)).exists(), "a finished demo's checkpoints are let go"
+    assert not _log_dir(r.stdout).exists(), "a clean run's logs and throwaway peer keys are let go"
     assert _no_new_p2pd(before)
     assert not stray_commands()
+
+
+def _log_dir(out: str) -> Path:
+    """The log folder a demo named as it started its peers."""
+    found = re.search(r"^started \d+ peer processes \(logs in (\S+), ", out, re.MULTILINE)
+    assert found, out[-3000:]
+    return Path(found.group(1))
 
 
 def test_join_rejects_a_malformed_address() -> None:
@@ -200,6 +209,10 @@ def test_demo_interrupted_stops_every_process(sig: int) -> None:
             raise AssertionError(f"no exit 60 s after {sig!r}:\n{''.join(out)[-3000:]}") from None
         reader.join(10)
         assert demo.returncode == 130, "".join(out)[-3000:]
+        logs = _log_dir("".join(out))
+        kept = sorted(p.name for p in logs.iterdir())
+        shutil.rmtree(logs)
+        assert {"peer0.log", "peer1.log"} <= set(kept) and not [k for k in kept if k.endswith(".key")], kept
         stacks = re.search(r"shutting down took over .* \(stacks in (\S+)\)", "".join(out))
         if stacks:
             warnings.warn(f"the demo's shutdown hung; its stacks:\n{Path(stacks.group(1)).read_text()}", stacklevel=1)
