@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -353,6 +354,34 @@ def test_a_testbed_runs_lingering_shared_memory_manager_is_killed_in_the_end(tmp
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_the_watchdog_ends_a_lingering_shared_memory_manager_after_the_others(tmp_path: Path) -> None:
+    """``reaper._reap``, what a watchdog does once its command is gone: an ordinary
+    descendant is signalled at once; a shared-memory manager (a stand-in by that name
+    that never ends by itself) is left ``SELF_END_S`` to end, then signalled too."""
+    stand_in = tmp_path / "torch_shm_manager"
+    stand_in.write_bytes(Path("/bin/sleep").read_bytes())
+    stand_in.chmod(0o755)
+    manager = subprocess.Popen([str(stand_in), "1000"], start_new_session=True)
+    other = subprocess.Popen(["sleep", "1000"], start_new_session=True)
+    try:
+        seen = {p.pid: psutil.Process(p.pid).create_time() for p in (manager, other)}
+        began = time.monotonic()
+        reaping = threading.Thread(target=reaper._reap, args=(seen, 1.0), daemon=True)
+        reaping.start()
+        assert other.wait(3) == -signal.SIGTERM
+        with pytest.raises(subprocess.TimeoutExpired):  # not signalled with the others
+            manager.wait(began + reaper.SELF_END_S - 1 - time.monotonic())
+        assert manager.wait(5) == -signal.SIGTERM
+        assert time.monotonic() - began >= reaper.SELF_END_S
+        reaping.join(5)
+        assert not reaping.is_alive()
+    finally:
+        for proc in (manager, other):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 HANGING_SHUTDOWN = """
