@@ -14,15 +14,14 @@ import functools
 import logging
 import random
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from coordinator.checkpoint import RunDir
 from coordinator.host import Host
 from coordinator.messaging import Mailbox, get_within
+from coordinator.rulings import Shown, convicted, keep_evidence, own, same_weights, undecided
 from coordinator.runstate import EXCLUDED, PeerLost, RunState
 from coordinator.stages import Stages
 from protocol.net.clock import Clock
@@ -35,8 +34,8 @@ from protocol.wire.messages import Audit, Evidence, Message, Recheck, Verdict
 Asker = Callable[[], Awaitable[Verdict]]
 #: a sampled spot check: (stage, micro-batch, whether the backward is re-executed too)
 Check = tuple[int, int, bool]
-#: weights a peer showed: (names, tensors)
-Shown = tuple[list[str], list[torch.Tensor]]
+#: a micro-batch's evidence: its roles, who signed each, and their frames (head and payload each)
+Case = tuple[list[str], dict[str, str], list[torch.Tensor]]
 #: checkers asked after a first one disputes a micro-batch (each costs a re-execution)
 MAX_MORE_CHECKERS = 3
 #: spot-check answers waiting to be read from one peer (a peer that sends more loses the surplus)
@@ -83,10 +82,13 @@ class SpotChecker:
         self.losses = losses
         self._empty_box()
         try:
-            for s, mb, backward in checks:
-                st.spot_checks += 1
+            for s, drawn in _together(checks, st.plan.stages):
+                st.spot_checks += len(drawn)
                 self.host.board.spot_checks = st.spot_checks
-                await (self._check_one if len(st.plan.stages[s]) > 1 else self._check_alone)(step, s, mb, backward)
+                if len(st.plan.stages[s]) > 1:
+                    await self._check_one(step, s, *drawn[0])
+                else:
+                    await self._check_alone(step, s, drawn)
         finally:
             self._shown.clear()  # a stage's weights: not kept past its step's checks
 
@@ -148,15 +150,17 @@ class SpotChecker:
         holders = {"input": at["suspect"], "grad_out": at["suspect"], "output": nxt, "grad_in": at["prev"]}
         return signers, holders
 
-    async def _evidence(
-        self, step: int, s: int, mb: int, backward: bool
-    ) -> tuple[list[str], dict[str, str], list[torch.Tensor]]:
-        """The roles, signers and frames of micro-batch ``mb`` around stage ``s``, as
-        their holders show them: the checker verifies them, and the coordinator only
-        where the check does not pass (``_verify_shown``)."""
+    async def _evidence(self, step: int, s: int, drawn: list[tuple[int, bool]]) -> dict[int, Case]:
+        """The roles, signers and frames of each drawn micro-batch (and whether its
+        backward is checked) around stage ``s``, as their holders show them, all asked at
+        once: the checker verifies them, and the coordinator only where the check does
+        not pass (``_verify_shown``)."""
         assert self.st.plan is not None
-        roles, (signers, holders) = roles_for(s, len(self.st.plan.stages), backward), self._around(s, mb)
-        return roles, signers, await self._gather(step, s, mb, roles, holders, signers, verify=False)
+        wanted = {
+            mb: (roles_for(s, len(self.st.plan.stages), backward), *self._around(s, mb)) for mb, backward in drawn
+        }
+        frames = await self._gather(step, s, wanted, verify=False)
+        return {mb: (roles, signers, frames[mb]) for mb, (roles, signers, _) in wanted.items()}
 
     def _verify_shown(self, step: int, s: int, mb: int, roles: list[str], evidence: list[torch.Tensor]) -> None:
         """Check the frames ``_evidence`` gathered (a pair per role, in order) before a
@@ -168,16 +172,18 @@ class SpotChecker:
                 self._checked_evidence(holders[role], evidence[2 * i : 2 * i + 2], role, signers[role], (step, mb, s))
 
     # ------------------------------------------------------------------ checks
-    async def _check_alone(self, step: int, s: int, mb: int, backward: bool) -> None:
+    async def _check_alone(self, step: int, s: int, drawn: list[tuple[int, bool]]) -> None:
         """A stage served by one peer: peers of other stages rebuild it with the weights
-        the suspect shows and re-execute the micro-batch (its parameter gradients, which
-        no one else saw, are not compared); if the first disagrees, more decide."""
+        the suspect shows and re-execute the drawn micro-batches (their parameter
+        gradients, which no one else saw, are not compared); if the first checker
+        disagrees on one, more decide. The evidence of all of them is asked at once, and
+        the checker gets the first (with the weights) and then the others together."""
         st = self.st
         assert st.plan is not None
-        roles, signers, evidence = await self._evidence(step, s, mb, backward)
+        cases = await self._evidence(step, s, drawn)
         suspect = st.plan.stages[s][0]
         if s not in self._shown:  # once for all the micro-batches of this stage checked in this step
-            self._shown[s] = await self._weights_of(step, mb, suspect)
+            self._shown[s] = await self._weights_of(step, drawn[0][0], suspect)
         shown = self._shown[s]
         if shown is None:
             raise PeerLost({suspect: f"{EXCLUDED}it could not show its weights for a spot check"})
@@ -186,14 +192,19 @@ class SpotChecker:
             checkers = [p for i, group in enumerate(st.plan.stages) if i != s for p in group]
             self.rng.shuffle(checkers)
             self._lone_checkers = {(st.epoch, step, s): checkers}
-        case = (roles, signers, evidence)
-        ask = functools.partial(self.recheck, step, s, mb, *case, shown=shown, grads=False, backward=backward)
-        first = await ask(checkers[0])
-        if first.agree:
-            return
-        self._disputed(step, s, mb, suspect, checkers[0], (roles, evidence), first)
-        more = [(p, functools.partial(ask, p)) for p in checkers[1:]]
-        raise await self.settle((step, mb), suspect, (checkers[0], first), more)
+        asks = {
+            mb: functools.partial(self.recheck, step, s, mb, *cases[mb], shown=shown, grads=False, backward=backward)
+            for mb, backward in drawn
+        }
+        first = drawn[0][0]  # alone: the weights it carries must be loaded before the others use them
+        verdicts = {first: await asks[first](checkers[0])}
+        if verdicts[first].agree:  # the others, judged in order as one after another would be
+            verdicts = await self._rechecks(step, s, drawn[1:], cases, checkers[0], shown)
+        for mb in verdicts:
+            if not self._judged(step, s, mb, cases[mb], checkers[0], verdicts[mb]).agree:
+                self._disputed(step, s, mb, suspect, checkers[0], (cases[mb][0], cases[mb][2]), verdicts[mb])
+                more = [(p, functools.partial(asks[mb], p)) for p in checkers[1:]]
+                raise await self.settle((step, mb), suspect, (checkers[0], verdicts[mb]), more)
 
     def _disputed(
         self,
@@ -208,7 +219,7 @@ class SpotChecker:
         """Keep the evidence of a disagreement (once the coordinator has checked it) and
         say it on the page and the log."""
         self._verify_shown(step, s, mb, *kept)
-        self._keep_evidence(step, mb, suspect, *kept)
+        keep_evidence(self.run_dir, step, mb, suspect, *kept)
         text = f"spot check of step {step}, micro-batch {mb} (stage {s}): {checker} says {suspect} is wrong: "
         self.host.board.event("audit", text + verdict.detail)
         self.on_event(text + verdict.detail)
@@ -216,7 +227,7 @@ class SpotChecker:
     async def _check_one(self, step: int, s: int, mb: int, backward: bool) -> None:
         st = self.st
         assert st.plan is not None
-        roles, signers, evidence = await self._evidence(step, s, mb, backward)
+        roles, signers, evidence = (await self._evidence(step, s, [(mb, backward)]))[mb]
         suspect, group = self._route(s, mb)["suspect"], st.plan.stages[s]
         others = [p for p in group if p != suspect]
         self.rng.shuffle(others)
@@ -243,12 +254,12 @@ class SpotChecker:
             verdict = await ask()
             if verdict.agree:
                 why = f"it disputed {suspect}'s work that {checker} re-executed the same "
-                return PeerLost({c: f"{EXCLUDED}{why}{_own(v)}" for c, v in against})
+                return PeerLost({c: f"{EXCLUDED}{why}{own(v)}" for c, v in against})
             twin = next((c for c, v in against if alike(v.computed, verdict.computed, self._rtol(c, checker))), None)
             against.append((checker, verdict))
             if twin is not None:
                 return convicted(suspect, twin, against, self._rtol(twin, checker))
-        return _undecided(*at, suspect, [c for c, _ in against])
+        return undecided(*at, suspect, [c for c, _ in against])
 
     async def _arbiters(
         self,
@@ -270,10 +281,11 @@ class SpotChecker:
         if not arbiters:
             return []
         shown = [await self._weights_of(step, mb, p) for p in (suspect, checker)]
-        if shown[0] is None or shown[1] is None or not _same(shown[0], shown[1]):
+        if shown[0] is None or shown[1] is None or not same_weights(shown[0], shown[1]):
             return []
         if backward:
-            grads = await self._gather(step, s, mb, ["param_grads"], {"param_grads": checker}, {"param_grads": suspect})
+            wanted = {mb: (["param_grads"], {"param_grads": suspect}, {"param_grads": checker})}
+            grads = (await self._gather(step, s, wanted))[mb]
             roles, signers, evidence = [*roles, "param_grads"], {**signers, "param_grads": suspect}, [*evidence, *grads]
         self.rng.shuffle(arbiters)
         ask = functools.partial(self.recheck, step, s, mb, roles, signers, evidence, shown=shown[0], backward=backward)
@@ -307,36 +319,38 @@ class SpotChecker:
         self,
         step: int,
         s: int,
-        mb: int,
-        roles: list[str],
-        holders: dict[str, str],
-        signers: dict[str, str],
+        wanted: dict[int, tuple[list[str], dict[str, str], dict[str, str]]],
         verify: bool = True,
-    ) -> list[torch.Tensor]:
-        """The signed frames of ``roles``, asked of the peers that received them (each
-        checked to be what its signer sent for this micro-batch, if ``verify``)."""
-        asked: dict[str, list[str]] = {}
-        for role in roles:
-            asked.setdefault(holders[role], []).append(role)
-        got: dict[str, list[torch.Tensor]] = {}
-        self.asked.update(asked)
+    ) -> dict[int, list[torch.Tensor]]:
+        """The signed frames of each micro-batch's roles (``wanted``: micro-batch ->
+        roles, their signers, their holders), asked at once of the peers that received
+        them (each checked to be what its signer sent for that micro-batch, if ``verify``)."""
+        asked: dict[tuple[str, int], list[str]] = {}  # (holder, micro-batch) -> its roles
+        for mb, (roles, _, holders) in wanted.items():
+            for role in roles:
+                asked.setdefault((holders[role], mb), []).append(role)
+        got: dict[tuple[int, str], list[torch.Tensor]] = {}
+        peers = {holder for holder, _ in asked}
+        self.asked.update(peers)
         try:  # every holder asked at once: one round trip
-            for holder, held in asked.items():
+            for (holder, mb), held in asked.items():
                 kinds = [ROLES[r][0].KIND for r in held]
                 await self.mailbox.send(holder, Audit(self.cfg.run_id, step, mb, kinds, self.st.epoch))
             pending, deadline = set(asked), self.deadline()
             while pending:
-                inbound = await self.answer_of((Evidence,), pending, deadline)
-                if (inbound.message.step, inbound.message.mb) != (step, mb):
+                inbound = await self.answer_of((Evidence,), {holder for holder, _ in pending}, deadline)
+                key = (inbound.sender, inbound.message.mb)
+                if inbound.message.step != step or key not in pending:
                     continue
-                pending.discard(inbound.sender)
-                for role in asked[inbound.sender]:
-                    got[role] = _frame_of(inbound, role)
-                    if verify or not got[role]:
-                        self._checked_evidence(inbound.sender, got[role], role, signers[role], (step, mb, s))
+                pending.discard(key)
+                for role in asked[key]:
+                    got[key[1], role] = frame = _frame_of(inbound, role)
+                    if verify or not frame:
+                        signer = wanted[key[1]][1][role]
+                        self._checked_evidence(inbound.sender, frame, role, signer, (step, key[1], s))
         finally:
-            self.asked.difference_update(asked)
-        return [t for role in roles for t in got[role]]
+            self.asked.difference_update(peers)
+        return {mb: [t for role in roles for t in got[mb, role]] for mb, (roles, _, _) in wanted.items()}
 
     def _checked_evidence(
         self, holder: str, pair: list[torch.Tensor], role: str, signer: str, where: tuple[int, int, int]
@@ -369,7 +383,32 @@ class SpotChecker:
         """``checker``'s verdict on the suspect's micro-batch (an arbiter of another
         stage gets that stage's program and the weights ``shown``, by name, after the
         evidence: neither if it holds them from its last arbitration)."""
-        st, cfg = self.st, self.cfg
+        case = (roles, signers, evidence)
+        await self._send_recheck(step, s, mb, case, checker, shown, grads, backward)
+        return self._judged(step, s, mb, case, checker, (await self._verdicts(step, s, [mb], checker))[mb])
+
+    async def _rechecks(
+        self, step: int, s: int, drawn: list[tuple[int, bool]], cases: dict[int, Case], checker: str, shown: Shown
+    ) -> dict[int, Verdict]:
+        """``checker``'s verdicts on the drawn micro-batches of a stage of one peer, all
+        asked at once; the checker holds the weights ``shown`` from its last
+        arbitration (the first of this stage and step)."""
+        for mb, backward in drawn:
+            await self._send_recheck(step, s, mb, cases[mb], checker, shown, False, backward)
+        return await self._verdicts(step, s, [mb for mb, _ in drawn], checker)
+
+    async def _send_recheck(
+        self,
+        step: int,
+        s: int,
+        mb: int,
+        case: Case,
+        checker: str,
+        shown: Shown | None,
+        grads: bool,
+        backward: bool,
+    ) -> None:
+        st, cfg, (roles, signers, evidence) = self.st, self.cfg, case
         assert st.plan is not None
         suspect = self._route(s, mb)["suspect"]
         loss = self.losses.get(str(mb)) if s == len(st.plan.stages) - 1 else None
@@ -393,15 +432,25 @@ class SpotChecker:
             keys={} if shown is None else self.host.keys_of({signers[r] for r in roles}),  # beyond its neighbourhood
         )
         await self.mailbox.send(checker, msg, [*evidence, *weights, *program])
-        deadline = self.deadline()
-        while True:
+
+    async def _verdicts(self, step: int, s: int, mbs: list[int], checker: str) -> dict[int, Verdict]:
+        """``checker``'s verdicts on micro-batches ``mbs`` of stage ``s``, by micro-batch
+        in that order (each to be ``_judged``)."""
+        out: dict[int, Verdict] = {}
+        suspects, deadline = {mb: self._route(s, mb)["suspect"] for mb in mbs}, self.deadline()
+        while len(out) < len(mbs):
             verdict: Verdict = (await self.answer_of((Verdict,), {checker}, deadline)).message
-            if (verdict.step, verdict.mb, verdict.suspect) != (step, mb, suspect):
-                continue
-            if not verdict.checked:  # if the evidence is sound, the checker could not use it
-                self._verify_shown(step, s, mb, roles, evidence)
-                raise PeerLost({checker: f"it could not run a spot check: {verdict.detail[:200]}"})
-            return verdict
+            if verdict.step == step and suspects.get(verdict.mb, None) == verdict.suspect:
+                out.setdefault(verdict.mb, verdict)
+        return {mb: out[mb] for mb in mbs}
+
+    def _judged(self, step: int, s: int, mb: int, case: Case, checker: str, verdict: Verdict) -> Verdict:
+        """``verdict``, where the checker could use the evidence; else ``PeerLost``: the
+        checker, where the evidence holds up (its holder, where it does not)."""
+        if not verdict.checked:
+            self._verify_shown(step, s, mb, case[0], case[2])
+            raise PeerLost({checker: f"it could not run a spot check: {verdict.detail[:200]}"})
+        return verdict
 
     def _arbiter_parts(
         self, checker: str, step: int, s: int, shown: Shown | None
@@ -421,20 +470,6 @@ class SpotChecker:
         program = [] if built or not self.stages.as_programs else self.stages.programs(self.st.plan.cut)[s]
         return shown[0], shown[1], program, False
 
-    def _keep_evidence(self, step: int, mb: int, suspect: str, roles: list[str], evidence: list[torch.Tensor]) -> None:
-        """The disputed micro-batch's signed frames, in the run directory."""
-        folder = Path(self.run_dir.path) / "evidence"
-        try:
-            folder.mkdir(exist_ok=True)
-            tensors = {
-                f"{role}/{part}": t.contiguous()
-                for i, role in enumerate(roles)
-                for part, t in zip(("head", "payload"), evidence[2 * i : 2 * i + 2], strict=True)
-            }
-            save_file(tensors, str(folder / f"step{step}-mb{mb}-{suspect[:16]}.safetensors"))
-        except OSError as exc:
-            logger.warning("could not keep the evidence of a spot check: %s", exc)
-
 
 def _frame_of(inbound: Any, role: str) -> list[torch.Tensor]:
     """The (head, payload) of ``role``'s frame in an ``Evidence`` answer ([] if it has none)."""
@@ -444,33 +479,16 @@ def _frame_of(inbound: Any, role: str) -> list[torch.Tensor]:
     return values[2 * i : 2 * i + 2] if i >= 0 else []
 
 
-def _undecided(step: int, mb: int, suspect: str, checkers: list[str]) -> PeerLost:
-    """Checkers disagree with the suspect and with each other, and no more can
-    re-execute: all of them leave the plan, none excluded."""
-    why = f"disputed a spot check of step {step}, micro-batch {mb}, and no two re-executions agreed"
-    return PeerLost({p: why for p in [suspect, *checkers]})
-
-
-def convicted(suspect: str, twin: str, against: list[tuple[str, Verdict]], rtol: float) -> PeerLost:
-    """Two checkers (``twin`` and the last) computed the same, and not what the suspect
-    showed: the suspect is excluded, and so is any disputer who computed a third result."""
-    (last, verdict), said = against[-1], dict(against)
-    found = f"{said[twin].detail} (re-executed by {twin}; and by {last}: {verdict.detail})"
-    lost = {suspect: f"{EXCLUDED}spot check: {found}"}
-    for c, v in against[:-1]:
-        if not alike(v.computed, verdict.computed, rtol):
-            neither = f"its re-execution of {suspect}'s work matched neither it nor {twin} and {last}"
-            lost[c] = f"{EXCLUDED}{neither} {_own(v)}"
-    return PeerLost(lost)
-
-
-def _own(verdict: Verdict) -> str:
-    """What a disputing checker's own re-execution gave, for its exclusion's line (a
-    checker that fakes a loss is named with it)."""
-    return f"(its own verdict: {verdict.detail[:200]})"
-
-
-def _same(a: Shown, b: Shown) -> bool:
-    """Whether two replicas showed the same weights, bit for bit."""
-    same = (x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))
-    return a[0] == b[0] and all(same)
+def _together(checks: list[Check], stages: list[list[str]]) -> list[tuple[int, list[tuple[int, bool]]]]:
+    """A step's checks as they run: each of a replicated stage alone, those of a stage
+    of one peer together (its checker loads the weights once for them), at most
+    ``AUDIT_BOX_PER_PEER`` at a time (each holder and the checker then has at most that
+    many answers waiting): (stage, [(micro-batch, backward too)])."""
+    out: list[tuple[int, list[tuple[int, bool]]]] = []
+    for s, mb, backward in checks:
+        last = out[-1] if out else None
+        if last is not None and last[0] == s and len(stages[s]) == 1 and len(last[1]) < AUDIT_BOX_PER_PEER:
+            last[1].append((mb, backward))
+        else:
+            out.append((s, [(mb, backward)]))
+    return out

@@ -51,7 +51,9 @@ from protocol.wire.gate import Gate
 from protocol.wire.messages import (
     Advert,
     Assign,
+    Audit,
     Beat,
+    Evidence,
     Finish,
     Hello,
     Message,
@@ -969,6 +971,83 @@ def test_an_arbiter_is_told_the_stage_even_when_it_holds_no_weights(tmp_path: Pa
     _, recheck, values = _host(driver).transport.sent[0]
     assert verdict.agree and isinstance(recheck, Recheck)
     assert recheck.stage == 1 and recheck.weights == [] and recheck.program == len(values) > 0
+
+
+class _Answer(SimpleNamespace):
+    """A spot-check answer as the box holds it: its sender, message and values."""
+
+    def values(self) -> list[Any]:
+        return list(self.vals)
+
+
+class AnsweringTransport(FakeTransport):
+    """Answers each Audit (the frames, or the weights) and each Recheck (agreeing) into
+    the driver's box as it is sent, as honest peers would."""
+
+    def __init__(self, driver: Driver, first_says: dict[int, tuple[bool, bool]] | None = None) -> None:
+        super().__init__()
+        self.driver = driver
+        self.first_says = first_says or {}  # micro-batch -> (agree, checked) of the first checker asked
+        self.first: str | None = None
+
+    async def send(self, peer: str, msg: Message, values: list[Any] | None = None) -> int:
+        await super().send(peer, msg, values)
+        if isinstance(msg, Audit) and msg.kinds == ["weights"]:
+            reply, vals = Evidence("r", msg.step, msg.mb, ["weights"], msg.epoch, ["w"]), [torch.zeros(2)]
+        elif isinstance(msg, Audit):
+            reply = Evidence("r", msg.step, msg.mb, msg.kinds, msg.epoch)
+            vals = [torch.zeros(1, dtype=torch.uint8) for _ in range(2 * len(msg.kinds))]  # head and payload each
+        elif isinstance(msg, Recheck):
+            self.first = self.first or peer
+            agree, checked = self.first_says.get(msg.mb, (True, True)) if peer == self.first else (True, True)
+            reply, vals = Verdict("r", msg.step, msg.mb, msg.suspect, agree, "", msg.epoch, checked), []
+        else:
+            return 0
+        self.driver.take_answer(_Answer(sender=peer, message=reply, vals=vals))  # type: ignore[arg-type]
+        return 0
+
+
+@pytest.mark.parametrize("drawn", [4, AUDIT_BOX_PER_PEER + 3])
+def test_a_lone_stages_drawn_micro_batches_are_asked_together(tmp_path: Path, drawn: int) -> None:
+    """The evidence of the micro-batches drawn of a stage of one peer is asked in one
+    round (every Audit out before the first answer is read), and its checker gets the
+    first re-execution (with the weights) alone, then the others together before their
+    verdicts are read: a draw of four took nine round trips one after another. At most
+    ``AUDIT_BOX_PER_PEER`` go at once, so that no peer's answers overflow the box."""
+    driver = _driver(tmp_path, [["p0"], ["p1"], ["p2"]])
+    host, checker = _host(driver), driver.auditor.checker
+    host.transport = AnsweringTransport(driver)
+    out: list[tuple[str, int]] = []  # at each read of an answer: its kind, and how many such asks were out
+    read = checker.answer_of
+
+    async def answer_of(kinds: tuple[type[Message], ...], peers: set[str], deadline: float) -> Inbound:
+        asked = Audit if kinds == (Evidence,) else Recheck
+        out.append((kinds[0].__name__, sum(isinstance(m, asked) for _, m, _ in host.transport.sent)))
+        return await read(kinds, peers, deadline)
+
+    checker.answer_of = answer_of  # type: ignore[method-assign]
+    asyncio.run(checker.run(3, [(1, mb, False) for mb in range(drawn)], {}))
+    first = min(drawn, AUDIT_BOX_PER_PEER)
+    audits = 2 * first  # each micro-batch's input (of the suspect) and output (of the next stage)
+    assert out[: audits + 1] == [("Evidence", audits)] * audits + [("Evidence", audits + 1)], "then the weights"
+    assert out[audits + 1 : audits + first + 1] == [("Verdict", 1)] + [("Verdict", first)] * (first - 1)
+    assert driver.st.spot_checks == drawn and not checker.queued.total()
+    assert len([m for _, m, _ in host.transport.sent if isinstance(m, Recheck)]) == drawn
+
+
+def test_a_dispute_in_a_lone_stages_draw_is_settled_before_a_later_check_that_could_not_run(tmp_path: Path) -> None:
+    """Verdicts asked together are judged in micro-batch order, as one after another:
+    a checker that disputes micro-batch 1 (which the other re-executes as the suspect
+    did) and then cannot run micro-batch 2 is excluded for the dispute, not merely
+    dropped for the check it could not run."""
+    driver = _driver(tmp_path, [["p0"], ["p1"], ["p2"]])
+    host, checker = _host(driver), driver.auditor.checker
+    host.transport = answering = AnsweringTransport(driver, {1: (False, True), 2: (False, False)})
+    checker._verify_shown = lambda *args: None  # type: ignore[method-assign]  # the frames here are stand-ins
+    with pytest.raises(PeerLost) as lost:
+        asyncio.run(checker.run(3, [(1, mb, False) for mb in range(4)], {}))
+    assert answering.first is not None and list(lost.value.lost) == [answering.first]
+    assert "disputed p1's work that" in lost.value.lost[answering.first], lost.value.lost
 
 
 def test_spot_check_answers_are_capped_per_peer_and_a_check_waits_for_its_own(tmp_path: Path) -> None:

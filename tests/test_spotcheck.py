@@ -149,7 +149,7 @@ def test_a_disputer_that_matched_no_one_is_named_with_what_it_computed() -> None
     """Two checkers agree that the suspect's loss is wrong; a third computed something
     else (it reports a fake loss of its own): it is excluded too, and its line says what
     its re-execution gave, so the fake loss is on the record (CI once saw it unnamed)."""
-    from coordinator.spotchecks import convicted
+    from coordinator.rulings import convicted
     from protocol.wire.messages import Verdict
 
     def said(detail: str, computed: list[float]) -> Verdict:
