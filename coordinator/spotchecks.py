@@ -13,7 +13,7 @@ import collections
 import functools
 import logging
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import torch
@@ -196,15 +196,11 @@ class SpotChecker:
             mb: functools.partial(self.recheck, step, s, mb, *cases[mb], shown=shown, grads=False, backward=backward)
             for mb, backward in drawn
         }
-        first = drawn[0][0]  # alone: the weights it carries must be loaded before the others use them
-        verdicts = {first: await asks[first](checkers[0])}
-        if verdicts[first].agree:  # the others, judged in order as one after another would be
-            verdicts = await self._rechecks(step, s, drawn[1:], cases, checkers[0], shown)
-        for mb in verdicts:
-            if not self._judged(step, s, mb, cases[mb], checkers[0], verdicts[mb]).agree:
-                self._disputed(step, s, mb, suspect, checkers[0], (cases[mb][0], cases[mb][2]), verdicts[mb])
+        async for mb, verdict in self._lone_verdicts(step, s, drawn, cases, checkers[0], shown):
+            if not self._judged(step, s, mb, cases[mb], checkers[0], verdict).agree:
+                self._disputed(step, s, mb, suspect, checkers[0], (cases[mb][0], cases[mb][2]), verdict)
                 more = [(p, functools.partial(asks[mb], p)) for p in checkers[1:]]
-                raise await self.settle((step, mb), suspect, (checkers[0], verdicts[mb]), more)
+                raise await self.settle((step, mb), suspect, (checkers[0], verdict), more)
 
     def _disputed(
         self,
@@ -343,6 +339,7 @@ class SpotChecker:
                 if inbound.message.step != step or key not in pending:
                     continue
                 pending.discard(key)
+                deadline = self.deadline()  # each answer a step timeout from the one before
                 for role in asked[key]:
                     got[key[1], role] = frame = _frame_of(inbound, role)
                     if verify or not frame:
@@ -385,17 +382,22 @@ class SpotChecker:
         evidence: neither if it holds them from its last arbitration)."""
         case = (roles, signers, evidence)
         await self._send_recheck(step, s, mb, case, checker, shown, grads, backward)
-        return self._judged(step, s, mb, case, checker, (await self._verdicts(step, s, [mb], checker))[mb])
+        async for _, verdict in self._verdicts(step, s, [mb], checker):
+            return self._judged(step, s, mb, case, checker, verdict)
+        raise AssertionError("a verdict is yielded for every micro-batch asked")
 
-    async def _rechecks(
+    async def _lone_verdicts(
         self, step: int, s: int, drawn: list[tuple[int, bool]], cases: dict[int, Case], checker: str, shown: Shown
-    ) -> dict[int, Verdict]:
-        """``checker``'s verdicts on the drawn micro-batches of a stage of one peer, all
-        asked at once; the checker holds the weights ``shown`` from its last
-        arbitration (the first of this stage and step)."""
-        for mb, backward in drawn:
-            await self._send_recheck(step, s, mb, cases[mb], checker, shown, False, backward)
-        return await self._verdicts(step, s, [mb for mb, _ in drawn], checker)
+    ) -> AsyncIterator[tuple[int, Verdict]]:
+        """``checker``'s verdicts on the drawn micro-batches of a stage of one peer, in
+        their order, each as it and those before it came (a dispute is settled before a
+        later one is waited for, as one after another): the first asked alone (its
+        ``Recheck`` carries the weights the others use), the others together after it."""
+        for part in (drawn[:1], drawn[1:]):
+            for mb, backward in part:
+                await self._send_recheck(step, s, mb, cases[mb], checker, shown, False, backward)
+            async for mb, verdict in self._verdicts(step, s, [mb for mb, _ in part], checker):
+                yield mb, verdict
 
     async def _send_recheck(
         self,
@@ -433,16 +435,18 @@ class SpotChecker:
         )
         await self.mailbox.send(checker, msg, [*evidence, *weights, *program])
 
-    async def _verdicts(self, step: int, s: int, mbs: list[int], checker: str) -> dict[int, Verdict]:
-        """``checker``'s verdicts on micro-batches ``mbs`` of stage ``s``, by micro-batch
-        in that order (each to be ``_judged``)."""
-        out: dict[int, Verdict] = {}
+    async def _verdicts(self, step: int, s: int, mbs: list[int], checker: str) -> AsyncIterator[tuple[int, Verdict]]:
+        """``checker``'s verdicts on micro-batches ``mbs`` of stage ``s``, in that order,
+        each as soon as it and those before it came (each to be ``_judged``); each answer
+        has a step timeout from the one before."""
+        got: dict[int, Verdict] = {}
         suspects, deadline = {mb: self._route(s, mb)["suspect"] for mb in mbs}, self.deadline()
-        while len(out) < len(mbs):
-            verdict: Verdict = (await self.answer_of((Verdict,), {checker}, deadline)).message
-            if verdict.step == step and suspects.get(verdict.mb, None) == verdict.suspect:
-                out.setdefault(verdict.mb, verdict)
-        return {mb: out[mb] for mb in mbs}
+        for mb in mbs:
+            while mb not in got:
+                verdict: Verdict = (await self.answer_of((Verdict,), {checker}, deadline)).message
+                if verdict.step == step and suspects.get(verdict.mb) == verdict.suspect and verdict.mb not in got:
+                    got[verdict.mb], deadline = verdict, self.deadline()
+            yield mb, got[mb]
 
     def _judged(self, step: int, s: int, mb: int, case: Case, checker: str, verdict: Verdict) -> Verdict:
         """``verdict``, where the checker could use the evidence; else ``PeerLost``: the
@@ -481,13 +485,13 @@ def _frame_of(inbound: Any, role: str) -> list[torch.Tensor]:
 
 def _together(checks: list[Check], stages: list[list[str]]) -> list[tuple[int, list[tuple[int, bool]]]]:
     """A step's checks as they run: each of a replicated stage alone, those of a stage
-    of one peer together (its checker loads the weights once for them), at most
-    ``AUDIT_BOX_PER_PEER`` at a time (each holder and the checker then has at most that
-    many answers waiting): (stage, [(micro-batch, backward too)])."""
+    of one peer together (its checker loads the weights once for them), fewer than
+    ``AUDIT_BOX_PER_PEER`` at a time (each holder and the checker then has fewer answers
+    waiting than the box keeps: room for a late one): (stage, [(micro-batch, backward too)])."""
     out: list[tuple[int, list[tuple[int, bool]]]] = []
     for s, mb, backward in checks:
         last = out[-1] if out else None
-        if last is not None and last[0] == s and len(stages[s]) == 1 and len(last[1]) < AUDIT_BOX_PER_PEER:
+        if last is not None and last[0] == s and len(stages[s]) == 1 and len(last[1]) < AUDIT_BOX_PER_PEER - 1:
             last[1].append((mb, backward))
         else:
             out.append((s, [(mb, backward)]))

@@ -456,10 +456,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     try:
         code = run_async(_coordinate(args, spawn))
     finally:
-        failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
-        _kill_groups(procs)
-        launcher.close()
-        _tidy(log_dir, code == 0)
+        try:
+            failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+            _kill_groups(procs)
+            launcher.close()
+        finally:
+            _tidy(log_dir, code == 0)
     for i in failed if code != 0 else []:
         tail = (log_dir / f"peer{i}.log").read_text(errors="replace").strip().splitlines()[-3:]
         if tail:

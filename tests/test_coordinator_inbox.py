@@ -984,10 +984,10 @@ class AnsweringTransport(FakeTransport):
     """Answers each Audit (the frames, or the weights) and each Recheck (agreeing) into
     the driver's box as it is sent, as honest peers would."""
 
-    def __init__(self, driver: Driver, first_says: dict[int, tuple[bool, bool]] | None = None) -> None:
+    def __init__(self, driver: Driver, first_says: dict[int, tuple[bool, bool] | None] | None = None) -> None:
         super().__init__()
         self.driver = driver
-        self.first_says = first_says or {}  # micro-batch -> (agree, checked) of the first checker asked
+        self.first_says = first_says or {}  # micro-batch -> (agree, checked) of the first checker asked (None: silent)
         self.first: str | None = None
 
     async def send(self, peer: str, msg: Message, values: list[Any] | None = None) -> int:
@@ -999,8 +999,10 @@ class AnsweringTransport(FakeTransport):
             vals = [torch.zeros(1, dtype=torch.uint8) for _ in range(2 * len(msg.kinds))]  # head and payload each
         elif isinstance(msg, Recheck):
             self.first = self.first or peer
-            agree, checked = self.first_says.get(msg.mb, (True, True)) if peer == self.first else (True, True)
-            reply, vals = Verdict("r", msg.step, msg.mb, msg.suspect, agree, "", msg.epoch, checked), []
+            says = self.first_says.get(msg.mb, (True, True)) if peer == self.first else (True, True)
+            if says is None:
+                return 0
+            reply, vals = Verdict("r", msg.step, msg.mb, msg.suspect, says[0], "", msg.epoch, says[1]), []
         else:
             return 0
         self.driver.take_answer(_Answer(sender=peer, message=reply, vals=vals))  # type: ignore[arg-type]
@@ -1027,7 +1029,7 @@ def test_a_lone_stages_drawn_micro_batches_are_asked_together(tmp_path: Path, dr
 
     checker.answer_of = answer_of  # type: ignore[method-assign]
     asyncio.run(checker.run(3, [(1, mb, False) for mb in range(drawn)], {}))
-    first = min(drawn, AUDIT_BOX_PER_PEER)
+    first = min(drawn, AUDIT_BOX_PER_PEER - 1)  # a box's room for one late answer is kept
     audits = 2 * first  # each micro-batch's input (of the suspect) and output (of the next stage)
     assert out[: audits + 1] == [("Evidence", audits)] * audits + [("Evidence", audits + 1)], "then the weights"
     assert out[audits + 1 : audits + first + 1] == [("Verdict", 1)] + [("Verdict", first)] * (first - 1)
@@ -1035,17 +1037,20 @@ def test_a_lone_stages_drawn_micro_batches_are_asked_together(tmp_path: Path, dr
     assert len([m for _, m, _ in host.transport.sent if isinstance(m, Recheck)]) == drawn
 
 
-def test_a_dispute_in_a_lone_stages_draw_is_settled_before_a_later_check_that_could_not_run(tmp_path: Path) -> None:
-    """Verdicts asked together are judged in micro-batch order, as one after another:
-    a checker that disputes micro-batch 1 (which the other re-executes as the suspect
-    did) and then cannot run micro-batch 2 is excluded for the dispute, not merely
-    dropped for the check it could not run."""
+@pytest.mark.parametrize("later", [(False, False), None], ids=["cannot-run", "silent"])
+def test_a_dispute_in_a_lone_stages_draw_is_settled_before_a_later_check_is_waited_for(
+    tmp_path: Path, later: tuple[bool, bool] | None
+) -> None:
+    """Verdicts asked together are judged in micro-batch order as each comes, as one
+    after another: a checker that disputes micro-batch 1 (which the other re-executes
+    as the suspect did) and then cannot run micro-batch 2, or never answers it, is
+    excluded for the dispute, not merely dropped for the check it did not do."""
     driver = _driver(tmp_path, [["p0"], ["p1"], ["p2"]])
     host, checker = _host(driver), driver.auditor.checker
-    host.transport = answering = AnsweringTransport(driver, {1: (False, True), 2: (False, False)})
+    host.transport = answering = AnsweringTransport(driver, {1: (False, True), 2: later})
     checker._verify_shown = lambda *args: None  # type: ignore[method-assign]  # the frames here are stand-ins
-    with pytest.raises(PeerLost) as lost:
-        asyncio.run(checker.run(3, [(1, mb, False) for mb in range(4)], {}))
+    with pytest.raises(PeerLost) as lost:  # waiting for the silent one first would hang
+        asyncio.run(asyncio.wait_for(checker.run(3, [(1, mb, False) for mb in range(4)], {}), 20))
     assert answering.first is not None and list(lost.value.lost) == [answering.first]
     assert "disputed p1's work that" in lost.value.lost[answering.first], lost.value.lost
 
