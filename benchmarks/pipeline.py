@@ -445,7 +445,15 @@ def two_processes(sizes: Sizes) -> Transfers | None:
 def _anchor(cut: list[int], steps: int, short: bool) -> PipeliningResult | None:
     """``pipelining_run``; in the full mode, a failure of it (torch 2.11's pipelining asks
     for gradients of the integer values that cross a boundary) leaves its keys null and
-    the rest of the run its figures."""
+    the rest of the run its figures. A swarm that planned one stage (its peers each hold
+    the whole model: cut ``[]``, as one set of stop 69's run did) has no pipeline to set
+    against: its keys are left null too."""
+    if not cut:
+        why = "the swarm planned one stage (cut []): no pipeline to run torch.distributed.pipelining on"
+        if short:
+            raise SystemExit(why)
+        logger.error("%s; this set's keys left null", why)
+        return None
     try:
         anchor = pipelining_run(cut, steps)
     except SystemExit as exc:

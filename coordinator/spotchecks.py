@@ -339,7 +339,8 @@ class SpotChecker:
                 if inbound.message.step != step or key not in pending:
                     continue
                 pending.discard(key)
-                deadline = self.deadline()  # each answer a step timeout from the one before
+                if all(mb != key[1] for _, mb in pending):  # a micro-batch's evidence complete: the next's time
+                    deadline = self.deadline()
                 for role in asked[key]:
                     got[key[1], role] = frame = _frame_of(inbound, role)
                     if verify or not frame:

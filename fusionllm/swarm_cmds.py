@@ -456,12 +456,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     try:
         code = run_async(_coordinate(args, spawn))
     finally:
+        stopped = False  # its peers stopped as they should: a clean run's logs are of no more use
         try:
             failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
-            _kill_groups(procs)
-            launcher.close()
+            try:
+                _kill_groups(procs)
+            finally:
+                launcher.close()
+            stopped = True
         finally:
-            _tidy(log_dir, code == 0)
+            _tidy(log_dir, code == 0 and stopped)
     for i in failed if code != 0 else []:
         tail = (log_dir / f"peer{i}.log").read_text(errors="replace").strip().splitlines()[-3:]
         if tail:

@@ -376,6 +376,21 @@ def test_the_spot_check_cost_counts_the_sets_whose_swarms_started_on_one_cut() -
     assert check_cost([mixed, mixed, same[0]]) == (pytest.approx(0.2), 3), "under half on one cut: all of them"
 
 
+def test_a_swarm_of_one_stage_has_no_anchor_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A swarm that planned one stage (its peers replicate the whole model, cut []) has
+    no pipeline for torch.distributed.pipelining to run: stop 69's full run started its
+    ranks anyway, which failed with a bare "ranks exited [1]". The full mode leaves the
+    set's keys null without starting them; the short mode (the suite) stops, saying why."""
+    import benchmarks.pipeline as bench
+
+    started: list[list[int]] = []
+    monkeypatch.setattr(bench, "pipelining_run", lambda cut, steps: started.append(cut))
+    assert bench._anchor([], 200, short=False) is None and not started
+    with pytest.raises(SystemExit, match=r"planned one stage \(cut \[\]\)"):
+        bench._anchor([], 8, short=True)
+    assert not started
+
+
 def test_a_demos_tokens_per_s_is_its_summarys_not_a_rebalances() -> None:
     """A rebalance's lines come before the summary and name tokens/s too: the benchmarks
     read the summary's (``pipeline.py`` read the first figure it found)."""

@@ -1014,8 +1014,8 @@ def test_a_lone_stages_drawn_micro_batches_are_asked_together(tmp_path: Path, dr
     """The evidence of the micro-batches drawn of a stage of one peer is asked in one
     round (every Audit out before the first answer is read), and its checker gets the
     first re-execution (with the weights) alone, then the others together before their
-    verdicts are read: a draw of four took nine round trips one after another. At most
-    ``AUDIT_BOX_PER_PEER`` go at once, so that no peer's answers overflow the box."""
+    verdicts are read: a draw of four took nine round trips one after another. Fewer
+    than ``AUDIT_BOX_PER_PEER`` go at once, so that no peer's answers overflow the box."""
     driver = _driver(tmp_path, [["p0"], ["p1"], ["p2"]])
     host, checker = _host(driver), driver.auditor.checker
     host.transport = AnsweringTransport(driver)
@@ -1053,6 +1053,52 @@ def test_a_dispute_in_a_lone_stages_draw_is_settled_before_a_later_check_is_wait
         asyncio.run(asyncio.wait_for(checker.run(3, [(1, mb, False) for mb in range(4)], {}), 20))
     assert answering.first is not None and list(lost.value.lost) == [answering.first]
     assert "disputed p1's work that" in lost.value.lost[answering.first], lost.value.lost
+
+
+def test_each_answer_of_a_batch_has_a_step_timeout_from_the_last_one_that_counted(tmp_path: Path) -> None:
+    """Verdicts asked together: each may come a step timeout after the one before
+    (as one after another), and an answer that does not count (a duplicate) does not
+    extend the wait. Evidence: a micro-batch's time starts once the one before is complete."""
+
+    async def go() -> None:
+        driver = _driver(tmp_path, [["p0"], ["p1"], ["p2"]])
+        checker, clock = driver.auditor.checker, _clock(driver)
+        timeout = checker.cfg.step_timeout_s
+        got: list[int] = []
+
+        async def read(mbs: list[int]) -> None:
+            async for mb, _ in checker._verdicts(3, 1, mbs, "p0"):
+                got.append(mb)
+
+        reading = asyncio.ensure_future(read([0, 1]))
+        for mb in (0, 1):
+            await clock.advance(0.9 * timeout)
+            driver.take_answer(_inbound("p0", Verdict("r", 3, mb, "p1", True)))
+        await asyncio.wait_for(reading, 5)
+        assert got == [0, 1], "two answers 0.9 step timeouts apart are both in time"
+        reading = asyncio.ensure_future(read([2, 3]))
+        await clock.advance(0.5 * timeout)
+        driver.take_answer(_inbound("p0", Verdict("r", 3, 2, "p1", True)))
+        await clock.advance(0.7 * timeout)
+        driver.take_answer(_inbound("p0", Verdict("r", 3, 2, "p1", True)))  # again: it does not count
+        await clock.advance(0.4 * timeout)
+        with pytest.raises(PeerLost, match="no answer to a spot check"):
+            await asyncio.wait_for(reading, 5)
+        assert got == [0, 1, 2]
+
+        audits = [Audit("r", 3, mb, ["act"], 0) for mb in (0, 1)]
+        host = _host(driver)
+        wanted = {mb: (["input"], {"input": "p0"}, {"input": "p1"}) for mb in (0, 1)}
+        gathering = asyncio.ensure_future(checker._gather(3, 1, wanted, verify=False))
+        for audit in audits:
+            await clock.advance(0.9 * timeout)
+            frame = [torch.zeros(1, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8)]
+            answer = Evidence("r", 3, audit.mb, ["act"], 0)
+            driver.take_answer(_Answer(sender="p1", message=answer, vals=frame))  # type: ignore[arg-type]
+        assert set(await asyncio.wait_for(gathering, 5)) == {0, 1}
+        assert [m.mb for _, m, _ in host.transport.sent if isinstance(m, Audit)] == [0, 1], "asked at once"
+
+    asyncio.run(go())
 
 
 def test_spot_check_answers_are_capped_per_peer_and_a_check_waits_for_its_own(tmp_path: Path) -> None:
