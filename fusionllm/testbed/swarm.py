@@ -204,9 +204,10 @@ class Swarm:
 def end_strays(work: Path, grace: float) -> None:
     """SIGKILL what a run in ``work`` left running (``strays``), for up to ``grace`` s.
     torch's shared-memory manager is left ``SELF_END_S`` to end by itself first (it
-    unlinks its segments in /dev/shm as it does; killed, it left them), then killed."""
+    unlinks its segments in /dev/shm as it does; killed, it left them), then killed:
+    the last pass before giving up spares nothing."""
     began = time.monotonic()
-    while (left := strays(work)) and time.monotonic() - began < max(grace, SELF_END_S + 1.0):
+    while left := strays(work):
         sparing = time.monotonic() - began < SELF_END_S
         for pid in left:
             if sparing and self_ending(pid):
@@ -215,6 +216,11 @@ def end_strays(work: Path, grace: float) -> None:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        # it gives up only after a pass that spared nothing: on a busy machine one scan of
+        # /proc took over the second between the sparing's end and the give-up, and the
+        # manager was left running
+        if not sparing and time.monotonic() - began >= max(grace, SELF_END_S + 1.0):
+            return
         time.sleep(0.1)
 
 
