@@ -484,3 +484,5 @@ def _tidy(log_dir: Path, clean: bool) -> None:
     for key in log_dir.glob("peer*.key"):
         with contextlib.suppress(OSError):
             key.unlink()
+    with contextlib.suppress(OSError):  # a run that failed before its peers started has nothing to keep
+        log_dir.rmdir()

@@ -158,6 +158,25 @@ def test_demo_lowers_loss_and_leaves_nothing_behind(tmp_path: Path) -> None:
     assert not stray_commands()
 
 
+def test_a_demos_log_folder_keeps_only_a_failed_runs_logs(tmp_path: Path) -> None:
+    """``_tidy`` after a demo: a clean run leaves nothing; a failed one its logs and
+    no key; one that failed before any peer started (CI's runs left such empty
+    folders) nothing either."""
+    from fusionllm.swarm_cmds import _tidy
+
+    def folder(name: str, *files: str) -> Path:
+        (tmp_path / name).mkdir()
+        for f in files:
+            (tmp_path / name / f).write_text("x")
+        return tmp_path / name
+
+    _tidy(folder("clean", "peer0.log", "peer0.key"), clean=True)
+    _tidy(failed := folder("failed", "peer0.log", "peer0.key", "peer1.log", "peer1.key"), clean=False)
+    _tidy(folder("early"), clean=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["failed"]
+    assert sorted(p.name for p in failed.iterdir()) == ["peer0.log", "peer1.log"]
+
+
 def _log_dir(out: str) -> Path:
     """The log folder a demo named as it started its peers."""
     found = re.search(r"^started \d+ peer processes \(logs in (\S+), ", out, re.MULTILINE)
