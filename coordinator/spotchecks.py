@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 import logging
 import random
@@ -192,14 +193,11 @@ class SpotChecker:
             checkers = [p for i, group in enumerate(st.plan.stages) if i != s for p in group]
             self.rng.shuffle(checkers)
             self._lone_checkers = {(st.epoch, step, s): checkers}
-        asks = {
-            mb: functools.partial(self.recheck, step, s, mb, *cases[mb], shown=shown, grads=False, backward=backward)
-            for mb, backward in drawn
-        }
         async for mb, verdict in self._lone_verdicts(step, s, drawn, cases, checkers[0], shown):
             if not self._judged(step, s, mb, cases[mb], checkers[0], verdict).agree:
                 self._disputed(step, s, mb, suspect, checkers[0], (cases[mb][0], cases[mb][2]), verdict)
-                more = [(p, functools.partial(asks[mb], p)) for p in checkers[1:]]
+                ask = functools.partial(self.recheck, step, s, mb, *cases[mb], shown=shown, grads=False)
+                more = [(p, functools.partial(ask, p, backward=dict(drawn)[mb])) for p in checkers[1:]]
                 raise await self.settle((step, mb), suspect, (checkers[0], verdict), more)
 
     def _disputed(
@@ -383,9 +381,9 @@ class SpotChecker:
         evidence: neither if it holds them from its last arbitration)."""
         case = (roles, signers, evidence)
         await self._send_recheck(step, s, mb, case, checker, shown, grads, backward)
-        async for _, verdict in self._verdicts(step, s, [mb], checker):
-            return self._judged(step, s, mb, case, checker, verdict)
-        raise AssertionError("a verdict is yielded for every micro-batch asked")
+        async with contextlib.aclosing(self._verdicts(step, s, [mb], checker)) as verdicts:
+            _, verdict = await anext(verdicts)
+        return self._judged(step, s, mb, case, checker, verdict)
 
     async def _lone_verdicts(
         self, step: int, s: int, drawn: list[tuple[int, bool]], cases: dict[int, Case], checker: str, shown: Shown
