@@ -319,33 +319,32 @@ class SpotChecker:
         """The signed frames of each micro-batch's roles (``wanted``: micro-batch ->
         roles, their signers, their holders), asked at once of the peers that received
         them (each checked to be what its signer sent for that micro-batch, if ``verify``)."""
-        asked: dict[tuple[str, int], list[str]] = {}  # (holder, micro-batch) -> its roles
+        asked: dict[str, list[tuple[int, str]]] = {}  # holder -> the (micro-batch, role)s it shows
         for mb, (roles, _, holders) in wanted.items():
             for role in roles:
-                asked.setdefault((holders[role], mb), []).append(role)
+                asked.setdefault(holders[role], []).append((mb, role))
         got: dict[tuple[int, str], list[torch.Tensor]] = {}
-        peers = {holder for holder, _ in asked}
-        self.asked.update(peers)
-        try:  # every holder asked at once: one round trip
-            for (holder, mb), held in asked.items():
-                kinds = [ROLES[r][0].KIND for r in held]
-                await self.mailbox.send(holder, Audit(self.cfg.run_id, step, mb, kinds, self.st.epoch))
+        self.asked.update(asked)
+        try:  # every holder asked at once, for all its frames: one round trip, one answer each
+            for holder, held in asked.items():
+                kinds, mbs = [ROLES[r][0].KIND for _, r in held], [mb for mb, _ in held]
+                await self.mailbox.send(holder, Audit(self.cfg.run_id, step, mbs[0], kinds, self.st.epoch, mbs))
             pending, deadline = set(asked), self.deadline()
             while pending:
-                inbound = await self.answer_of((Evidence,), {holder for holder, _ in pending}, deadline)
-                key = (inbound.sender, inbound.message.mb)
-                if inbound.message.step != step or key not in pending:
+                inbound = await self.answer_of((Evidence,), set(pending), deadline)
+                holder = inbound.sender
+                if inbound.message.step != step or holder not in pending or inbound.message.mb != asked[holder][0][0]:
                     continue
-                pending.discard(key)
-                if all(mb != key[1] for _, mb in pending):  # a micro-batch's evidence complete: the next's time
-                    deadline = self.deadline()
-                for role in asked[key]:
-                    got[key[1], role] = frame = _frame_of(inbound, role)
+                pending.discard(holder)
+                deadline = self.deadline()  # a holder's answer in: the next one's time
+                shown = _shown(inbound)
+                for mb, role in asked[holder]:
+                    got[mb, role] = frame = shown.get((ROLES[role][0].KIND, mb), [])
                     if verify or not frame:
-                        signer = wanted[key[1]][1][role]
-                        self._checked_evidence(inbound.sender, frame, role, signer, (step, key[1], s))
+                        signer = wanted[mb][1][role]
+                        self._checked_evidence(holder, frame, role, signer, (step, mb, s))
         finally:
-            self.asked.difference_update(peers)
+            self.asked.difference_update(asked)
         return {mb: [t for role in roles for t in got[mb, role]] for mb, (roles, _, _) in wanted.items()}
 
     def _checked_evidence(
@@ -474,12 +473,14 @@ class SpotChecker:
         return shown[0], shown[1], program, False
 
 
-def _frame_of(inbound: Any, role: str) -> list[torch.Tensor]:
-    """The (head, payload) of ``role``'s frame in an ``Evidence`` answer ([] if it has none)."""
+def _shown(inbound: Any) -> dict[tuple[str, int], list[torch.Tensor]]:
+    """The (head, payload) of each frame in an ``Evidence`` answer, by (kind, micro-batch)
+    (none where its lists do not pair up with its values)."""
     msg, values = inbound.message, inbound.values()
-    kind = ROLES[role][0].KIND
-    i = msg.kinds.index(kind) if kind in msg.kinds and len(values) == 2 * len(msg.kinds) else -1
-    return values[2 * i : 2 * i + 2] if i >= 0 else []
+    mbs = msg.mbs or [msg.mb] * len(msg.kinds)
+    if len(mbs) != len(msg.kinds) or len(values) != 2 * len(msg.kinds):
+        return {}
+    return {(k, mb): values[2 * i : 2 * i + 2] for i, (k, mb) in enumerate(zip(msg.kinds, mbs, strict=True))}
 
 
 def _together(checks: list[Check], stages: list[list[str]]) -> list[tuple[int, list[tuple[int, bool]]]]:

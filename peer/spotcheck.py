@@ -59,9 +59,18 @@ def evidence_for(
             return Evidence(msg.run_id, msg.step, msg.mb, [], msg.epoch), []
         names = sorted(state)
         return Evidence(msg.run_id, msg.step, msg.mb, ["weights"], msg.epoch, names), [state[n] for n in names]
-    kinds = [k for k in msg.kinds if (k, msg.mb) in kept]
-    values = [t for k in kinds for t in as_evidence(kept[(k, msg.mb)])]
-    return Evidence(msg.run_id, msg.step, msg.mb, kinds, msg.epoch), values
+    shown = [key for key in _asked(msg) if key in kept]
+    values = [t for key in shown for t in as_evidence(kept[key])]
+    kinds, mbs = [k for k, _ in shown], [mb for _, mb in shown] if msg.mbs else []
+    return Evidence(msg.run_id, msg.step, msg.mb, kinds, msg.epoch, mbs=mbs), values
+
+
+def _asked(msg: Audit) -> list[tuple[str, int]]:
+    """The (kind, micro-batch) frames an ``Audit`` asks for, each once (none where its
+    ``mbs`` do not pair with its ``kinds``)."""
+    if not msg.mbs:
+        return list(dict.fromkeys((k, msg.mb) for k in msg.kinds))
+    return list(dict.fromkeys(zip(msg.kinds, msg.mbs, strict=True))) if len(msg.mbs) == len(msg.kinds) else []
 
 
 @dataclass

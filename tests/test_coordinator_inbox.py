@@ -995,7 +995,7 @@ class AnsweringTransport(FakeTransport):
         if isinstance(msg, Audit) and msg.kinds == ["weights"]:
             reply, vals = Evidence("r", msg.step, msg.mb, ["weights"], msg.epoch, ["w"]), [torch.zeros(2)]
         elif isinstance(msg, Audit):
-            reply = Evidence("r", msg.step, msg.mb, msg.kinds, msg.epoch)
+            reply = Evidence("r", msg.step, msg.mb, msg.kinds, msg.epoch, mbs=msg.mbs)
             vals = [torch.zeros(1, dtype=torch.uint8) for _ in range(2 * len(msg.kinds))]  # head and payload each
         elif isinstance(msg, Recheck):
             self.first = self.first or peer
@@ -1012,8 +1012,9 @@ class AnsweringTransport(FakeTransport):
 @pytest.mark.parametrize("drawn", [4, AUDIT_BOX_PER_PEER + 3])
 def test_a_lone_stages_drawn_micro_batches_are_asked_together(tmp_path: Path, drawn: int) -> None:
     """The evidence of the micro-batches drawn of a stage of one peer is asked in one
-    round (every Audit out before the first answer is read), and its checker gets the
-    first re-execution (with the weights) alone, then the others together before their
+    round, one Audit per holder for all its frames (each out before the first answer is
+    read: a draw of four took eight Audits and answers), and its checker gets the first
+    re-execution (with the weights) alone, then the others together before their
     verdicts are read: a draw of four took nine round trips one after another. Fewer
     than ``AUDIT_BOX_PER_PEER`` go at once, so that no peer's answers overflow the box."""
     driver = _driver(tmp_path, [["p0"], ["p1"], ["p2"]])
@@ -1030,8 +1031,10 @@ def test_a_lone_stages_drawn_micro_batches_are_asked_together(tmp_path: Path, dr
     checker.answer_of = answer_of  # type: ignore[method-assign]
     asyncio.run(checker.run(3, [(1, mb, False) for mb in range(drawn)], {}))
     first = min(drawn, AUDIT_BOX_PER_PEER - 1)  # a box's room for one late answer is kept
-    audits = 2 * first  # each micro-batch's input (of the suspect) and output (of the next stage)
+    audits = 2  # one per holder: the inputs (of the suspect) and the outputs (of the next stage)
     assert out[: audits + 1] == [("Evidence", audits)] * audits + [("Evidence", audits + 1)], "then the weights"
+    evidence = [m for _, m, _ in host.transport.sent if isinstance(m, Audit) and m.kinds != ["weights"]]
+    assert [m.mbs for m in evidence[:2]] == [list(range(first))] * 2
     assert out[audits + 1 : audits + first + 1] == [("Verdict", 1)] + [("Verdict", first)] * (first - 1)
     assert driver.st.spot_checks == drawn and not checker.queued.total()
     assert len([m for _, m, _ in host.transport.sent if isinstance(m, Recheck)]) == drawn
@@ -1058,7 +1061,7 @@ def test_a_dispute_in_a_lone_stages_draw_is_settled_before_a_later_check_is_wait
 def test_each_answer_of_a_batch_has_a_step_timeout_from_the_last_one_that_counted(tmp_path: Path) -> None:
     """Verdicts asked together: each may come a step timeout after the one before
     (as one after another), and an answer that does not count (a duplicate) does not
-    extend the wait. Evidence: a micro-batch's time starts once the one before is complete."""
+    extend the wait. Evidence: a holder's time starts once the one before has answered."""
 
     async def go() -> None:
         driver = _driver(tmp_path, [["p0"], ["p1"], ["p2"]])
@@ -1086,17 +1089,39 @@ def test_each_answer_of_a_batch_has_a_step_timeout_from_the_last_one_that_counte
             await asyncio.wait_for(reading, 5)
         assert got == [0, 1, 2]
 
-        audits = [Audit("r", 3, mb, ["act"], 0) for mb in (0, 1)]
-        host = _host(driver)
+        host = _host(driver)  # holders p1 (micro-batches 0 and 1) and p2 (micro-batch 2), asked at once
+        wanted = {mb: (["input"], {"input": "p0"}, {"input": "p2" if mb == 2 else "p1"}) for mb in (0, 1, 2)}
+        gathering = asyncio.ensure_future(checker._gather(3, 1, wanted, verify=False))
+        frame = [torch.zeros(1, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8)]
+        for holder, mbs in (("p1", [0, 1]), ("p2", [2])):
+            await clock.advance(0.9 * timeout)
+            answer = Evidence("r", 3, mbs[0], ["act"] * len(mbs), 0, mbs=mbs)
+            driver.take_answer(_Answer(sender=holder, message=answer, vals=frame * len(mbs)))  # type: ignore[arg-type]
+        assert set(await asyncio.wait_for(gathering, 5)) == {0, 1, 2}, "each holder a step timeout after the last"
+        audits = [m for _, m, _ in host.transport.sent if isinstance(m, Audit)]
+        assert [(m.mb, m.mbs, m.kinds) for m in audits] == [(0, [0, 1], ["act", "act"]), (2, [2], ["act"])]
+
+    asyncio.run(go())
+
+
+def test_a_holder_whose_answer_does_not_pair_its_frames_with_micro_batches_shows_none(tmp_path: Path) -> None:
+    """A holder asked for frames of two micro-batches at once answers with two frames and
+    one micro-batch: its answer cannot say which frame is whose, so it showed none, and it
+    is excluded as any holder that cannot show a frame."""
+
+    async def go() -> None:
+        driver = _driver(tmp_path, [["p0"], ["p1"], ["p2"]])
+        checker = driver.auditor.checker
+        _host(driver)
         wanted = {mb: (["input"], {"input": "p0"}, {"input": "p1"}) for mb in (0, 1)}
         gathering = asyncio.ensure_future(checker._gather(3, 1, wanted, verify=False))
-        for audit in audits:
-            await clock.advance(0.9 * timeout)
-            frame = [torch.zeros(1, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8)]
-            answer = Evidence("r", 3, audit.mb, ["act"], 0)
-            driver.take_answer(_Answer(sender="p1", message=answer, vals=frame))  # type: ignore[arg-type]
-        assert set(await asyncio.wait_for(gathering, 5)) == {0, 1}
-        assert [m.mb for _, m, _ in host.transport.sent if isinstance(m, Audit)] == [0, 1], "asked at once"
+        await asyncio.sleep(0)
+        frame = [torch.zeros(1, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8)]
+        answer = Evidence("r", 3, 0, ["act", "act"], 0, mbs=[0])
+        driver.take_answer(_Answer(sender="p1", message=answer, vals=frame * 2))  # type: ignore[arg-type]
+        with pytest.raises(PeerLost) as lost:
+            await asyncio.wait_for(gathering, 5)
+        assert list(lost.value.lost) == ["p1"] and "could not show the input frame" in lost.value.lost["p1"]
 
     asyncio.run(go())
 

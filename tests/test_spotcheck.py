@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from peer.executor import StageExecutor
-from peer.spotcheck import Rechecker
+from peer.spotcheck import Rechecker, evidence_for
 from protocol.model.graph import Cut, build_stage, operators, partition, trace
 from protocol.model.job import JobSpec, split_batch
 from protocol.model.recipe import Recipe
@@ -22,7 +22,7 @@ from protocol.wire.codecs import Codec
 from protocol.wire.encoding import Frame, encode_values
 from protocol.wire.envelope import Sealer
 from protocol.wire.gate import signed_frame
-from protocol.wire.messages import Activations, Gradients, Recheck, ReplicaGrads
+from protocol.wire.messages import Activations, Audit, Gradients, Recheck, ReplicaGrads
 
 RUN = "r"
 JOB = JobSpec(model_args="n_layer=2,n_embd=32,n_head=4", steps=1, micro_batches=2)
@@ -398,3 +398,21 @@ def test_a_stage_of_constants_alone_runs_where_its_constants_are() -> None:
     constants.register_buffer("mask", torch.ones(2, device="meta"))
     assert StageExecutor(constants, JOB.recipe(), False).device == torch.device("meta")
     assert StageExecutor(torch.nn.Module(), JOB.recipe(), False).device == torch.device("cpu")
+
+
+def test_an_audit_of_several_micro_batches_is_answered_with_each_frame_once_by_its_micro_batch() -> None:
+    """One Audit asks a holder for frames of several micro-batches (``mbs`` beside
+    ``kinds``): the answer carries each it holds once, named by kind and micro-batch;
+    an Audit whose lists do not pair up is answered with none, and one without ``mbs``
+    as before (every kind of ``mb``)."""
+    kept = {}
+    for mb in (0, 1, 3):
+        kept["act", mb] = _signed("coord", Activations(RUN, 2, mb, 1), [torch.full((2,), float(mb))])[1]
+    kept["grad", 1] = _signed("next", Gradients(RUN, 2, 1, 1), [torch.ones(2)])[1]
+    asked = Audit(RUN, 2, 0, ["act", "act", "grad", "act", "act"], 0, mbs=[0, 1, 1, 2, 0])
+    reply, values = evidence_for(asked, kept, None)
+    assert (reply.mb, reply.kinds, reply.mbs) == (0, ["act", "act", "grad"], [0, 1, 1]), "2 is not held; 0 once"
+    assert len(values) == 6 and bytes(values[2].numpy()) == kept["act", 1].head
+    assert evidence_for(Audit(RUN, 2, 0, ["act", "act"], 0, mbs=[0]), kept, None)[0].kinds == []
+    plain, values = evidence_for(Audit(RUN, 2, 1, ["act", "grad"], 0), kept, None)
+    assert (plain.kinds, plain.mbs, len(values)) == (["act", "grad"], [], 4)

@@ -16,8 +16,9 @@ from protocol.wire.schema import MessageError, field_checks, fields_of
 
 #: 2: ``Recheck.backward``. 3: ``Recheck.same_weights``. 4: DHT records under their signer's
 #: key (hex) as the subkey, adverts name their run. 5: an ``Assign`` names its neighbourhood
-#: only (``assign_shape``), a ``Recheck`` the keys of its signers. 6: ``reassign``, ``resend``.
-PROTOCOL_VERSION = 6
+#: only (``assign_shape``), a ``Recheck`` the keys of its signers. 6: ``reassign``, ``resend``. 7: ``mbs``
+#: on ``Audit`` and ``Evidence`` (a holder's frames of several micro-batches in one answer).
+PROTOCOL_VERSION = 7
 #: who may send a message in a frame (a class that names none is a DHT record)
 SENDERS = ("peer", "coordinator", "stage")
 
@@ -265,8 +266,7 @@ NOT_ADMITTED = "not admitted: "
 
 @dataclass(frozen=True)
 class Abort(Message, sender="coordinator", early=True):
-    """Coordinator -> peer: the run stopped (``reason``), or this peer is not admitted
-    (``NOT_ADMITTED`` and why)."""
+    """Coordinator -> peer: the run stopped (``reason``), or this peer is not admitted (``NOT_ADMITTED`` and why)."""
 
     KIND: ClassVar[str] = "abort"
     run_id: str
@@ -331,9 +331,9 @@ class Commit(Message, sender="coordinator"):
 
 @dataclass(frozen=True)
 class Audit(Message, sender="coordinator"):
-    """Coordinator -> peer, after its ``StepDone`` of ``step`` (before that step's ``Commit``,
-    or while the next step trains): send back the signed frames you received for micro-batch
-    ``mb`` of it (``kinds``: ``act``, ``grad``, ``rgrad``) as they came: a spot check's evidence."""
+    """Coordinator -> peer, after its ``StepDone`` of ``step`` (before its ``Commit``, or while the next step
+    trains): send back the signed frames you received of micro-batch ``mb`` (``kinds``: ``act``, ``grad``,
+    ``rgrad``; with ``mbs``: ``kinds[i]`` of micro-batch ``mbs[i]``) as they came: a spot check's evidence."""
 
     KIND: ClassVar[str] = "audit"
     run_id: str
@@ -341,12 +341,13 @@ class Audit(Message, sender="coordinator"):
     mb: int
     kinds: list[str]
     epoch: int = 0
+    mbs: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class Evidence(Message, sender="peer"):
-    """Peer -> coordinator: the frames an ``Audit`` asked for, each one's signed head and payload (two
-    uint8 tensors per kind, in ``kinds`` order); the kind ``weights``: the stage's, by ``names``."""
+    """Peer -> coordinator: the frames an ``Audit`` asked for, each one's signed head and payload (two uint8
+    tensors per kind, in ``kinds`` order; ``mbs``: their micro-batches); ``weights``: the stage's, by ``names``."""
 
     KIND: ClassVar[str] = "evidence"
     run_id: str
@@ -355,6 +356,7 @@ class Evidence(Message, sender="peer"):
     kinds: list[str]
     epoch: int = 0
     names: list[str] = field(default_factory=list)
+    mbs: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -403,8 +405,7 @@ class Verdict(Message, sender="peer"):
 
 @dataclass(frozen=True)
 class StageState(Message, sender="coordinator", early=True):
-    """Coordinator -> peer: the state (weights and optimizer, by name, in the frame) its
-    assigned stage starts the epoch from."""
+    """Coordinator -> peer: the state (weights and optimizer, by name, in the frame) its stage starts the epoch from."""
 
     KIND: ClassVar[str] = "stagestate"
     run_id: str
@@ -416,9 +417,8 @@ class StageState(Message, sender="coordinator", early=True):
 
 @dataclass(frozen=True)
 class StageProgram(Message, sender="coordinator", early=True):
-    """Coordinator -> peer: the program of ATen operators its assigned stage runs
-    (``protocol.model.program``; the graph and constants in the frame). Sent before the
-    stage's state whenever the peer builds the stage."""
+    """Coordinator -> peer: the program of ATen operators its assigned stage runs (``protocol.model.program``;
+    the graph and constants in the frame), sent before the stage's state whenever the peer builds the stage."""
 
     KIND: ClassVar[str] = "program"
     run_id: str
@@ -461,8 +461,8 @@ class Beat(Message, sender="peer"):
 
 @dataclass(frozen=True)
 class Evict(Message, sender="coordinator", early=True):
-    """Coordinator -> peer: you are not in the plan of ``epoch`` (you stalled, or your
-    frames were from an older epoch); drop your stage and wait as a fresh standby."""
+    """Coordinator -> peer: you are not in the plan of ``epoch`` (you stalled, or your frames were
+    from an older epoch); drop your stage and wait as a fresh standby."""
 
     KIND: ClassVar[str] = "evict"
     run_id: str
@@ -481,8 +481,8 @@ class Standby(Message, sender="coordinator", early=True):
 
 @dataclass(frozen=True)
 class EvalActivations(Activations):
-    """Forward values of validation micro-batch ``mb`` entering ``stage``, after the
-    update of ``step`` (values in the frame; no gradients follow)."""
+    """Forward values of validation micro-batch ``mb`` entering ``stage``, after the update of ``step``
+    (values in the frame; no gradients follow)."""
 
     KIND: ClassVar[str] = "evalact"
 
