@@ -15,11 +15,11 @@ import functools
 import logging
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
 
 import torch
 
 from coordinator.checkpoint import RunDir
+from coordinator.evidence_asks import Wanted, asks, frames_in
 from coordinator.host import Host
 from coordinator.messaging import Mailbox, get_within
 from coordinator.rulings import Shown, convicted, keep_evidence, own, same_weights, undecided
@@ -309,43 +309,44 @@ class SpotChecker:
             return None
         return list(msg.names), values
 
-    async def _gather(
-        self,
-        step: int,
-        s: int,
-        wanted: dict[int, tuple[list[str], dict[str, str], dict[str, str]]],
-        verify: bool = True,
-    ) -> dict[int, list[torch.Tensor]]:
+    async def _gather(self, step: int, s: int, wanted: Wanted, verify: bool = True) -> dict[int, list[torch.Tensor]]:
         """The signed frames of each micro-batch's roles (``wanted``: micro-batch ->
         roles, their signers, their holders), asked at once of the peers that received
-        them (each checked to be what its signer sent for that micro-batch, if ``verify``)."""
-        asked: dict[str, list[tuple[int, str]]] = {}  # holder -> the (micro-batch, role)s it shows
-        for mb, (roles, _, holders) in wanted.items():
-            for role in roles:
-                asked.setdefault(holders[role], []).append((mb, role))
+        them (each checked to be what its signer sent for that micro-batch, if ``verify``).
+        Each answer may come a step timeout after the last that counted, all of them within
+        one for each micro-batch."""
+        asked = asks(wanted, self._frames_per_answer())
+        holders = {holder for holder, _ in asked}
         got: dict[tuple[int, str], list[torch.Tensor]] = {}
-        self.asked.update(asked)
-        try:  # every holder asked at once, for all its frames: one round trip, one answer each
-            for holder, held in asked.items():
-                kinds, mbs = [ROLES[r][0].KIND for _, r in held], [mb for mb, _ in held]
-                await self.mailbox.send(holder, Audit(self.cfg.run_id, step, mbs[0], kinds, self.st.epoch, mbs))
+        self.asked.update(holders)
+        try:  # every holder asked at once, for all its frames: one round trip
+            for (holder, first), frames in asked.items():
+                kinds, mbs = [ROLES[r][0].KIND for _, r in frames], [mb for mb, _ in frames]
+                await self.mailbox.send(holder, Audit(self.cfg.run_id, step, first, kinds, self.st.epoch, mbs))
             pending, deadline = set(asked), self.deadline()
+            last = self.clock.now() + len(wanted) * self.cfg.step_timeout_s
             while pending:
-                inbound = await self.answer_of((Evidence,), set(pending), deadline)
-                holder = inbound.sender
-                if inbound.message.step != step or holder not in pending or inbound.message.mb != asked[holder][0][0]:
+                inbound = await self.answer_of((Evidence,), {holder for holder, _ in pending}, deadline)
+                key = (inbound.sender, inbound.message.mb)
+                if inbound.message.step != step or key not in pending:
                     continue
-                pending.discard(holder)
-                deadline = self.deadline()  # a holder's answer in: the next one's time
-                shown = _shown(inbound)
-                for mb, role in asked[holder]:
-                    got[mb, role] = frame = shown.get((ROLES[role][0].KIND, mb), [])
+                pending.discard(key)
+                deadline = min(self.deadline(), last)
+                frames_shown = frames_in(inbound)
+                for mb, role in asked[key]:
+                    got[mb, role] = frame = frames_shown.get((ROLES[role][0].KIND, mb), [])
                     if verify or not frame:
                         signer = wanted[mb][1][role]
-                        self._checked_evidence(holder, frame, role, signer, (step, mb, s))
+                        self._checked_evidence(key[0], frame, role, signer, (step, mb, s))
         finally:
-            self.asked.difference_update(asked)
+            self.asked.difference_update(holders)
         return {mb: [t for role in roles for t in got[mb, role]] for mb, (roles, _, _) in wanted.items()}
+
+    def _frames_per_answer(self) -> int:
+        """How many frames across the plan's boundaries one ``Evidence`` holds within the
+        payload cap of a peer's answer (``Stages.max_payload_bytes``)."""
+        assert self.st.plan is not None
+        return max(1, self.stages.max_payload_bytes // self.stages.frame_bytes(self.st.plan.cut))
 
     def _checked_evidence(
         self, holder: str, pair: list[torch.Tensor], role: str, signer: str, where: tuple[int, int, int]
@@ -471,16 +472,6 @@ class SpotChecker:
         assert self.st.plan is not None
         program = [] if built or not self.stages.as_programs else self.stages.programs(self.st.plan.cut)[s]
         return shown[0], shown[1], program, False
-
-
-def _shown(inbound: Any) -> dict[tuple[str, int], list[torch.Tensor]]:
-    """The (head, payload) of each frame in an ``Evidence`` answer, by (kind, micro-batch)
-    (none where its lists do not pair up with its values)."""
-    msg, values = inbound.message, inbound.values()
-    mbs = msg.mbs or [msg.mb] * len(msg.kinds)
-    if len(mbs) != len(msg.kinds) or len(values) != 2 * len(msg.kinds):
-        return {}
-    return {(k, mb): values[2 * i : 2 * i + 2] for i, (k, mb) in enumerate(zip(msg.kinds, mbs, strict=True))}
 
 
 def _together(checks: list[Check], stages: list[list[str]]) -> list[tuple[int, list[tuple[int, bool]]]]:

@@ -21,7 +21,9 @@ from protocol.model.job import JobSpec
 from protocol.model.program import ProgramError
 from protocol.model.program_export import export_stages
 from protocol.model.recipe import Recipe
-from protocol.wire.encoding import encode_values
+from protocol.trust.identity import SIGNATURE_BYTES
+from protocol.wire.encoding import MAX_HEADER_BYTES, encode_values
+from protocol.wire.envelope import HEAD
 from protocol.wire.expect import match_values
 from protocol.wire.reject import Rejected
 
@@ -59,6 +61,7 @@ class Stages:
         self.max_payload_bytes = max(3 * weights, 2 * activations) + (1 << 20)
         self._names: dict[tuple[int, ...], list[set[str]]] = {}
         self._programs: dict[tuple[int, ...], list[list[torch.Tensor]]] = {}
+        self._frame_bytes: dict[tuple[int, ...], int] = {}
         self._eval_set: list[tuple[torch.Tensor, ...]] | None = None
 
     @classmethod
@@ -91,6 +94,14 @@ class Stages:
             programs = export_stages(self.model, cut, self.example, self.recipe)
             self._programs[cut.boundaries] = [p.to_payload() for p in programs]
         return self._programs[cut.boundaries]
+
+    def frame_bytes(self, cut: Cut) -> int:
+        """The most a frame across a boundary of ``cut`` takes: its values (one micro-batch's,
+        forward or back) and a signed head at its largest (made once per cut)."""
+        if cut.boundaries not in self._frame_bytes:
+            values = max(self.dag.boundary_bytes(cut), default=0)
+            self._frame_bytes[cut.boundaries] = values + HEAD.size + MAX_HEADER_BYTES + SIGNATURE_BYTES
+        return self._frame_bytes[cut.boundaries]
 
     def restore_at(self, step: int) -> str:
         """How stages get the state of ``step``: the seeded initialisation at step 0, or

@@ -32,6 +32,7 @@ from coordinator.auditing import sample_checks
 from coordinator.checkpoint import RunDir
 from coordinator.config import CoordinatorConfig
 from coordinator.estimator import Plan
+from coordinator.evidence_asks import asks
 from coordinator.overheads import NONE
 from coordinator.pipeline import reported_seconds
 from coordinator.rebalancing import signature
@@ -1104,6 +1105,70 @@ def test_each_answer_of_a_batch_has_a_step_timeout_from_the_last_one_that_counte
     asyncio.run(go())
 
 
+def _evidence_of(holder: str, step: int, mbs: list[int]) -> _Answer:
+    """A holder's answer showing an ``act`` frame (stand-ins) of each of ``mbs``."""
+    frame = [torch.zeros(1, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8)]
+    return _Answer(
+        sender=holder, message=Evidence("r", step, mbs[0], ["act"] * len(mbs), 0, mbs=mbs), vals=frame * len(mbs)
+    )
+
+
+def test_evidence_answers_that_do_not_count_extend_no_wait_and_all_come_within_one_timeout_a_micro_batch(
+    tmp_path: Path,
+) -> None:
+    """A stale answer (another step's, or one naming another first micro-batch) is read
+    past and does not extend the wait; answers that count each give the next a step
+    timeout, but one micro-batch's evidence all comes within one (two holders of one
+    micro-batch answering 0.6 of a step timeout apart each: the second is too late)."""
+
+    async def go() -> None:
+        driver = _driver(tmp_path, [["p0"], ["p1"], ["p2"]])
+        checker, clock = driver.auditor.checker, _clock(driver)
+        timeout = checker.cfg.step_timeout_s
+        _host(driver)
+        wanted = {mb: (["input"], {"input": "p0"}, {"input": "p1"}) for mb in (0, 1)}
+        gathering = asyncio.ensure_future(checker._gather(3, 1, wanted, verify=False))
+        await clock.advance(0.6 * timeout)
+        driver.take_answer(_evidence_of("p1", 2, [0, 1]))  # the step before's
+        driver.take_answer(_evidence_of("p1", 3, [1]))  # names micro-batch 1 first
+        await clock.advance(0.5 * timeout)
+        with pytest.raises(PeerLost, match="no answer to a spot check"):
+            await asyncio.wait_for(gathering, 5)
+
+        both = {0: (["input", "output"], {"input": "p0", "output": "p1"}, {"input": "p1", "output": "p2"})}
+        gathering = asyncio.ensure_future(checker._gather(3, 1, both, verify=False))
+        for holder in ("p1", "p2"):
+            await clock.advance(0.6 * timeout)
+            driver.take_answer(_evidence_of(holder, 3, [0]))
+        with pytest.raises(PeerLost, match="no answer to a spot check"):
+            await asyncio.wait_for(gathering, 5)
+
+    asyncio.run(go())
+
+
+def test_a_holders_frames_are_asked_in_as_many_audits_as_the_payload_cap_needs(tmp_path: Path) -> None:
+    """Where one answer with all of a holder's frames would be over the payload cap a
+    peer's answer may take, its frames are asked in several Audits, each of whole
+    micro-batches and named by its first; each answer is matched to its own Audit."""
+
+    async def go() -> None:
+        driver = _driver(tmp_path, [["p0"], ["p1"], ["p2"]])
+        checker, host = driver.auditor.checker, _host(driver)
+        assert checker._frames_per_answer() > 8, "the test model's frames are small against the cap"
+        checker._frames_per_answer = lambda: 2  # type: ignore[method-assign]
+        wanted = {mb: (["input"], {"input": "p0"}, {"input": "p1"}) for mb in range(3)}
+        gathering = asyncio.ensure_future(checker._gather(3, 1, wanted, verify=False))
+        for _ in range(20):  # the Audits out
+            await asyncio.sleep(0)
+        audits = [m for _, m, _ in host.transport.sent if isinstance(m, Audit)]
+        assert [(m.mb, m.mbs) for m in audits] == [(0, [0, 1]), (2, [2])]
+        driver.take_answer(_evidence_of("p1", 3, [2]))
+        driver.take_answer(_evidence_of("p1", 3, [0, 1]))
+        assert set(await asyncio.wait_for(gathering, 5)) == {0, 1, 2}
+
+    asyncio.run(go())
+
+
 def test_a_holder_whose_answer_does_not_pair_its_frames_with_micro_batches_shows_none(tmp_path: Path) -> None:
     """A holder asked for frames of two micro-batches at once answers with two frames and
     one micro-batch: its answer cannot say which frame is whose, so it showed none, and it
@@ -1391,3 +1456,17 @@ def test_a_spot_check_notices_a_peer_that_stalled_while_it_waits(tmp_path: Path)
         assert clock.now() < driver.cfg.step_timeout_s
 
     asyncio.run(go())
+
+
+def test_a_holders_audits_split_between_micro_batches_never_inside_one() -> None:
+    """``asks``: a holder's frames in Audits of at most the frames that fit, each of
+    whole micro-batches (a micro-batch's two frames go together even where one fits),
+    keyed by holder and first micro-batch."""
+    roles, signers = ["input", "grad_out", "output"], {"input": "a", "grad_out": "c", "output": "b"}
+    holders = {"input": "b", "grad_out": "b", "output": "c"}
+    wanted = {mb: (roles, signers, holders) for mb in (0, 1, 2)}
+    out = asks(wanted, 3)
+    assert out[("b", 0)] == [(0, "input"), (0, "grad_out")] and out[("b", 1)] == [(1, "input"), (1, "grad_out")]
+    assert out[("c", 0)] == [(0, "output"), (1, "output"), (2, "output")] and len(out) == 4
+    assert list(asks(wanted, 1)) == [("b", 0), ("b", 1), ("b", 2), ("c", 0), ("c", 1), ("c", 2)]
+    assert list(asks(wanted, 100)) == [("b", 0), ("c", 0)]
