@@ -26,7 +26,7 @@ from protocol.trust.identity import Identity
 from protocol.wire.encoding import MAX_HEADER_BYTES
 from protocol.wire.envelope import Sealer
 from protocol.wire.gate import Gate
-from protocol.wire.messages import Assign, LinkPlan, Message
+from protocol.wire.messages import PROTOCOL_VERSION, Assign, LinkPlan, Message
 from protocol.wire.reject import Reject, Rejected
 from protocol.wire.schema import MessageError
 
@@ -162,7 +162,7 @@ def test_an_assignment_without_counts_or_of_version_4_is_refused() -> None:
     del header["sizes"]
     with pytest.raises(MessageError, match="assign lacks field 'sizes'"):
         Message.from_header(header)
-    with pytest.raises(MessageError, match="protocol version 4, this peer speaks 6"):
+    with pytest.raises(MessageError, match=f"protocol version 4, this peer speaks {PROTOCOL_VERSION}"):
         Message.from_header(_header(v=4))
     assert Message.from_header(_header()) == _assigns(_plan([2, 2, 2, 2]))[_id(3)]
 
