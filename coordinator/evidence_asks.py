@@ -16,7 +16,7 @@ Ask = list[tuple[int, str]]
 
 def asks(wanted: Wanted, per_answer: int) -> dict[tuple[str, int], Ask]:
     """Each holder's frames of ``wanted`` in Audits of at most ``per_answer`` frames
-    (at least one micro-batch's each, which the payload cap always holds), keyed by
+    (at least one micro-batch's each, as one answer held before them), keyed by
     (holder, the first micro-batch asked): what its answer names as its ``mb``."""
     held: dict[str, dict[int, list[str]]] = {}
     for mb, (roles, _, holders) in wanted.items():

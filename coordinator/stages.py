@@ -55,7 +55,9 @@ class Stages:
         self.init_state = model.state_dict() if as_programs and init_state is None else init_state
         self.param_order = [n for n, _ in model.named_parameters()]
         weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        activations = sum(op.out_bytes for op in dag.ops)  # all of one micro-batch's: what any boundary carries
+        #: one micro-batch of data: stage 0's input, which no operator of the DAG outputs
+        self.input_bytes = sum(t.numel() * t.element_size() for t in example if isinstance(t, torch.Tensor))
+        activations = sum(op.out_bytes for op in dag.ops) + self.input_bytes  # what any boundary carries, at most
         #: the most a peer's payload to the coordinator may take: a stage's state (weights, AdamW's two moments)
         #: or the evidence of poison (what one micro-batch carries across a boundary), with slack for the rest
         self.max_payload_bytes = max(3 * weights, 2 * activations) + (1 << 20)
@@ -96,11 +98,13 @@ class Stages:
         return self._programs[cut.boundaries]
 
     def frame_bytes(self, cut: Cut) -> int:
-        """The most a frame across a boundary of ``cut`` takes: its values (one micro-batch's,
-        forward or back) and a signed head at its largest (made once per cut)."""
+        """The most a frame into a stage of ``cut`` takes: its values (one micro-batch's
+        across a boundary, forward or back, or of data into stage 0), twice over for a
+        codec that sends more than the dense values, and a signed head at its largest
+        (made once per cut)."""
         if cut.boundaries not in self._frame_bytes:
-            values = max(self.dag.boundary_bytes(cut), default=0)
-            self._frame_bytes[cut.boundaries] = values + HEAD.size + MAX_HEADER_BYTES + SIGNATURE_BYTES
+            values = max(*self.dag.boundary_bytes(cut), self.input_bytes, 0)
+            self._frame_bytes[cut.boundaries] = 2 * values + HEAD.size + MAX_HEADER_BYTES + SIGNATURE_BYTES
         return self._frame_bytes[cut.boundaries]
 
     def restore_at(self, step: int) -> str:
